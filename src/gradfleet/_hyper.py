@@ -1,0 +1,99 @@
+"""Hyperparameter handling shared by every optimizer: validation and TF-style scalar casting.
+
+TensorFlow turns a Python-float hyperparameter into a float32 tensor and then casts it to the
+variable's dtype, so a float64 variable sees ``float64(float32(0.9))``, and derived constants
+such as ``1 - beta1`` are formed in the variable's dtype.  :func:`scalar` reproduces that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Hyper = float | torch.Tensor | Callable[[], Any]
+
+
+def resolve(value: Any) -> Any:
+    """Call a no-argument callable hyperparameter, as TF's ``_call_if_callable`` does."""
+    return value() if callable(value) else value
+
+
+def as_float(value: Any) -> float:
+    """A hyperparameter value as a Python float (for validation)."""
+    value = resolve(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"hyperparameter tensors must hold one value, got shape {tuple(value.shape)}")
+        return float(value.detach().reshape(()).item())
+    return float(value)
+
+
+def scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor of ``dtype`` on ``device`` holding ``value`` the way TF's kernels see it.
+
+    Python numbers go through float32 first (TF's ``convert_to_tensor``); a floating tensor
+    keeps its own precision before the cast to ``dtype``.
+    """
+    value = resolve(value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        t = value.detach().reshape(())
+    else:
+        t = torch.tensor(float(value), dtype=torch.float32)
+    return t.to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Range:
+    """An allowed interval for a hyperparameter; ``None`` bounds are open-ended."""
+
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+
+    def contains(self, x: float) -> bool:
+        if math.isnan(x):
+            return False
+        if self.low is not None and (x < self.low or (x == self.low and not self.low_inclusive)):
+            return False
+        if self.high is not None and (x > self.high or (x == self.high and not self.high_inclusive)):
+            return False
+        return True
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            lb = "[" if self.low_inclusive else "("
+            hb = "]" if self.high_inclusive else ")"
+            return f"in {lb}{self.low:g}, {self.high:g}{hb}"
+        if self.low is not None:
+            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+        if self.high is not None:
+            return f"{'<=' if self.high_inclusive else '<'} {self.high:g}"
+        return "a finite number"
+
+
+NON_NEGATIVE = Range(0.0)
+POSITIVE = Range(0.0, low_inclusive=False)
+NON_POSITIVE = Range(None, 0.0)
+UNIT = Range(0.0, 1.0)
+UNIT_OPEN_RIGHT = Range(0.0, 1.0, high_inclusive=False)
+FINITE = Range()
+
+
+def check(owner: str, name: str, value: Any, allowed: Range) -> None:
+    """Raise ``ValueError`` naming ``owner.name`` unless ``value`` is finite and in ``allowed``.
+
+    Callables are checked when they are evaluated (each step), not at construction.
+    """
+    if callable(value):
+        return
+    try:
+        x = as_float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{owner}: {name} must be a number, got {value!r}") from exc
+    if math.isinf(x) or not allowed.contains(x):
+        raise ValueError(f"{owner}: {name} must be {allowed.describe()}, got {x!r}")

@@ -1,0 +1,408 @@
+"""The base class of every gradfleet optimizer: a ``torch.optim.Optimizer`` with TF1's API.
+
+A subclass describes one algorithm declaratively and writes its maths once:
+
+* ``hyperparameters``: group keys that are floats in TF (cast like TF, see ``_hyper.scalar``)
+  mapped to their allowed range; ``"lr"`` holds TF's ``learning_rate``;
+* ``slots``: slot name -> initial fill value (slots are created lazily, in the parameter's
+  dtype, the first time the parameter gets a gradient, as TF's ``_create_slots`` does);
+* ``sparse``: how a torch sparse COO gradient (row-sparse, as ``nn.Embedding(sparse=True)``
+  makes) reaches ``_apply_sparse``: ``"sum_duplicates"`` (TF's default ``tf.unique`` +
+  ``unsorted_segment_sum``), ``"raw"`` (duplicates kept; RETURNN's custom family and
+  GradientDescent), or ``None`` (sparse gradients are rejected);
+* ``_apply_dense(p, g, slots, hp, shared)`` and ``_apply_sparse(p, idx, values, slots, hp,
+  shared)``: the per-parameter update, in place; ``hp`` holds 0-dim tensors in ``p``'s dtype;
+* ``_init_shared(group)`` / ``_finish(group, shared)``: non-slot state (Adam's beta powers),
+  kept per parameter group in ``group["non_slot"]`` and advanced once per step after all
+  parameters, whenever any parameter of the optimizer had a gradient (TF's ``_finish``).
+
+Each step validates every gradient before changing anything, so bad input leaves parameters,
+slots and counters untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from gradfleet import _hyper
+from gradfleet._hyper import Range
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_OPTIONS = ("foreach", "fused", "check_finite")
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Base class: torch's Optimizer plus TF1's ``compute_gradients``/``apply_gradients``/
+    ``minimize``/``get_slot`` API.  See the module docstring for how to write a subclass.
+
+    Options every subclass accepts as keyword arguments (torch-side, not in TF):
+
+    * ``foreach`` / ``fused``: implementation switch, same meaning as in ``torch.optim``.
+    * ``check_finite``: if True, a step whose gradients hold NaN or Inf raises
+      ``FloatingPointError`` naming the parameter and changes nothing.  The default (False)
+      is TensorFlow's behaviour: non-finite values flow into parameters and slots.
+    """
+
+    hyperparameters: ClassVar[dict[str, Range]] = {"lr": _hyper.NON_NEGATIVE}
+    slots: ClassVar[dict[str, float]] = {}
+    sparse: ClassVar[str | None] = "sum_duplicates"
+    #: Option keys (bools/ints) that live in the param group but are not cast like floats.
+    flags: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        name: str,
+        use_locking: bool = False,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword argument(s) {unknown}; "
+                f"torch-side options are {list(_OPTIONS)}"
+            )
+        if not name:
+            raise ValueError(f"{type(self).__name__}: Must specify the optimizer name")
+        self._name = name
+        self.use_locking = use_locking  # accepted for TF compatibility; torch needs no locks
+        self.check_finite = bool(options.get("check_finite", False))
+        defaults = dict(defaults, foreach=options.get("foreach"), fused=options.get("fused"))
+        for key, allowed in self.hyperparameters.items():
+            _hyper.check(type(self).__name__, _tf_name(key), defaults[key], allowed)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "learning_rate" in param_group:  # TF's name for lr is accepted in groups too
+            param_group = dict(param_group)
+            param_group["lr"] = param_group.pop("learning_rate")
+        owner = type(self).__name__
+        for key, allowed in self.hyperparameters.items():
+            if key in param_group:
+                _hyper.check(owner, _tf_name(key), param_group[key], allowed)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{owner}: parameters must be float16, bfloat16, float32 or float64, "
+                    f"got {p.dtype}"
+                )
+        group["non_slot"] = self._init_shared(group)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _init_shared(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _finish(self, group: dict[str, Any], shared: dict[str, torch.Tensor], hp_for) -> None:
+        pass
+
+    def _apply_dense(self, p, g, slots, hp, shared) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply_dense")
+
+    def _apply_sparse(self, p, idx, values, slots, hp, shared) -> None:  # pragma: no cover
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply_sparse")
+
+    def _update_group(self, group, params, grads, hp_for) -> None:
+        """Apply one step to the parameters of one group: the per-parameter reference loop.
+
+        ``hp_for(dtype, device)`` returns the group's hyperparameters as 0-dim tensors.
+        Fast paths (``gradfleet.kernels``) replace this loop for dense gradients.
+        """
+        shared = group["non_slot"]
+        for p, g in zip(params, grads):
+            slots = self._slots_for(p)
+            if g.is_sparse:
+                idx, values = sparse_rows(g, self.sparse == "sum_duplicates")
+                self._apply_sparse(p, idx, values, slots, hp_for(p.dtype, p.device), shared)
+            else:
+                self._apply_dense(p, g, slots, hp_for(p.dtype, p.device), shared)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update from ``p.grad`` of every parameter that has one (torch convention)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = {
+            p: p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
+        }
+        self._apply(grads)
+        return loss
+
+    def _apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        if not grads:
+            return
+        for p, g in grads.items():
+            self._validate_gradient(p, g)
+        if self.check_finite:
+            for p, g in grads.items():
+                values = g._values() if g.is_sparse else g
+                if not bool(torch.isfinite(values).all()):
+                    raise FloatingPointError(
+                        f"{type(self).__name__}: non-finite gradient for parameter of shape "
+                        f"{tuple(p.shape)}; no parameter was changed (check_finite=True)"
+                    )
+        # Evaluate and validate every group's hyperparameters before touching anything.
+        resolvers = [self._hyper_resolver(group) for group in self.param_groups]
+        for group, hp_for in zip(self.param_groups, resolvers):
+            params = [p for p in group["params"] if p in grads]
+            if params:
+                self._update_group(group, params, [grads[p] for p in params], hp_for)
+        for group, hp_for in zip(self.param_groups, resolvers):
+            if group["non_slot"]:
+                self._finish(group, group["non_slot"], hp_for)
+
+    def _hyper_resolver(self, group: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+        owner = type(self).__name__
+        values = {}
+        for key, allowed in self.hyperparameters.items():
+            value = _hyper.resolve(group[key])
+            _hyper.check(owner, _tf_name(key), value, allowed)
+            values[key] = value
+        cache: dict[tuple[torch.dtype, torch.device], dict[str, Any]] = {}
+
+        def hp_for(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+            key = (dtype, device)
+            if key not in cache:
+                hp = {k: _hyper.scalar(v, dtype, device) for k, v in values.items()}
+                hp.update({k: group[k] for k in self.flags})
+                cache[key] = hp
+            return cache[key]
+
+        return hp_for
+
+    def _slots_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        for name, fill in self.slots.items():
+            if name not in state:
+                state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
+        return state
+
+    def _validate_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        owner = type(self).__name__
+        if g.is_sparse:
+            if self.sparse is None:
+                raise TypeError(
+                    f"{owner} does not support sparse gradients; use a dense gradient "
+                    f"(e.g. nn.Embedding(sparse=False)) or an optimizer with a sparse rule "
+                    f"such as AdamOptimizer or AdagradOptimizer"
+                )
+            if g.sparse_dim() != 1 or p.dim() < 1 or tuple(g.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{owner}: sparse gradient of shape {tuple(g.shape)} (sparse_dim "
+                    f"{g.sparse_dim()}) does not fit parameter of shape {tuple(p.shape)}; "
+                    f"row-sparse gradients with sparse_dim 1 are supported"
+                )
+            idx = g._indices()
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= p.shape[0]):
+                bad = idx[(idx < 0) | (idx >= p.shape[0])][0]
+                raise IndexError(
+                    f"{owner}: sparse gradient index {int(bad)} is out of range [0, {p.shape[0]})"
+                )
+        elif g.shape != p.shape:
+            raise ValueError(
+                f"{owner}: gradient of shape {tuple(g.shape)} does not match parameter of "
+                f"shape {tuple(p.shape)}"
+            )
+        if g.dtype != p.dtype or g.device != p.device:
+            raise TypeError(
+                f"{owner}: gradient ({g.dtype}, {g.device}) must match its parameter "
+                f"({p.dtype}, {p.device})"
+            )
+
+    # ------------------------------------------------------------------ TF1 API
+    def get_name(self) -> str:
+        """The optimizer's name (TF's ``name`` argument)."""
+        return self._name
+
+    def get_slot_names(self) -> list[str]:
+        """The slot names this optimizer creates, sorted (as TF returns them)."""
+        return sorted(self.slots)
+
+    def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The slot ``name`` of parameter ``var``, or None if it has not been created."""
+        return self.state[var].get(name) if var in self.state else None
+
+    def variables(self) -> list[torch.Tensor]:
+        """Every tensor of optimizer state: slots, then per-group non-slot state."""
+        out = [
+            self.state[p][n]
+            for group in self.param_groups
+            for p in group["params"]
+            if p in self.state
+            for n in sorted(self.slots)
+            if n in self.state[p]
+        ]
+        for group in self.param_groups:
+            out.extend(group["non_slot"].values())
+        return out
+
+    def compute_gradients(
+        self, loss: torch.Tensor | Callable[[], torch.Tensor], var_list: Iterable | None = None
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """``[(gradient, parameter), ...]`` of ``loss`` (a tensor or no-argument callable).
+
+        ``var_list`` defaults to every parameter of this optimizer; gradients are None for
+        parameters that do not influence the loss.  ``.grad`` attributes are not touched.
+        """
+        params = list(var_list) if var_list is not None else self._all_params()
+        if not params:
+            raise ValueError("No variables to optimize.")
+        if callable(loss):
+            with torch.enable_grad():
+                loss = loss()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return list(zip(grads, params))
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]],
+        global_step: torch.Tensor | None = None,
+    ) -> None:
+        """Apply ``(gradient, parameter)`` pairs; then ``global_step += 1`` if given.
+
+        Parameters whose gradient is None are left alone (their slots do not decay).
+        """
+        pairs = list(grads_and_vars)
+        if not pairs:
+            raise ValueError("No variables provided.")
+        _check_global_step(global_step)
+        known = {p for p in self._all_params()}
+        grads = {}
+        for g, p in pairs:
+            if p not in known:
+                raise ValueError(
+                    f"{type(self).__name__}.apply_gradients: parameter of shape "
+                    f"{tuple(p.shape)} is not in this optimizer's param_groups"
+                )
+            if g is not None:
+                grads[p] = g
+        if not grads:
+            raise ValueError(
+                f"No gradients provided for any variable: {[tuple(p.shape) for _, p in pairs]}"
+            )
+        with torch.no_grad():
+            self._apply(grads)
+            if global_step is not None:
+                global_step += 1
+
+    def minimize(
+        self,
+        loss: torch.Tensor | Callable[[], torch.Tensor],
+        global_step: torch.Tensor | None = None,
+        var_list: Iterable | None = None,
+    ) -> None:
+        """``compute_gradients`` then ``apply_gradients`` (TF's ``minimize``)."""
+        _check_global_step(global_step)
+        self.apply_gradients(self.compute_gradients(loss, var_list), global_step)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["gradfleet"] = {
+            "optimizer": type(self).__name__,
+            "param_shapes": [[list(p.shape) for p in g["params"]] for g in self.param_groups],
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by the same optimizer class for the same parameter list.
+
+        Refuses (``ValueError``, nothing changed) a state dict from another optimizer class
+        or a parameter list of different shapes, instead of loading it by position.
+        """
+        owner = type(self).__name__
+        meta = state_dict.get("gradfleet")
+        if meta is None:
+            raise ValueError(
+                f"{owner}.load_state_dict: not a gradfleet state dict (no 'gradfleet' entry); "
+                f"it was probably saved by another optimizer"
+            )
+        if meta["optimizer"] != owner:
+            raise ValueError(
+                f"{owner}.load_state_dict: state dict was saved by {meta['optimizer']}"
+            )
+        mine = [[list(p.shape) for p in g["params"]] for g in self.param_groups]
+        if [list(map(list, g)) for g in meta["param_shapes"]] != mine:
+            raise ValueError(
+                f"{owner}.load_state_dict: saved parameter shapes {meta['param_shapes']} do "
+                f"not match this optimizer's {mine}"
+            )
+        for key, entry in state_dict["state"].items():
+            if not isinstance(key, int):
+                continue
+            gi, pi = _locate(meta["param_shapes"], key)
+            for slot, t in entry.items():
+                if isinstance(t, torch.Tensor) and t.dim() and list(t.shape) != mine[gi][pi]:
+                    raise ValueError(
+                        f"{owner}.load_state_dict: slot {slot!r} of parameter {key} has shape "
+                        f"{list(t.shape)}, expected {mine[gi][pi]}"
+                    )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
+        for group in self.param_groups:
+            device = group["params"][0].device if group["params"] else None
+            group["non_slot"] = {k: v.to(device) for k, v in group["non_slot"].items()}
+
+
+class RowwiseOptimizer(Optimizer):
+    """Base for rules whose sparse form is the dense maths applied to the listed rows only.
+
+    A subclass writes ``_rule(w, slots, g, hp, shared, sparse)`` returning the new ``w`` and
+    a dict of new slot values, from the rows ``w``/``slots``/``g`` (whole tensors when dense,
+    gathered rows when sparse; ``sparse`` lets a rule use TF's sparse-kernel expression form).
+    Untouched rows keep their parameter and slot values, as in TF's Sparse* kernels.
+    """
+
+    def _rule(self, w, slots, g, hp, shared, sparse):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _apply_dense(self, p, g, slots, hp, shared):
+        w, new_slots = self._rule(p, slots, g, hp, shared, False)
+        for name, value in new_slots.items():
+            slots[name].copy_(value)
+        p.copy_(w)
+
+    def _apply_sparse(self, p, idx, values, slots, hp, shared):
+        rows = {name: s[idx] for name, s in slots.items()}
+        w, new_rows = self._rule(p[idx], rows, values, hp, shared, True)
+        for name, value in new_rows.items():
+            slots[name].index_copy_(0, idx, value)
+        p.index_copy_(0, idx, w)
+
+
+def sparse_rows(g: torch.Tensor, sum_duplicates: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row indices, row values) of a row-sparse COO gradient, duplicates summed if asked."""
+    if sum_duplicates:
+        g = g.coalesce()
+    return g._indices()[0], g._values()
+
+
+def _tf_name(key: str) -> str:
+    return "learning_rate" if key == "lr" else key
+
+
+def _check_global_step(global_step: torch.Tensor | None) -> None:
+    if global_step is None:
+        return
+    if not isinstance(global_step, torch.Tensor) or global_step.dtype != torch.int64 or global_step.dim():
+        raise TypeError("global_step must be a 0-dim torch.int64 tensor")
+
+
+def _locate(shapes: list[list[Any]], flat_index: int) -> tuple[int, int]:
+    rest = flat_index
+    for gi, group in enumerate(shapes):
+        if 0 <= rest < len(group):
+            return gi, rest
+        rest -= len(group)
+    raise ValueError(f"state dict holds state for parameter {flat_index} beyond the parameter list")
