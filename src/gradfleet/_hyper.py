@@ -27,7 +27,9 @@ def as_float(value: Any) -> float:
     value = resolve(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"hyperparameter tensors must hold one value, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"hyperparameter tensors must hold one value, got shape {tuple(value.shape)}"
+            )
         return float(value.detach().reshape(()).item())
     return float(value)
 
@@ -60,7 +62,9 @@ class Range:
             return False
         if self.low is not None and (x < self.low or (x == self.low and not self.low_inclusive)):
             return False
-        if self.high is not None and (x > self.high or (x == self.high and not self.high_inclusive)):
+        if self.high is not None and (
+            x > self.high or (x == self.high and not self.high_inclusive)
+        ):
             return False
         return True
 

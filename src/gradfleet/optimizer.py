@@ -6,6 +6,8 @@ A subclass describes one algorithm declaratively and writes its maths once:
   mapped to their allowed range; ``"lr"`` holds TF's ``learning_rate``;
 * ``slots``: slot name -> initial fill value (slots are created lazily, in the parameter's
   dtype, the first time the parameter gets a gradient, as TF's ``_create_slots`` does);
+  override ``_slot_fills(group)`` when the set or the fills depend on the group's options
+  (Adagrad's ``initial_accumulator_value``, centered RMSProp's ``mg``);
 * ``sparse``: how a torch sparse COO gradient (row-sparse, as ``nn.Embedding(sparse=True)``
   makes) reaches ``_apply_sparse``: ``"sum_duplicates"`` (TF's default ``tf.unique`` +
   ``unsorted_segment_sum``), ``"raw"`` (duplicates kept; RETURNN's custom family and
@@ -99,6 +101,10 @@ class Optimizer(torch.optim.Optimizer):
     def _init_shared(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {}
 
+    def _slot_fills(self, group: dict[str, Any]) -> dict[str, float]:
+        """Slot name -> initial fill for the parameters of ``group``."""
+        return self.slots
+
     def _finish(self, group: dict[str, Any], shared: dict[str, torch.Tensor], hp_for) -> None:
         pass
 
@@ -116,7 +122,7 @@ class Optimizer(torch.optim.Optimizer):
         """
         shared = group["non_slot"]
         for p, g in zip(params, grads):
-            slots = self._slots_for(p)
+            slots = self._slots_for(p, group)
             if g.is_sparse:
                 idx, values = sparse_rows(g, self.sparse == "sum_duplicates")
                 self._apply_sparse(p, idx, values, slots, hp_for(p.dtype, p.device), shared)
@@ -179,9 +185,9 @@ class Optimizer(torch.optim.Optimizer):
 
         return hp_for
 
-    def _slots_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _slots_for(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         state = self.state[p]
-        for name, fill in self.slots.items():
+        for name, fill in self._slot_fills(group).items():
             if name not in state:
                 state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
         return state
@@ -225,7 +231,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def get_slot_names(self) -> list[str]:
         """The slot names this optimizer creates, sorted (as TF returns them)."""
-        return sorted(self.slots)
+        return sorted({name for group in self.param_groups for name in self._slot_fills(group)})
 
     def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
         """The slot ``name`` of parameter ``var``, or None if it has not been created."""
@@ -238,7 +244,7 @@ class Optimizer(torch.optim.Optimizer):
             for group in self.param_groups
             for p in group["params"]
             if p in self.state
-            for n in sorted(self.slots)
+            for n in sorted(self._slot_fills(group))
             if n in self.state[p]
         ]
         for group in self.param_groups:
@@ -395,7 +401,11 @@ def _tf_name(key: str) -> str:
 def _check_global_step(global_step: torch.Tensor | None) -> None:
     if global_step is None:
         return
-    if not isinstance(global_step, torch.Tensor) or global_step.dtype != torch.int64 or global_step.dim():
+    if (
+        not isinstance(global_step, torch.Tensor)
+        or global_step.dtype != torch.int64
+        or global_step.dim()
+    ):
         raise TypeError("global_step must be a 0-dim torch.int64 tensor")
 
 

@@ -71,7 +71,11 @@ def test_matches_reference(spec: Spec, config: dict, dtype: str, mode: str):
     init = [rng.standard_normal(s).astype(dtype) for s in SHAPES]
     params = [torch.nn.Parameter(torch.from_numpy(x.copy())) for x in init]
     opt = spec.build(params, dict(config))
-    ref = spec.reference(dict(config), [x.copy() for x in init], ["dense" if mode == "dense" else "sparse"] * len(SHAPES))
+    ref = spec.reference(
+        dict(config),
+        [x.copy() for x in init],
+        ["dense" if mode == "dense" else "sparse"] * len(SHAPES),
+    )
     rtol, atol = spec.tolerance.get(dtype, TOLERANCE[dtype])
     try:
         for step in range(STEPS):
