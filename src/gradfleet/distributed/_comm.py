@@ -1,0 +1,136 @@
+"""Collective helpers over ``torch.distributed`` used by the wrappers.
+
+Every wrapper talks to its peers through a :class:`Collective`: a thin object that knows the
+process group, its rank and size, and offers in-place ``all_reduce_sum_`` / ``broadcast_`` over a
+*list* of tensors. Lists are flattened into one buffer per (device, dtype) so a round costs one
+collective per buffer instead of one per parameter. With ``num_worker == 1`` and no process group
+the :class:`LocalCollective` makes every operation a no-op, so the wrappers work unchanged in a
+plain single-process script.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective", "LocalCollective", "TorchCollective", "resolve_collective"]
+
+
+class Collective:
+    """Interface: in-place collectives on lists of tensors."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        raise NotImplementedError
+
+    def all_reduce_max_int(self, values: Sequence[int]) -> list[int]:
+        raise NotImplementedError
+
+    def all_reduce_mean_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``t := (sum over ranks of t) / world_size`` for every tensor."""
+        self.all_reduce_sum_(tensors)
+        if self.world_size > 1:
+            for t in tensors:
+                t.div_(self.world_size)
+
+
+class LocalCollective(Collective):
+    """The world of one process: sums and broadcasts leave tensors unchanged."""
+
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        return None
+
+    def all_reduce_max_int(self, values: Sequence[int]) -> list[int]:
+        return list(values)
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in ts])
+
+
+def _unflat_(flat: torch.Tensor, ts: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in ts:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+class TorchCollective(Collective):
+    """Collectives on a ``torch.distributed`` process group (``None`` = the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        for ts in _buckets(tensors).values():
+            flat = _flat(ts)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            _unflat_(flat, ts)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        for ts in _buckets(tensors).values():
+            flat = _flat(ts)
+            dist.broadcast(flat, src=self._global_rank(src), group=self.group)
+            _unflat_(flat, ts)
+
+    def all_reduce_max_int(self, values: Sequence[int]) -> list[int]:
+        device = _collective_device(self.group)
+        buf = torch.tensor(list(values), dtype=torch.int64, device=device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in buf.tolist()]
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL can only reduce CUDA tensors; gloo reduces CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_collective(
+    num_worker: int, process_group: dist.ProcessGroup | None, owner: str
+) -> Collective:
+    """Return the collective for ``num_worker`` workers, checking it matches the group size.
+
+    ``num_worker == 1`` without an initialised process group gives a :class:`LocalCollective`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if num_worker == 1 and process_group is None:
+            return LocalCollective()
+        raise RuntimeError(
+            f"{owner}: num_worker={num_worker} needs torch.distributed; call "
+            "gradfleet.distributed.init() (or torch.distributed.init_process_group) first"
+        )
+    coll = TorchCollective(process_group)
+    if coll.world_size != num_worker:
+        raise ValueError(
+            f"{owner}: num_worker={num_worker} must equal the process group's world size "
+            f"({coll.world_size})"
+        )
+    return coll

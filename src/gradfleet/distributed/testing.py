@@ -1,0 +1,276 @@
+"""Run a function in N spawned ranks with a gloo group, never hanging (for tests).
+
+``run_ranks(fn, world_size)`` spawns ``world_size`` processes (``spawn`` start method), gives each
+a process group on a per-run ``FileStore`` (no TCP port; ``rendezvous="env"`` instead picks one
+free loopback port in the parent and exports torchrun's variables, for code that calls
+``gradfleet.distributed.init()``), calls ``fn(ctx, *args)`` and returns every rank's result.
+
+It cannot hang: the group's collective timeout is ``pg_timeout`` seconds; when a rank fails the
+others get ``grace`` seconds to finish or fail; at ``timeout`` every live rank dumps its Python
+stacks (``faulthandler`` on SIGUSR1) and is killed. Failures raise :class:`MultiProcessError`
+with every rank's traceback or stack dump. ``kill_on={rank: "name"}`` SIGKILLs a rank as soon as
+it calls ``ctx.signal("name")``; ``kill_after={rank: seconds}`` kills it after a delay. Killed ranks
+report a :class:`RankKilled` result instead of failing the run.
+
+``fn`` must be importable by module path (a module-level function), because of ``spawn``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankContext", "RankKilled", "MultiProcessError", "run_ranks", "free_port"]
+
+ERROR_EXIT = 10
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank function receives: its rank, the world size and a scratch directory."""
+
+    rank: int
+    world_size: int
+    workdir: str
+
+    def signal(self, name: str) -> None:
+        """Tell the parent this rank reached ``name`` (see ``kill_on``)."""
+        Path(self.workdir, f"signal-{self.rank}-{name}").touch()
+
+    def wait_signal(self, rank: int, name: str, timeout: float = 10.0) -> None:
+        """Block until ``rank`` called ``signal(name)`` (simple cross-rank ordering in tests)."""
+        path = Path(self.workdir, f"signal-{rank}-{name}")
+        end = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > end:
+                raise TimeoutError(f"rank {self.rank}: no signal {name!r} from rank {rank}")
+            time.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class RankKilled:
+    """Result of a rank the harness killed on request."""
+
+    rank: int
+
+
+@dataclass
+class _Config:
+    backend: str
+    pg_timeout: float
+    init_process_group: bool
+    rendezvous: str
+    port: int
+    deadline_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class MultiProcessError(AssertionError):
+    """A rank failed or the run hit its deadline; ``reports`` holds every rank's story."""
+
+    def __init__(self, summary: str, reports: dict[int, str]) -> None:
+        self.reports = reports
+        parts = [summary] + [f"--- rank {r} ---\n{text}" for r, text in sorted(reports.items())]
+        super().__init__("\n".join(parts))
+
+
+def free_port() -> int:
+    """One free loopback port, chosen once in the parent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, cfg: _Config):
+    os.environ.update(cfg.env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(cfg.port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    stacks = open(Path(workdir, f"stacks-{rank}.txt"), "w")  # open until os._exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # Second line of defence if the parent itself dies: dump and exit on our own.
+    faulthandler.dump_traceback_later(cfg.deadline_s + 10, exit=True, file=stacks)
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if cfg.init_process_group:
+            store = dist.FileStore(str(Path(workdir, "store")), world_size)
+            dist.init_process_group(
+                cfg.backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=cfg.pg_timeout),
+            )
+        result = fn(RankContext(rank, world_size, workdir), *args)
+        _write(Path(workdir, f"result-{rank}.pkl"), ("ok", result))
+    except BaseException:
+        _write(Path(workdir, f"result-{rank}.pkl"), ("error", traceback.format_exc()))
+        code = ERROR_EXIT
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip atexit handlers that could block on a dead peer
+
+
+def _write(path: Path, payload: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        data = pickle.dumps(payload)
+    except Exception as exc:  # unpicklable result: report instead of dying silently
+        data = pickle.dumps(("error", f"result of rank is not picklable: {exc!r}"))
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
+def _read(path: Path) -> tuple[str, Any] | None:
+    if not path.exists():
+        return None
+    return pickle.loads(path.read_bytes())
+
+
+def _dump_and_kill(procs: list, workdir: str) -> None:
+    live = [p for p in procs if p.exitcode is None]
+    for p in live:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if live:
+        time.sleep(0.5)
+    for p in live:
+        p.kill()
+    for p in procs:
+        p.join(5)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple = (),
+    timeout: float = 60.0,
+    pg_timeout: float = 10.0,
+    grace: float = 3.0,
+    backend: str = "gloo",
+    init_process_group: bool = True,
+    rendezvous: str = "file",
+    kill_on: dict[int, str] | None = None,
+    kill_after: dict[int, float] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return the per-rank results."""
+    if world_size < 1:
+        raise ValueError(f"run_ranks: world_size must be >= 1, got {world_size}")
+    if rendezvous not in ("file", "env"):
+        raise ValueError(f"run_ranks: rendezvous must be 'file' or 'env', got {rendezvous!r}")
+    workdir = tempfile.mkdtemp(prefix="gradfleet-ranks-")
+    cfg = _Config(
+        backend=backend,
+        pg_timeout=pg_timeout,
+        init_process_group=init_process_group and rendezvous == "file",
+        rendezvous=rendezvous,
+        port=free_port(),
+        deadline_s=timeout,
+        env=dict(env or {}),
+    )
+    spawn = mp.get_context("spawn")
+    procs = [
+        spawn.Process(target=_child, args=(r, world_size, fn, args, workdir, cfg), daemon=True)
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        status = _supervise(procs, workdir, timeout, grace, kill_on or {}, kill_after or {})
+        return _collect(procs, workdir, status)
+    finally:
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                p.kill()
+                p.join(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(procs, workdir, timeout, grace, kill_on, kill_after) -> dict:
+    start = time.monotonic()
+    killed: set[int] = set()
+    failed_at = None
+    while True:
+        now = time.monotonic() - start
+        for r, name in kill_on.items():
+            if r not in killed and Path(workdir, f"signal-{r}-{name}").exists():
+                procs[r].kill()
+                killed.add(r)
+        for r, delay in kill_after.items():
+            if r not in killed and now >= delay:
+                procs[r].kill()
+                killed.add(r)
+        codes = [p.exitcode for p in procs]
+        if all(c is not None for c in codes):
+            return {"killed": killed, "timeout": False}
+        bad = any(c not in (None, 0) and r not in killed for r, c in enumerate(codes))
+        if bad and failed_at is None:
+            failed_at = now
+        if failed_at is not None and now - failed_at > grace:
+            _dump_and_kill(procs, workdir)
+            return {"killed": killed, "timeout": False}
+        if now > timeout:
+            _dump_and_kill(procs, workdir)
+            return {"killed": killed, "timeout": True}
+        time.sleep(0.05)
+
+
+def _collect(procs, workdir: str, status: dict) -> list[Any]:
+    results: list[Any] = []
+    reports: dict[int, str] = {}
+    for r, p in enumerate(procs):
+        outcome = _read(Path(workdir, f"result-{r}.pkl"))
+        stacks_path = Path(workdir, f"stacks-{r}.txt")
+        stacks = stacks_path.read_text() if stacks_path.exists() else ""
+        if r in status["killed"]:
+            results.append(RankKilled(r))
+        elif outcome is not None and outcome[0] == "ok" and p.exitcode == 0:
+            results.append(outcome[1])
+            continue
+        elif outcome is not None and outcome[0] == "error":
+            reports[r] = outcome[1]
+        else:
+            reports[r] = f"no result (exit code {p.exitcode}); stacks:\n{stacks or '(none)'}"
+    if reports:
+        what = "deadline exceeded" if status["timeout"] else "rank failure"
+        raise MultiProcessError(f"run_ranks: {what} on ranks {sorted(reports)}", reports)
+    return results
