@@ -1,6 +1,236 @@
 """Conformance rows for RETURNN's own optimizers, checked against float64 numpy rules
-written from ../shared/reference/optimizer-semantics.md section 13."""
+written from ../shared/reference/optimizer-semantics.md section 13.
+
+Each rule updates one parameter in place from ``("dense", g)`` or ``("sparse", idx, vals)``.
+Sparse updates follow RETURNN's ``BaseCustomOptimizer`` helpers literally, with NO summing of
+duplicate indices: ``scatter_add``/``scatter_sub`` apply once per occurrence, in order, and
+``scatter_update`` keeps the value of the LAST occurrence.  Hyperparameters are rounded
+through float32 (``f32``) as TF's ``convert_to_tensor`` does (spec 1.4, 13.1).
+"""
 
 from __future__ import annotations
 
-SPECS: list = []
+import numpy as np
+
+import gradfleet as gf
+from tests.conformance.references import NumpyReference, f32
+from tests.conformance.specs import Spec
+
+# ---------------------------------------------------------------- BaseCustom helpers (13.1)
+
+
+def _parts(grad):
+    """(values, indices or None) of a reference gradient."""
+    return (grad[1], None) if grad[0] == "dense" else (grad[2], grad[1])
+
+
+def _gather(x, idx):
+    return x if idx is None else x[idx]
+
+
+def _assign(x, value, idx):
+    if idx is None:
+        x[...] = value
+        return
+    for k, i in enumerate(idx):  # scatter_update: a later occurrence overwrites an earlier one
+        x[i] = value[k]
+
+
+def _assign_add(x, value, idx):
+    if idx is None:
+        x += value
+        return
+    for k, i in enumerate(idx):  # scatter_add: once per occurrence
+        x[i] += value[k]
+
+
+def _assign_sub(x, value, idx):
+    _assign_add(x, -value, idx)
+
+
+def _zeros(*names):
+    return lambda w, config: {n: np.zeros_like(w) for n in names}
+
+
+def _numpy(rule, init_slots, init_state=None, finish=None):
+    def build(config, init, modes):
+        return NumpyReference(rule, config, init, init_slots, init_state, finish)
+
+    return build
+
+
+# ---------------------------------------------------------------- rules
+
+
+def _custom_gd(w, slots, grad, c, state):
+    g, idx = _parts(grad)
+    _assign_sub(w, f32(c["learning_rate"]) * g, idx)
+
+
+def _normalized_sgd(w, slots, grad, c, state):
+    g, idx = _parts(grad)
+    g_hat = g / np.sqrt(max(float(np.sum(g * g)), 1e-12))  # norm over the values as given
+    _assign_sub(w, f32(c["learning_rate"]) * g_hat, idx)
+
+
+def _neural_optimizer1(w, slots, grad, c, state):
+    g, idx = _parts(grad)
+    lr, b1 = f32(c["learning_rate"]), f32(c.get("beta1", 0.9))
+    df = f32(c.get("decrease_factor", 0.1))
+    m = slots["m"]
+    m *= b1  # all rows
+    _assign_add(m, g * (1 - b1), idx)
+    factor = np.where(np.sign(_gather(m, idx)) == np.sign(g), 1.0, df)
+    _assign_sub(w, lr * g * factor, idx)
+
+
+def _grad_variance_scaled(w, slots, grad, c, state):
+    g, idx = _parts(grad)
+    lr, b1 = f32(c["learning_rate"]), f32(c.get("beta1", 0.9))
+    b2, eps = f32(c.get("beta2", 0.999)), f32(c.get("epsilon", 1e-8))
+    m, v = slots["m"], slots["v"]
+    m *= b1
+    _assign_add(m, g * (1 - b1), idx)
+    var_g = (g - _gather(m, idx)) ** 2
+    v *= b2
+    _assign_add(v, var_g * (1 - b2), idx)
+    _assign_sub(w, lr * g * np.minimum(_gather(v, idx) / (var_g + eps), 1.0), idx)
+
+
+def _adam_powers(c):
+    b1, b2 = c.get("beta1", 0.9), c.get("beta2", 0.999)
+    return {"b1p": np.float32(f32(b1)), "b2p": np.float32(f32(b2))}
+
+
+def _adam_finish(state, c):  # float32 multiplication, after all parameters
+    state["b1p"] = np.float32(state["b1p"] * np.float32(f32(c.get("beta1", 0.9))))
+    state["b2p"] = np.float32(state["b2p"] * np.float32(f32(c.get("beta2", 0.999))))
+
+
+def _custom_adam(w, slots, grad, c, state):
+    g, idx = _parts(grad)
+    lr, b1 = f32(c["learning_rate"]), f32(c.get("beta1", 0.9))
+    b2, eps = f32(c.get("beta2", 0.999)), f32(c.get("epsilon", 1e-8))
+    b1p, b2p = float(state["b1p"]), float(state["b2p"])
+    lr_t = lr * np.sqrt(1 - b2p) / (1 - b1p)
+    m, v = slots["m"], slots["v"]
+    _assign(m, b1 * _gather(m, idx) + (1 - b1) * g, idx)  # both read the OLD rows
+    _assign(v, b2 * _gather(v, idx) + (1 - b2) * g * g, idx)
+    _assign_sub(w, lr_t * _gather(m, idx) / (np.sqrt(_gather(v, idx)) + eps), idx)
+
+
+def _amsgrad_state(c):
+    return {"t": 1.0}  # the value step 1 sees: RETURNN increments t before any update
+
+
+def _amsgrad_finish(state, c):
+    state["t"] += 1.0
+
+
+def _amsgrad(w, slots, grad, c, state):
+    assert grad[0] == "dense"
+    g, t = grad[1], state["t"]
+    b1, b2 = c.get("beta1", 0.9), c.get("beta2", 0.99)
+    lr, eps = f32(c.get("learning_rate", 0.001)), f32(c.get("epsilon", 0.0))
+    if c.get("decay", False):
+        lr = lr / np.sqrt(t)
+    m, v, v_hat = slots["m"], slots["v"], slots["v_hat"]
+    m[...] = f32(b1) * m + f32(1 - b1) * g  # RETURNN: 1 - beta in Python double, then f32
+    v[...] = f32(b2) * v + f32(1 - b2) * g * g
+    np.maximum(v_hat, v, out=v_hat)
+    w += -lr * m / (eps + np.sqrt(v_hat))
+
+
+# ---------------------------------------------------------------- rows
+
+
+def _uniform(rng, lo, hi):
+    return float(rng.uniform(lo, hi))
+
+
+def _lr(rng, lo=0.01, hi=0.5):
+    return _uniform(rng, lo, hi)
+
+
+def _eps(rng):
+    return float(10 ** rng.uniform(-10, -3))
+
+
+SPECS: list[Spec] = [
+    Spec(
+        gf.CustomGradientDescentOptimizer,
+        _numpy(_custom_gd, _zeros()),
+        configs=[{"learning_rate": 0.1}],
+        slots={},
+        random_config=lambda r: {"learning_rate": _lr(r, 0.01, 1.0)},
+    ),
+    Spec(
+        gf.NormalizedSGD,
+        _numpy(_normalized_sgd, _zeros()),
+        configs=[{"learning_rate": 0.1}],
+        slots={},
+        random_config=lambda r: {"learning_rate": _lr(r, 0.01, 1.0)},
+    ),
+    Spec(
+        gf.NeuralOptimizer1,
+        _numpy(_neural_optimizer1, _zeros("m")),
+        configs=[
+            {"learning_rate": 0.1},
+            {"learning_rate": 0.05, "beta1": 0.5, "decrease_factor": 0.3},
+        ],
+        slots={"m": "m"},
+        random_config=lambda r: {
+            "learning_rate": _lr(r),
+            "beta1": _uniform(r, 0.0, 0.99),
+            "decrease_factor": _uniform(r, 0.0, 1.0),
+        },
+    ),
+    Spec(
+        gf.GradVarianceScaledOptimizer,
+        _numpy(_grad_variance_scaled, _zeros("m", "v")),
+        configs=[
+            {"learning_rate": 0.1},
+            {"learning_rate": 0.05, "beta1": 0.8, "beta2": 0.9, "epsilon": 1e-16},
+        ],
+        slots={"m": "m", "v": "v"},
+        random_config=lambda r: {
+            "learning_rate": _lr(r),
+            "beta1": _uniform(r, 0.0, 0.99),
+            "beta2": _uniform(r, 0.5, 0.9999),
+            "epsilon": _eps(r),
+        },
+    ),
+    Spec(
+        gf.CustomAdamOptimizer,
+        _numpy(_custom_adam, _zeros("m", "v"), _adam_powers, _adam_finish),
+        configs=[
+            {"learning_rate": 0.001},
+            {"learning_rate": 0.1, "beta1": 0.8, "beta2": 0.9, "epsilon": 1e-16},
+        ],
+        slots={"m": "m", "v": "v"},
+        random_config=lambda r: {
+            "learning_rate": _lr(r, 0.001, 0.3),
+            "beta1": _uniform(r, 0.0, 0.99),
+            "beta2": _uniform(r, 0.5, 0.9999),
+            "epsilon": _eps(r),
+        },
+    ),
+    Spec(
+        gf.AMSGradOptimizer,
+        _numpy(_amsgrad, _zeros("m", "v", "v_hat"), _amsgrad_state, _amsgrad_finish),
+        configs=[
+            {},
+            {"learning_rate": 0.1, "decay": True, "epsilon": 1e-16},
+            {"learning_rate": 0.05, "beta1": 0.5, "beta2": 0.9, "epsilon": 1e-8},
+        ],
+        slots={"m": "m", "v": "v", "v_hat": "v_hat"},
+        random_config=lambda r: {
+            "learning_rate": _lr(r, 0.001, 0.3),
+            "decay": bool(r.integers(2)),
+            "beta1": _uniform(r, 0.0, 0.99),
+            "beta2": _uniform(r, 0.5, 0.9999),
+            "epsilon": _eps(r),
+        },
+        modes=("dense",),
+    ),
+]
