@@ -2,13 +2,27 @@
 
 from gradfleet.optimizer import Optimizer
 from gradfleet.optimizers.adam import AdamOptimizer
+from gradfleet.optimizers.amsgrad import AMSGradOptimizer
+from gradfleet.optimizers.base_custom import BaseCustomOptimizer
+from gradfleet.optimizers.custom_adam import CustomAdamOptimizer
+from gradfleet.optimizers.custom_gradient_descent import CustomGradientDescentOptimizer
+from gradfleet.optimizers.grad_variance_scaled import GradVarianceScaledOptimizer
 from gradfleet.optimizers.gradient_descent import GradientDescentOptimizer
 from gradfleet.optimizers.momentum import MomentumOptimizer
+from gradfleet.optimizers.neural_optimizer1 import NeuralOptimizer1
+from gradfleet.optimizers.normalized_sgd import NormalizedSGD
 
 ALL = [
     AdamOptimizer,
+    AMSGradOptimizer,
+    BaseCustomOptimizer,
+    CustomAdamOptimizer,
+    CustomGradientDescentOptimizer,
     GradientDescentOptimizer,
+    GradVarianceScaledOptimizer,
     MomentumOptimizer,
+    NeuralOptimizer1,
+    NormalizedSGD,
 ]
 
 __all__ = ["ALL", "Optimizer"] + [cls.__name__ for cls in ALL]

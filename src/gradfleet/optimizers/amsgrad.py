@@ -61,6 +61,12 @@ class AMSGradOptimizer(Optimizer):
         epsilon: _hyper.Hyper = 0.0,
         **options: Any,
     ) -> None:
+        for arg in ("use_locking", "name"):
+            if arg in options:  # RETURNN's ctor has neither: TypeError there too
+                raise TypeError(
+                    f"AMSGradOptimizer got an unexpected keyword argument {arg!r}; as in RETURNN "
+                    f"it takes no use_locking and its name is fixed"
+                )
         defaults = dict(lr=learning_rate, decay=bool(decay), beta1=beta1, beta2=beta2,
                         epsilon=epsilon)
         super().__init__(params, defaults, "AMSGradOptimizer", **options)

@@ -84,6 +84,8 @@ class BaseCustomOptimizer(Optimizer):
         super().__init__(params, defaults, name, use_locking, **options)
         self._hp: dict[str, Any] | None = None
         self._shared: dict[str, torch.Tensor] | None = None
+        self._var: Any = None  # the variable being updated and its slots (see _run)
+        self._slots: dict[str, Any] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -110,7 +112,7 @@ class BaseCustomOptimizer(Optimizer):
     # ------------------------------------------------------------------ helpers
     def _get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor:
         """The slot ``name`` of ``var`` (declared in the class's ``slots``)."""
-        slots = self.state[var]
+        slots = self._slots if var is self._var else self.state[var]
         if name not in slots:
             raise KeyError(f"{type(self).__name__}: no slot {name!r}; declare it in `slots`")
         return slots[name]
@@ -143,18 +145,20 @@ class BaseCustomOptimizer(Optimizer):
         return ref.index_add_(0, indices, value, alpha=-1)
 
     # ------------------------------------------------------------------ routing
+    # The dense fast paths (gradfleet.kernels) pass TensorLists for p, g and the slots; the
+    # helpers above are elementwise, so _apply_var runs on them unchanged.
     def _apply_dense(self, p, g, slots, hp, shared):
-        self._run(g, p, None, hp, shared)
+        self._run(g, p, None, slots, hp, shared)
 
     def _apply_sparse(self, p, idx, values, slots, hp, shared):
-        self._run(values, p, idx, hp, shared)
+        self._run(values, p, idx, slots, hp, shared)
 
-    def _run(self, grad, var, indices, hp, shared) -> None:
-        self._hp, self._shared = hp, shared
+    def _run(self, grad, var, indices, slots, hp, shared) -> None:
+        self._var, self._slots, self._hp, self._shared = var, slots, hp, shared
         try:
             self._apply_var(grad, var, indices)
         finally:
-            self._hp = self._shared = None
+            self._var, self._slots, self._hp, self._shared = None, {}, None, None
 
 
 def _last_occurrences(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
