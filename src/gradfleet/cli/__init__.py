@@ -1,0 +1,1 @@
+"""The ``gradfleet`` command line: train and compare optimizers and distribution strategies."""

@@ -1,0 +1,355 @@
+"""Distribution strategies: one small adapter per strategy around gradfleet.distributed.
+
+An adapter wraps the optimizer (``setup``), runs one training step (``train_step``), counts the
+bytes this worker hands to collectives, and says what to save as "the model" (for EASGD, the
+centre). Strategies are named on the command line as ``NAME[:key=value,...]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradfleet.distributed as gfd
+
+__all__ = ["STRATEGIES", "StrategyInfo", "Strategy", "make_strategy", "validate_strategy"]
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    name: str
+    help: str
+    args: dict[str, str]  # argument -> description (with its default)
+    min_workers: int = 1
+    max_workers: int | None = None
+    spawns: bool = True  # False: one process (towers run as threads)
+
+
+STRATEGIES: dict[str, StrategyInfo] = {
+    s.name: s
+    for s in (
+        StrategyInfo("none", "plain single-process training", {}, max_workers=1, spawns=False),
+        StrategyInfo(
+            "allreduce", "synchronous data parallel: average gradients every step (sparse ok)", {}
+        ),
+        StrategyInfo(
+            "model-average",
+            "local SGD: local steps, exact model average every `interval` steps",
+            {"interval": "local steps between averaging rounds (default 8)"},
+        ),
+        StrategyInfo(
+            "easgd",
+            "elastic averaging SGD: workers pulled towards a centre every `period` steps",
+            {
+                "mode": "sync (all-reduce centre on every rank; default) or async",
+                "period": "local steps between elastic exchanges (default 4)",
+                "moving_rate": "alpha in (0, 1] (default 0.9 / (period * workers))",
+                "rho": "elastic penalty (default 0.1; rho=tf: TF's moving_rate / learning_rate, "
+                "which suits plain SGD but stalls Adam)",
+            },
+        ),
+        StrategyInfo(
+            "towers",
+            "one process, `--workers` model replicas (towers) on slices of each batch",
+            {},
+            spawns=False,
+        ),
+        StrategyInfo(
+            "sync-replicas",
+            "synchronous replicas with backup workers: aggregate the first k of N gradients",
+            {
+                "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
+                "total_num_replicas": "workers taking part (default: workers)",
+            },
+            min_workers=2,
+        ),
+    )
+}
+
+
+def _has(name: str) -> bool:
+    return hasattr(gfd, name)
+
+
+def available(name: str) -> bool:
+    """Whether gradfleet.distributed provides what strategy ``name`` needs."""
+    if name == "sync-replicas":
+        return _has("SyncReplicasOptimizer")
+    return True
+
+
+def _int(spec: str, key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"strategy {spec}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _easgd_modes() -> dict[str, str]:
+    """CLI mode name -> ElasticAverageOptimizer mode, for the modes this build has."""
+    from gradfleet.distributed._centre import CENTRE_MODES
+
+    modes = {"sync": "allreduce"}
+    for name in CENTRE_MODES:
+        if name != "allreduce":
+            modes["async"] = name
+    return modes
+
+
+def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
+    """Reject unknown strategies/arguments and impossible worker counts (before any launch)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+    info = STRATEGIES[name]
+    if not available(name):
+        raise ValueError(f"strategy {name!r} is not available in this gradfleet build yet")
+    unknown = sorted(set(args) - set(info.args))
+    if unknown:
+        allowed = ", ".join(info.args) or "none"
+        raise ValueError(f"strategy {name} does not take {unknown}; its arguments: {allowed}")
+    if workers < info.min_workers:
+        raise ValueError(f"strategy {name} needs --workers >= {info.min_workers}, got {workers}")
+    if info.max_workers is not None and workers > info.max_workers:
+        raise ValueError(f"strategy {name} runs {info.max_workers} worker, got --workers {workers}")
+    if name == "model-average":
+        _int(name, "interval", args.get("interval", 8), 1)
+    if name == "easgd":
+        _int(name, "period", args.get("period", 4), 1)
+        mode = args.get("mode", "sync")
+        if mode not in _easgd_modes():
+            have = list(_easgd_modes())
+            raise ValueError(f"strategy easgd: mode {mode!r} not available; have {have}")
+        rate = args.get("moving_rate")
+        if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate <= 1):
+            raise ValueError(f"strategy easgd: moving_rate must be in (0, 1], got {rate!r}")
+        rho = args.get("rho", DEFAULT_RHO)
+        if rho != "tf" and not (isinstance(rho, (int, float)) and rho >= 0):
+            raise ValueError(f"strategy easgd: rho must be >= 0 or 'tf', got {rho!r}")
+    if name == "sync-replicas":
+        total = _int(name, "total_num_replicas", args.get("total_num_replicas", workers), 1)
+        k = _int(name, "replicas_to_aggregate", args.get("replicas_to_aggregate", workers - 1), 1)
+        if total > workers:
+            raise ValueError(
+                f"strategy sync-replicas: total_num_replicas={total} needs --workers >= {total}, "
+                f"got {workers}"
+            )
+        if k > total:
+            raise ValueError(
+                f"strategy sync-replicas: replicas_to_aggregate={k} > total_num_replicas={total}"
+            )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.is_sparse:
+        return _nbytes(t._indices()) + _nbytes(t._values())
+    return t.numel() * t.element_size()
+
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Strategy:
+    """Base adapter: plain local training. ``bytes_sent`` counts this worker's payload."""
+
+    def __init__(self, args: dict[str, Any], rank: int, world: int) -> None:
+        self.args, self.rank, self.world = args, rank, world
+        self.bytes_sent = 0
+        self.straggle_s = 0.0
+
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.model, self.opt = model, opt
+        return opt
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        if self.straggle_s:
+            time.sleep(self.straggle_s)
+        self.opt.zero_grad()
+        loss = loss_fn(self.model, x, y)
+        loss.backward()
+        self.reduce_gradients()
+        self.opt.step()
+        return float(loss.detach())
+
+    def reduce_gradients(self) -> None:
+        return None
+
+    def finish(self) -> None:
+        """Collective end-of-training hook (every rank calls it)."""
+        return None
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """The model to save and evaluate."""
+        return self.model.state_dict()
+
+
+class AllReduce(Strategy):
+    """Average gradients with torch.distributed: one all-reduce for dense gradients, an
+    all-gather of (indices, values) for sparse ones (which all-reduce cannot sum)."""
+
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        params = [p.data for p in model.parameters()]
+        for p in params:  # replicas start identical
+            dist.broadcast(p, src=0)
+        return super().setup(model, opt)
+
+    def reduce_gradients(self) -> None:
+        if self.world == 1:
+            return
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = [p.grad for p in params if not p.grad.is_sparse]
+        if dense:
+            flat = torch.cat([g.reshape(-1) for g in dense])
+            self.bytes_sent += _nbytes(flat)
+            dist.all_reduce(flat)
+            flat /= self.world
+            offset = 0
+            for g in dense:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for p in params:
+            if p.grad.is_sparse:
+                p.grad = self._gather_sparse(p.grad.coalesce())
+
+    def _gather_sparse(self, grad: torch.Tensor) -> torch.Tensor:
+        idx, val = grad.indices(), grad.values()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([idx.shape[1]]))
+        n_max = int(max(s.item() for s in sizes))
+        # all_gather needs equal shapes: pad to the largest nnz, cut after.
+        pad_idx = torch.zeros(idx.shape[0], n_max, dtype=idx.dtype)
+        pad_val = torch.zeros((n_max, *val.shape[1:]), dtype=val.dtype)
+        pad_idx[:, : idx.shape[1]], pad_val[: val.shape[0]] = idx, val
+        all_idx = [torch.empty_like(pad_idx) for _ in range(self.world)]
+        all_val = [torch.empty_like(pad_val) for _ in range(self.world)]
+        dist.all_gather(all_idx, pad_idx)
+        dist.all_gather(all_val, pad_val)
+        self.bytes_sent += _nbytes(pad_idx) + _nbytes(pad_val)
+        n = [int(s.item()) for s in sizes]
+        indices = torch.cat([i[:, :k] for i, k in zip(all_idx, n)], dim=1)
+        values = torch.cat([v[:k] for v, k in zip(all_val, n)]) / self.world
+        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+
+
+class ModelAverage(Strategy):
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.interval = int(self.args.get("interval", 8))
+        wrapped = gfd.ModelAverageOptimizer(opt, self.world, self.interval, buffers=model.buffers())
+        self._payload = sum(_nbytes(p) for p in model.parameters())
+        return super().setup(model, wrapped)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        loss = super().train_step(x, y, loss_fn)
+        if self.world > 1 and self.opt.local_step % self.interval == 0:
+            self.bytes_sent += self._payload
+        return loss
+
+    def finish(self) -> None:
+        # Save the average, not rank 0's drift since the last round.
+        if self.opt.local_step % self.interval != 0:
+            self.opt.average()
+
+
+DEFAULT_RHO = 0.1
+
+
+def _rho(value: Any) -> float | None:
+    return None if value == "tf" else float(value)
+
+
+class Easgd(Strategy):
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.period = int(self.args.get("period", 4))
+        wrapped = gfd.ElasticAverageOptimizer(
+            opt,
+            self.world,
+            self.period,
+            moving_rate=self.args.get("moving_rate"),
+            rho=_rho(self.args.get("rho", DEFAULT_RHO)),
+            mode=_easgd_modes()[self.args.get("mode", "sync")],
+        )
+        self._payload = sum(_nbytes(p) for p in model.parameters())
+        return super().setup(model, wrapped)
+
+    def reduce_gradients(self) -> None:
+        # The elastic penalty rho * (x - centre): TF's minimize() path in a torch loop.
+        self.opt.add_elastic_penalty_()
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        loss = super().train_step(x, y, loss_fn)
+        if self.world > 1 and self.opt.local_step % self.period == 0:
+            self.bytes_sent += self._payload
+        return loss
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return self.opt.swapping_state_dict(self.model)
+
+
+class Towers(Strategy):
+    """``world`` towers in this one process (threads), each on a slice of the batch."""
+
+    def __init__(self, args: dict[str, Any], rank: int, world: int) -> None:
+        super().__init__(args, rank, world)
+        self.towers, self.world = world, 1  # one process: no collectives
+
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        wrapped = gfd.TowerOptimizer(opt)
+        self._grad_bytes = sum(_nbytes(p) for p in model.parameters())
+        self.straggler_tower: int | None = None
+        self._replicated: Any = None
+        return super().setup(model, wrapped)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        def tower_fn(module: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            from gradfleet.distributed.towers import current_tower
+
+            if self.straggle_s and current_tower()[1] == self.straggler_tower:
+                time.sleep(self.straggle_s)
+            loss = loss_fn(module, xs, ys)
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            return loss
+
+        if self._replicated is None:  # replicas are built once, then kept in sync by gfd
+            self._replicated = gfd.replicate_model(
+                tower_fn, self.model, "mean", ["cpu"] * self.towers
+            )
+        out = self._replicated(x, y)
+        # Gradients of T-1 towers merged into the shared copy, parameters copied back.
+        self.bytes_sent += 2 * (self.towers - 1) * self._grad_bytes
+        return float(out.loss.detach())
+
+
+class SyncReplicas(Strategy):
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        wrapped = gfd.SyncReplicasOptimizer(  # type: ignore[attr-defined]
+            opt,
+            replicas_to_aggregate=int(self.args.get("replicas_to_aggregate", self.world - 1)),
+            total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
+        )
+        self._payload = sum(_nbytes(p) for p in model.parameters())
+        return super().setup(model, wrapped)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        loss = super().train_step(x, y, loss_fn)
+        self.bytes_sent += 2 * self._payload  # gradients up, parameters down
+        return loss
+
+
+_ADAPTERS: dict[str, type[Strategy]] = {
+    "none": Strategy,
+    "allreduce": AllReduce,
+    "model-average": ModelAverage,
+    "easgd": Easgd,
+    "towers": Towers,
+    "sync-replicas": SyncReplicas,
+}
+
+
+def make_strategy(name: str, args: dict[str, Any], rank: int, world: int) -> Strategy:
+    return _ADAPTERS[name](args, rank, world)
