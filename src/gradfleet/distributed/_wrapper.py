@@ -177,6 +177,7 @@ class WrapperOptimizer(torch.optim.Optimizer):
     ) -> None:
         """TF's ``apply_gradients``: a local update with these gradients, then the wrapper's
         schedule; ``global_step`` (0-dim int tensor) advances as the wrapper defines."""
+        check_global_step(type(self).__name__, global_step)
         pairs = check_grads_and_vars(type(self).__name__, grads_and_vars)
         self._apply_inner(pairs)
         advance = self._after_local_step()
@@ -232,6 +233,18 @@ class WrapperOptimizer(torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------- helpers
+def check_global_step(owner: str, global_step: Any) -> None:
+    """``global_step`` must be None or a 0-dim int64 tensor (TF's global step variable)."""
+    if global_step is None:
+        return
+    if (
+        not isinstance(global_step, torch.Tensor)
+        or global_step.dtype != torch.int64
+        or global_step.dim() != 0
+    ):
+        raise TypeError(f"{owner}: global_step must be None or a 0-dim torch.int64 tensor")
+
+
 def check_grads_and_vars(owner: str, grads_and_vars: Iterable) -> GradsAndVars:
     """Materialise ``grads_and_vars`` and apply TF's checks (non-empty, some gradient)."""
     pairs = [(g, v) for g, v in grads_and_vars]

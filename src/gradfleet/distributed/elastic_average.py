@@ -51,8 +51,13 @@ def _check_real(name: str, value: Any, allowed: str, ok: Any) -> float:
 
 
 def _group_lr(group: dict[str, Any]) -> float:
+    """The group's current learning rate as a float (a callable lr is called, as TF does)."""
     lr = group.get("lr", group.get("learning_rate"))
-    return float(lr) if lr is not None else float("nan")
+    if callable(lr):
+        lr = lr()
+    if isinstance(lr, torch.Tensor):
+        lr = lr.detach().reshape(()).item()
+    return float(lr) if isinstance(lr, (int, float)) else float("nan")
 
 
 class ElasticAverageOptimizer(WrapperOptimizer):
@@ -104,7 +109,12 @@ class ElasticAverageOptimizer(WrapperOptimizer):
                         f"{_OWNER}: rho=None means rho = moving_rate / learning_rate, but "
                         f"param_groups[{i}] has no positive 'lr'; pass rho explicitly"
                     )
-        self._comm = resolve_collective(num_worker, process_group, _OWNER)
+        # strategy hooks (async mode: a restarted worker outside the group, start-up barrier)
+        resolve = getattr(strategy, "resolve_collective", resolve_collective)
+        self._comm = resolve(num_worker, process_group, _OWNER)
+        getattr(strategy, "configure", lambda **kw: None)(
+            num_worker=num_worker, synchronous=synchronous
+        )
         self.num_worker = num_worker
         self.communication_period = communication_period
         self.moving_rate = alpha

@@ -110,7 +110,7 @@ def _sum_grads(gs: list[torch.Tensor]) -> torch.Tensor:
     if all(g.is_sparse for g in gs):
         indices = torch.cat([g._indices() for g in gs], dim=1)
         values = torch.cat([g._values() for g in gs], dim=0)
-        return torch.sparse_coo_tensor(indices, values, gs[0].shape)
+        return torch.sparse_coo_tensor(indices, values, gs[0].shape, check_invariants=False)
     total = gs[0].to_dense() if gs[0].is_sparse else gs[0].clone()
     for g in gs[1:]:
         total = total + (g.to_dense() if g.is_sparse else g)

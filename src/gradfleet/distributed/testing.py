@@ -1,9 +1,10 @@
-"""Run a function in N spawned ranks with a gloo group, never hanging (for tests).
+"""Run a function in N separate rank processes with a gloo group, never hanging (for tests).
 
-``run_ranks(fn, world_size)`` spawns ``world_size`` processes (``spawn`` start method), gives each
-a process group on a per-run ``FileStore`` (no TCP port; ``rendezvous="env"`` instead picks one
-free loopback port in the parent and exports torchrun's variables, for code that calls
-``gradfleet.distributed.init()``), calls ``fn(ctx, *args)`` and returns every rank's result.
+``run_ranks(fn, world_size)`` starts ``world_size`` processes (``forkserver`` with torch
+preloaded, or ``spawn``; never a fork of the caller), gives each a process group on a per-run
+``FileStore`` (no TCP port; ``rendezvous="env"`` instead picks one free loopback port in the
+parent and exports torchrun's variables, for code that calls ``gradfleet.distributed.init()``),
+calls ``fn(ctx, *args)`` and returns every rank's result.
 
 It cannot hang: the group's collective timeout is ``pg_timeout`` seconds; when a rank fails the
 others get ``grace`` seconds to finish or fail; at ``timeout`` every live rank dumps its Python
@@ -12,12 +13,13 @@ with every rank's traceback or stack dump. ``kill_on={rank: "name"}`` SIGKILLs a
 it calls ``ctx.signal("name")``; ``kill_after={rank: seconds}`` kills it after a delay. Killed ranks
 report a :class:`RankKilled` result instead of failing the run.
 
-``fn`` must be importable by module path (a module-level function), because of ``spawn``.
+``fn`` must be importable by module path (a module-level function): the ranks import it.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -95,7 +97,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, cfg: _Config):
+def _fn_ref(fn: Callable) -> Any:
+    """A module-level function travels as (module, qualname) so the child can install its
+    stack-dump handler before importing the (possibly slow) module."""
+    qual = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", None) and qual and "<" not in qual:
+        return (fn.__module__, qual)
+    return fn
+
+
+def _resolve(ref: Any) -> Callable:
+    if isinstance(ref, tuple):
+        obj = importlib.import_module(ref[0])
+        for part in ref[1].split("."):
+            obj = getattr(obj, part)
+        return obj
+    return ref
+
+
+def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg: _Config):
     os.environ.update(cfg.env)
     os.environ.update(
         {
@@ -119,6 +139,7 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        fn = _resolve(ref)
         if cfg.init_process_group:
             store = dist.FileStore(str(Path(workdir, "store")), world_size)
             dist.init_process_group(
@@ -128,6 +149,9 @@ def _child(rank: int, world_size: int, fn: Callable, args: tuple, workdir: str, 
                 world_size=world_size,
                 timeout=timedelta(seconds=cfg.pg_timeout),
             )
+            # Connect every pair now: a rank that finishes early must not close its sockets
+            # while a slower peer is still connecting (bounded by pg_timeout).
+            dist.barrier()
         result = fn(RankContext(rank, world_size, workdir), *args)
         _write(Path(workdir, f"result-{rank}.pkl"), ("ok", result))
     except BaseException:
@@ -154,6 +178,21 @@ def _write(path: Path, payload: Any) -> None:
         data = pickle.dumps(("error", f"result of rank is not picklable: {exc!r}"))
     tmp.write_bytes(data)
     tmp.rename(path)
+
+
+def _context(start_method: str) -> Any:
+    """``"forkserver"`` (default): a clean server process with torch preloaded forks the ranks,
+    so each rank starts in milliseconds instead of re-importing torch; never inherits the
+    parent's threads or CUDA state. ``"spawn"``: a fresh interpreter per rank."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(
+            f"run_ranks: start_method must be 'forkserver' or 'spawn', got {start_method!r}"
+        )
+    mpc = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # torch._dynamo is what the first optimizer construction imports lazily (seconds).
+        mpc.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    return mpc
 
 
 def _read(path: Path) -> tuple[str, Any] | None:
@@ -191,6 +230,7 @@ def run_ranks(
     kill_on: dict[int, str] | None = None,
     kill_after: dict[int, float] | None = None,
     env: dict[str, str] | None = None,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return the per-rank results."""
     if world_size < 1:
@@ -207,9 +247,10 @@ def run_ranks(
         deadline_s=timeout,
         env=dict(env or {}),
     )
-    spawn = mp.get_context("spawn")
+    mpc = _context(start_method)
+    ref = _fn_ref(fn)
     procs = [
-        spawn.Process(target=_child, args=(r, world_size, fn, args, workdir, cfg), daemon=True)
+        mpc.Process(target=_child, args=(r, world_size, ref, args, workdir, cfg), daemon=True)
         for r in range(world_size)
     ]
     try:

@@ -32,6 +32,7 @@ from ._wrapper import (
     WrapperOptimizer,
     apply_with_step,
     autograd_gradients,
+    check_global_step,
     check_grads_and_vars,
     check_optimizer,
 )
@@ -137,6 +138,7 @@ class TowerOptimizer(WrapperOptimizer):
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None) -> None:
         """In a tower: record the call. Otherwise: apply with the wrapped optimizer, which
         increments ``global_step`` once."""
+        check_global_step("TowerOptimizer", global_step)
         pairs = check_grads_and_vars("TowerOptimizer", grads_and_vars)
         ctx, tower = self._tower()
         if ctx is None:
