@@ -1,0 +1,315 @@
+"""Step time, effective bandwidth and peak extra memory of every optimizer on every path.
+
+Run from the repository root::
+
+    python -m benchmarks.optimizer_speed --out benchmarks/results
+
+It writes ``optimizer_speed.json`` and ``optimizer_speed.png`` under ``--out`` and prints
+the table.  Method:
+
+* Parameters: a transformer-like set of ~16.8M float32 parameters in 41 tensors (an
+  embedding, 4 layers of attention/MLP matrices, biases and norm scales); gradients are
+  fixed random tensors, so every path of every optimizer moves the same data.
+* Step time: median of ``--reps`` steps after ``--warmup`` steps.  Effective bandwidth:
+  minimal bytes a step must move (read+write the parameter and each parameter-sized slot,
+  read the gradient) / step time.
+* Baselines, on copies of the same tensors in the same run: ``torch.optim.Adam(fused=True)``
+  and, for the optimizers torch also has, torch's fastest implementation (of fused /
+  foreach / for-loop) of the nearest equivalent.
+* Peak extra memory: the peak of torch's live CPU allocations during one step above the
+  allocations alive before it, from ``torch.profiler`` memory events (allocator-agnostic:
+  glibc's caching cannot hide a temporary).
+* Fused compile time: first step minus a steady step, in a fresh inductor cache directory
+  (a cold compile, as a new machine sees it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TORCH_EQUIVALENT = {  # gradfleet class -> (torch class, extra kwargs)
+    "AdadeltaOptimizer": ("Adadelta", {"lr": 1.0}),
+    "AdagradOptimizer": ("Adagrad", {}),
+    "AdamOptimizer": ("Adam", {}),
+    "RMSPropOptimizer": ("RMSprop", {}),
+    "MomentumOptimizer": ("SGD", {"momentum": 0.9}),
+}
+
+
+def parameter_shapes(d: int = 512, layers: int = 4, vocab: int = 8192) -> list[tuple]:
+    shapes: list[tuple] = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]  # q, k, v, o; MLP in/out
+        shapes += [(4 * d,), (d,), (d,), (d,)]  # MLP bias, out bias, two norm scales
+    return shapes
+
+
+def make_tensors(shapes, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    return params, grads
+
+
+def _fresh(params, grads):
+    out = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(out, grads):
+        p.grad = g  # shared, read-only for every optimizer
+    return out
+
+
+# ------------------------------------------------------------------ measurement
+def peak_extra_mib(step) -> float:
+    """Peak of torch's live CPU allocations during one ``step()`` above those before (MiB).
+
+    From the profiler's allocation/free events, so cached or reused memory cannot hide a
+    temporary; allocations outside torch's allocator (e.g. compiler scratch) are not seen.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def time_steps(step, warmup: int, reps: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {"first_s": first, "median_s": median, "min_s": min(times), "max_s": max(times)}
+
+
+def minimal_bytes(params, state_tensors_per_param: int) -> int:
+    per_element = 3 + 2 * state_tensors_per_param  # p r/w, g r, each slot r/w
+    return sum(p.numel() * p.element_size() for p in params) * per_element
+
+
+def measure(opt, params, warmup: int, reps: int) -> dict[str, Any]:
+    stats = time_steps(opt.step, warmup, reps)
+    big = params[0]
+    slots = sum(
+        1 for t in opt.state[big].values() if torch.is_tensor(t) and t.shape == big.shape
+    )
+    stats["bytes"] = minimal_bytes(params, slots)
+    stats["gbps"] = stats["bytes"] / stats["median_s"] / 1e9
+    stats["peak_extra_mib"] = peak_extra_mib(opt.step)
+    return stats
+
+
+# ------------------------------------------------------------------ optimizers
+def gradfleet_configs() -> dict[type, tuple[dict, Any]]:
+    """(config, make) per optimizer: the conformance suite's first config where known."""
+    import gradfleet as gf
+
+    specs: dict[type, Any] = {}
+    try:
+        from tests.conformance.specs import SPECS
+        from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
+
+        specs = {s.cls: s for s in SPECS + RETURNN_SPECS}
+    except ImportError:
+        pass
+    out = {}
+    for cls in gf.optimizers.ALL:
+        spec = specs.get(cls)
+        config = dict(spec.configs[0]) if spec else {"learning_rate": 1e-3}
+        out[cls] = (config, spec.make if spec else None)
+    return out
+
+
+def build(cls, config, make, params, path: str):
+    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    if make is None:
+        return cls(params, **config, **options[path])
+    opt = make(params, dict(config))
+    for group in opt.param_groups:
+        group.update(options[path])
+    return opt
+
+
+def torch_best(name: str, kwargs: dict, params, grads, warmup, reps) -> dict[str, Any]:
+    """torch's fastest implementation of ``torch.optim.<name>`` on these tensors."""
+    best: dict[str, Any] | None = None
+    impls = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
+    for impl, flags in impls.items():
+        try:
+            opt = getattr(torch.optim, name)(_fresh(params, grads), **kwargs, **flags)
+            stats = measure(opt, opt.param_groups[0]["params"], warmup, reps)
+        except (RuntimeError, TypeError, ValueError):
+            continue  # this implementation does not exist for this class on this device
+        stats["impl"] = impl
+        if best is None or stats["median_s"] < best["median_s"]:
+            best = stats
+    assert best is not None
+    return best
+
+
+def run(args) -> dict[str, Any]:
+    torch.manual_seed(0)
+    shapes = parameter_shapes()
+    params, grads = make_tensors(shapes)
+    n = sum(p.numel() for p in params)
+    print(f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
+    ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
+    baselines = {"Adam(fused=True)": ref}
+    rows = []
+    for cls, (config, make) in gradfleet_configs().items():
+        if args.only and cls.__name__ not in args.only:
+            continue
+        equiv = TORCH_EQUIVALENT.get(cls.__name__)
+        if equiv is not None:
+            key = f"{equiv[0]}{equiv[1] or ''}"
+            if key not in baselines:
+                baselines[key] = torch_best(*equiv, params, grads, args.warmup, args.reps)
+        for path in args.paths:
+            ps = _fresh(params, grads)
+            try:
+                opt = build(cls, config, make, ps, path)
+                stats = measure(opt, ps, args.warmup, args.reps)
+            except NotImplementedError:
+                break  # abstract base class
+            stats.update(optimizer=cls.__name__, path=path, config=repr(config))
+            if path == "fused":
+                stats["compile_s"] = stats["first_s"] - stats["median_s"]
+            stats["time_vs_torch_fused_adam"] = stats["median_s"] / ref["median_s"]
+            stats["bw_vs_torch_fused_adam"] = stats["gbps"] / ref["gbps"]
+            if equiv is not None:
+                best = baselines[key]
+                stats["torch_equivalent"] = f"{key} [{best['impl']}]"
+                stats["time_vs_torch_equivalent"] = stats["median_s"] / best["median_s"]
+            rows.append(stats)
+            print(format_row(stats), flush=True)
+    return {
+        "machine": machine(),
+        "parameters": n,
+        "tensors": len(shapes),
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "baselines": baselines,
+        "rows": rows,
+    }
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average": os.getloadavg(),
+    }
+
+
+# ------------------------------------------------------------------ output
+HEADER = (
+    f"{'optimizer':<34}{'path':<9}{'ms/step':>9}{'GB/s':>7}{'x Adam':>8}{'bw/Adam':>8}"
+    f"{'x torch eq':>11}{'peak MiB':>9}{'compile s':>10}"
+)
+
+
+def format_row(r: dict[str, Any]) -> str:
+    def num(key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    return (
+        f"{r['optimizer']:<34}{r['path']:<9}{r['median_s'] * 1e3:>9.1f}{r['gbps']:>7.1f}"
+        f"{r['time_vs_torch_fused_adam']:>8.2f}{r['bw_vs_torch_fused_adam']:>8.2f}"
+        f"{num('time_vs_torch_equivalent', '.2f'):>11}{num('peak_extra_mib', '.0f'):>9}"
+        f"{num('compile_s', '.1f'):>10}"
+    )
+
+
+def print_table(result: dict[str, Any]) -> None:
+    m = result["machine"]
+    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load {m['load_average']}")
+    for name, b in result["baselines"].items():
+        impl = f" [{b['impl']}]" if "impl" in b else ""
+        print(f"torch {name}{impl}: {b['median_s'] * 1e3:.1f} ms, {b['gbps']:.1f} GB/s, "
+              f"peak extra {b['peak_extra_mib']:.0f} MiB")
+    print(HEADER)
+    for row in result["rows"]:
+        print(format_row(row))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = sorted({r["optimizer"] for r in rows}, key=[r["optimizer"] for r in rows].index)
+    paths = [p for p in ("loop", "foreach", "fused") if any(r["path"] == p for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.8), 5))
+    width = 0.8 / max(len(paths), 1)
+    for k, p in enumerate(paths):
+        xs, ys = [], []
+        for i, name in enumerate(names):
+            hit = [r for r in rows if r["optimizer"] == name and r["path"] == p]
+            if hit:
+                xs.append(i + k * width)
+                ys.append(hit[0]["gbps"])
+        ax.bar(xs, ys, width, label=p)
+    ref = result["baselines"]["Adam(fused=True)"]["gbps"]
+    ax.axhline(ref, color="k", ls="--", label="torch Adam(fused=True)")
+    ax.axhline(0.8 * ref, color="gray", ls=":", label="0.8 x torch fused Adam")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+    ax.set_xticklabels([n.replace("Optimizer", "") for n in names], rotation=45, ha="right")
+    ax.set_ylabel("effective bandwidth (GB/s)")
+    m = result["machine"]
+    size = result["parameters"] / 1e6
+    ax.set_title(f"{size:.1f}M params, {m['cores']} cores, torch {m['torch']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", type=Path)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--paths", nargs="+", default=["loop", "foreach", "fused"])
+    parser.add_argument("--only", nargs="*", help="optimizer class names to run")
+    args = parser.parse_args(argv)
+    # A fresh inductor cache: the reported compile time is a cold compile.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gradfleet-bench-"))
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "optimizer_speed.json").write_text(json.dumps(result, indent=1, default=str))
+    print_table(result)
+    plot(result, args.out / "optimizer_speed.png")
+    print(f"\nwrote {args.out / 'optimizer_speed.json'} and {args.out / 'optimizer_speed.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Choosing and running an implementation for the dense gradients of one param group.
+
+``group["foreach"]`` / ``group["fused"]`` follow ``torch.optim``:
+
+* ``fused=True``: one compiled kernel per (device, dtype) bucket (``fused.py``);
+* ``foreach=True``: ``TensorList`` maths over ``torch._foreach_*`` per bucket;
+* ``foreach=False`` (and fused not True): the per-parameter reference loop;
+* both ``None`` (the default): ``foreach``.  On CPU it gives the same bits as the loop
+  (``_foreach_*`` runs the same ATen kernel per tensor) and never costs a compile.  ``fused``
+  is opt-in: it is the fastest path but compiles on the first step (seconds to tens of
+  seconds) and may differ from the loop in the last bit (see ``kernels/__init__.py``).
+
+Sparse gradients never reach this module: the base class sends them to ``_apply_sparse``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from gradfleet.kernels.fused import run_fused
+from gradfleet.kernels.tensorlist import TensorList
+
+PATHS = ("loop", "foreach", "fused")
+# Bucket size cap for the foreach path: its temporaries span a whole bucket, so chunking
+# bounds the step's peak extra memory to a few times this, whatever the model size.
+FOREACH_CHUNK_BYTES = 64 * 2**20
+
+
+def resolve_path(opt: Any, group: dict[str, Any]) -> str:
+    """The implementation for the dense gradients of ``group`` (one of ``PATHS``)."""
+    foreach, fused = group.get("foreach"), group.get("fused")
+    owner = type(opt).__name__
+    if foreach and fused:
+        raise RuntimeError(f"{owner}: `fused` and `foreach` cannot be `True` together.")
+    supported = getattr(opt, "fast_paths", ("foreach", "fused"))
+    wanted = "fused" if fused else "foreach" if foreach else None
+    if wanted is not None:
+        if wanted not in supported:
+            raise RuntimeError(f"{owner} does not support {wanted}=True (fast_paths={supported})")
+        return wanted
+    if foreach is False or "foreach" not in supported:
+        return "loop"
+    return "foreach"
+
+
+def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
+    """Parameter indices grouped by (device, dtype), in parameter order."""
+    out: dict[Any, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        out[(p.device, p.dtype)].append(i)
+    return out
+
+
+def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: str) -> None:
+    """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``."""
+    shared = group["non_slot"]
+    for (device, dtype), idx in buckets(params).items():
+        ps = [params[i] for i in idx]
+        gs = [grads[i] for i in idx]
+        slots = [opt._slots_for(p, group) for p in ps]
+        names = list(slots[0]) if slots else []
+        hp = hp_for(dtype, device)
+        if path == "fused":
+            keep = [j for j, p in enumerate(ps) if p.numel()]  # empty tensors: nothing to do
+            table = {n: [slots[j][n] for j in keep] for n in names}
+            run_fused(opt, [ps[j] for j in keep], [gs[j] for j in keep], table, hp, shared)
+            continue
+        for chunk in _chunks(ps):
+            lists = {n: TensorList(slots[j][n] for j in chunk) for n in names}
+            opt._apply_dense(
+                TensorList(ps[j] for j in chunk), TensorList(gs[j] for j in chunk), lists, hp,
+                shared,
+            )
+
+
+def _chunks(params: list[torch.Tensor]) -> list[list[int]]:
+    out: list[list[int]] = [[]]
+    size = 0
+    for j, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if out[-1] and size + nbytes > FOREACH_CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(j)
+        size += nbytes
+    return [c for c in out if c]

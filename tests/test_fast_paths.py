@@ -1,0 +1,182 @@
+"""Every optimizer's foreach and fused paths against its per-parameter reference loop.
+
+Each case runs 10 steps on two param groups (float32 and float64) holding a zero-size
+parameter, a parameter whose gradient is None at some steps, and a group whose gradients
+are all None at some steps, and compares every parameter, every slot and the non-slot
+state after every step.  Optimizers come from ``gradfleet.optimizers.ALL`` and their
+configs from the conformance specs, so new optimizers are covered automatically.
+
+Fused compiles once per bucket signature, which is slow, so fused runs each optimizer's
+first config only (the foreach runs cover the others through the same ``_apply_dense``),
+and only the optimizers in ``PARTIAL_NONE_FUSED`` also lose one parameter's gradient
+inside a bucket (every optimizer does so on the foreach path).
+
+Tolerances: foreach must be bit-identical (on CPU each ``_foreach_*`` op runs the same ATen
+kernel per tensor).  fused may differ in the last bits (see ``gradfleet/kernels``): float32
+rtol 2e-6 / atol 2e-7 (a few ulps after 10 steps), float64 rtol 1e-12 / atol 1e-14, the
+conformance suite's tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradfleet as gf
+from gradfleet.kernels import fused
+from tests.conformance.specs import SPECS
+from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
+
+STEPS = 10
+SHAPES32 = [(5, 3), (0,), (7,)]
+SHAPES64 = [(4, 2), (3,)]
+FUSED_TOL = {torch.float32: (2e-6, 2e-7), torch.float64: (1e-12, 1e-14)}
+PARTIAL_NONE_FUSED = {"AdamOptimizer", "MomentumOptimizer", "CustomAdamOptimizer"}
+_SPECS = {spec.cls: spec for spec in SPECS + RETURNN_SPECS}
+
+
+def _configs(cls) -> list[tuple[str, dict]]:
+    spec = _SPECS.get(cls)
+    configs = spec.configs if spec else [{"learning_rate": 0.1}]
+    return [(f"{cls.__name__}-c{i}", dict(c)) for i, c in enumerate(configs)]
+
+
+def _build(cls, groups, config, **options):
+    spec = _SPECS.get(cls)
+    if spec is not None and spec.make is not None:
+        opt = spec.make(groups, dict(config))
+        for group in opt.param_groups:
+            group.update(options)
+        return opt
+    return cls(groups, **config, **options)
+
+
+def _run(cls, config, partial_none=True, **options) -> list[list[torch.Tensor]]:
+    """Snapshots of (params, state tensors, non-slot tensors) after every step."""
+    gen = torch.Generator().manual_seed(1234)
+    p32 = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES32]
+    p64 = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES64]
+    opt = _build(cls, [{"params": p32}, {"params": p64}], config, **options)
+    snapshots = []
+    for step in range(STEPS):
+        for p in p32 + p64:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        if partial_none and step in (3, 4):  # one parameter of a bucket without a gradient
+            p32[2].grad = None
+        if step in (6, 7):  # a whole group without gradients
+            for p in p64:
+                p.grad = None
+        opt.step()
+        snapshots.append(_snapshot(opt))
+    return snapshots
+
+
+def _snapshot(opt) -> list[torch.Tensor]:
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(p.detach().clone())
+            state = opt.state.get(p, {})
+            out.extend(state[k].clone() for k in sorted(state) if torch.is_tensor(state[k]))
+        out.extend(v.clone() for _, v in sorted(group["non_slot"].items()))
+    return out
+
+
+def _compare(ref, got, exact: bool) -> None:
+    for step, (r, g) in enumerate(zip(ref, got)):
+        assert len(r) == len(g), f"step {step + 1}: different state layout"
+        for i, (a, b) in enumerate(zip(r, g)):
+            where = f"step {step + 1}, tensor {i}"
+            if exact:
+                assert torch.equal(a, b), f"{where}: max diff {(a - b).abs().max()}"
+            else:
+                rtol, atol = FUSED_TOL[a.dtype] if a.is_floating_point() else (0, 0)
+                torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=where)
+
+
+_REFERENCE: dict[str, list] = {}
+
+
+def _reference(cls, config, partial_none=True):
+    name = f"{cls.__name__}{sorted(config.items())}{partial_none}"
+    if name not in _REFERENCE:
+        try:
+            _REFERENCE[name] = _run(cls, config, partial_none, foreach=False)
+        except NotImplementedError as exc:  # an abstract base such as BaseCustomOptimizer
+            _REFERENCE[name] = exc
+    if isinstance(_REFERENCE[name], NotImplementedError):
+        pytest.skip(f"abstract: {_REFERENCE[name]}")
+    return _REFERENCE[name]
+
+
+ALL_CONFIGS = [pytest.param(cls, c, id=n) for cls in gf.optimizers.ALL for n, c in _configs(cls)]
+FIRST_CONFIGS = [
+    pytest.param(cls, _configs(cls)[0][1], id=_configs(cls)[0][0]) for cls in gf.optimizers.ALL
+]
+
+
+@pytest.mark.parametrize("cls,config", ALL_CONFIGS)
+def test_foreach_matches_loop_bitwise(cls, config):
+    ref = _reference(cls, config)
+    _compare(ref, _run(cls, config, foreach=True), exact=True)
+
+
+@pytest.mark.parametrize("cls,config", ALL_CONFIGS)
+def test_default_is_foreach(cls, config):
+    """The default (foreach=None, fused=None) gives the reference loop's bits."""
+    opt = _build(cls, [torch.nn.Parameter(torch.zeros(2))], config)
+    expected = "foreach" if "foreach" in cls.fast_paths else "loop"
+    assert gf.kernels.resolve_path(opt, opt.param_groups[0]) == expected
+
+
+@pytest.mark.parametrize("cls,config", FIRST_CONFIGS)
+def test_fused_matches_loop(cls, config):
+    # A bucket that loses one gradient is a new signature (one more compile), so only a
+    # few optimizers run that schedule fused; the rest skip whole groups only.
+    partial = cls.__name__ in PARTIAL_NONE_FUSED
+    ref = _reference(cls, config, partial)
+    _compare(ref, _run(cls, config, partial, fused=True), exact=False)
+
+
+def test_fused_does_not_recompile():
+    """Later steps (and a new learning rate) reuse the compiled kernel: no new graph."""
+    p = [torch.nn.Parameter(torch.randn(6, 3)), torch.nn.Parameter(torch.randn(5))]
+    lr = [0.1]
+    opt = gf.AdamOptimizer(p, learning_rate=lambda: lr[0], fused=True)
+    for _ in range(2):
+        for x in p:
+            x.grad = torch.randn_like(x)
+        opt.step()
+    before = (fused.compiled_signatures, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    for lr[0] in (0.05, 0.01, 0.2):
+        for x in p:
+            x.grad = torch.randn_like(x)
+        opt.step()
+    after = (fused.compiled_signatures, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert after == before
+
+
+def test_fused_and_foreach_together_rejected():
+    opt = gf.AdamOptimizer([torch.nn.Parameter(torch.zeros(2))], foreach=True, fused=True)
+    opt.param_groups[0]["params"][0].grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        opt.step()
+
+
+def test_sparse_gradients_take_the_reference_path():
+    """A sparse gradient in a fused group is applied by _apply_sparse, never densified."""
+    emb = [torch.nn.Parameter(torch.randn(6, 2)), torch.nn.Parameter(torch.randn(3))]
+    outs = []
+    for options in ({"foreach": False}, {"fused": True}, {"foreach": True}):
+        params = [torch.nn.Parameter(x.detach().clone()) for x in emb]
+        opt = gf.MomentumOptimizer(params, learning_rate=0.1, momentum=0.9, **options)
+        for _ in range(3):
+            idx = torch.tensor([[1, 4, 1]])
+            params[0].grad = torch.sparse_coo_tensor(idx, torch.ones(3, 2), (6, 2))
+            params[1].grad = torch.ones(3)
+            opt.step()
+        outs.append([x.detach().clone() for x in params])
+        assert torch.equal(params[0][0], emb[0][0].detach())  # untouched row: lazy update
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
