@@ -87,29 +87,30 @@ class AdagradDAOptimizer(RowwiseOptimizer):
     def _finish(self, group, shared, hp_for):
         shared["step"] += 1
 
-    def _t(self, shared) -> int:
+    def _t(self, shared, like: torch.Tensor) -> torch.Tensor:
+        """T = step + 1 as a 0-dim tensor like ``like`` (no host sync; traceable)."""
         step = self._global_step if self._global_step is not None else shared["step"]
-        return int(step.item()) + 1
+        return (step + 1).to(device=like.device, dtype=like.dtype)
 
+    # TF branches on l1 > 0; with l1 = 0 the shrinking forms below give the same bits
+    # (sign(x) * max(|x| - 0, 0) == x), so one branch-free form serves both.
     def _rule(self, w, slots, g, hp, shared, sparse):
         ga = slots["gradient_accumulator"] + g
         gg = slots["gradient_squared_accumulator"] + g * g
         new = {"gradient_accumulator": ga, "gradient_squared_accumulator": gg}
-        t, lr, l1, l2 = self._t(shared), hp["lr"], hp[_L1], hp[_L2]
+        lr, l1, l2 = hp["lr"], hp[_L1], hp[_L2]
+        t = self._t(shared, lr)
         if sparse and w.dim() == 1:  # TF's scalar kernel computes in double
-            w_new = _closed_form(ga.double(), gg.double(), t, lr.double(), l1.double(), l2.double())
+            args = (t, lr, l1, l2)
+            w_new = _closed_form(ga.double(), gg.double(), *(x.double() for x in args))
             return w_new.to(w.dtype), new
         if sparse:
             denom = l2 + gg.sqrt() / (t * lr)
-            if l1 > 0:
-                return -ga.sign() * (ga.abs() / t - l1).clamp_min(0) / denom, new
-            return -(ga / t) / denom, new
+            return -ga.sign() * (ga.abs() / t - l1).clamp_min(0) / denom, new
         return _closed_form(ga, gg, t, lr, l1, l2), new
 
 
 def _closed_form(ga, gg, t, lr, l1, l2):
     """TF's dense form of the dual-averaging solution for step ``t``."""
     denom = l2 * (t * lr) + gg.sqrt()
-    if l1 > 0:
-        return lr * -1 * ga.sign() * (ga.abs() - t * l1).clamp_min(0) / denom
-    return lr * -1 * ga / denom
+    return lr * -1 * ga.sign() * (ga.abs() - t * l1).clamp_min(0) / denom

@@ -84,19 +84,22 @@ class FtrlOptimizer(RowwiseOptimizer):
         return {"accum": _hyper.as_float(group[_INIT]), "linear": 0.0}
 
     def _update_group(self, group, params, grads, hp_for):
-        def with_l2_eff(dtype, device):
-            hp = dict(hp_for(dtype, device))
-            hp["l2_eff"] = _l2_eff(hp_for(torch.float32, device)).to(dtype)
+        # Derived values are formed here, outside the (possibly compiled) rule: l2_eff in
+        # float32 as TF does, and TF's Python-level kernel choices as plain bools.
+        def derived(dtype, device):
+            hp, hp32 = dict(hp_for(dtype, device)), hp_for(torch.float32, device)
+            hp["l2_eff"] = _l2_eff(hp32).to(dtype)
+            hp["fast"] = float(hp32[_POWER]) == -0.5
+            hp["v2"] = float(hp32[_SHRINK]) > 0.0
             return hp
 
-        super()._update_group(group, params, grads, with_l2_eff)
+        super()._update_group(group, params, grads, derived)
 
     def _rule(self, w, slots, g, hp, shared, sparse):
-        lr, l1, p = hp["lr"], hp[_L1], -hp[_POWER]
+        lr, l1, p, fast = hp["lr"], hp[_L1], -hp[_POWER], hp["fast"]
         n, z = slots["accum"], slots["linear"]
-        gs = g + 2 * hp[_SHRINK] * w if hp[_SHRINK] > 0 else g
+        gs = g + 2 * hp[_SHRINK] * w if hp["v2"] else g
         n_new = n + g * g
-        fast = bool(hp[_POWER] == -0.5)
         root_new = _sqrt(n_new) if fast else n_new.pow(p)
         if fast and not (sparse and w.dim() == 1):
             sigma = root_new - _sqrt(n)

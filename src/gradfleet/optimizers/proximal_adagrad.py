@@ -6,7 +6,7 @@ Update rule (dense, and on the listed rows of a sparse gradient)::
     lr_t = lr * rsqrt(acc)                   (rank-1 sparse: lr / sqrt(acc))
     prox = w - g * lr_t
     w = sign(prox) * max(|prox| - lr_t * l1, 0) / (1 + l2 * lr_t)     (l1 > 0)
-    w = prox / (1 + l2 * lr_t)                                         (l1 = 0)
+    w = prox / (1 + l2 * lr_t)                 (l1 = 0; the same bits as the line above)
 
 Sparse: duplicates summed first; rows not listed are unchanged.  TF rejects float64
 variables here (its dense op is not given cast hyperparameters); gradfleet accepts them with
@@ -72,8 +72,11 @@ class ProximalAdagradOptimizer(RowwiseOptimizer):
 
 
 def proximal_step(w, g, lr_t, l1, l2):
-    """A gradient step of size ``lr_t`` followed by TF's l1/l2 proximal shrinkage."""
+    """A gradient step of size ``lr_t`` followed by TF's l1/l2 proximal shrinkage.
+
+    TF branches on ``l1 > 0``; with l1 = 0 the shrinking form gives the same bits
+    (``sign(x) * max(|x| - 0, 0) == x``), so one branch-free form serves both and the rule
+    stays traceable for the fused path.
+    """
     prox = w - g * lr_t
-    if l1 > 0:
-        return prox.sign() * (prox.abs() - lr_t * l1).clamp_min(0) / (1 + l2 * lr_t)
-    return prox / (1 + l2 * lr_t)
+    return prox.sign() * (prox.abs() - lr_t * l1).clamp_min(0) / (1 + l2 * lr_t)

@@ -4,7 +4,7 @@ Update rule (dense, and on the listed rows of a sparse gradient)::
 
     prox = w - g * lr
     w = sign(prox) * max(|prox| - lr * l1, 0) / (1 + l2 * lr)     (l1 > 0)
-    w = prox / (1 + l2 * lr)                                       (l1 = 0)
+    w = prox / (1 + l2 * lr)                   (l1 = 0; the same bits as the line above)
 
 Sparse: duplicates summed first (the shrinkage is not linear); rows not listed are
 unchanged.  TF rejects float64 variables here; gradfleet accepts them with the same
