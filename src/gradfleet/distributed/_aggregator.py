@@ -1,0 +1,255 @@
+"""The pure state machine behind ``SyncReplicasOptimizer``: accumulators, staleness, tokens.
+
+No processes, no I/O: the server runs it under a lock and the tests drive it directly.
+
+``GradientAggregator`` is TF's ``ConditionalAccumulator`` (dense variables) and
+``SparseConditionalAccumulator`` (row-sparse variables) for a whole list of variables that share
+one counter and one ``current_global_step``::
+
+    push(worker, tag, grads):  accepted iff tag >= current_global_step (else silently dropped);
+                               dense: sum += g; sparse: row_sum[rows] += rows, row_count[rows] += 1
+                               (duplicate rows inside one gradient are summed first, counted once);
+                               counter += 1
+    take_average():            current_global_step += 1; dense: sum / counter (the number of
+                               accepted gradients, as TF's take_grad); sparse: row_sum / row_count
+                               for every touched row; counter := 0
+
+TF keeps one accumulator per variable; with every push carrying the full gradient list they
+advance in lockstep, so one shared counter is the same machine (TF's race where one variable
+accepts a gradient its neighbour drops cannot happen here).  Beyond TF: a ``None`` gradient in a
+dense slot counts as zeros (the push is one contribution), a variable that received ``None`` from
+every accepted push averages to ``None`` (the wrapped optimizer skips it); per-worker counters of
+accepted / dropped / rejected pushes; ``nonfinite`` policy for NaN/Inf gradients.
+
+``TokenQueue`` is TF's ``sync_token_q``: a FIFO of global-step values; the chief enqueues
+``max(N, R)`` copies of the new step after every update; a worker dequeues one after each push
+and uses it as its next tag.  ``init_tokens`` is ``get_init_tokens_op``'s ``num_tokens`` rule.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["GradientAggregator", "TokenQueue", "init_tokens", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("raise", "drop", "apply")
+
+
+def init_tokens(num_tokens: int, replicas_to_aggregate: int, total_num_replicas: int) -> int:
+    """Initial tokens, TF's ``get_init_tokens_op(num_tokens)`` rule: ``-1`` means ``R``; fewer
+    than ``R - N`` cannot finish the first step (``ValueError``, TF's message)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
+    needed = replicas_to_aggregate - total_num_replicas
+    if num_tokens == -1:
+        return replicas_to_aggregate
+    if num_tokens < needed:
+        raise ValueError(
+            f"Too few tokens to finish the first step: {num_tokens} (given) vs {needed} (needed)"
+        )
+    return max(num_tokens, 0)
+
+
+class TokenQueue:
+    """FIFO of global-step values (TF's ``sync_token_q``)."""
+
+    def __init__(self) -> None:
+        self._q: collections.deque[int] = collections.deque()
+
+    def put(self, value: int, count: int) -> None:
+        self._q.extend([int(value)] * count)
+
+    def get(self) -> int | None:
+        """The oldest token, or ``None`` when empty (a TF worker would block)."""
+        return self._q.popleft() if self._q else None
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def state(self) -> list[int]:
+        return list(self._q)
+
+    def load(self, values: Sequence[int]) -> None:
+        self._q = collections.deque(int(v) for v in values)
+
+
+class GradientAggregator:
+    """Accumulate step-tagged gradient lists from workers; average once ``R`` are in."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        replicas_to_aggregate: int,
+        nonfinite: str = "raise",
+    ) -> None:
+        if isinstance(replicas_to_aggregate, bool) or not isinstance(replicas_to_aggregate, int):
+            raise ValueError(f"replicas_to_aggregate must be an int, got {replicas_to_aggregate!r}")
+        if replicas_to_aggregate < 1:
+            raise ValueError(
+                "replicas_to_aggregate must be positive (TF: Argument num_required must be "
+                f"positive), got {replicas_to_aggregate}"
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.nonfinite = nonfinite
+        self.shapes = [tuple(p.shape) for p in params]
+        self.dtypes = [p.dtype for p in params]
+        self.kinds: list[str | None] = [None] * len(params)  # "dense"/"sparse", fixed on first use
+        self.global_step = 0
+        self.counter = 0
+        self._sum = [torch.zeros(p.shape, dtype=p.dtype) for p in params]
+        self._rows = [torch.zeros(p.shape[0] if p.dim() else 0, dtype=torch.int64) for p in params]
+        self._seen = [False] * len(params)
+        self.stats: dict[int, dict[str, int]] = {}
+
+    # ------------------------------------------------------------------ validation
+    def check(self, worker: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Raise ``ValueError`` if ``grads`` does not fit the variables; nothing changes."""
+        if len(grads) != len(self.shapes):
+            raise ValueError(
+                f"worker {worker} pushed {len(grads)} gradients, the server holds "
+                f"{len(self.shapes)} variables (parameter lists differ across workers)"
+            )
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if tuple(g.shape) != self.shapes[i]:
+                raise ValueError(
+                    f"worker {worker}: gradient {i} has shape {tuple(g.shape)}, the server's "
+                    f"variable {i} has shape {self.shapes[i]}"
+                )
+            kind = "sparse" if g.is_sparse else "dense"
+            if g.is_sparse and (g.sparse_dim() != 1 or len(self.shapes[i]) < 1):
+                raise ValueError(f"worker {worker}: sparse gradient {i} must be row-sparse")
+            if self.kinds[i] not in (None, kind):
+                raise ValueError(
+                    f"worker {worker}: gradient {i} is {kind} but variable {i} accumulates "
+                    f"{self.kinds[i]} gradients"
+                )
+
+    def _finite(self, grads: Sequence[torch.Tensor | None]) -> int | None:
+        for i, g in enumerate(grads):
+            if g is not None and not bool(torch.isfinite(g._values() if g.is_sparse else g).all()):
+                return i
+        return None
+
+    def _count(self, worker: int, key: str) -> None:
+        entry = self.stats.setdefault(worker, {"accepted": 0, "dropped": 0, "nonfinite": 0})
+        entry[key] += 1
+
+    # ------------------------------------------------------------------ the machine
+    def push(self, worker: int, step_tag: int, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Offer one gradient list computed at ``step_tag``; True iff it was accumulated.
+
+        Stale (``step_tag < global_step``) lists are dropped.  A non-finite list (checked
+        first) raises
+        ``FloatingPointError`` (``nonfinite="raise"``, nothing accumulated) or is dropped
+        (``"drop"``) or accumulated like TF (``"apply"``).
+        """
+        self.check(worker, grads)
+        bad = self._finite(grads) if self.nonfinite != "apply" else None
+        if bad is not None:  # checked first: bad input is reported even when also stale
+            self._count(worker, "nonfinite")
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"worker {worker}: non-finite gradient for variable {bad} "
+                    f"{self.shapes[bad]}; it was not accumulated and nothing was applied"
+                )
+            return False
+        if step_tag < self.global_step:
+            self._count(worker, "dropped")
+            return False
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                self._seen[i] = True
+                if g.is_sparse:
+                    self.kinds[i] = "sparse"
+                    g = g.coalesce()
+                    idx = g.indices()[0]
+                    self._sum[i].index_add_(0, idx, g.values().to(self.dtypes[i]))
+                    self._rows[i][idx] += 1
+                else:
+                    self.kinds[i] = "dense"
+                    self._sum[i].add_(g.to(self.dtypes[i]))
+        self.counter += 1
+        self._count(worker, "accepted")
+        return True
+
+    def ready(self) -> bool:
+        return self.counter >= self.replicas_to_aggregate
+
+    def take_average(self) -> list[torch.Tensor | None]:
+        """The averages (TF ``take_grad``); advances ``global_step`` and resets."""
+        if not self.ready():
+            raise RuntimeError(
+                f"take_average: {self.counter} of {self.replicas_to_aggregate} gradients present"
+            )
+        out: list[torch.Tensor | None] = []
+        for i in range(len(self.shapes)):
+            if not self._seen[i]:
+                out.append(None)
+            elif self.kinds[i] == "sparse":
+                rows = self._rows[i].nonzero().reshape(-1)
+                div = (
+                    self._rows[i][rows]
+                    .to(self.dtypes[i])
+                    .reshape(-1, *[1] * (len(self.shapes[i]) - 1))
+                )
+                values = self._sum[i][rows] / div
+                out.append(
+                    torch.sparse_coo_tensor(rows.unsqueeze(0), values, self.shapes[i]).coalesce()
+                )
+            else:
+                out.append(self._sum[i] / self.counter)
+        self.global_step += 1
+        self._reset()
+        return out
+
+    def set_global_step(self, step: int) -> None:
+        """TF's ``set_global_step`` (chief init): accumulated gradients are kept."""
+        self.global_step = int(step)
+
+    def _reset(self) -> None:
+        self.counter = 0
+        for s, r in zip(self._sum, self._rows, strict=True):
+            s.zero_()
+            r.zero_()
+        self._seen = [False] * len(self.shapes)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "counter": self.counter,
+            "kinds": list(self.kinds),
+            "seen": list(self._seen),
+            "sum": [s.clone() for s in self._sum],
+            "rows": [r.clone() for r in self._rows],
+            "stats": {int(w): dict(v) for w, v in self.stats.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shapes = [tuple(s.shape) for s in state["sum"]]
+        if shapes != self.shapes:
+            raise ValueError(f"aggregator state has shapes {shapes}, expected {self.shapes}")
+        self.global_step = int(state["global_step"])
+        self.counter = int(state["counter"])
+        self.kinds = list(state["kinds"])
+        self._seen = list(state["seen"])
+        for dst, src in zip(
+            self._sum + self._rows, list(state["sum"]) + list(state["rows"]), strict=True
+        ):
+            dst.copy_(src)
+        self.stats = {int(w): dict(v) for w, v in state["stats"].items()}
+
+
+def finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,251 @@
+"""Asynchronous EASGD: the centre lives on a server, each worker exchanges on its own schedule.
+
+``ElasticAverageOptimizer(..., mode="async")`` (or ``mode=AsyncCentre(...)`` for options) keeps
+TF's ``global_center_variable`` in a server thread inside rank ``server_rank`` (TF's PS).  Every
+``communication_period`` local steps a worker sends its parameters ``x`` and the server, in one
+atomic request, answers the centre ``c`` it held and moves it::
+
+    server:  c_read := c;  c := c + alpha * (x - c_read)
+    worker:  c_loc := c_read;  d := x - c_loc;  x := x - alpha * d
+
+No barrier and no waiting for other workers: the result depends on the order in which workers
+reach the server, exactly as in TF (reference 3.4), except that TF's read-then-``assign_add`` is
+not atomic across workers while this exchange is (each exchange sees every earlier one).
+``synchronous=True`` adds TF's one-time start-up barrier (every worker waits until all
+``num_worker`` have read the initial centre) and nothing else.
+
+Start / restart (TF's ``get_init_op`` + ``synchronous=False``): a worker reads the current centre
+into its parameters and local centre and starts at ``local_step = 0``; a worker that was killed and
+restarted does the same while the others never stop.  A restarted process is outside the process
+group, so it names the server explicitly: ``AsyncCentre(address=..., worker=...)`` with the
+``address`` of the running server (``AsyncCentre.address`` on any worker).  A dead server makes
+every exchange fail at once with an error naming the server rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._centre import CENTRE_MODES, CentreStrategy
+from ._comm import Collective, LocalCollective, resolve_collective
+from ._mailbox import MailboxClient, MailboxServer, Reply
+
+__all__ = ["AsyncCentre", "CentreServer"]
+
+
+class CentreServer:
+    """The centre variables and the start-up barrier; driven by ``MailboxServer``."""
+
+    def __init__(self, centre: Sequence[torch.Tensor], num_worker: int, timeout: float) -> None:
+        self.centre = [c.detach().clone() for c in centre]
+        self.num_worker, self.timeout = num_worker, timeout
+        self.exchanges: dict[int, int] = {}
+        self.joins: dict[int, int] = {}
+        self.seen: dict[int, float] = {}
+        self.done: set[int] = set()
+        self.arrived: set[int] = set()
+        self.barrier: list[tuple[int, Reply, float]] = []
+
+    def handle(self, msg: dict[str, Any], reply: Reply) -> None:
+        worker, op = int(msg["worker"]), msg["op"]
+        self.seen[worker] = time.monotonic()
+        if op == "hello":
+            shapes = [list(c.shape) for c in self.centre]
+            if [list(s) for s in msg["shapes"]] != shapes:
+                raise ValueError(
+                    f"ElasticAverageOptimizer: worker rank {worker} has parameter "
+                    f"shapes {msg['shapes']}, the centre has {shapes}"
+                )
+            self.joins[worker] = self.joins.get(worker, 0) + 1
+            self.done.discard(worker)
+            reply.send({"centre": self.centre})
+        elif op == "exchange":
+            alpha = float(msg["alpha"])
+            read = [c.clone() for c in self.centre]
+            for c, x, r in zip(self.centre, msg["params"], read, strict=True):
+                c.add_(x.to(c.dtype) - r, alpha=alpha)
+            self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
+            reply.send({"centre": read})
+        elif op == "barrier":
+            self.arrived.add(worker)
+            self.barrier.append((worker, reply, time.monotonic()))
+            if len(self.arrived) >= self.num_worker:
+                for _, r, _ in self.barrier:
+                    r.send({})
+                self.barrier = []
+        elif op == "read":
+            reply.send({"centre": self.centre, "exchanges": self.exchanges, "joins": self.joins})
+        elif op == "load":
+            for c, v in zip(self.centre, msg["centre"], strict=True):
+                c.copy_(v)
+            reply.send({})
+        elif op == "done":
+            self.done.add(worker)
+            reply.send({})
+        else:
+            raise ValueError(f"unknown request {op!r}")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.barrier and now - self.barrier[0][2] > self.timeout:
+            missing = sorted(set(range(self.num_worker)) - self.arrived)
+            for _, r, _ in self.barrier:
+                r.send(
+                    {
+                        "error": "TimeoutError",
+                        "message": (
+                            f"ElasticAverageOptimizer(synchronous=True): start-up barrier waited "
+                            f"{self.timeout:g}s; worker rank(s) {missing} never arrived"
+                        ),
+                    }
+                )
+            self.barrier = []
+
+    def finished(self) -> bool:
+        now = time.monotonic()
+        return all(
+            w in self.done or now - self.seen.get(w, -1e18) > self.timeout
+            for w in range(self.num_worker)
+        )
+
+
+class AsyncCentre(CentreStrategy):
+    """Centre on a server inside ``server_rank``; asynchronous exchanges (module docstring).
+
+    Args:
+        server_rank: rank hosting the server (TF's PS); it also trains.
+        timeout: seconds to wait for the server, the start-up barrier or the end of training.
+        host: interface the server listens on (loopback by default).
+        address / worker: for a process outside the process group (a restarted worker).
+    """
+
+    mode = "async"
+
+    def __init__(
+        self,
+        server_rank: int = 0,
+        timeout: float = 60.0,
+        host: str = "127.0.0.1",
+        address: str | None = None,
+        worker: int | None = None,
+    ) -> None:
+        self.server_rank, self.timeout, self.host = server_rank, float(timeout), host
+        self.address, self.worker = address, worker
+        self.num_worker, self.synchronous = 1, False
+        self._server: CentreServer | None = None
+        self._mailbox: MailboxServer | None = None
+        self._client: MailboxClient | None = None
+
+    # ------------------------------------------------------------------ wrapper hooks
+    def configure(self, num_worker: int, synchronous: bool) -> None:
+        self.num_worker, self.synchronous = num_worker, synchronous
+
+    def resolve_collective(self, num_worker: int, group: Any, owner: str) -> Collective:
+        """Inside the process group: the group's collective; a restarted process (``address``
+        given) needs none."""
+        if self.address is not None:
+            local = LocalCollective()
+            local.rank, local.world_size = int(self.worker or 0), num_worker
+            return local
+        return resolve_collective(num_worker, group, owner)
+
+    def global_step_increment(self) -> int:
+        return 1  # TF: global_step counts communications of all workers
+
+    def setup(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
+        if self.worker is None:
+            self.worker = comm.rank
+        if self.address is None:
+            if comm.rank == self.server_rank:
+                self._server = CentreServer(params, self.num_worker, self.timeout)
+                self._mailbox = MailboxServer(
+                    self._server.handle, host=self.host, tick=self._server.tick
+                )
+                self.address = self._mailbox.address
+            if comm.world_size > 1:
+                group = getattr(comm, "group", None)
+                src = (
+                    self.server_rank
+                    if group is None
+                    else dist.get_global_rank(group, self.server_rank)
+                )
+                box = [self.address]
+                dist.broadcast_object_list(box, src=src, group=group)
+                self.address = box[0]
+        self._client = MailboxClient(
+            self.address,
+            f"easgd{self.worker}",
+            self.timeout + 10.0,
+            f"server rank {self.server_rank}",
+        )
+        hello = self._client.call(
+            "hello", worker=self.worker, shapes=[list(p.shape) for p in params]
+        )
+        with torch.no_grad():  # TF's init op: x := centre (the wrapper then caches c_loc := x)
+            for p, c in zip(params, hello["centre"], strict=True):
+                p.copy_(c)
+        if self.synchronous:
+            self._client.call("barrier", worker=self.worker)
+
+    def exchange(self, params: Sequence[torch.Tensor], moving_rate: float) -> list[torch.Tensor]:
+        assert self._client is not None, "setup() must run first"
+        reply = self._client.call(
+            "exchange", worker=self.worker, alpha=moving_rate, params=[p.detach() for p in params]
+        )
+        read = reply["centre"]
+        with torch.no_grad():
+            for p, c in zip(params, read, strict=True):
+                p.sub_(p.detach() - c.to(p.dtype), alpha=moving_rate)
+        return read
+
+    def centre(self) -> list[torch.Tensor]:
+        assert self._client is not None, "setup() must run first"
+        return self._client.call("read", worker=self.worker)["centre"]
+
+    def counters(self) -> dict[str, dict[int, int]]:
+        """Server-side exchanges and (re)joins per worker."""
+        assert self._client is not None
+        reply = self._client.call("read", worker=self.worker)
+        return {"exchanges": reply["exchanges"], "joins": reply["joins"]}
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._client.bytes_out if self._client is not None else 0
+
+    # ------------------------------------------------------------------ checkpoints / end
+    def state_dict(self) -> dict[str, Any]:
+        return {"centre": [c.clone() for c in self.centre()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """On the server rank: restore the centre; elsewhere only check the shapes."""
+        current = self.centre()
+        values = state["centre"]
+        if [tuple(v.shape) for v in values] != [tuple(c.shape) for c in current]:
+            raise ValueError("ElasticAverageOptimizer.load_state_dict: centre shapes differ")
+        if self._server is not None:
+            assert self._client is not None
+            self._client.call("load", worker=self.worker, centre=values)
+
+    def close(self) -> None:
+        """Leave; the server rank keeps serving until every worker left (or has been silent
+        for ``timeout`` seconds), so call it at the end of training on every worker."""
+        if self._client is not None:
+            try:
+                self._client.call("done", worker=self.worker, timeout=5.0)
+            except Exception:
+                pass
+            self._client = None
+        if self._mailbox is not None and self._server is not None:
+            end = time.monotonic() + self.timeout
+            while time.monotonic() < end and not self._server.finished():
+                time.sleep(0.02)
+            self._mailbox.close()
+            self._mailbox = None
+
+
+CENTRE_MODES[AsyncCentre.mode] = AsyncCentre

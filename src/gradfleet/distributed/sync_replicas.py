@@ -1,0 +1,340 @@
+"""``SyncReplicasOptimizer``: synchronous SGD with backup workers and stale-gradient dropping.
+
+TF's ``tf.train.SyncReplicasOptimizer`` (reference section 1) on ``torch.distributed``.  Each
+worker computes gradients on its copy of the model and calls ``step()`` (or
+``apply_gradients``); the server (a thread inside rank ``server_rank``, TF's PS + chief) runs::
+
+    worker:  push (local_step, grads) -> accumulators drop it if local_step < global_step
+             dequeue a token (blocks) -> local_step := token; load the current variables
+    server:  once R = replicas_to_aggregate fresh gradients are in: average them (dense: by
+             the accepted count; sparse rows: by the number of gradients holding the row),
+             apply them with the wrapped optimizer, global_step += 1, enqueue max(N, R)
+             tokens carrying the new step, update ``variable_averages``
+
+N = ``total_num_replicas`` > R gives N - R backup workers: the first R fresh gradients make the
+update, late ones are dropped.  N < R: workers push several batches per update.  Tokens are
+shared, so a fast worker may contribute several gradients to one update.  The initial token fill
+is TF's ``get_init_tokens_op(num_tokens)`` (``-1`` -> R; fewer than R - N is an error) and leads
+to TF's "one wasted round" right after the first update.
+
+Beyond TF: ``last_gradient_accepted`` and per-worker ``counters`` (accepted / dropped /
+nonfinite); ``nonfinite`` policy; ``last_step`` releases every worker at the end; a worker that
+waits ``timeout`` seconds gets an error naming the silent ranks, a dead server an error naming
+the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by one all-reduce
+per round with the same numerics in lockstep, including the wasted round.
+
+TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
+``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
+(parameters of this optimizer), ``use_locking`` (ignored), ``name``; the hook's ``num_tokens``
+is a constructor argument; ``is_chief`` is ``rank == server_rank``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._aggregator import NONFINITE_POLICIES, init_tokens
+from ._allreduce_sync import AllReduceSync
+from ._mailbox import MailboxClient, MailboxServer
+from ._server import ExponentialMovingAverage, SyncServer
+from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
+
+__all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
+
+_OWNER = "SyncReplicasOptimizer"
+
+
+class SyncReplicasOptimizer(WrapperOptimizer):
+    """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
+
+    Args:
+        opt: the wrapped optimizer over this worker's model parameters; the server applies the
+            averaged gradients with a copy of it (hyperparameters are re-read from the chief's
+            ``opt`` before every update, so LR schedules on the chief apply).
+        replicas_to_aggregate: R, gradients per update (>= 1).
+        total_num_replicas: N, worker processes (default R); must equal the world size.
+        variable_averages / variables_to_average: moving averages of the server variables
+            after every update (read them with :meth:`averaged_variables` on the chief).
+        num_tokens: initial tokens (TF hook's ``num_tokens``; -1 means R).
+        transport: ``"server"`` (default) or ``"allreduce"`` (R == N, lockstep, no server).
+        timeout: seconds a worker waits for a token / the server before failing.
+        last_step: once ``global_step`` reaches it, every worker is released at once.
+        nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
+            ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
+        server_rank / host: where the server lives; it listens on ``host`` (loopback default).
+        server_address / worker: for a process outside the process group (a restarted
+            worker): the server's ``"host:port"`` (``server_address`` property of a running
+            optimizer) and this worker's id.
+    """
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        replicas_to_aggregate: int,
+        total_num_replicas: int | None = None,
+        variable_averages: ExponentialMovingAverage | None = None,
+        variables_to_average: Iterable[torch.Tensor] | None = None,
+        use_locking: bool = False,
+        name: str = "sync_replicas",
+        *,
+        num_tokens: int = -1,
+        transport: str = "server",
+        timeout: float = 60.0,
+        last_step: int | None = None,
+        nonfinite: str = "raise",
+        server_rank: int = 0,
+        host: str = "127.0.0.1",
+        server_address: str | None = None,
+        worker: int | None = None,
+    ) -> None:
+        R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
+        N = check_int(
+            _OWNER, "total_num_replicas", R if total_num_replicas is None else total_num_replicas, 1
+        )
+        tokens = init_tokens(num_tokens, R, N)
+        if transport not in ("server", "allreduce"):
+            raise ValueError(
+                f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}"
+            )
+        if transport == "allreduce" and R != N:
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
+                f"total_num_replicas, got {R} vs {N}"
+            )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"{_OWNER}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
+            )
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}"
+            )
+        if last_step is not None:
+            check_int(_OWNER, "last_step", last_step, 0)
+        super().__init__(opt, name)
+        self.replicas_to_aggregate, self.total_num_replicas = R, N
+        self.tokens_per_step = max(N, R)
+        self.timeout, self.transport = float(timeout), transport
+        self.local_step = self.global_step = 0
+        self.last_gradient_accepted: bool | None = None
+        self.counters = {"accepted": 0, "dropped": 0}
+        self._index = {id(p): i for i, p in enumerate(self.params())}
+        averaged = self._average_indices(variables_to_average)
+        self._server: SyncServer | None = None
+        self._mailbox: MailboxServer | None = None
+        self._client: MailboxClient | None = None
+        self._allreduce: AllReduceSync | None = None
+        self.worker = self._resolve_worker(worker, server_address, N)
+        if transport == "allreduce":
+            self._allreduce = AllReduceSync(
+                self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
+            )
+            return
+        self.is_chief = server_address is None and self.worker == server_rank
+        if self.is_chief:
+            self._server = SyncServer(
+                opt, R, N, tokens, self.timeout, variable_averages, averaged, nonfinite, last_step
+            )
+            self._mailbox = MailboxServer(self._server.handle, host=host, tick=self._server.tick)
+            server_address = self._mailbox.address
+        if server_address is None:
+            box = [server_address]
+            dist.broadcast_object_list(box, src=server_rank)
+            server_address = box[0]
+        elif dist.is_initialized() and server_rank == dist.get_rank() == self.worker:
+            dist.broadcast_object_list([server_address], src=server_rank)
+        self.server_address: str = server_address
+        self._client = MailboxClient(
+            server_address, f"w{self.worker}", self.timeout + 10.0, f"server rank {server_rank}"
+        )
+        params = self.params()
+        hello = self._client.call(
+            "hello",
+            worker=self.worker,
+            shapes=[list(p.shape) for p in params],
+            dtypes=[str(p.dtype) for p in params],
+        )
+        self.local_step = self.global_step = int(hello["global_step"])  # local_step_init_op
+        self._load_params(hello["params"])
+        self._version = self.global_step
+
+    # ----------------------------------------------------------------- set-up helpers
+    def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
+        if variables is None:
+            return []
+        out = []
+        for v in variables:
+            if id(v) not in self._index:
+                raise ValueError(
+                    f"{_OWNER}: variables_to_average holds a tensor of shape "
+                    f"{tuple(v.shape)} that is not a parameter of the optimizer"
+                )
+            out.append(self._index[id(v)])
+        return out
+
+    @staticmethod
+    def _resolve_worker(worker: int | None, address: str | None, N: int) -> int:
+        if worker is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                if N == 1:
+                    return 0
+                raise RuntimeError(
+                    f"{_OWNER}: N={N} workers need torch.distributed (or pass "
+                    "server_address= and worker= explicitly)"
+                )
+            worker = dist.get_rank()
+            if address is None and dist.get_world_size() != N:
+                raise ValueError(
+                    f"{_OWNER}: total_num_replicas={N} must equal the world size "
+                    f"({dist.get_world_size()}): one process per worker replica"
+                )
+        return check_int(_OWNER, "worker", worker, 0)
+
+    def _load_params(self, values: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(self.params(), values, strict=True):
+                p.copy_(v)
+
+    # ----------------------------------------------------------------- the step
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Push every parameter's ``.grad`` (None stays None), wait for a token, load the
+        current variables.  Returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync([p.grad for p in self.params()])
+        return loss
+
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[Any, torch.Tensor]], global_step: Any = None
+    ) -> None:
+        """TF's worker train op: push, dequeue a token, ``local_step := token``; then
+        ``global_step`` (a 0-dim int tensor, required as in TF) holds the server's step."""
+        pairs = check_grads_and_vars(_OWNER, grads_and_vars)
+        if global_step is None:
+            raise ValueError(f"{_OWNER}: Global step is required to check staleness")
+        grads: list[torch.Tensor | None] = [None] * len(self._index)
+        for g, v in pairs:
+            if id(v) not in self._index:
+                raise ValueError(
+                    f"{_OWNER}.apply_gradients: a variable of shape "
+                    f"{tuple(v.shape)} is not managed by the wrapped optimizer"
+                )
+            grads[self._index[id(v)]] = g
+        self._sync(grads)
+        with torch.no_grad():
+            global_step.fill_(self.global_step)
+
+    def _sync(self, grads: list[torch.Tensor | None]) -> None:
+        grads = [None if g is None else g.detach() for g in grads]
+        if self._allreduce is not None:
+            accepted, self.local_step, self.global_step = self._allreduce.step(
+                self.local_step, grads
+            )
+        else:
+            assert self._client is not None, "optimizer is closed"
+            reply = self._client.call(
+                "step", worker=self.worker, tag=self.local_step, grads=grads, version=self._version
+            )
+            accepted = bool(reply["accepted"])
+            self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
+            if "params" in reply:
+                self._load_params(reply["params"])
+                self._version = self.global_step
+        self.last_gradient_accepted = accepted
+        self.counters["accepted" if accepted else "dropped"] += 1
+
+    # ----------------------------------------------------------------- queries / shutdown
+    def worker_counters(self) -> dict[int, dict[str, int]]:
+        """Per-worker accepted / dropped / nonfinite counts as the server saw them."""
+        if self._allreduce is not None:
+            return self._allreduce.stats
+        assert self._client is not None
+        return {
+            int(k): v for k, v in self._client.call("stats", worker=self.worker)["stats"].items()
+        }
+
+    def averaged_variables(self) -> list[torch.Tensor | None]:
+        """Moving averages of the variables, in parameter order (None if not averaged)."""
+        ema = (
+            self._allreduce.ema
+            if self._allreduce is not None
+            else (self._server.ema if self._server is not None else None)
+        )
+        if ema is None:
+            raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
+        return [ema.shadows.get(i) for i in range(len(self._index))]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this worker sent to the server (all-reduce: bytes reduced)."""
+        if self._allreduce is not None:
+            return self._allreduce.bytes_sent
+        return self._client.bytes_out if self._client is not None else 0
+
+    def close(self) -> None:
+        """Leave: tell the server; the chief keeps serving until every worker left or has
+        been silent for ``timeout`` seconds, then stops the server."""
+        if self._client is not None:
+            try:
+                self._client.call("done", worker=self.worker, timeout=5.0)
+            except Exception:
+                pass
+            self._client = None
+        if self._mailbox is not None and self._server is not None:
+            end = time.monotonic() + self.timeout
+            while time.monotonic() < end:
+                gone = self._server.done | set(self._server.silent_workers())
+                if gone >= set(range(self.total_num_replicas)):
+                    break
+                time.sleep(0.02)
+            self._mailbox.close()
+            self._mailbox = None
+
+    def __enter__(self) -> SyncReplicasOptimizer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- checkpoints
+    def _wrapper_state(self) -> dict[str, Any]:
+        return {
+            "local_step": self.local_step,
+            "global_step": self.global_step,
+            "counters": dict(self.counters),
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "total_num_replicas": self.total_num_replicas,
+            "server": self._server.state_dict() if self._server is not None else None,
+            "allreduce": self._allreduce.state_dict() if self._allreduce is not None else None,
+        }
+
+    def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
+        super()._check_wrapper_state(counters)
+        for key in ("replicas_to_aggregate", "total_num_replicas"):
+            if counters[key] != getattr(self, key):
+                raise ValueError(
+                    f"{_OWNER}.load_state_dict: checkpoint has {key}="
+                    f"{counters[key]}, this optimizer {getattr(self, key)}"
+                )
+        if (counters["server"] is None) != (self._server is None):
+            raise ValueError(f"{_OWNER}.load_state_dict: load the chief's checkpoint on the chief")
+
+    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        if self._server is not None:
+            self._server.load_state_dict(state["server"])
+        if self._allreduce is not None:
+            self._allreduce.load_state_dict(state["allreduce"])
+        self.local_step, self.global_step = int(state["local_step"]), int(state["global_step"])
+        self.counters = dict(state["counters"])
+        self._version = -1  # the next step reloads the variables from the server
+
+    def compute_gradients(self, loss: Any, var_list: Any = None) -> GradsAndVars:
+        """Pass-through to the wrapped optimizer (TF: clip per replica here)."""
+        return super().compute_gradients(loss, var_list=var_list)

@@ -1,0 +1,403 @@
+"""Rank functions for the SyncReplicas / async EASGD / failure tests (run by ``run_ranks``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gradfleet
+from gradfleet.distributed import SyncReplicasOptimizer
+from gradfleet.distributed.testing import RankContext
+
+F64 = torch.float64
+
+
+def make_model(seed: int = 7, width: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 1)).double()
+
+
+def data(worker: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * worker + count)
+    return torch.randn(8, 3, generator=gen, dtype=F64), torch.randn(8, 1, generator=gen, dtype=F64)
+
+
+def loss_of(model: nn.Module, worker: int, count: int) -> torch.Tensor:
+    x, y = data(worker, count)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _die(ctx: RankContext) -> None:
+    """Ask the harness to SIGKILL this rank (``kill_on={rank: "die"}``) and wait for it."""
+    ctx.signal("die")
+    time.sleep(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------- SyncReplicas
+def sync_oracle(ctx: RankContext, num_workers: int, R: int) -> list[tuple]:
+    """TF's oracle (section 1.10) over real processes, ordered with signals."""
+    v0 = torch.tensor(0.0, requires_grad=True)
+    v1 = torch.tensor(1.0, requires_grad=True)
+    vs = torch.tensor([[3.0], [4.0]], requires_grad=True)
+    gs = torch.zeros((), dtype=torch.int64)
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer([v0, v1, vs], 2.0),
+        R,
+        num_workers,
+        num_tokens=num_workers,
+        timeout=20,
+    )
+    k = ctx.rank
+    grads = [
+        (torch.tensor(0.1 + 0.2 * k), v0),
+        (torch.tensor(0.9 + 0.2 * k), v1),
+        (torch.sparse_coo_tensor([[1]], [[0.1 + 0.2 * k]], (2, 1)), vs),
+    ]
+    trace = []
+
+    def run(tag: str) -> None:
+        opt.apply_gradients(grads, gs)
+        trace.append(
+            (
+                tag,
+                int(gs),
+                opt.local_step,
+                opt.last_gradient_accepted,
+                v0.item(),
+                v1.item(),
+                vs.detach().reshape(-1).tolist(),
+            )
+        )
+
+    order = [0, 1] if num_workers == 2 else [0, 2, 1]
+    for rnd in ("a", "b"):  # two sequential rounds in ``order``
+        pos = order.index(k)
+        if pos:
+            ctx.wait_signal(order[pos - 1], rnd, timeout=20)
+        run(rnd)
+        ctx.signal(rnd)
+        ctx.wait_signal(order[-1], rnd, timeout=20)
+    if num_workers == 3 and k == 2:
+        ctx.wait_signal(1, "c", timeout=20)
+    else:  # 3 workers: worker 0 blocks until worker 1 pushes; 2 workers: concurrent round
+        if num_workers == 3 and k == 1:
+            ctx.wait_signal(0, "c-started", timeout=20)
+            time.sleep(0.3)
+        if k == 0:
+            ctx.signal("c-started")
+        run("c")
+        ctx.signal("c")
+    if num_workers == 3:
+        ctx.wait_signal(1, "c", timeout=20)
+        if k != 2:
+            ctx.wait_signal(0, "c", timeout=20)
+    opt.close()
+    return trace
+
+
+def sync_train(
+    ctx: RankContext,
+    R: int,
+    N: int,
+    steps: int,
+    transport: str = "server",
+    slow: int | None = None,
+    delay: float = 0.0,
+    width: int = 4,
+    die_at: int | None = None,
+    timeout: float = 20.0,
+) -> dict:
+    """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
+    rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token)."""
+    model = make_model(width=width)
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        R,
+        N,
+        transport=transport,
+        last_step=steps,
+        timeout=timeout,
+    )
+    count, start = 0, time.monotonic()
+    while opt.global_step < steps:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        opt.step()
+        count += 1
+        if ctx.rank == 1 and die_at is not None and count == die_at:
+            _die(ctx)
+        if ctx.rank == slow:
+            time.sleep(delay)
+    elapsed = time.monotonic() - start
+    out = {
+        "global_step": opt.global_step,
+        "count": count,
+        "elapsed": elapsed,
+        "counters": dict(opt.counters),
+        "bytes": opt.bytes_sent,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+    if ctx.rank == 0:
+        out["server_counters"] = opt.worker_counters()
+    opt.close()
+    return out
+
+
+def sync_error(ctx: RankContext, R: int, N: int, die_at: int, kill_server: bool) -> str:
+    """Rank 1 (or the server, rank 0) dies; the survivors must raise naming it."""
+    model = make_model()
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        R,
+        N,
+        timeout=3.0,
+    )
+    victim = 0 if kill_server else 1
+    count = 0
+    start = time.monotonic()
+    try:
+        while True:
+            opt.zero_grad()
+            loss_of(model, ctx.rank, count).backward()
+            opt.step()
+            count += 1
+            if ctx.rank == victim and count == die_at:
+                _die(ctx)
+    except Exception as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+
+
+def sync_bad_shapes(ctx: RankContext) -> str:
+    model = make_model(width=4 if ctx.rank == 0 else 5)
+    try:
+        opt = SyncReplicasOptimizer(
+            gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+            2,
+            2,
+            timeout=5,
+        )
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    time.sleep(1.0)  # the chief stays up until rank 1 had its answer
+    opt.close()
+    return "ok"
+
+
+def sync_nonfinite(ctx: RankContext) -> dict:
+    """R=2 of N=3: rank 2 pushes a NaN once and gets FloatingPointError; the others go on."""
+    model = make_model()
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        2,
+        3,
+        last_step=6,
+        timeout=10,
+    )
+    errors, count = [], 0
+    while opt.global_step < 6:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        if ctx.rank == 2 and count == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            errors.append(str(exc))
+            opt.local_step = opt.global_step  # this worker skips the batch and resyncs its tag
+        count += 1
+    out = {
+        "errors": errors,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+    if ctx.rank == 0:
+        out["server"] = opt.worker_counters()
+    opt.close()
+    return out
+
+
+def sync_checkpoint(ctx: RankContext, transport: str, split: int, steps: int, path: str) -> list:
+    """Run ``steps`` updates, checkpointing after ``split`` (phase "a") or resuming from it
+    (phase "b" when ``path`` exists): returns the parameters after every update."""
+    model = make_model()
+    R = 2
+    ckpt = Path(path, f"rank{ctx.rank}.pt")
+    resume = ckpt.exists()
+    opt = SyncReplicasOptimizer(
+        gradfleet.AdamOptimizer(model.parameters(), 0.01),
+        R,
+        2,
+        transport=transport,
+        last_step=steps,
+        timeout=10,
+    )
+    count = 0
+    if resume:
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        count = state["count"]
+    traj = []
+    while opt.global_step < steps:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        opt.step()
+        count += 1
+        traj.append((opt.global_step, [p.detach().clone() for p in model.parameters()]))
+        if not resume and opt.global_step == split and opt.local_step == split:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "count": count}, ckpt)
+            break
+    opt.close()
+    return traj
+
+
+# --------------------------------------------------------------------- asynchronous EASGD
+def _easgd(params, num_worker, tau, alpha, strategy, lr=1.0, synchronous=False, group=None):
+    from gradfleet.distributed import ElasticAverageOptimizer
+
+    return ElasticAverageOptimizer(
+        gradfleet.GradientDescentOptimizer(params, lr),
+        num_worker,
+        tau,
+        alpha,
+        rho=0.0,
+        synchronous=synchronous,
+        mode=strategy,
+        process_group=group,
+    )
+
+
+def easgd_oracle(ctx: RankContext) -> dict:
+    """TF's oracle (3.7): 2 workers, tau 1, alpha 0.5, gradients -1, worker 0 then worker 1."""
+    from gradfleet.distributed import AsyncCentre
+
+    v0 = torch.tensor(0.0, requires_grad=True)
+    v1 = torch.tensor(1.0, requires_grad=True)
+    strategy = AsyncCentre(timeout=20)
+    opt = _easgd([v0, v1], 2, 1, 0.5, strategy)
+    gs = torch.zeros((), dtype=torch.int64)
+    if ctx.rank == 1:
+        ctx.wait_signal(0, "stepped", timeout=20)
+    opt.apply_gradients([(torch.tensor(-1.0), v0), (torch.tensor(-1.0), v1)], gs)
+    ctx.signal("stepped")
+    ctx.wait_signal(1, "stepped", timeout=20)
+    out = {
+        "v": (v0.item(), v1.item()),
+        "centre": [c.item() for c in opt.centre()],
+        "global_step": int(gs),
+        "local_centre": [c.item() for c in opt.local_centre()],
+    }
+    strategy.close()
+    return out
+
+
+def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> list:
+    """Workers take turns (rank order) for every local step: a deterministic order that the
+    float64 simulation replays.  Returns the parameters after each local step."""
+    from gradfleet.distributed import AsyncCentre
+
+    model = make_model()
+    strategy = AsyncCentre(timeout=20)
+    opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
+    traj = []
+    for s in range(steps):
+        if ctx.rank:
+            ctx.wait_signal(ctx.rank - 1, f"s{s}", timeout=20)
+        elif s:
+            ctx.wait_signal(ctx.world_size - 1, f"s{s - 1}", timeout=20)
+        opt.zero_grad()
+        loss_of(model, ctx.rank, s).backward()
+        opt.step()
+        traj.append([p.detach().clone() for p in model.parameters()])
+        ctx.signal(f"s{s}")
+    ctx.wait_signal(ctx.world_size - 1, f"s{steps - 1}", timeout=20)
+    centre = [c.clone() for c in opt.centre()]
+    strategy.close()
+    return [traj, centre]
+
+
+def easgd_rejoin(ctx: RankContext, seconds: float) -> dict:
+    """3 workers (ranks 0-2) train for ``seconds``; rank 2 is SIGKILLed after 10 steps and
+    rank 3 restarts it: a fresh process that joins as worker 2 through the server address."""
+    from gradfleet.distributed import AsyncCentre
+
+    group = torch.distributed.new_group([0, 1, 2])
+    model = make_model()
+    if ctx.rank == 3:  # the restarted worker 2: no process group, explicit address
+        ctx.wait_signal(2, "die", timeout=30)
+        time.sleep(0.5)
+        address = Path(ctx.workdir, "address").read_text()
+        strategy = AsyncCentre(timeout=10, address=address, worker=2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(123.0)  # garbage: the join must overwrite it with the centre
+    else:
+        strategy = AsyncCentre(timeout=10)
+    opt = _easgd(
+        model.parameters(), 3, 2, 0.2, strategy, lr=0.05, group=None if ctx.rank == 3 else group
+    )
+    joined_with = [p.detach().clone() for p in model.parameters()]
+    if ctx.rank == 0:
+        Path(ctx.workdir, "address").write_text(strategy.address)
+    start, steps, rejoin_seen = time.monotonic(), 0, None
+    while time.monotonic() - start < seconds:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, steps).backward()
+        opt.step()
+        steps += 1
+        if ctx.rank == 2 and steps == 10:
+            _die(ctx)
+        if ctx.rank == 0 and rejoin_seen is None and strategy.counters()["joins"].get(2) == 2:
+            rejoin_seen = steps
+        time.sleep(0.01)
+    out = {
+        "steps": steps,
+        "local_step": opt.local_step,
+        "rejoin_seen_at": rejoin_seen,
+        "joined_with": joined_with,
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+    }
+    if ctx.rank == 0:
+        out["counters"] = strategy.counters()
+    strategy.close()
+    return out
+
+
+def easgd_server_dies(ctx: RankContext) -> str:
+    from gradfleet.distributed import AsyncCentre
+
+    model = make_model()
+    strategy = AsyncCentre(timeout=5)
+    opt = _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05)
+    start = time.monotonic()
+    try:
+        for s in range(10_000):
+            opt.zero_grad()
+            loss_of(model, ctx.rank, s).backward()
+            opt.step()
+            if ctx.rank == 0 and s == 5:
+                _die(ctx)
+            time.sleep(0.01)
+    except Exception as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    return "no error"
+
+
+def easgd_barrier(ctx: RankContext, late: float) -> dict:
+    """synchronous=True: the start-up barrier holds the others until rank 1 arrives."""
+    from gradfleet.distributed import AsyncCentre
+
+    if ctx.rank == 1:
+        time.sleep(late)
+    model = make_model()
+    strategy = AsyncCentre(timeout=10)
+    start = time.monotonic()
+    _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05, synchronous=True)
+    waited = time.monotonic() - start
+    strategy.close()
+    return {"waited": waited}
