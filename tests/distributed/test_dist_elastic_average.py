@@ -123,7 +123,7 @@ def test_penalty_uses_the_centre_read_at_the_last_exchange():
         ({"moving_rate": float("nan")}, "moving_rate must be a number"),
         ({"rho": -1.0}, "rho must be a number >= 0"),
         ({"synchronous": "yes"}, "synchronous must be a bool"),
-        ({"mode": "server"}, r"mode must be one of \['allreduce'\]"),
+        ({"mode": "gossip"}, r"mode must be one of \[.*'allreduce'.*\], got 'gossip'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
