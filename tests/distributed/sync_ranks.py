@@ -225,13 +225,13 @@ def sync_checkpoint(ctx: RankContext, transport: str, split: int, steps: int, pa
     """Run ``steps`` updates, checkpointing after ``split`` (phase "a") or resuming from it
     (phase "b" when ``path`` exists): returns the parameters after every update."""
     model = make_model()
-    R = 2
+    R = ctx.world_size
     ckpt = Path(path, f"rank{ctx.rank}.pt")
     resume = ckpt.exists()
     opt = SyncReplicasOptimizer(
         gradfleet.AdamOptimizer(model.parameters(), 0.01),
         R,
-        2,
+        R,
         transport=transport,
         last_step=steps,
         timeout=10,

@@ -141,6 +141,7 @@ class MailboxServer:
             timeout=timedelta(days=1),
             master_listen_fd=self._sock.fileno(),
         )
+        self._sock.detach()  # the store owns the descriptor now: never close it twice
         self._handler, self._tick, self._tick_s = handler, tick, tick_s
         self._stopping = threading.Event()
         self.bytes_in = 0
