@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradfleet import _hyper
+from gradfleet import _hyper, kernels
 from gradfleet._hyper import Range
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -53,6 +53,10 @@ class Optimizer(torch.optim.Optimizer):
     sparse: ClassVar[str | None] = "sum_duplicates"
     #: Option keys (bools/ints) that live in the param group but are not cast like floats.
     flags: ClassVar[tuple[str, ...]] = ()
+    #: Fast paths whose use of ``_apply_dense`` this class supports (``gradfleet.kernels``):
+    #: "foreach" needs elementwise maths (no branching on data), "fused" needs it traceable
+    #: by ``torch.compile(fullgraph=True)``.
+    fast_paths: ClassVar[tuple[str, ...]] = ("foreach", "fused")
 
     def __init__(
         self,
@@ -115,19 +119,27 @@ class Optimizer(torch.optim.Optimizer):
         raise NotImplementedError(f"{type(self).__name__} does not implement _apply_sparse")
 
     def _update_group(self, group, params, grads, hp_for) -> None:
-        """Apply one step to the parameters of one group: the per-parameter reference loop.
+        """Apply one step to the parameters of one group.
 
         ``hp_for(dtype, device)`` returns the group's hyperparameters as 0-dim tensors.
-        Fast paths (``gradfleet.kernels``) replace this loop for dense gradients.
+        Sparse gradients take the per-parameter reference loop; dense ones take the path
+        ``group["foreach"]``/``group["fused"]`` select (``gradfleet.kernels.resolve_path``).
         """
         shared = group["non_slot"]
+        path = kernels.resolve_path(self, group)
+        fast: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g in zip(params, grads):
             slots = self._slots_for(p, group)
-            if g.is_sparse:
+            if g.is_sparse:  # sparse rules always take the reference path
                 idx, values = sparse_rows(g, self.sparse == "sum_duplicates")
                 self._apply_sparse(p, idx, values, slots, hp_for(p.dtype, p.device), shared)
+            elif path != "loop":
+                fast.append((p, g))
             else:
                 self._apply_dense(p, g, slots, hp_for(p.dtype, p.device), shared)
+        if fast:
+            ps, gs = zip(*fast)
+            kernels.apply_dense(self, group, list(ps), list(gs), hp_for, path)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
