@@ -11,13 +11,17 @@ learning rate does not recompile; Python flags are part of the cache key.
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
 
-# Compiled callables, keyed by the structural signature of a bucket.  Each entry owns a
-# fresh code object, so dynamo's per-code cache (and its recompile limit) is per entry.
-_CACHE: dict[tuple[Any, ...], Any] = {}
+# Compiled callables per optimizer instance (dynamo guards on the instance whose methods it
+# traces, so sharing across instances would only trade a compile for a recompile), keyed
+# by the structural signature of a bucket.  Each entry owns a fresh code object, so
+# dynamo's per-code cache and its recompile limit are per entry; entries die with the
+# optimizer.
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 #: How many distinct signatures were compiled in this process (tests check it stays put).
 compiled_signatures = 0
 
@@ -43,15 +47,16 @@ def signature(opt, params, grads, slots, hp, shared) -> tuple[Any, ...]:
     )
 
 
-def compiled_step(key: tuple[Any, ...]) -> Any:
-    """The compiled step for ``key``, compiling it on first use."""
-    fn = _CACHE.get(key)
+def compiled_step(opt: Any, key: tuple[Any, ...]) -> Any:
+    """The compiled step of ``opt`` for ``key``, compiling it on first use."""
+    cache = _CACHE.setdefault(opt, {})
+    fn = cache.get(key)
     if fn is None:
         global compiled_signatures
         compiled_signatures += 1
         code = _step.__code__.replace(co_name=f"gradfleet_fused_step_{compiled_signatures}")
         fresh = types.FunctionType(code, _step.__globals__, code.co_name)
-        fn = _CACHE[key] = torch.compile(fresh, fullgraph=True, dynamic=False)
+        fn = cache[key] = torch.compile(fresh, fullgraph=True, dynamic=False)
     return fn
 
 
@@ -59,7 +64,7 @@ def run_fused(opt, params, grads, slots, hp, shared) -> None:
     """Apply ``_apply_dense`` to every (param, grad) of one bucket as one compiled kernel."""
     key = signature(opt, params, grads, slots, hp, shared)
     try:
-        compiled_step(key)(opt, params, grads, slots, hp, shared)
+        compiled_step(opt, key)(opt, params, grads, slots, hp, shared)
     except torch._dynamo.exc.Unsupported as exc:  # a graph break: refuse, never fall back
         raise RuntimeError(
             f"{type(opt).__name__}: fused=True needs _apply_dense to compile as one graph "
