@@ -1,0 +1,210 @@
+"""Straggler benchmark for the distributed wrappers: 4 CPU workers (gloo), with/without a straggler.
+
+For each wrapper it runs 4 ranks for ``--seconds`` seconds (a 3-64-64-1 MLP, batch 32, plain SGD)
+and reports, from rank 0: optimizer steps per second (for SyncReplicas also global updates per
+second), and bytes each worker sends per step.  With ``--delay`` rank 3 sleeps after every step.
+
+    python benchmarks/distributed_scaling.py [--seconds 4] [--delay 0.05] [--out benchmarks/results]
+
+Writes ``distributed_scaling.json``, ``distributed_scaling.md`` (table) and
+``distributed_scaling.png`` (bar plot).  Byte counts: the server / centre paths count the payload
+this worker sends (``torch.save`` frames); the all-reduce paths report the ring all-reduce estimate
+``2 (N-1)/N * parameter bytes`` per round (gloo's own traffic is not instrumented).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradfleet
+from gradfleet.distributed import (
+    AsyncCentre,
+    ElasticAverageOptimizer,
+    ModelAverageOptimizer,
+    SyncReplicasOptimizer,
+)
+from gradfleet.distributed.testing import run_ranks
+
+WORLD = 4
+CONFIGS = ["allreduce", "sync_replicas_backup1", "model_average", "async_easgd"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
+
+
+def _ring_bytes(model: nn.Module) -> float:
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * (WORLD - 1) / WORLD * size
+
+
+def _worker(ctx, config: str, seconds: float, delay: float) -> dict:
+    model = _model()
+    sgd = gradfleet.GradientDescentOptimizer(model.parameters(), 0.01)
+    extra = None
+    if config == "allreduce":
+        opt = sgd
+    elif config == "sync_replicas_backup1":
+        # last_step releases every worker at the end (a clock would strand late workers)
+        opt = SyncReplicasOptimizer(sgd, 3, 4, timeout=30, last_step=int(seconds * 60))
+    elif config == "model_average":
+        opt = ModelAverageOptimizer(sgd, WORLD, interval_steps=4)
+    else:
+        extra = AsyncCentre(timeout=30)
+        opt = ElasticAverageOptimizer(sgd, WORLD, 4, mode=extra, rho=0.0)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    # collectives need the same step count on every rank: a fixed budget, not a clock
+    budget = None
+    if config in ("allreduce", "model_average"):
+        budget = int(seconds / (delay + 0.01)) if delay else int(seconds * 100)
+    steps, start = 0, time.monotonic()
+    while not _finished(config, opt, steps, budget, start, seconds):
+        x = torch.randn(32, 3, generator=gen)
+        opt.zero_grad()
+        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+        if config == "allreduce":
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            flat /= WORLD
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        opt.step()
+        steps += 1
+        if ctx.rank == 3 and delay:
+            time.sleep(delay)
+    elapsed = time.monotonic() - start
+    out = {"steps": steps, "elapsed": elapsed}
+    if config in ("allreduce", "model_average"):
+        per_round = _ring_bytes(model)
+        out["bytes_per_step"] = per_round / (4 if config == "model_average" else 1)
+    elif config == "sync_replicas_backup1":
+        out["bytes_per_step"] = opt.bytes_sent / steps
+        out["global_steps"] = opt.global_step
+        opt.close()
+    else:
+        out["bytes_per_step"] = extra.bytes_sent / steps
+        extra.close()
+    return out
+
+
+def _finished(config, opt, steps, budget, start, seconds) -> bool:
+    if config == "sync_replicas_backup1":
+        return opt.global_step >= int(seconds * 60)
+    if budget is not None:
+        return steps >= budget
+    return time.monotonic() - start >= seconds
+
+
+def measure(config: str, seconds: float, delay: float) -> dict:
+    out = run_ranks(_worker, WORLD, args=(config, seconds, delay), timeout=seconds * 10 + 60)
+    r0 = out[0]
+    row = {
+        "config": config,
+        "straggler_delay_s": delay,
+        "steps_per_s_rank0": r0["steps"] / r0["elapsed"],
+        "steps_per_s_mean": sum(o["steps"] / o["elapsed"] for o in out) / WORLD,
+        "bytes_per_worker_step": sum(o["bytes_per_step"] for o in out) / WORLD,
+    }
+    if "global_steps" in r0:
+        row["global_updates_per_s"] = r0["global_steps"] / r0["elapsed"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--delay", type=float, default=0.05)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results")))
+    args = ap.parse_args()
+    rows = []
+    for config in CONFIGS:
+        for delay in (0.0, args.delay):
+            rows.append(measure(config, args.seconds, delay))
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "world": WORLD,
+        "seconds": args.seconds,
+        "torch": torch.__version__,
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+    }
+    (out / "distributed_scaling.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=2)
+    )
+    (out / "distributed_scaling.md").write_text(table(rows, args.delay))
+    plot(rows, args.delay, out / "distributed_scaling.png")
+    print(table(rows, args.delay))
+
+
+def table(rows: list[dict], delay: float) -> str:
+    by = {(r["config"], r["straggler_delay_s"] > 0): r for r in rows}
+    lines = [
+        f"| wrapper (4 workers) | steps/s rank 0 | steps/s rank 0, straggler {delay * 1000:.0f} ms "
+        "| kept | global updates/s (no straggler / straggler) | bytes/worker/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in CONFIGS:
+        a, b = by[(c, False)], by[(c, True)]
+        upd = (
+            f"{a['global_updates_per_s']:.1f} / {b['global_updates_per_s']:.1f}"
+            if "global_updates_per_s" in a
+            else "-"
+        )
+        lines.append(
+            f"| {c} | {a['steps_per_s_rank0']:.1f} | {b['steps_per_s_rank0']:.1f} | "
+            f"{_kept(a, b):.0%} | {upd} | "
+            f"{a['bytes_per_worker_step']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _kept(a: dict, b: dict) -> float:
+    """Straggler/no-straggler ratio: global updates for SyncReplicas, rank 0's steps else."""
+    key = "global_updates_per_s" if "global_updates_per_s" in a else "steps_per_s_rank0"
+    return b[key] / a[key]
+
+
+def plot(rows: list[dict], delay: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["config"], r["straggler_delay_s"] > 0): r for r in rows}
+    xs = range(len(CONFIGS))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [by[(c, False)]["steps_per_s_rank0"] for c in CONFIGS],
+        0.4,
+        label="no straggler",
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [by[(c, True)]["steps_per_s_rank0"] for c in CONFIGS],
+        0.4,
+        label=f"rank 3 sleeps {delay * 1000:.0f} ms/step",
+    )
+    ax.set_xticks(list(xs), CONFIGS)
+    ax.set_ylabel("steps/s (rank 0)")
+    ax.set_title("4 CPU workers (gloo, 2 cores): throughput with and without a straggler")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
