@@ -279,3 +279,16 @@ def test_slot_api_and_names():
         gf.AdamOptimizer(params, weight_decay=0.1)
     with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
         gf.AdamOptimizer([torch.zeros(2, dtype=torch.int64)])
+
+
+def test_state_dict_with_parameter_names_refuses_a_reordered_list():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = gf.AdamOptimizer(model.named_parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    reordered = list(model.named_parameters())
+    reordered[0], reordered[2] = reordered[2], reordered[0]  # same shapes, other order
+    other = gf.AdamOptimizer(reordered)
+    with pytest.raises(ValueError, match="names"):
+        other.load_state_dict(opt.state_dict())
+    gf.AdamOptimizer(model.named_parameters()).load_state_dict(opt.state_dict())

@@ -357,6 +357,15 @@ class Optimizer(torch.optim.Optimizer):
                 f"{owner}.load_state_dict: saved parameter shapes {meta['param_shapes']} do "
                 f"not match this optimizer's {mine}"
             )
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            # Same shapes in another order can only be told apart by name (torch >= 2.6
+            # records names when the optimizer was built from named_parameters()).
+            if "param_names" in saved and "param_names" in group:
+                if list(saved["param_names"]) != list(group["param_names"]):
+                    raise ValueError(
+                        f"{owner}.load_state_dict: saved parameter names "
+                        f"{saved['param_names']} do not match {group['param_names']}"
+                    )
         for key, entry in state_dict["state"].items():
             if not isinstance(key, int):
                 continue
