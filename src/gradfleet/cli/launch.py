@@ -7,6 +7,7 @@ kills the survivors instead of letting them wait out a collective timeout).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -63,6 +64,9 @@ def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # The agent logs each failure with a traceback; the CLI reports it as one line instead.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     log_dir = Path(spec["out"]) / "logs"
     timeout = int(spec.get("timeout", 120))
     config = LaunchConfig(

@@ -89,6 +89,11 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     strat.validate_strategy(name, args, workers)
+    if name == "sync-replicas" and merged.get("checkpoint_every"):
+        raise ConfigError(
+            "--checkpoint-every is not supported with sync-replicas: its ranks run different "
+            "numbers of local steps, so there is no common point to checkpoint"
+        )
     steps = int(merged.get("steps", workload.steps))
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
@@ -353,12 +358,11 @@ def compare(
             raise _fail(f"{label}: {err}", code=1) from None
         rows.append({**summary, "label": label})
         runs[label] = Path(spec["out"]) / "metrics.jsonl"
-    title = f"{workload}, {workers} workers" + (f", straggler {straggler} ms" if straggler else "")
-    plot_runs(
-        runs,
-        out / "compare.png",
-        title.replace(" ms", "").replace("straggler ", "straggler rank:ms "),
-    )
+    title = f"{workload}, {workers} workers"
+    if straggler:
+        slow, delay = parse_straggler(straggler)
+        title += f", straggler: rank {slow} +{delay:g} ms/step"
+    plot_runs(runs, out / "compare.png", title)
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     out_console.print(summary_table(rows, f"gradfleet compare: {title}"))
     out_console.print(

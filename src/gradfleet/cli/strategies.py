@@ -178,6 +178,10 @@ class Strategy:
     def reduce_gradients(self) -> None:
         return None
 
+    def updates(self, local_step: int) -> int:
+        """Model updates so far (the loop runs until ``--steps`` of them)."""
+        return local_step
+
     def finish(self) -> None:
         """Collective end-of-training hook (every rank calls it)."""
         return None
@@ -326,19 +330,30 @@ class Towers(Strategy):
 
 
 class SyncReplicas(Strategy):
+    """Backup workers: the server applies the first ``replicas_to_aggregate`` fresh gradients
+    of each round and drops late ones; the run ends once the server reached ``steps`` updates,
+    so a straggler's remaining steps return at once."""
+
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         wrapped = gfd.SyncReplicasOptimizer(  # type: ignore[attr-defined]
             opt,
             replicas_to_aggregate=int(self.args.get("replicas_to_aggregate", self.world - 1)),
             total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
+            timeout=float(self.args.get("timeout", 60.0)),
+            last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
         )
-        self._payload = sum(_nbytes(p) for p in model.parameters())
         return super().setup(model, wrapped)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         loss = super().train_step(x, y, loss_fn)
-        self.bytes_sent += 2 * self._payload  # gradients up, parameters down
+        self.bytes_sent = int(self.opt.bytes_sent)  # the wrapper's own counter
         return loss
+
+    def updates(self, local_step: int) -> int:
+        return int(self.opt.global_step)
+
+    def finish(self) -> None:
+        self.opt.close()
 
 
 _ADAPTERS: dict[str, type[Strategy]] = {

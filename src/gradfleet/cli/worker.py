@@ -123,9 +123,12 @@ def _setup(spec: dict[str, Any]) -> tuple[Workload, Strategy, int, int]:
     workload = load_workload(spec["workload"], spec["seed"])
     opt = create_optimizer(workload.model.parameters(), spec["optimizer"])
     name = spec["strategy"]
+    args = dict(spec["strategy_args"])
+    if name == "sync-replicas":  # internal: release every worker at the last update
+        args.update(last_step=int(spec["steps"]), timeout=float(spec.get("timeout", 120)))
     # Towers run as threads of this one process: the "world" is the tower count.
     strategy = make_strategy(
-        name, spec["strategy_args"], rank, world if STRATEGIES[name].spawns else spec["workers"]
+        name, args, rank, world if STRATEGIES[name].spawns else spec["workers"]
     )
     strategy.setup(workload.model, opt)
     if spec.get("straggler"):
@@ -158,14 +161,20 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     dist.barrier()  # start the clock together
     t0 = time.perf_counter() - wall_before
     loss = float("nan")
-    for step in range(start + 1, steps + 1):
+    step = start
+    # ``steps`` counts model updates: local steps for most strategies, server updates for
+    # sync-replicas (where ranks run different numbers of local steps); the cap stops a
+    # wrapper that never reports progress.
+    while strategy.updates(step) < steps and step < start + 4 * steps:
+        step += 1
         idx = batch_indices(len(y_train), batch, spec["seed"], rank, step)
         loss = strategy.train_step(x_train[idx], y_train[idx], loss_fn)
         samples += batch
         wall = time.perf_counter() - t0
-        metrics.write(step=step, loss=loss, wall=wall, samples=samples, bytes=strategy.bytes_sent)
-        if rank == 0 and eval_every and step % eval_every == 0 and step != steps:
-            metrics.write(step=step, wall=wall, **evaluate(workload, strategy.export()))
+        done = strategy.updates(step)
+        metrics.write(step=done, loss=loss, wall=wall, samples=samples, bytes=strategy.bytes_sent)
+        if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
+            metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
             _save_checkpoint(out, step, rank, strategy, {"wall": wall, "samples": samples})
     strategy.finish()

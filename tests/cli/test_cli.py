@@ -1,0 +1,211 @@
+"""The ``gradfleet`` command run as a user runs it: in a subprocess, in a scratch directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GRADFLEET = [sys.executable, "-m", "gradfleet"]
+
+
+def run(args: list[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def losses(out: Path) -> list[float]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+@pytest.mark.timeout(120)
+def test_default_train_reaches_stated_accuracy(tmp_path: Path) -> None:
+    res = run(["train", "-q"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    (out,) = (tmp_path / "runs").iterdir()
+    s = summary(out)
+    assert s["workload"] == "digits" and s["steps"] == 300
+    assert s["test_accuracy"] >= 0.90, s
+    assert "target 0.90: reached" in res.stdout
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+STRATEGY_RUNS = [
+    ("allreduce", "ctr"),  # sparse EmbeddingBag gradients through the all-gather path
+    ("model-average:interval=4", "digits"),
+    ("easgd:period=2", "digits"),
+    ("sync-replicas:replicas_to_aggregate=1", "digits"),
+    ("towers", "digits"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("strategy", "workload"), STRATEGY_RUNS)
+def test_two_workers_every_strategy(tmp_path: Path, strategy: str, workload: str) -> None:
+    out = tmp_path / "run"
+    res = run(
+        [
+            "train",
+            "-w",
+            workload,
+            "-s",
+            strategy,
+            "-n",
+            "2",
+            "--steps",
+            "40",
+            "--straggler",
+            "1:5",
+            "--out",
+            str(out),
+            "-q",
+        ],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    s = summary(out)
+    assert s["workers"] == 2 and s["strategy"] == strategy.split(":")[0]
+    ls = losses(out)
+    assert sum(ls[-10:]) / 10 < sum(ls[:10]) / 10  # it learns
+    assert s["test_accuracy"] > (0.6 if workload == "ctr" else 0.7)
+    assert s["bytes_sent"] > 0
+    torch.load(out / "model.pt", weights_only=True)
+
+
+@pytest.mark.timeout(150)
+def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    common = ["-s", "model-average:interval=3", "-n", "2", "--seed", "3", "-q"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(["train", *common, "--steps", "24", "--out", str(full)], tmp_path).returncode == 0
+    res = run(
+        ["train", *common, "--steps", "13", "--checkpoint-every", "10", "--out", str(part)],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    res = run(["train", "--resume", str(part), "--steps", "24", "-q"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    a = torch.load(full / "model.pt", weights_only=True)
+    b = torch.load(part / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [
+        json.loads(x)["step"]
+        for x in (part / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(x)
+    ]
+    assert steps == list(range(1, 25))  # steps 11-13 of the first run were replaced
+
+
+@pytest.mark.timeout(150)
+def test_compare_writes_plot_and_table(tmp_path: Path) -> None:
+    res = run(
+        [
+            "compare",
+            "-s",
+            "allreduce",
+            "-s",
+            "easgd:period=2",
+            "-n",
+            "2",
+            "--steps",
+            "40",
+            "--out",
+            "cmp",
+            "-q",
+        ],
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    png = tmp_path / "cmp" / "compare.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["label"] for r in rows] == ["allreduce", "easgd:period=2"]
+    assert all(r["steps_per_s"] > 0 and "test_accuracy" in r for r in rows)
+    assert "steps/s" in res.stdout
+
+
+def test_config_file_sets_optimizer_and_settings(tmp_path: Path) -> None:
+    (tmp_path / "cfg.py").write_text(
+        "learning_rate = 0.05\noptimizer = {'class': 'momentum', 'momentum': 0.9}\n"
+        "steps = 30\nworkload = 'digits'\n"
+    )
+    res = run(["train", "--optimizer", "cfg.py", "--out", "r", "-q"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    s = summary(tmp_path / "r")
+    assert s["optimizer"] == {"class": "momentum", "momentum": 0.9, "learning_rate": 0.05}
+    assert s["steps"] == 30
+
+
+def test_list_shows_optimizers_and_strategies(tmp_path: Path) -> None:
+    res = run(["list"], tmp_path)
+    assert res.returncode == 0
+    for word in (
+        "FtrlOptimizer",
+        "l1_regularization_strength",
+        "easgd",
+        "moving_rate",
+        "sync-replicas",
+        "replicas_to_aggregate",
+        "ctr",
+    ):
+        assert word in res.stdout
+
+
+BAD = [
+    (["-o", "nosuchopt"], "unknown optimizer 'nosuchopt'"),
+    (["-s", "gossip"], "unknown strategy 'gossip'"),
+    (["-o", "adam:learning_rate=-1"], "learning_rate must be >= 0"),
+    (["-o", "adam:betaa=0.5"], "does not take ['betaa']"),
+    (["-c", "broken.py"], "broken.py:1: syntax error"),
+    (["-s", "sync-replicas", "-n", "1"], "sync-replicas needs --workers >= 2"),
+    (["-s", "sync-replicas:total_num_replicas=3", "-n", "2"], "needs --workers >= 3"),
+    (["-s", "model-average:interval=0", "-n", "2"], "interval must be an integer >= 1"),
+    (["--straggler", "fast"], "RANK:DELAY_MS"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD)
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path: Path, args, message) -> None:
+    (tmp_path / "broken.py").write_text("optimizer = {'class': 'adam'\nsteps = 3\n")
+    res = run(["train", *args, "--out", "r"], tmp_path)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
+
+
+def test_worker_failure_names_rank_and_log(tmp_path: Path) -> None:
+    # torch's Adam has no sparse support: rank 0 fails inside the loop.
+    res = run(
+        [
+            "train",
+            "-w",
+            "ctr",
+            "-o",
+            "adamw",
+            "-s",
+            "allreduce",
+            "-n",
+            "2",
+            "--steps",
+            "5",
+            "--out",
+            "r",
+            "-q",
+        ],
+        tmp_path,
+    )
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "worker rank" in lines[0] and "stderr.log" in lines[0], res.stderr
