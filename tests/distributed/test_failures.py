@@ -74,9 +74,9 @@ def test_straggler_backup_keeps_throughput_and_all_reduce_waits():
     assert slow >= 0.85 * free, (slow, free)
     assert out[3]["count"] < 20  # the straggler did few steps; the others made the updates
     lockstep, _ = _rate((4, 4, 8, "allreduce", 3, delay))
-    assert lockstep <= 1.1 / delay  # every round waits for the straggler
-    token_bound, _ = _rate((4, 4, 8, "server", 3, delay))
-    assert token_bound <= 1.1 / delay  # R = N: the straggler holds a token every round
+    assert lockstep <= 1.1 / delay  # R = N = 4 in lockstep: every round waits for the straggler
+    # (not asserted for the server path with R = N: TF's tokens are shared, so whether the fast
+    # workers fill the straggler's slot depends on whether it already holds a token -- phase)
 
 
 @pytest.mark.parametrize(("transport", "world"), [("allreduce", 2), ("server", 1)])
