@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from gradfleet import _hyper
+from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS, BetaPowers, bias_corrected_lr
 from gradfleet.optimizers.base_custom import BaseCustomOptimizer
 
 
-class CustomAdamOptimizer(BaseCustomOptimizer):
+class CustomAdamOptimizer(BetaPowers, BaseCustomOptimizer):
     """RETURNN's ``CustomAdamOptimizer(beta1=0.9, beta2=0.999, epsilon=1e-8, **kwargs)``
     (RETURNN's config injects epsilon 1e-16): ``CustomAdamOptimizer(params, learning_rate,
     beta1=0.9, beta2=0.999, epsilon=1e-8, use_locking=False, name=None, **options)``.
@@ -32,12 +33,7 @@ class CustomAdamOptimizer(BaseCustomOptimizer):
     (dtype error) float64 parameters work: the powers are cast to the parameter dtype.
     """
 
-    hyperparameters = {
-        "lr": _hyper.NON_NEGATIVE,
-        "beta1": _hyper.UNIT_OPEN_RIGHT,
-        "beta2": _hyper.UNIT_OPEN_RIGHT,
-        "epsilon": _hyper.NON_NEGATIVE,
-    }
+    hyperparameters = ADAM_HYPERPARAMETERS
     slots = {"m": 0.0, "v": 0.0}
 
     def __init__(
@@ -52,28 +48,20 @@ class CustomAdamOptimizer(BaseCustomOptimizer):
         **options: Any,
     ) -> None:
         super().__init__(
-            params, learning_rate, use_locking, name,
-            beta1=beta1, beta2=beta2, epsilon=epsilon, **options,
+            params,
+            learning_rate,
+            use_locking,
+            name,
+            beta1=beta1,
+            beta2=beta2,
+            epsilon=epsilon,
+            **options,
         )
-
-    def _init_shared(self, group):
-        device = group["params"][0].device if group["params"] else None
-        return {
-            "beta1_power": _hyper.scalar(group["beta1"], torch.float32, device).clone(),
-            "beta2_power": _hyper.scalar(group["beta2"], torch.float32, device).clone(),
-        }
-
-    def _finish(self, group, shared, hp_for):
-        hp = hp_for(torch.float32, shared["beta1_power"].device)
-        shared["beta1_power"].mul_(hp["beta1"])
-        shared["beta2_power"].mul_(hp["beta2"])
 
     def _apply_var(self, grad, var, indices=None):
         hp = self._hp
         b1, b2 = hp["beta1"], hp["beta2"]
-        b1p = self._shared["beta1_power"].to(var.dtype)
-        b2p = self._shared["beta2_power"].to(var.dtype)
-        lr_t = hp["lr"] * torch.sqrt(1 - b2p) / (1 - b1p)
+        lr_t = bias_corrected_lr(hp, self._shared, var.dtype)
         m, v = self._get_slot(var, "m"), self._get_slot(var, "v")
         self._assign(m, b1 * self._gather(m, indices) + (1 - b1) * grad, indices)
         self._assign(v, b2 * self._gather(v, indices) + (1 - b2) * (grad * grad), indices)

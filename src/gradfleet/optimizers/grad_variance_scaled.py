@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gradfleet import _hyper
+from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS
 from gradfleet.optimizers.base_custom import BaseCustomOptimizer
 
 
@@ -29,12 +30,7 @@ class GradVarianceScaledOptimizer(BaseCustomOptimizer):
     epsilon=1e-8, use_locking=False, name=None, **options)``.  Slots ``m`` and ``v``.
     """
 
-    hyperparameters = {
-        "lr": _hyper.NON_NEGATIVE,
-        "beta1": _hyper.UNIT_OPEN_RIGHT,
-        "beta2": _hyper.UNIT_OPEN_RIGHT,
-        "epsilon": _hyper.NON_NEGATIVE,
-    }
+    hyperparameters = ADAM_HYPERPARAMETERS
     slots = {"m": 0.0, "v": 0.0}
 
     def __init__(
@@ -49,8 +45,14 @@ class GradVarianceScaledOptimizer(BaseCustomOptimizer):
         **options: Any,
     ) -> None:
         super().__init__(
-            params, learning_rate, use_locking, name,
-            beta1=beta1, beta2=beta2, epsilon=epsilon, **options,
+            params,
+            learning_rate,
+            use_locking,
+            name,
+            beta1=beta1,
+            beta2=beta2,
+            epsilon=epsilon,
+            **options,
         )
 
     def _apply_var(self, grad, var, indices=None):
