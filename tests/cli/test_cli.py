@@ -45,6 +45,7 @@ STRATEGY_RUNS = [
     ("allreduce", "ctr"),  # sparse EmbeddingBag gradients through the all-gather path
     ("model-average:interval=4", "digits"),
     ("easgd:period=2", "digits"),
+    ("easgd:mode=async,period=2", "digits"),
     ("sync-replicas:replicas_to_aggregate=1", "digits"),
     ("towers", "digits"),
 ]
