@@ -301,12 +301,21 @@ def _resume_spec(run: Path, steps: int | None) -> dict[str, Any]:
     return spec
 
 
+# All-reduce against backup workers, local SGD and EASGD: the comparison gradfleet exists for.
+DEFAULT_COMPARISON = [
+    "allreduce",
+    "sync-replicas:replicas_to_aggregate=1",
+    "model-average:interval=8",
+    "easgd:period=4",
+]
+
+
 @app.command()
 def compare(
     strategy: Opt[
         list[str],
         typer.Option("--strategy", "-s", help="repeat: each NAME[:key=value,...] is one run"),
-    ] = ["allreduce", "model-average:interval=8", "easgd:period=4"],  # noqa: B006
+    ] = DEFAULT_COMPARISON,  # noqa: B006 - typer needs the literal list as the default
     optimizer: Opt[
         list[str] | None,
         typer.Option("--optimizer", "-o", help="repeat to also compare optimizers"),
