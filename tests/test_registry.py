@@ -57,6 +57,8 @@ def test_create_optimizer_from_configs():
     assert opt.param_groups[0]["epsilon"] == 1e-16
     opt = gf.create_optimizer(p, {"class": "momentum", "momentum": 0.9, "learning_rate": 0.1})
     assert opt.param_groups[0]["momentum"] == 0.9
+    opt = gf.create_optimizer(p, {"class": "ftrl", "learning_rate": 0.1, "fused": False})
+    assert opt.param_groups[0]["fused"] is False
     opt = gf.create_optimizer(p, {"class": "adamw", "epsilon": 1e-6}, learning_rate=0.1)
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.param_groups[0]["eps"] == 1e-6 and opt.param_groups[0]["lr"] == 0.1

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gradfleet import optimizers as _ours
+from gradfleet.optimizer import _OPTIONS as _TORCH_SIDE_OPTIONS
 
 _SUFFIX = "optimizer"
 
@@ -88,7 +89,7 @@ def create_optimizer(
         if "learning_rate" in opts or "lr" in opts:
             raise ValueError("learning_rate given both in the config and as an argument")
         opts["learning_rate"] = learning_rate
-    accepted = _init_arg_names(cls)
+    accepted = set(constructor_arguments(cls))
     if returnn_defaults and "epsilon" in accepted:
         opts.setdefault("epsilon", 1e-16)
     if cls in TORCH_OPTIMIZERS.values():
@@ -101,6 +102,15 @@ def create_optimizer(
             f"{cls.__name__} does not take {unknown}; its arguments are {sorted(accepted)}"
         )
     return cls(params, **opts)
+
+
+def constructor_arguments(cls: type) -> list[str]:
+    """The keyword arguments ``cls`` accepts, sorted; for gradfleet's optimizers this includes
+    the torch-side options (foreach, fused, check_finite)."""
+    names = _init_arg_names(cls)
+    if issubclass(cls, _ours.Optimizer):
+        names |= set(_TORCH_SIDE_OPTIONS)
+    return sorted(names)
 
 
 def _init_arg_names(cls: type) -> set[str]:

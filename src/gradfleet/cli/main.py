@@ -386,7 +386,7 @@ def list_(
     ] = True,
 ) -> None:
     """The optimizers, strategies and workloads available, with their arguments."""
-    from gradfleet.registry import GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS, _init_arg_names
+    from gradfleet.registry import GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS, constructor_arguments
 
     table = Table(title="optimizers (--optimizer NAME[:key=value,...])")
     table.add_column("name")
@@ -394,12 +394,13 @@ def list_(
     table.add_column("arguments")
     seen: set[type] = set()
     for source in (GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS):
-        for name, cls in sorted(source.items(), key=lambda kv: kv[1].__name__):
+        # shortest alias first: "adam" rather than "adamoptimizer"
+        for name, cls in sorted(source.items(), key=lambda kv: (kv[1].__name__, len(kv[0]))):
             if cls in seen:
                 continue
             seen.add(cls)
             table.add_row(
-                name, cls.__name__, ", ".join(sorted(_init_arg_names(cls))) if args else ""
+                name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else ""
             )
     out_console.print(table)
     st = Table(title="strategies (--strategy NAME[:key=value,...])")
