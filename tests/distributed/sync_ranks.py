@@ -40,7 +40,9 @@ def _die(ctx: RankContext) -> None:
 
 
 # --------------------------------------------------------------------- SyncReplicas
-def sync_oracle(ctx: RankContext, num_workers: int, R: int) -> list[tuple]:
+def sync_oracle(
+    ctx: RankContext, num_workers: int, R: int, server_ranks: list[int] | None = None
+) -> list[tuple]:
     """TF's oracle (section 1.10) over real processes, ordered with signals."""
     v0 = torch.tensor(0.0, requires_grad=True)
     v1 = torch.tensor(1.0, requires_grad=True)
@@ -52,6 +54,7 @@ def sync_oracle(ctx: RankContext, num_workers: int, R: int) -> list[tuple]:
         num_workers,
         num_tokens=num_workers,
         timeout=20,
+        server_ranks=server_ranks,
     )
     k = ctx.rank
     grads = [
@@ -112,17 +115,27 @@ def sync_train(
     width: int = 4,
     die_at: int | None = None,
     timeout: float = 20.0,
+    server_ranks: list[int] | None = None,
+    num_tokens: int = -1,
+    adam: bool = False,
 ) -> dict:
     """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
     rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token)."""
     model = make_model(width=width)
+    inner = (
+        gradfleet.AdamOptimizer(model.parameters(), 0.01)
+        if adam
+        else gradfleet.GradientDescentOptimizer(model.parameters(), 0.05)
+    )
     opt = SyncReplicasOptimizer(
-        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        inner,
         R,
         N,
         transport=transport,
         last_step=steps,
         timeout=timeout,
+        server_ranks=server_ranks,
+        num_tokens=num_tokens,
     )
     count, start = 0, time.monotonic()
     while opt.global_step < steps:
@@ -149,16 +162,26 @@ def sync_train(
     return out
 
 
-def sync_error(ctx: RankContext, R: int, N: int, die_at: int, kill_server: bool) -> str:
-    """Rank 1 (or the server, rank 0) dies; the survivors must raise naming it."""
+def sync_error(
+    ctx: RankContext,
+    R: int,
+    N: int,
+    die_at: int,
+    kill_server: bool,
+    server_ranks: list[int] | None = None,
+    victim: int | None = None,
+) -> str:
+    """Rank 1 (or the server, rank 0, or ``victim``) dies; the survivors must raise naming it."""
     model = make_model()
     opt = SyncReplicasOptimizer(
         gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
         R,
         N,
         timeout=3.0,
+        server_ranks=server_ranks,
     )
-    victim = 0 if kill_server else 1
+    if victim is None:
+        victim = 0 if kill_server else 1
     count = 0
     start = time.monotonic()
     try:
@@ -221,7 +244,14 @@ def sync_nonfinite(ctx: RankContext) -> dict:
     return out
 
 
-def sync_checkpoint(ctx: RankContext, transport: str, split: int, steps: int, path: str) -> list:
+def sync_checkpoint(
+    ctx: RankContext,
+    transport: str,
+    split: int,
+    steps: int,
+    path: str,
+    server_ranks: list[int] | None = None,
+) -> list:
     """Run ``steps`` updates, checkpointing after ``split`` (phase "a") or resuming from it
     (phase "b" when ``path`` exists): returns the parameters after every update."""
     model = make_model()
@@ -235,6 +265,7 @@ def sync_checkpoint(ctx: RankContext, transport: str, split: int, steps: int, pa
         transport=transport,
         last_step=steps,
         timeout=10,
+        server_ranks=server_ranks,
     )
     count = 0
     if resume:

@@ -193,6 +193,7 @@ _ERRORS = {
     "FloatingPointError": FloatingPointError,
     "TimeoutError": TimeoutError,
     "RuntimeError": RuntimeError,
+    "ServerUnreachable": ServerUnreachable,
 }
 
 

@@ -14,23 +14,27 @@
 * ``tick``:   a worker that waited ``timeout`` seconds for a token gets a ``TimeoutError``
   naming the ranks it is waiting for (silent ones), never a silent hang.
 
+With parameter shards (``_shards`` module) the server holds shard 0 only, learns the other
+shards' updates from their ``applied`` requests and sets ``global_step`` to the minimum shard
+step (tokens after every increment); it probes the shard servers every ``PROBE_S`` seconds and
+answers every waiting and later request with ``ServerUnreachable`` naming a dead one.
+
 ``last_step`` (beyond TF): once ``global_step`` reaches it every token request is answered at
 once, so no worker blocks at the end of training (TF's end-of-training hangs, #7970).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ._aggregator import GradientAggregator, TokenQueue
 from ._mailbox import Reply
-from ._wrapper import apply_with_step
+from ._shards import Shard, server_optimizer
 
 __all__ = ["SyncServer", "ExponentialMovingAverage", "server_optimizer"]
 
@@ -66,23 +70,15 @@ class ExponentialMovingAverage:
         self.shadows = {int(i): s.clone() for i, s in state["shadows"].items()}
 
 
-def server_optimizer(
-    opt: torch.optim.Optimizer,
-) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
-    """A deep copy of ``opt`` over copies of its parameters (the server's variables).
-
-    Copies the instance ``__dict__`` (``torch.optim.Optimizer.__getstate__`` would keep only
-    groups/state/defaults and lose a subclass's own attributes)."""
-    originals = [p for g in opt.param_groups for p in g["params"]]
-    params = [p.detach().clone() for p in originals]
-    memo: dict[int, Any] = {id(o): c for o, c in zip(originals, params, strict=True)}
-    clone = object.__new__(type(opt))
-    clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in opt.__dict__.items()})
-    return clone, params
+PROBE_S = 0.5
 
 
 class SyncServer:
-    """TF's PS variables + accumulators + token queue + chief sync op (see module docstring)."""
+    """TF's PS variables + accumulators + token queue + chief sync op (see module docstring).
+
+    ``indices`` (default: every parameter) are the parameters of shard 0 held here;
+    ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports.
+    """
 
     def __init__(
         self,
@@ -95,32 +91,68 @@ class SyncServer:
         average_indices: Sequence[int] = (),
         nonfinite: str = "raise",
         last_step: int | None = None,
+        indices: Sequence[int] | None = None,
+        num_shards: int = 1,
     ) -> None:
-        self.source = opt  # hyperparameters (LR schedules) are read from here before each apply
-        self.opt, self.params = server_optimizer(opt)
+        count = sum(len(g["params"]) for g in opt.param_groups)
+        self.shard = Shard(
+            opt,
+            range(count) if indices is None else indices,
+            replicas_to_aggregate,
+            nonfinite,
+            variable_averages,
+            average_indices,
+            last_step,
+        )
         self.R, self.N = replicas_to_aggregate, total_num_replicas
         self.tokens_per_step = max(total_num_replicas, replicas_to_aggregate)
-        self.aggregator = GradientAggregator(self.params, replicas_to_aggregate, nonfinite)
         self.tokens = TokenQueue()
         self.tokens.put(0, num_tokens)
         self.global_step = 0
+        self.applied = [0] * num_shards  # each shard's step as last reported
         self.timeout = timeout
         self.ema = variable_averages
-        self.average_indices = list(average_indices)
         self.last_step = last_step
         self.waiting: deque[tuple[int, Reply, float, bool, int]] = deque()
         self.seen: dict[int, float] = {}
         self.done: set[int] = set()
+        self.probes: dict[str, Callable[[], None]] = {}  # shard server name -> liveness check
+        self.broken: str | None = None
+        self._probed = 0.0
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The variables held here (shard 0: every variable when unsharded)."""
+        return self.shard.params
+
+    @property
+    def aggregator(self) -> GradientAggregator:
+        return self.shard.aggregator
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.shard.opt
 
     # ------------------------------------------------------------------ requests
     def handle(self, msg: dict[str, Any], reply: Reply) -> None:
+        op = msg["op"]
+        if op == "applied":  # a shard server finished an update
+            k = int(msg["shard"])
+            self.applied[k] = max(self.applied[k], int(msg["step"]))
+            self._advance()
+            self._serve_tokens()
+            reply.send({})
+            return
         worker = int(msg["worker"])
         self.seen[worker] = time.monotonic()
-        op = msg["op"]
-        if op == "hello":
-            self._check_layout(worker, msg["shapes"], msg["dtypes"])
+        if self.broken is not None and op in ("hello", "step"):
+            reply.send({"error": "ServerUnreachable", "message": self.broken})
+        elif op == "hello":
+            self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
             self.done.discard(worker)
-            reply.send({"global_step": self.global_step, "params": self.params})
+            reply.send(
+                {"global_step": self.global_step, "params": self.params, "version": self.shard.step}
+            )
         elif op == "step":
             accepted = self.push(worker, int(msg["tag"]), msg["grads"])
             self.waiting.append((worker, reply, time.monotonic(), accepted, int(msg["version"])))
@@ -130,45 +162,24 @@ class SyncServer:
             reply.send({"global_step": self.global_step})
         elif op == "stats":
             reply.send({"global_step": self.global_step, "stats": self.aggregator.stats})
+        elif op == "ema":
+            reply.send({"shadows": self.shard.shadows()})
         else:
             raise ValueError(f"unknown request {op!r}")
 
-    def _check_layout(self, worker: int, shapes: list, dtypes: list) -> None:
-        mine = [list(p.shape) for p in self.params]
-        if [list(s) for s in shapes] != mine:
-            raise ValueError(
-                f"SyncReplicasOptimizer: worker rank {worker} has parameter shapes {shapes}, the "
-                f"server (chief) has {mine}; every worker must build the same model"
-            )
-        theirs = [str(d) for d in dtypes]
-        if theirs != [str(p.dtype) for p in self.params]:
-            raise ValueError(f"SyncReplicasOptimizer: worker rank {worker} has dtypes {theirs}")
-
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:
-        """Offer gradients; run the chief's sync op when ``R`` are in.  True iff accepted."""
-        if self.last_step is not None and self.global_step >= self.last_step:
-            return False
-        accepted = self.aggregator.push(worker, tag, grads)
-        if self.aggregator.ready():
-            self._update()
+        """Offer shard 0's gradients; update when ``R`` are in.  True iff accepted."""
+        accepted, updated = self.shard.push(worker, tag, grads)
+        if updated:
+            self.applied[0] = self.shard.step
+            self._advance()
         return accepted
 
-    def _update(self) -> None:
-        averages = self.aggregator.take_average()
-        for mine, theirs in zip(self.opt.param_groups, self.source.param_groups, strict=True):
-            mine.update({k: v for k, v in theirs.items() if k not in ("params", "non_slot")})
-        pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
-        if pairs:
-            inner = getattr(self.opt, "apply_gradients", None)
-            if inner is not None:
-                inner(pairs)
-            else:
-                apply_with_step(self.opt, pairs)
-        self.global_step += 1
-        self.tokens.put(self.global_step, self.tokens_per_step)
-        if self.ema is not None:
-            chosen = self.average_indices or range(len(self.params))
-            self.ema.apply({i: self.params[i] for i in chosen}, num_updates=self.global_step)
+    def _advance(self) -> None:
+        """``global_step += 1`` once every shard applied the update, then the tokens."""
+        while min(self.applied) > self.global_step:
+            self.global_step += 1
+            self.tokens.put(self.global_step, self.tokens_per_step)
 
     def take_token(self) -> int | None:
         if self.last_step is not None and self.global_step >= self.last_step:
@@ -181,19 +192,44 @@ class SyncServer:
             if token is None:
                 return
             worker, reply, _, accepted, version = self.waiting.popleft()
-            answer = {"token": token, "accepted": accepted, "global_step": self.global_step}
-            if version != self.global_step:
+            answer = {
+                "token": token,
+                "accepted": accepted,
+                "global_step": self.global_step,
+                "version": self.shard.step,
+            }
+            if version != self.shard.step:
                 answer["params"] = self.params
             reply.send(answer)
 
     # ------------------------------------------------------------------ liveness
     def tick(self) -> None:
         now = time.monotonic()
+        if self.probes and self.broken is None and now - self._probed > PROBE_S:
+            self._probed = now
+            self._probe()
+        if self.broken is not None:
+            while self.waiting:
+                self.waiting.popleft()[1].send(
+                    {"error": "ServerUnreachable", "message": self.broken}
+                )
         while self.waiting and now - self.waiting[0][2] > self.timeout:
             worker, reply, since, _, _ = self.waiting[0]
             message = self.stall_message(worker, now - since)
             self.waiting.popleft()
             reply.send({"error": "TimeoutError", "message": message})
+
+    def _probe(self) -> None:
+        for name, check in self.probes.items():
+            try:
+                check()
+            except Exception as exc:
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                self.broken = (
+                    f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "
+                    f"stops at global step {self.global_step}: {type(exc).__name__}: {first}"
+                )
+                return
 
     def silent_workers(self, now: float | None = None) -> list[int]:
         now = time.monotonic() if now is None else now
@@ -213,15 +249,16 @@ class SyncServer:
             if silent
             else "every live worker is waiting too (not enough tokens: check num_tokens)"
         )
+        shards = f"; shard steps {self.applied}" if len(self.applied) > 1 else ""
         return (
             f"SyncReplicasOptimizer: worker rank {worker} waited {waited:.1f}s for a token at "
             f"global step {self.global_step} ({self.aggregator.counter} of {self.R} fresh "
-            f"gradients in); {who}; progress needs replicas_to_aggregate={self.R}"
+            f"gradients in{shards}); {who}; progress needs replicas_to_aggregate={self.R}"
         )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "global_step": self.global_step,
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.opt.state_dict(),
@@ -229,17 +266,28 @@ class SyncServer:
             "tokens": self.tokens.state(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
+        if len(self.applied) > 1:
+            state["applied"] = list(self.applied)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        shapes = [tuple(p.shape) for p in state["params"]]
-        if shapes != [tuple(p.shape) for p in self.params]:
-            raise ValueError(f"SyncReplicasOptimizer: checkpoint variables have shapes {shapes}")
-        self.aggregator.load_state_dict(state["aggregator"])
-        self.opt.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for p, v in zip(self.params, state["params"], strict=True):
-                p.copy_(v)
+        applied = list(state.get("applied", [state["global_step"]]))
+        if len(applied) != len(self.applied):
+            raise ValueError(
+                f"SyncReplicasOptimizer: checkpoint has {len(applied)} shard(s), this chief "
+                f"{len(self.applied)} (use the same server_ranks)"
+            )
+        self.shard.load_state_dict(
+            {
+                "indices": self.shard.indices,
+                "params": state["params"],
+                "optimizer": state["optimizer"],
+                "aggregator": state["aggregator"],
+                "shadows": [],
+            }
+        )
         self.global_step = int(state["global_step"])
+        self.applied = [int(a) for a in applied]
         self.tokens.load(state["tokens"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])

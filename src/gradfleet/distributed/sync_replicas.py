@@ -23,6 +23,17 @@ waits ``timeout`` seconds gets an error naming the silent ranks, a dead server a
 the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by one all-reduce
 per round with the same numerics in lockstep, including the wasted round.
 
+Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` puts
+parameter ``i`` on shard ``i % S`` in rank ``server_ranks[i % S]`` (round-robin as TF's
+``replica_device_setter``); each shard holds its variables, their accumulators and a copy of
+the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
+each shard's gradients to its shard, takes a token from the chief and reads every shard; an
+update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
+staleness per shard and the per-shard optimizer state (Adam's powers) are described in
+``_shards``.  Checkpoints are saved per server rank: the chief's ``state_dict`` holds shard 0,
+``global_step`` and the tokens, every other server rank's holds the shards it hosts; each rank
+loads its own (before any worker steps again).
+
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
 (parameters of this optimizer), ``use_locking`` (ignored), ``name``; the hook's ``num_tokens``
@@ -42,6 +53,7 @@ from ._aggregator import NONFINITE_POLICIES, init_tokens
 from ._allreduce_sync import AllReduceSync
 from ._mailbox import MailboxClient, MailboxServer
 from ._server import ExponentialMovingAverage, SyncServer
+from ._shards import Shard, ShardLinks, ShardServer, check_server_ranks, probe, round_robin
 from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
@@ -53,9 +65,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
     Args:
-        opt: the wrapped optimizer over this worker's model parameters; the server applies the
-            averaged gradients with a copy of it (hyperparameters are re-read from the chief's
-            ``opt`` before every update, so LR schedules on the chief apply).
+        opt: the wrapped optimizer over this worker's model parameters; the server (every
+            shard) applies the averaged gradients with a copy of it (hyperparameters are re-read
+            from the hosting rank's ``opt`` before every update, so LR schedules apply).
         replicas_to_aggregate: R, gradients per update (>= 1).
         total_num_replicas: N, worker processes (default R); must equal the world size.
         variable_averages / variables_to_average: moving averages of the server variables
@@ -67,9 +79,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
         server_rank / host: where the server lives; it listens on ``host`` (loopback default).
+        server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
+            server); parameter ``i`` goes to shard ``i % len(server_ranks)``, the first rank is
+            the chief (``global_step``, tokens).  A rank may appear twice (two shards).  A
+            dead shard rank makes every worker raise ``ServerUnreachable`` naming it.
         server_address / worker: for a process outside the process group (a restarted
             worker): the server's ``"host:port"`` (``server_address`` property of a running
-            optimizer) and this worker's id.
+            optimizer; sharded: the list ``server_addresses``) and this worker's id.
+
+    ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
+    another server rank's the shards it hosts (``"shards"``), a plain worker's only its own
+    steps and counters.  ``worker_counters(shard)`` reads one shard's accumulator counts.
     """
 
     def __init__(
@@ -89,8 +109,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         nonfinite: str = "raise",
         server_rank: int = 0,
         host: str = "127.0.0.1",
-        server_address: str | None = None,
+        server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
+        server_ranks: Sequence[int] | None = None,
     ) -> None:
         R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
         N = check_int(
@@ -120,6 +141,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.tokens_per_step = max(N, R)
         self.timeout, self.transport = float(timeout), transport
+        self._nonfinite = nonfinite
         self.local_step = self.global_step = 0
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
@@ -129,39 +151,90 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self._mailbox: MailboxServer | None = None
         self._client: MailboxClient | None = None
         self._allreduce: AllReduceSync | None = None
+        self._hosted: dict[int, tuple[ShardServer, MailboxServer]] = {}
+        self._links: ShardLinks | None = None
         self.worker = self._resolve_worker(worker, server_address, N)
+        ranks = check_server_ranks(
+            [server_rank] if server_ranks is None else server_ranks,
+            N, len(self._index), transport, server_address,
+        )  # fmt: skip
+        self.server_ranks, self.server_rank = ranks, ranks[0]
         if transport == "allreduce":
             self._allreduce = AllReduceSync(
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
             )
             return
-        self.is_chief = server_address is None and self.worker == server_rank
+        self._parts = round_robin(len(self._index), len(ranks))
+        given = [server_address] if isinstance(server_address, str) else server_address
+        self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
+
+    # ----------------------------------------------------------------- set-up helpers
+    def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
+        """Start the servers this rank hosts (the chief: shard 0, global_step, tokens; shard k
+        on rank ``server_ranks[k]``), exchange their addresses, connect to all of them."""
+        ranks, R, N = self.server_ranks, self.replicas_to_aggregate, self.total_num_replicas
+        self.is_chief = given is None and self.worker == ranks[0]
+        mine: dict[int, str] = {}
         if self.is_chief:
             self._server = SyncServer(
-                opt, R, N, tokens, self.timeout, variable_averages, averaged, nonfinite, last_step
-            )
+                opt, R, N, tokens, self.timeout, ema, averaged, nonfinite, last_step,
+                self._parts[0], len(ranks),
+            )  # fmt: skip
             self._mailbox = MailboxServer(self._server.handle, host=host, tick=self._server.tick)
-            server_address = self._mailbox.address
-        if server_address is None:
-            box = [server_address]
-            dist.broadcast_object_list(box, src=server_rank)
-            server_address = box[0]
-        elif dist.is_initialized() and server_rank == dist.get_rank() == self.worker:
-            dist.broadcast_object_list([server_address], src=server_rank)
-        self.server_address: str = server_address
+            mine[0] = self._mailbox.address
+        for k in range(1, len(ranks)) if given is None else ():
+            if ranks[k] == self.worker:
+                shard = Shard(opt, self._parts[k], R, nonfinite, ema, averaged, last_step)
+                server = ShardServer(k, shard, N, self.timeout)
+                self._hosted[k] = (server, MailboxServer(server.handle, host=host))
+                mine[k] = self._hosted[k][1].address
+        addresses = dict(enumerate(given)) if given is not None else mine
+        if len(ranks) == 1:  # one server: its rank broadcasts the address
+            if not addresses:
+                box = [None]
+                dist.broadcast_object_list(box, src=ranks[0])
+                addresses = {0: box[0]}
+            elif dist.is_initialized() and ranks[0] == dist.get_rank() == self.worker:
+                dist.broadcast_object_list([addresses[0]], src=ranks[0])
+        elif given is None and dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            addresses = {k: a for part in gathered for k, a in part.items()}
+        for server, _ in self._hosted.values():
+            server.connect_chief(addresses[0], ranks[0])
+        if self._server is not None:
+            self._server.probes = {
+                f"shard server rank {ranks[k]} (shard {k}) at {addresses[k]}": probe(
+                    addresses[k], min(self.timeout, 5.0)
+                )
+                for k in range(1, len(ranks))
+            }
+        self._hello(addresses)
+
+    def _hello(self, addresses: dict[int, str]) -> None:
+        """Connect to every shard; ``local_step := global_step``; load the variables."""
+        self.server_addresses = [addresses[k] for k in range(len(self.server_ranks))]
+        self.server_address: str = addresses[0]
         self._client = MailboxClient(
-            server_address, f"w{self.worker}", self.timeout + 10.0, f"server rank {server_rank}"
+            addresses[0], f"w{self.worker}", self.timeout + 10.0, f"server rank {self.server_rank}"
         )
         params = self.params()
+        parts = [[params[i] for i in idx] for idx in self._parts]
+        if len(addresses) > 1:
+            rest = {k: a for k, a in addresses.items() if k}
+            self._links = ShardLinks(rest, self.server_ranks, self.worker, self.timeout)
         hello = self._client.call(
             "hello",
             worker=self.worker,
-            shapes=[list(p.shape) for p in params],
-            dtypes=[str(p.dtype) for p in params],
+            shapes=[list(p.shape) for p in parts[0]],
+            dtypes=[str(p.dtype) for p in parts[0]],
         )
         self.local_step = self.global_step = int(hello["global_step"])  # local_step_init_op
-        self._load_params(hello["params"])
-        self._version = self.global_step
+        self._load_shard(0, hello["params"])
+        self._version = int(hello.get("version", self.global_step))
+        if self._links is not None:
+            for k, values in self._links.hello(parts).items():
+                self._load_shard(k, values)
 
     # ----------------------------------------------------------------- set-up helpers
     def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
@@ -195,10 +268,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 )
         return check_int(_OWNER, "worker", worker, 0)
 
-    def _load_params(self, values: Sequence[torch.Tensor]) -> None:
+    def _load_shard(self, k: int, values: Sequence[torch.Tensor]) -> None:
+        params = self.params()
         with torch.no_grad():
-            for p, v in zip(self.params(), values, strict=True):
-                p.copy_(v)
+            for i, v in zip(self._parts[k], values, strict=True):
+                params[i].copy_(v)
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -238,57 +312,87 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 self.local_step, grads
             )
         else:
-            assert self._client is not None, "optimizer is closed"
-            reply = self._client.call(
-                "step", worker=self.worker, tag=self.local_step, grads=grads, version=self._version
-            )
-            accepted = bool(reply["accepted"])
-            self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
-            if "params" in reply:
-                self._load_params(reply["params"])
-                self._version = self.global_step
+            accepted = self._server_step(grads)
         self.last_gradient_accepted = accepted
         self.counters["accepted" if accepted else "dropped"] += 1
 
+    def _server_step(self, grads: list[torch.Tensor | None]) -> bool:
+        """Push (shards 1.. first, then shard 0 with the chief), take a token, read."""
+        assert self._client is not None, "optimizer is closed"
+        parts = [[grads[i] for i in idx] for idx in self._parts]
+        tag, accepted = self.local_step, True
+        if self._links is not None:
+            if self._nonfinite != "apply" and not all(_finite(g) for g in grads):
+                tag = -1  # stale everywhere: no shard keeps any part (the bad shard reports it)
+            accepted = self._links.push(tag, parts)
+        reply = self._client.call(
+            "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
+        )
+        accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
+        self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
+        if "params" in reply:
+            self._load_shard(0, reply["params"])
+        self._version = int(reply.get("version", self.global_step))
+        if self._links is not None:
+            for k, values in self._links.read().items():
+                self._load_shard(k, values)
+        return accepted
+
     # ----------------------------------------------------------------- queries / shutdown
-    def worker_counters(self) -> dict[int, dict[str, int]]:
-        """Per-worker accepted / dropped / nonfinite counts as the server saw them."""
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        """Per-worker accepted / dropped / nonfinite counts as the server (``shard``'s
+        accumulators when sharded) saw them."""
         if self._allreduce is not None:
             return self._allreduce.stats
         assert self._client is not None
-        return {
-            int(k): v for k, v in self._client.call("stats", worker=self.worker)["stats"].items()
-        }
+        if shard:
+            assert self._links is not None, "no such shard"
+            stats = self._links.clients[shard].call("stats", worker=self.worker)["stats"]
+        else:
+            stats = self._client.call("stats", worker=self.worker)["stats"]
+        return {int(k): v for k, v in stats.items()}
 
     def averaged_variables(self) -> list[torch.Tensor | None]:
-        """Moving averages of the variables, in parameter order (None if not averaged)."""
-        ema = (
-            self._allreduce.ema
-            if self._allreduce is not None
-            else (self._server.ema if self._server is not None else None)
-        )
-        if ema is None:
-            raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
-        return [ema.shadows.get(i) for i in range(len(self._index))]
+        """Moving averages of the variables, in parameter order (None if not averaged);
+        sharded: gathered from every shard."""
+        if self._allreduce is not None or self._links is None:
+            ema = self._allreduce.ema if self._allreduce is not None else None
+            ema = ema if ema is not None or self._server is None else self._server.ema
+            if ema is None:
+                raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
+            return [ema.shadows.get(i) for i in range(len(self._index))]
+        assert self._client is not None
+        pairs = list(self._client.call("ema", worker=self.worker)["shadows"])
+        for reply in self._links.call_all("ema").values():
+            pairs.extend(reply["shadows"])
+        found = {int(i): s for i, s in pairs}
+        return [found.get(i) for i in range(len(self._index))]
 
     @property
     def bytes_sent(self) -> int:
-        """Payload bytes this worker sent to the server (all-reduce: bytes reduced)."""
+        """Payload bytes this worker sent to the servers (all-reduce: bytes reduced)."""
         if self._allreduce is not None:
             return self._allreduce.bytes_sent
-        return self._client.bytes_out if self._client is not None else 0
+        sent = self._client.bytes_out if self._client is not None else 0
+        return sent + (self._links.bytes_out if self._links is not None else 0)
 
     def close(self) -> None:
-        """Leave: tell the server; the chief keeps serving until every worker left or has
-        been silent for ``timeout`` seconds, then stops the server."""
-        if self._client is not None:
+        """Leave: tell every server; a server rank keeps serving until every worker left or
+        has been silent for ``timeout`` seconds, then stops its servers (shards, then chief)."""
+        for client in [self._client, *(self._links.clients.values() if self._links else ())]:
             try:
-                self._client.call("done", worker=self.worker, timeout=5.0)
+                if client is not None:
+                    client.call("done", worker=self.worker, timeout=5.0)
             except Exception:
                 pass
-            self._client = None
+        self._client = self._links = None
+        end = time.monotonic() + self.timeout
+        for server, mailbox in self._hosted.values():
+            while time.monotonic() < end and not server.finished():
+                time.sleep(0.02)
+            mailbox.close()
+        self._hosted = {}
         if self._mailbox is not None and self._server is not None:
-            end = time.monotonic() + self.timeout
             while time.monotonic() < end:
                 gone = self._server.done | set(self._server.silent_workers())
                 if gone >= set(range(self.total_num_replicas)):
@@ -313,7 +417,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             "total_num_replicas": self.total_num_replicas,
             "server": self._server.state_dict() if self._server is not None else None,
             "allreduce": self._allreduce.state_dict() if self._allreduce is not None else None,
+            **self._shards_state(),
         }
+
+    def _shards_state(self) -> dict[str, Any]:
+        """Sharded: ``{"shards": {k: state}}`` for the shards hosted by this rank (shard 0 is
+        in ``"server"``); unsharded checkpoints keep their old layout."""
+        if len(self.server_ranks) == 1:
+            return {}
+        return {"shards": {k: srv.shard.state_dict() for k, (srv, _) in self._hosted.items()}}
 
     def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
         super()._check_wrapper_state(counters)
@@ -325,16 +437,30 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 )
         if (counters["server"] is None) != (self._server is None):
             raise ValueError(f"{_OWNER}.load_state_dict: load the chief's checkpoint on the chief")
+        if set(counters.get("shards", {})) != set(self._hosted):
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: checkpoint holds shards "
+                f"{sorted(counters.get('shards', {}))}, this rank hosts {sorted(self._hosted)} "
+                "(load each server rank's own checkpoint, same server_ranks)"
+            )
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         if self._server is not None:
             self._server.load_state_dict(state["server"])
         if self._allreduce is not None:
             self._allreduce.load_state_dict(state["allreduce"])
+        for k, shard_state in state.get("shards", {}).items():
+            self._hosted[int(k)][0].shard.load_state_dict(shard_state)
         self.local_step, self.global_step = int(state["local_step"]), int(state["global_step"])
         self.counters = dict(state["counters"])
-        self._version = -1  # the next step reloads the variables from the server
+        self._version = -1  # the next step reloads the variables from the server(s)
+        if self._links is not None:
+            self._links.versions = dict.fromkeys(self._links.versions, -1)
 
     def compute_gradients(self, loss: Any, var_list: Any = None) -> GradsAndVars:
         """Pass-through to the wrapped optimizer (TF: clip per replica here)."""
         return super().compute_gradients(loss, var_list=var_list)
+
+
+def _finite(g: torch.Tensor | None) -> bool:
+    return g is None or bool(torch.isfinite(g._values() if g.is_sparse else g).all())
