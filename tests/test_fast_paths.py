@@ -181,3 +181,21 @@ def test_sparse_gradients_take_the_reference_path():
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
+
+
+def test_fused_normalized_sgd_blocked_norm_matches_float64():
+    """NormalizedSGD's fused kernel sums squares in blocks of 4096 (a faster reduction under
+    inductor); on tensors longer than a block, with a tail, it still matches float64."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(3 * 4096 + 5,), (64, 129), (4096,)]  # tail, 2-D with tail, exactly one block
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 10 for s in shapes]
+    params = [torch.nn.Parameter(x.clone()) for x in start]
+    opt = gf.NormalizedSGD(params, learning_rate=100.0, fused=True)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    for p, w, g in zip(params, start, grads):
+        g64 = g.double()
+        expected = w.double() - 100.0 * g64 / g64.square().sum().clamp_min(1e-12).sqrt()
+        torch.testing.assert_close(p.detach().double(), expected, rtol=2e-6, atol=2e-7)

@@ -24,6 +24,7 @@ slots and counters untouched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -129,13 +130,14 @@ class Optimizer(torch.optim.Optimizer):
         path = kernels.resolve_path(self, group)
         fast: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g in zip(params, grads):
-            slots = self._slots_for(p, group)
             if g.is_sparse:  # sparse rules always take the reference path
                 idx, values = sparse_rows(g, self.sparse == "sum_duplicates")
+                slots = self._slots_for(p, group)
                 self._apply_sparse(p, idx, values, slots, hp_for(p.dtype, p.device), shared)
             elif path != "loop":
-                fast.append((p, g))
+                fast.append((p, g))  # kernels.apply_dense fetches the slots
             else:
+                slots = self._slots_for(p, group)
                 self._apply_dense(p, g, slots, hp_for(p.dtype, p.device), shared)
         if fast:
             ps, gs = zip(*fast)
@@ -149,31 +151,38 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = {
-            p: p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
-        }
-        self._apply(grads)
+        self._apply([
+            [(p, p.grad) for p in group["params"] if p.grad is not None]
+            for group in self.param_groups
+        ])
         return loss
 
-    def _apply(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-        if not grads:
+    def _apply(self, work: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """One update: ``work[i]`` holds the (parameter, gradient) pairs of param group i.
+
+        Lists rather than a dict keyed by tensor: hashing a tensor is a Python call, and on
+        the fused path this bookkeeping is a visible share of a step.
+        """
+        if not any(work):
             return
-        for p, g in grads.items():
-            self._validate_gradient(p, g)
+        for pairs in work:
+            for p, g in pairs:
+                self._validate_gradient(p, g)
         if self.check_finite:
-            for p, g in grads.items():
-                values = g._values() if g.is_sparse else g
-                if not bool(torch.isfinite(values).all()):
-                    raise FloatingPointError(
-                        f"{type(self).__name__}: non-finite gradient for parameter of shape "
-                        f"{tuple(p.shape)}; no parameter was changed (check_finite=True)"
-                    )
+            for pairs in work:
+                for p, g in pairs:
+                    values = g._values() if g.is_sparse else g
+                    if not bool(torch.isfinite(values).all()):
+                        raise FloatingPointError(
+                            f"{type(self).__name__}: non-finite gradient for parameter of "
+                            f"shape {tuple(p.shape)}; no parameter was changed (check_finite=True)"
+                        )
         # Evaluate and validate every group's hyperparameters before touching anything.
         resolvers = [self._hyper_resolver(group) for group in self.param_groups]
-        for group, hp_for in zip(self.param_groups, resolvers):
-            params = [p for p in group["params"] if p in grads]
-            if params:
-                self._update_group(group, params, [grads[p] for p in params], hp_for)
+        for group, pairs, hp_for in zip(self.param_groups, work, resolvers):
+            if pairs:
+                params, grads = (list(t) for t in zip(*pairs))
+                self._update_group(group, params, grads, hp_for)
         for group, hp_for in zip(self.param_groups, resolvers):
             if group["non_slot"]:
                 self._finish(group, group["non_slot"], hp_for)
@@ -190,12 +199,25 @@ class Optimizer(torch.optim.Optimizer):
         def hp_for(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
             key = (dtype, device)
             if key not in cache:
-                hp = {k: _hyper.scalar(v, dtype, device) for k, v in values.items()}
+                hp = {k: self._scalar(group, k, v, dtype, device) for k, v in values.items()}
                 hp.update({k: group[k] for k in self.flags})
                 cache[key] = hp
             return cache[key]
 
         return hp_for
+
+    def _scalar(self, group, key: str, value: Any, dtype, device) -> torch.Tensor:
+        """``_hyper.scalar(value, dtype, device)``, reusing last step's tensor for the same
+        Python number (building 0-dim tensors is a measurable share of a fused step)."""
+        if type(value) not in (int, float):  # tensors may change in place: re-read them
+            return _hyper.scalar(value, dtype, device)
+        cache = self.__dict__.setdefault("_scalar_cache", {})
+        slot = (id(group), key, dtype, device)
+        hit = cache.get(slot)
+        # 0.0 == -0.0 in Python but not as tensors, so the sign is compared too.
+        if hit is None or hit[0] != value or math.copysign(1, hit[0]) != math.copysign(1, value):
+            hit = cache[slot] = (value, _hyper.scalar(value, dtype, device))
+        return hit[1]
 
     def _slots_for(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -293,22 +315,26 @@ class Optimizer(torch.optim.Optimizer):
         if not pairs:
             raise ValueError("No variables provided.")
         _check_global_step(global_step)
-        known = {p for p in self._all_params()}
+        known = {id(p) for p in self._all_params()}
         grads = {}
         for g, p in pairs:
-            if p not in known:
+            if id(p) not in known:
                 raise ValueError(
                     f"{type(self).__name__}.apply_gradients: parameter of shape "
                     f"{tuple(p.shape)} is not in this optimizer's param_groups"
                 )
             if g is not None:
-                grads[p] = g
+                grads[id(p)] = g
         if not grads:
             raise ValueError(
                 f"No gradients provided for any variable: {[tuple(p.shape) for _, p in pairs]}"
             )
+        work = [
+            [(p, grads[id(p)]) for p in group["params"] if id(p) in grads]
+            for group in self.param_groups
+        ]
         with torch.no_grad():
-            self._apply(grads)
+            self._apply(work)
             if global_step is not None:
                 global_step += 1
 

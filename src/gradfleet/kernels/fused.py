@@ -31,19 +31,27 @@ def _step(opt, params, grads, slots, hp, shared):
         opt._apply_dense(params[i], grads[i], {k: v[i] for k, v in slots.items()}, hp, shared)
 
 
-def _describe(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset())
-
-
 def signature(opt, params, grads, slots, hp, shared) -> tuple[Any, ...]:
-    """Everything dynamo would specialise on, so one key never needs a recompile."""
+    """The cache key of a bucket: what makes dynamo specialise in practice.
+
+    Only a key: dynamo's own guards (every tensor's dtype, device, size and stride) decide
+    whether a compiled graph may run, so a layout the key misses costs a recompile, never a
+    wrong result.  It is kept this small because it is computed every step, on cold caches
+    (a full per-tensor description cost 0.37 ms per step for 41 parameters; this 0.06 ms).
+    Slots and shared state are created by the optimizer in the parameters' layout, and
+    dtype/device are uniform within a bucket, so shapes and strides of params and grads
+    plus the names and Python flags suffice.
+    """
     return (
         type(opt),
-        tuple(_describe(t) for t in params),
-        tuple(_describe(t) for t in grads),
-        tuple((k, tuple(_describe(t) for t in v)) for k, v in slots.items()),
-        tuple((k, _describe(v) if isinstance(v, torch.Tensor) else v) for k, v in hp.items()),
-        tuple((k, _describe(v)) for k, v in shared.items()),
+        params[0].dtype if params else None,
+        params[0].device if params else None,
+        tuple([p.shape for p in params]),
+        tuple([p.stride() for p in params]),
+        tuple([g.stride() for g in grads]),
+        tuple(slots),
+        tuple(shared),
+        tuple((k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()),
     )
 
 
