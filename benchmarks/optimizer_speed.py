@@ -14,9 +14,12 @@ the table.  Method:
   minimal bytes a step must move (read+write the parameter and each parameter-sized slot,
   read the gradient) / step time.
 * Baselines, on copies of the same tensors in the same run: ``torch.optim.Adam(fused=True)``,
-  timed in alternation with every row (step, Adam step, step, ...) so that the ratio holds
-  on a shared, noisy machine, and, for the optimizers torch also has, torch's fastest
-  implementation (of fused / foreach / for-loop) of the nearest equivalent.
+  timed in alternation with every row (step, Adam step, step, ...); ratios to it are the
+  median of the per-pair ratios, so a slow spell of a shared machine cancels.  For the
+  optimizers torch also has, torch's fastest implementation (of fused / foreach /
+  for-loop) of the nearest equivalent.
+* Memory ceilings: the eager ``p += a * g`` update (GradientDescent's shape) and a
+  read-only pass over the gradients, each against fused Adam the same way.
 * Peak extra memory: the peak of torch's live CPU allocations during one step above the
   allocations alive before it, from ``torch.profiler`` memory events (allocator-agnostic:
   glibc's caching cannot hide a temporary).
@@ -107,6 +110,30 @@ def time_steps(step, warmup: int, reps: int, partner=None) -> dict[str, float]:
     out = {"first_s": first, "median_s": median, "min_s": min(times), "max_s": max(times)}
     if partner_times:
         out["partner_median_s"] = statistics.median(partner_times)
+        # Paired: each step against the partner step right after it, so a slow spell of a
+        # shared machine slows both sides of a pair and cancels in the ratio.
+        ratios = [t / p for t, p in zip(times, partner_times)]
+        out["time_ratio_to_partner"] = statistics.median(ratios)
+    return out
+
+
+def memory_ceilings(params, grads, warmup: int, reps: int, partner) -> dict[str, Any]:
+    """What this machine's memory system gives the simplest eager kernels (no optimizer):
+    a one-multiply-add update ``p += a * g`` (the shape of GradientDescent's step) and a
+    read-only pass over the gradients (the extra pass a whole-tensor norm needs), each
+    as bandwidth and as a fraction of torch fused Adam's, timed in alternation with it."""
+    ps = [p.clone() for p in params]
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    probes = {  # name -> (kernel, passes over a parameter-sized tensor)
+        "update p += a*g": (lambda: torch._foreach_add_(ps, grads, alpha=-1e-3), 3),
+        "read-only pass over g": (lambda: torch._foreach_norm(grads), 1),
+    }
+    out = {}
+    for name, (fn, passes) in probes.items():
+        stats = time_steps(fn, warmup, reps, partner)
+        gbps = nbytes * passes / stats["median_s"] / 1e9
+        ratio = passes / 7 / stats["time_ratio_to_partner"]  # Adam moves 7 passes
+        out[name] = {"median_s": stats["median_s"], "gbps": gbps, "vs_torch_fused_adam": ratio}
     return out
 
 
@@ -185,6 +212,7 @@ def run(args) -> dict[str, Any]:
     adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
     baselines = {"Adam(fused=True)": ref}
+    ceilings = memory_ceilings(params, grads, args.warmup, args.reps, adam.step)
     rows = []
     for cls, (config, make) in gradfleet_configs().items():
         if args.only and cls.__name__ not in args.only:
@@ -205,9 +233,9 @@ def run(args) -> dict[str, Any]:
             if path == "fused":
                 stats["compile_s"] = stats["first_s"] - stats["median_s"]
             # Ratios against torch's fused Adam timed in alternation with this row.
-            ref_s = stats["partner_median_s"]
-            stats["time_vs_torch_fused_adam"] = stats["median_s"] / ref_s
-            stats["bw_vs_torch_fused_adam"] = stats["gbps"] / (ref["bytes"] / ref_s / 1e9)
+            ratio = stats["time_ratio_to_partner"]
+            stats["time_vs_torch_fused_adam"] = ratio
+            stats["bw_vs_torch_fused_adam"] = stats["bytes"] / ref["bytes"] / ratio
             if equiv is not None:
                 best = baselines[key]
                 stats["torch_equivalent"] = f"{key} [{best['impl']}]"
@@ -221,6 +249,7 @@ def run(args) -> dict[str, Any]:
         "warmup": args.warmup,
         "reps": args.reps,
         "baselines": baselines,
+        "ceilings": ceilings,
         "rows": rows,
     }
 
@@ -267,6 +296,9 @@ def print_table(result: dict[str, Any]) -> None:
         impl = f" [{b['impl']}]" if "impl" in b else ""
         print(f"torch {name}{impl}: {b['median_s'] * 1e3:.1f} ms, {b['gbps']:.1f} GB/s, "
               f"peak extra {b['peak_extra_mib']:.0f} MiB")
+    for name, c in result.get("ceilings", {}).items():
+        print(f"ceiling, {name}: {c['median_s'] * 1e3:.1f} ms, {c['gbps']:.1f} GB/s, "
+              f"{c['vs_torch_fused_adam']:.2f} x torch fused Adam's bandwidth")
     print(HEADER)
     for row in result["rows"]:
         print(format_row(row))

@@ -199,25 +199,27 @@ class Optimizer(torch.optim.Optimizer):
         def hp_for(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
             key = (dtype, device)
             if key not in cache:
-                hp = {k: self._scalar(group, k, v, dtype, device) for k, v in values.items()}
+                hp = {k: self._scalar(k, v, dtype, device) for k, v in values.items()}
                 hp.update({k: group[k] for k in self.flags})
                 cache[key] = hp
             return cache[key]
 
         return hp_for
 
-    def _scalar(self, group, key: str, value: Any, dtype, device) -> torch.Tensor:
-        """``_hyper.scalar(value, dtype, device)``, reusing last step's tensor for the same
-        Python number (building 0-dim tensors is a measurable share of a fused step)."""
+    def _scalar(self, key: str, value: Any, dtype, device) -> torch.Tensor:
+        """``_hyper.scalar(value, dtype, device)``, reusing the tensor made for the same Python
+        number before (building 0-dim tensors is a measurable share of a fused step)."""
         if type(value) not in (int, float):  # tensors may change in place: re-read them
             return _hyper.scalar(value, dtype, device)
         cache = self.__dict__.setdefault("_scalar_cache", {})
-        slot = (id(group), key, dtype, device)
+        # The sign is part of the key: 0.0 == -0.0 in Python, not as tensors.
+        slot = (key, value, math.copysign(1, value), dtype, device)
         hit = cache.get(slot)
-        # 0.0 == -0.0 in Python but not as tensors, so the sign is compared too.
-        if hit is None or hit[0] != value or math.copysign(1, hit[0]) != math.copysign(1, value):
-            hit = cache[slot] = (value, _hyper.scalar(value, dtype, device))
-        return hit[1]
+        if hit is None:
+            if len(cache) >= 256:  # a schedule makes a new value every step: stay bounded
+                cache.clear()
+            hit = cache[slot] = _hyper.scalar(value, dtype, device)
+        return hit
 
     def _slots_for(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         state = self.state[p]
