@@ -56,7 +56,7 @@ class Optimizer(torch.optim.Optimizer):
     flags: ClassVar[tuple[str, ...]] = ()
     #: Fast paths whose use of ``_apply_dense`` this class supports (``gradfleet.kernels``):
     #: "foreach" needs elementwise maths (no branching on data), "fused" needs it traceable
-    #: by ``torch.compile(fullgraph=True)``.
+    #: into one graph whose only tensors are the step's inputs (``kernels/fused.py``).
     fast_paths: ClassVar[tuple[str, ...]] = ("foreach", "fused")
 
     def __init__(
@@ -106,6 +106,11 @@ class Optimizer(torch.optim.Optimizer):
     def _init_shared(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {}
 
+    def _shared_state(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The non-slot tensors the maths of ``group`` reads: ``group["non_slot"]``, plus
+        any the optimizer keeps elsewhere (AdagradDA's caller-owned ``global_step``)."""
+        return group["non_slot"]
+
     def _slot_fills(self, group: dict[str, Any]) -> dict[str, float]:
         """Slot name -> initial fill for the parameters of ``group``."""
         return self.slots
@@ -126,7 +131,7 @@ class Optimizer(torch.optim.Optimizer):
         Sparse gradients take the per-parameter reference loop; dense ones take the path
         ``group["foreach"]``/``group["fused"]`` select (``gradfleet.kernels.resolve_path``).
         """
-        shared = group["non_slot"]
+        shared = self._shared_state(group)
         path = kernels.resolve_path(self, group)
         fast: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g in zip(params, grads):

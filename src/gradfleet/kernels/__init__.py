@@ -3,8 +3,9 @@
 Three paths, chosen per param group by ``foreach``/``fused`` exactly as in ``torch.optim``
 (see ``dispatch.resolve_path``): the per-parameter reference loop (ground truth), the
 multi-tensor path (``TensorList`` over ``torch._foreach_*``) and the fused path (one
-``torch.compile``d kernel per device/dtype bucket).  Nothing here is per-algorithm: both
-fast paths call the subclass's ``_apply_dense`` (or ``_rule``) unchanged.
+inductor kernel per device/dtype bucket, traced from the maths with ``make_fx``).  Nothing
+here is per-algorithm: both fast paths call the subclass's ``_apply_dense`` (or ``_rule``)
+unchanged.
 
 Exactness against the reference loop (checked by tests/test_fast_paths.py):
 

@@ -60,7 +60,7 @@ def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
 
 def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: str) -> None:
     """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``."""
-    shared = group["non_slot"]
+    shared = opt._shared_state(group)
     for (device, dtype), idx in buckets(params).items():
         ps = [params[i] for i in idx]
         gs = [grads[i] for i in idx]

@@ -1,84 +1,152 @@
-"""The fused path: one ``torch.compile``d (inductor) kernel per (device, dtype) bucket.
+"""The fused path: one inductor kernel per (device, dtype) bucket of parameters.
 
-The compiled function calls the optimizer's own ``_apply_dense`` for every parameter of the
-bucket, so inductor sees the whole step as one graph and emits one fused loop per parameter
-(C++/OpenMP on CPU, Triton on GPU) that reads each input once and stores straight into the
-real parameter and slot storage (inductor turns the functionalised ``copy_`` back into
-in-place stores).  Hyperparameters and shared state are 0-dim tensor inputs, so a new
-learning rate does not recompile; Python flags are part of the cache key.
+How a bucket's step is compiled (once per signature, then cached on the optimizer):
+
+1. The optimizer's own ``_apply_dense`` runs for every parameter of the bucket on fake
+   tensors under ``make_fx`` + ``functionalize``: one functional FX graph whose in-place
+   updates become ``copy_`` back into the parameter and slot inputs.
+2. ``torch._inductor.compile`` turns the graph into one kernel (C++/OpenMP on CPU, Triton on
+   GPU) that reads each input once and stores straight into parameter and slot memory.
+
+Later steps call the compiled function directly with the same tensors in the same order.
+There is no dynamo frame in between, so no guards: ``signature`` is the complete cache key
+and is computed every step (a dynamo call costs about 0.4 ms more per step once an
+optimizer step's worth of memory traffic has evicted the caches, which for a light
+optimizer is a tenth of its step).  Hyperparameters and shared state are 0-dim tensor
+inputs, so a new learning rate does not recompile; Python flags are part of the key.
+Any tensor ``_apply_dense`` reads that is not an input (hidden state on ``self``) makes
+tracing fail with a clear error instead of being baked into the kernel.
 """
 
 from __future__ import annotations
 
-import types
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
-# Compiled callables per optimizer instance (dynamo guards on the instance whose methods it
-# traces, so sharing across instances would only trade a compile for a recompile), keyed
-# by the structural signature of a bucket.  Each entry owns a fresh code object, so
-# dynamo's per-code cache and its recompile limit are per entry; entries die with the
-# optimizer.
+# Compiled steps per optimizer instance (the traced maths may read the instance's Python
+# configuration), keyed by ``signature``; entries die with the optimizer.
 _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
-# Inductor re-checks every input's size, stride and alignment in Python before each call;
-# dynamo's guards have checked the same just before, so those asserts are pure overhead
-# (0.1-0.2 ms a step for 41 parameters, a few percent of a light optimizer's step).
-_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+# Inductor's per-call size/stride/alignment asserts repeat what ``signature`` checked.
+_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "score_fusion_memory_threshold": 256}
 #: How many distinct signatures were compiled in this process (tests check it stays put).
 compiled_signatures = 0
+_tracing = False
 
 
-def _step(opt, params, grads, slots, hp, shared):
-    for i in range(len(params)):
-        opt._apply_dense(params[i], grads[i], {k: v[i] for k, v in slots.items()}, hp, shared)
+def tracing() -> bool:
+    """True while the fused path traces an optimizer's maths into a kernel.
+
+    Maths may pick a form that compiles to a faster kernel but would be slower eagerly
+    (NormalizedSGD's blocked sum) or skip an eager-only correction (FTRL's float64 root).
+    """
+    return _tracing
+
+
+@contextlib.contextmanager
+def _tracing_scope() -> Iterator[None]:
+    global _tracing
+    _tracing = True
+    try:
+        yield
+    finally:
+        _tracing = False
 
 
 def signature(opt, params, grads, slots, hp, shared) -> tuple[Any, ...]:
-    """The cache key of a bucket: what makes dynamo specialise in practice.
+    """Everything the compiled kernel is specialised on: the complete cache key.
 
-    Only a key: dynamo's own guards (every tensor's dtype, device, size and stride) decide
-    whether a compiled graph may run, so a layout the key misses costs a recompile, never a
-    wrong result.  It is kept this small because it is computed every step, on cold caches
-    (a full per-tensor description cost 0.37 ms per step for 41 parameters; this 0.06 ms).
-    Slots and shared state are created by the optimizer in the parameters' layout, and
-    dtype/device are uniform within a bucket, so shapes and strides of params and grads
-    plus the names and Python flags suffice.
+    Within a bucket, parameters, gradients and slots share one dtype and device (gradients
+    are validated against their parameter, slots are created and loaded in the parameter's
+    dtype); hyperparameter and shared tensors are 0-dim with dtypes fixed by the optimizer.
+    So: shapes and strides of every parameter-sized tensor, names, Python flag values, and
+    on accelerators the 16-byte alignment that Triton kernels are specialised on.
     """
-    return (
-        type(opt),
-        params[0].dtype if params else None,
-        params[0].device if params else None,
+    p0 = params[0]
+    key = [
+        p0.dtype,
+        p0.device,
         tuple([p.shape for p in params]),
         tuple([p.stride() for p in params]),
         tuple([g.stride() for g in grads]),
-        tuple(slots),
-        tuple(shared),
-        tuple((k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()),
+        tuple([(name, tuple([s.stride() for s in ts])) for name, ts in slots.items()]),
+        tuple([(k, v.dtype) for k, v in shared.items()]),
+        tuple([(k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()]),
+    ]
+    if p0.device.type != "cpu":
+        tensors = [*params, *grads, *(s for ts in slots.values() for s in ts)]
+        key.append(tuple([t.data_ptr() % 16 for t in tensors]))
+    return tuple(key)
+
+
+def _inputs(params, grads, slots, hp, shared) -> list[torch.Tensor]:
+    """Every tensor of a bucket's step, flat, in the order ``_step_function`` reads them."""
+    flat = [*params, *grads]
+    for ts in slots.values():
+        flat.extend(ts)
+    flat.extend(v for v in hp.values() if isinstance(v, torch.Tensor))
+    flat.extend(shared.values())
+    return flat
+
+
+def _step_function(opt, params, slots, hp, shared):
+    """The bucket's step as a function of the flat input list (``_inputs``' order)."""
+    n = len(params)
+    slot_names = list(slots)
+    hp_tensors = [k for k, v in hp.items() if isinstance(v, torch.Tensor)]
+    hp_constants = {k: v for k, v in hp.items() if not isinstance(v, torch.Tensor)}
+    shared_names = list(shared)
+
+    def step(*flat):
+        ps, gs = flat[:n], flat[n : 2 * n]
+        at = 2 * n
+        slot_lists = {}
+        for name in slot_names:
+            slot_lists[name] = flat[at : at + n]
+            at += n
+        hp_in = dict(hp_constants, **dict(zip(hp_tensors, flat[at : at + len(hp_tensors)])))
+        at += len(hp_tensors)
+        shared_in = dict(zip(shared_names, flat[at:]))
+        for i in range(n):
+            slots_i = {name: slot_lists[name][i] for name in slot_names}
+            opt._apply_dense(ps[i], gs[i], slots_i, hp_in, shared_in)
+        return ()
+
+    return step
+
+
+def compile_step(opt, params, grads, slots, hp, shared):
+    """Trace ``opt``'s maths for this bucket and compile it; returns ``f(*flat_inputs)``."""
+    global compiled_signatures
+    flat = _inputs(params, grads, slots, hp, shared)
+    step = torch.func.functionalize(
+        _step_function(opt, params, slots, hp, shared), remove="mutations"
     )
-
-
-def compiled_step(opt: Any, key: tuple[Any, ...]) -> Any:
-    """The compiled step of ``opt`` for ``key``, compiling it on first use."""
-    cache = _CACHE.setdefault(opt, {})
-    fn = cache.get(key)
-    if fn is None:
-        global compiled_signatures
-        compiled_signatures += 1
-        code = _step.__code__.replace(co_name=f"gradfleet_fused_step_{compiled_signatures}")
-        fresh = types.FunctionType(code, _step.__globals__, code.co_name)
-        fn = cache[key] = torch.compile(fresh, fullgraph=True, dynamic=False, options=_OPTIONS)
-    return fn
+    name = type(opt).__name__
+    try:
+        with torch.no_grad(), _tracing_scope():
+            graph = make_fx(step, tracing_mode="fake")(*flat)
+    except Exception as exc:
+        raise RuntimeError(
+            f"{name}: fused=True needs _apply_dense to trace as one graph of tensor operations "
+            f"on its inputs (no branching on tensor values, no tensors other than the "
+            f"parameter, gradient, slots, hyperparameters and shared state); use "
+            f"foreach=True instead. Cause: {type(exc).__name__}: {exc}"
+        ) from exc
+    compiled = torch._inductor.compile(graph, flat, options=_OPTIONS)
+    compiled_signatures += 1
+    return compiled
 
 
 def run_fused(opt, params, grads, slots, hp, shared) -> None:
     """Apply ``_apply_dense`` to every (param, grad) of one bucket as one compiled kernel."""
     key = signature(opt, params, grads, slots, hp, shared)
-    try:
-        compiled_step(opt, key)(opt, params, grads, slots, hp, shared)
-    except torch._dynamo.exc.Unsupported as exc:  # a graph break: refuse, never fall back
-        raise RuntimeError(
-            f"{type(opt).__name__}: fused=True needs _apply_dense to compile as one graph "
-            f"(torch.compile fullgraph=True); use foreach=True instead. Cause: {exc}"
-        ) from exc
+    cache = _CACHE.setdefault(opt, {})
+    compiled = cache.get(key)
+    if compiled is None:
+        compiled = cache[key] = compile_step(opt, params, grads, slots, hp, shared)
+    compiled(*_inputs(params, grads, slots, hp, shared))

@@ -84,12 +84,18 @@ class AdagradDAOptimizer(RowwiseOptimizer):
         device = group["params"][0].device if group["params"] else None
         return {"step": torch.zeros((), dtype=torch.int64, device=device)}
 
+    def _shared_state(self, group):
+        if self._global_step is None:
+            return group["non_slot"]
+        return {"global_step": self._global_step}  # an input of the fused kernel, not baked in
+
     def _finish(self, group, shared, hp_for):
         shared["step"] += 1
 
-    def _t(self, shared, like: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _t(shared, like: torch.Tensor) -> torch.Tensor:
         """T = step + 1 as a 0-dim tensor like ``like`` (no host sync; traceable)."""
-        step = self._global_step if self._global_step is not None else shared["step"]
+        step = shared["global_step"] if "global_step" in shared else shared["step"]
         return (step + 1).to(device=like.device, dtype=like.dtype)
 
     # TF branches on l1 > 0; with l1 = 0 the shrinking forms below give the same bits

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gradfleet import _hyper
+from gradfleet.kernels import fused
 from gradfleet.optimizer import RowwiseOptimizer
 
 _POWER, _INIT = "learning_rate_power", "initial_accumulator_value"
@@ -124,7 +125,7 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     emits the hardware root (IEEE, correctly rounded), so the float64 detour, which halves
     the vector width, is skipped there.
     """
-    if x.dtype == torch.float64 or torch.compiler.is_compiling():
+    if x.dtype == torch.float64 or fused.tracing():
         return x.sqrt()
     return x.double().sqrt().to(x.dtype)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gradfleet.kernels import fused
 from gradfleet.optimizers.custom_gradient_descent import CustomGradientDescentOptimizer
 
 _NORM_EPSILON = 1e-12  # tf.nn.l2_normalize's default, applied to the squared norm
@@ -42,7 +43,7 @@ def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     more than 4096 elements gets inductor's cascade helper, whose accumulator lives in
     memory and runs at a third of the memory bandwidth (benchmarks/optimizer_speed.py).
     """
-    if not torch.compiler.is_compiling() or x.numel() <= _BLOCK:
+    if not fused.tracing() or x.numel() <= _BLOCK:
         return (x * x).sum()
     flat = x.reshape(-1)
     whole = flat.numel() // _BLOCK * _BLOCK
