@@ -227,11 +227,20 @@ class Optimizer(torch.optim.Optimizer):
         return hit
 
     def _slots_for(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
-        state = self.state[p]
-        for name, fill in self._slot_fills(group).items():
-            if name not in state:
-                state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
-        return state
+        return self._slots_of([p], group)[0]
+
+    def _slots_of(self, params: list[torch.Tensor], group: dict[str, Any]) -> list[dict]:
+        """The slot dicts of ``params`` (all of ``group``), creating missing slots."""
+        fills = self._slot_fills(group)
+        out = []
+        for p in params:
+            state = self.state[p]
+            if not fills.keys() <= state.keys():
+                for name, fill in fills.items():
+                    if name not in state:
+                        state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
+            out.append(state)
+        return out
 
     def _validate_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
         owner = type(self).__name__

@@ -64,7 +64,7 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
     for (device, dtype), idx in buckets(params).items():
         ps = [params[i] for i in idx]
         gs = [grads[i] for i in idx]
-        slots = [opt._slots_for(p, group) for p in ps]
+        slots = opt._slots_of(ps, group)
         names = list(slots[0]) if slots else []
         hp = hp_for(dtype, device)
         if path == "fused":

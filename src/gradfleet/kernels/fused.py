@@ -77,7 +77,7 @@ def signature(opt, params, grads, slots, hp, shared) -> tuple[Any, ...]:
         tuple([(k, v.dtype) for k, v in shared.items()]),
         tuple([(k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()]),
     ]
-    if p0.device.type != "cpu":
+    if not p0.is_cpu:
         tensors = [*params, *grads, *(s for ts in slots.values() for s in ts)]
         key.append(tuple([t.data_ptr() % 16 for t in tensors]))
     return tuple(key)
