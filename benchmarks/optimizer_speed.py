@@ -24,7 +24,8 @@ the table.  Method:
   allocations alive before it, from ``torch.profiler`` memory events (allocator-agnostic:
   glibc's caching cannot hide a temporary).
 * Fused compile time: first step minus a steady step, in a fresh inductor cache directory
-  (a cold compile, as a new machine sees it).
+  (a cold compile, as a new machine sees it); inductor's one-time start-up in a process
+  (CPU feature probes) is measured first and reported on its own.
 """
 
 from __future__ import annotations
@@ -118,15 +119,29 @@ def time_steps(step, warmup: int, reps: int, partner=None) -> dict[str, float]:
 
 
 def memory_ceilings(params, grads, warmup: int, reps: int, partner) -> dict[str, Any]:
-    """What this machine's memory system gives the simplest eager kernels (no optimizer):
-    a one-multiply-add update ``p += a * g`` (the shape of GradientDescent's step) and a
-    read-only pass over the gradients (the extra pass a whole-tensor norm needs), each
-    as bandwidth and as a fraction of torch fused Adam's, timed in alternation with it."""
+    """What this machine's memory system gives ATen's own eager kernels (no optimizer), each
+    as bandwidth and as a fraction of torch fused Adam's, timed in alternation with it:
+
+    * ``p += a*g``: one multiply-add update, GradientDescent's minimal traffic;
+    * a read-only pass over the gradients (BLAS dot), the extra pass a whole-tensor norm
+      needs when the gradient does not stay in cache;
+    * NormalizedSGD's minimal work, per tensor: ``dot(g, g)`` then ``p += a*g``; its
+      bandwidth counts the same 3 passes as NormalizedSGD's rows, so it is the ceiling
+      those rows can reach on this machine.
+    """
     ps = [p.clone() for p in params]
+    flat = [g.reshape(-1) for g in grads]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
-    probes = {  # name -> (kernel, passes over a parameter-sized tensor)
+
+    def norm_then_update():
+        for p, g in zip(ps, flat):
+            torch.dot(g, g)
+            p.view(-1).add_(g, alpha=-1e-3)
+
+    probes = {  # name -> (kernel, counted passes over a parameter-sized tensor)
         "update p += a*g": (lambda: torch._foreach_add_(ps, grads, alpha=-1e-3), 3),
-        "read-only pass over g": (lambda: torch._foreach_norm(grads), 1),
+        "read-only pass over g": (lambda: [torch.dot(g, g) for g in flat], 1),
+        "norm then update (NormalizedSGD's work)": (norm_then_update, 3),
     }
     out = {}
     for name, (fn, passes) in probes.items():
@@ -135,6 +150,20 @@ def memory_ceilings(params, grads, warmup: int, reps: int, partner) -> dict[str,
         ratio = passes / 7 / stats["time_ratio_to_partner"]  # Adam moves 7 passes
         out[name] = {"median_s": stats["median_s"], "gbps": gbps, "vs_torch_fused_adam": ratio}
     return out
+
+
+def inductor_startup_s() -> float:
+    """The one-time cost of the first fused compile in a process (inductor probes the CPU's
+    vector instruction sets by building test programs), measured on a one-tensor step so
+    that each row's compile time is its own."""
+    import gradfleet as gf
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    p.grad = torch.ones(8)
+    opt = gf.GradientDescentOptimizer([p], 0.1, fused=True)
+    t0 = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - t0
 
 
 def minimal_bytes(params, state_tensors_per_param: int) -> int:
@@ -209,6 +238,7 @@ def run(args) -> dict[str, Any]:
     n = sum(p.numel() for p in params)
     print(f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
           f"{torch.get_num_threads()} threads", flush=True)
+    startup = inductor_startup_s() if "fused" in args.paths else None
     adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
     baselines = {"Adam(fused=True)": ref}
@@ -250,6 +280,7 @@ def run(args) -> dict[str, Any]:
         "reps": args.reps,
         "baselines": baselines,
         "ceilings": ceilings,
+        "inductor_startup_s": startup,
         "rows": rows,
     }
 
@@ -296,6 +327,9 @@ def print_table(result: dict[str, Any]) -> None:
         impl = f" [{b['impl']}]" if "impl" in b else ""
         print(f"torch {name}{impl}: {b['median_s'] * 1e3:.1f} ms, {b['gbps']:.1f} GB/s, "
               f"peak extra {b['peak_extra_mib']:.0f} MiB")
+    if result.get("inductor_startup_s") is not None:
+        print(f"one-time inductor start-up (first fused compile in a process, fresh cache): "
+              f"{result['inductor_startup_s']:.1f} s")
     for name, c in result.get("ceilings", {}).items():
         print(f"ceiling, {name}: {c['median_s'] * 1e3:.1f} ms, {c['gbps']:.1f} GB/s, "
               f"{c['vs_torch_fused_adam']:.2f} x torch fused Adam's bandwidth")
