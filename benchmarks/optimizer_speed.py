@@ -233,7 +233,7 @@ def torch_best(name: str, kwargs: dict, params, grads, warmup, reps) -> dict[str
 
 def run(args) -> dict[str, Any]:
     torch.manual_seed(0)
-    shapes = parameter_shapes()
+    shapes = parameter_shapes(args.width, args.layers, args.vocab)
     params, grads = make_tensors(shapes)
     n = sum(p.numel() for p in params)
     print(f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--paths", nargs="+", default=["loop", "foreach", "fused"])
     parser.add_argument("--only", nargs="*", help="optimizer class names to run")
+    parser.add_argument("--width", type=int, default=512, help="model width d")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192, help="embedding rows")
     args = parser.parse_args(argv)
     # A fresh inductor cache: the reported compile time is a cold compile.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gradfleet-bench-"))

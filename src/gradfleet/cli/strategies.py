@@ -190,6 +190,10 @@ class Strategy:
         """The model to save and evaluate."""
         return self.model.state_dict()
 
+    def close(self) -> None:
+        """Release the wrapper's threads and connections (every rank, after ``export``)."""
+        return None
+
 
 class AllReduce(Strategy):
     """Average gradients with torch.distributed: one all-reduce for dense gradients, an
@@ -291,6 +295,11 @@ class Easgd(Strategy):
 
     def export(self) -> dict[str, torch.Tensor]:
         return self.opt.swapping_state_dict(self.model)
+
+    def close(self) -> None:
+        # Asynchronous mode: rank 0's centre server must stop before the interpreter exits
+        # (its threads block inside the C++ store; left running they abort the process).
+        self.opt.close()
 
 
 class Towers(Strategy):

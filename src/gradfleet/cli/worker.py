@@ -188,6 +188,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
         result.update(evaluate(workload, final_state))
         metrics.write(step=steps, wall=wall, final=True, **evaluate(workload, final_state))
         (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    strategy.close()
     metrics.close()
     gfd.shutdown()
     return result

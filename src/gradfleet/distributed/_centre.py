@@ -49,6 +49,9 @@ class CentreStrategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the strategy holds (threads, connections); the default holds none."""
+
 
 class AllReduceCentre(CentreStrategy):
     """Synchronous EASGD (Zhang, Choromanska, LeCun 2015, eq. 5-6), centre on every rank.

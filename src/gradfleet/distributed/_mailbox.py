@@ -185,6 +185,8 @@ class MailboxServer:
         self._stopping.set()
         self.store.clone().queue_push(REQUESTS, b"I" + encode({"op": "_stop"}))
         self._thread.join(5)
+        if self._tick is not None:
+            self._ticker.join(5)
 
 
 # --------------------------------------------------------------------- client

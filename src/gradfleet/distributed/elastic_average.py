@@ -189,6 +189,12 @@ class ElasticAverageOptimizer(WrapperOptimizer):
         self.global_step += advance
         return advance
 
+    def close(self) -> None:
+        """End of training, on every worker: asynchronous mode leaves the server (whose rank
+        serves until every worker left) and stops its threads; the all-reduce mode has
+        nothing to release."""
+        self._strategy.close()
+
     # ----------------------------------------------------------------- centre access/export
     def centre(self) -> list[torch.Tensor]:
         """The centre variables (TF's ``global_center_variable``), in parameter order."""
