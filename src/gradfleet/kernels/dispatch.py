@@ -8,9 +8,9 @@
 * both ``None`` (the default): torch's own rule, ``foreach`` when the group's parameters are
   on CUDA, the loop otherwise.  Both give the loop's bits on CPU; on CPU ``_foreach_*`` runs
   the same per-tensor ATen kernels plus list overhead, so the loop is measured faster there
-  (benchmarks/optimizer_speed.py: Adam 78.7 vs 102.4 ms on 16.8M parameters).  ``fused`` is
+  (benchmarks/optimizer_speed.py: Adam 52 vs 69 ms on 16.8M parameters).  ``fused`` is
   opt-in: it is the fastest path (about torch's fused Adam) but compiles on the first step
-  (seconds to tens of seconds) and may differ from the loop in the last bit (see
+  (seconds) and may differ from the loop in the last bit (see
   ``kernels/__init__.py``), so it is never chosen silently.
 
 Sparse gradients never reach this module: the base class sends them to ``_apply_sparse``.
