@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from benchmarks.optimizer_speed import peak_extra_mib
 
 import gradfleet as gf
 from gradfleet.kernels import fused
@@ -273,19 +274,6 @@ def test_fused_follows_slot_layout_changes():
         torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
 
 
-def _peak_extra_bytes(fn) -> int:
-    """Peak of torch's live CPU allocations during ``fn()`` above those before it."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize(
     "cls", [gf.AdamOptimizer, gf.FtrlOptimizer, gf.NormalizedSGD, gf.RMSPropOptimizer]
 )
@@ -301,4 +289,4 @@ def test_fused_step_allocates_no_parameter_sized_temporary(cls):
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
     smallest_big = 4 * min(p.numel() for p in params[:2])
-    assert _peak_extra_bytes(opt.step) < smallest_big // 8
+    assert peak_extra_mib(opt.step) * 2**20 < smallest_big // 8
