@@ -290,3 +290,42 @@ def test_fused_step_allocates_no_parameter_sized_temporary(cls):
         opt.step()
     smallest_big = 4 * min(p.numel() for p in params[:2])
     assert peak_extra_mib(opt.step) * 2**20 < smallest_big // 8
+
+
+def _half_run(cls, dtype, config, **options):
+    gen = torch.Generator().manual_seed(11)
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(64, 33), (5000,)]
+    ]
+    opt = cls(params, **config, **options)
+    for _ in range(5):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "cls,config,exact",
+    [
+        (gf.GradientDescentOptimizer, {"learning_rate": 0.1}, True),
+        (gf.MomentumOptimizer, {"learning_rate": 0.1, "momentum": 0.9}, True),
+        (gf.RMSPropOptimizer, {"learning_rate": 0.01}, True),
+        (gf.FtrlOptimizer, {"learning_rate": 0.1, "l1_regularization_strength": 0.01}, True),
+        (gf.NormalizedSGD, {"learning_rate": 0.1}, False),  # the norm's summation order
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_fused_half_precision_rounds_like_the_loop(cls, config, exact, dtype):
+    """float16/bfloat16: the fused kernel rounds every intermediate to the dtype as eager
+    ATen and TF do (inductor would otherwise carry them in float32), so it gives the loop's
+    bits; a whole-tensor sum is taken in another order, within 2 ulps after 5 steps."""
+    _, ref = _half_run(cls, dtype, config, foreach=False)
+    _, got = _half_run(cls, dtype, config, fused=True)
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(ref, got):
+        if exact:
+            assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} elements differ"
+        else:
+            torch.testing.assert_close(b.detach(), a.detach(), rtol=2 * eps, atol=2 * eps)

@@ -51,6 +51,10 @@ _OPTIONS = {
     # into one loop over dozens of streams (Adam: 1.01 -> 1.32 x torch's fused Adam step);
     # the slots and gradient one parameter's updates share are far above 256 bytes.
     "score_fusion_memory_threshold": 256,
+    # float16/bfloat16: round every intermediate to the parameter's dtype as eager ATen (and
+    # TF's kernels) do, instead of carrying it in float32: the loop's bits instead of a
+    # quarter of the elements off by an ulp after a few GradientDescent steps.
+    "emulate_precision_casts": True,
 }
 #: How many distinct signatures were compiled in this process (tests check it stays put).
 compiled_signatures = 0
@@ -145,10 +149,20 @@ def compile_step(opt, params, grads, slots, hp, shared):
     step = torch.func.functionalize(
         _step_function(opt, params, slots, hp, shared), remove="mutations"
     )
-    name = type(opt).__name__
+    # The options cover tracing too: make_fx marks float16/bfloat16 results for
+    # ``emulate_precision_casts`` while it traces.
+    with inductor_config.patch(_OPTIONS):
+        graph = _trace(type(opt).__name__, step, flat)
+        _store_in_order(graph)
+        compiled = compile_fx_inner(graph, flat)
+    compiled_signatures += 1
+    return compiled
+
+
+def _trace(name: str, step, flat: list[torch.Tensor]) -> torch.fx.GraphModule:
     try:
         with torch.no_grad(), _tracing_scope():
-            graph = make_fx(step, select_decomp_table(), tracing_mode="fake")(*flat)
+            return make_fx(step, select_decomp_table(), tracing_mode="fake")(*flat)
     except NotImplementedError:  # an abstract optimizer (BaseCustomOptimizer): its own message
         raise
     except Exception as exc:
@@ -158,11 +172,6 @@ def compile_step(opt, params, grads, slots, hp, shared):
             f"parameter, gradient, slots, hyperparameters and shared state); use "
             f"foreach=True instead. Cause: {type(exc).__name__}: {exc}"
         ) from exc
-    _store_in_order(graph)
-    with inductor_config.patch(_OPTIONS):
-        compiled = compile_fx_inner(graph, flat)
-    compiled_signatures += 1
-    return compiled
 
 
 def _store_in_order(graph: torch.fx.GraphModule) -> None:
