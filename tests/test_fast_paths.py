@@ -329,3 +329,17 @@ def test_fused_half_precision_rounds_like_the_loop(cls, config, exact, dtype):
             assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} elements differ"
         else:
             torch.testing.assert_close(b.detach(), a.detach(), rtol=2 * eps, atol=2 * eps)
+
+
+def test_fused_bucket_of_only_empty_parameters():
+    """A dtype bucket whose only parameter is zero-size has nothing to compile; the other
+    bucket still steps, as on the loop."""
+    results = []
+    for options in ({"foreach": False}, {"fused": True}):
+        empty = torch.nn.Parameter(torch.zeros(0))
+        w = torch.nn.Parameter(torch.arange(3, dtype=torch.float64))
+        opt = gf.AdamOptimizer([empty, w], learning_rate=0.1, **options)
+        empty.grad, w.grad = torch.zeros(0), torch.ones(3, dtype=torch.float64)
+        opt.step()
+        results.append(w.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-14)

@@ -69,8 +69,9 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
         hp = hp_for(dtype, device)
         if path == "fused":
             keep = [j for j, p in enumerate(ps) if p.numel()]  # empty tensors: nothing to do
-            table = {n: [slots[j][n] for j in keep] for n in names}
-            run_fused(opt, [ps[j] for j in keep], [gs[j] for j in keep], table, hp, shared)
+            if keep:
+                table = {n: [slots[j][n] for j in keep] for n in names}
+                run_fused(opt, [ps[j] for j in keep], [gs[j] for j in keep], table, hp, shared)
             continue
         for chunk in _chunks(ps):
             lists = {n: TensorList(slots[j][n] for j in chunk) for n in names}

@@ -192,7 +192,9 @@ def _store_in_order(graph: torch.fx.GraphModule) -> None:
 def run_fused(opt, params, grads, slots, hp, shared) -> None:
     """Apply ``_apply_dense`` to every (param, grad) of one bucket as one compiled kernel."""
     key = signature(opt, params, grads, slots, hp, shared)
-    cache = _CACHE.setdefault(opt, {})
+    cache = _CACHE.get(opt)  # not setdefault: that builds a weakref and a dict every step
+    if cache is None:
+        cache = _CACHE[opt] = {}
     compiled = cache.get(key)
     if compiled is None:
         compiled = cache[key] = compile_step(opt, params, grads, slots, hp, shared)
