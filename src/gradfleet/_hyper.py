@@ -7,6 +7,8 @@ such as ``1 - beta1`` are formed in the variable's dtype.  :func:`scalar` reprod
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,3 +103,38 @@ def check(owner: str, name: str, value: Any, allowed: Range) -> None:
         raise ValueError(f"{owner}: {name} must be a number, got {value!r}") from exc
     if math.isinf(x) or not allowed.contains(x):
         raise ValueError(f"{owner}: {name} must be {allowed.describe()}, got {x!r}")
+
+
+def accept_lr_alias(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an optimizer ``__init__`` taking ``learning_rate`` so that it also takes torch's
+    ``lr`` (what ``torch.optim`` code and RETURNN's torch engine pass).
+
+    ``lr=x`` becomes ``learning_rate=x``; giving both is a ``TypeError`` naming both.  Whether
+    a learning rate is required, and its default, stay those of ``init``.  The wrapper's
+    signature is ``init``'s plus a keyword-only ``lr``, so introspection (RETURNN's
+    ``collect_class_init_kwargs``, ``gradfleet.registry``) sees both names.
+    """
+    sig = inspect.signature(init)
+    names = list(sig.parameters)
+    position = names.index("learning_rate")  # counts ``self``, as ``args`` below does
+    required = sig.parameters["learning_rate"].default is inspect.Parameter.empty
+
+    @functools.wraps(init)
+    def wrapper(self, *args: Any, **kwargs: Any) -> None:
+        if "lr" in kwargs:
+            if "learning_rate" in kwargs or len(args) >= position:
+                raise TypeError(
+                    f"{type(self).__name__}: got both lr and learning_rate; pass one of them "
+                    f"(lr is torch's name for TF's learning_rate)"
+                )
+            kwargs["learning_rate"] = kwargs.pop("lr")
+        elif required and "learning_rate" not in kwargs and len(args) < position:
+            raise TypeError(f"{type(self).__name__}: missing learning_rate (or torch's lr)")
+        init(self, *args, **kwargs)
+
+    params = list(sig.parameters.values())
+    lr = inspect.Parameter("lr", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    wrapper.__signature__ = sig.replace(parameters=[*params[:at], lr, *params[at:]])
+    wrapper._accepts_lr = True
+    return wrapper

@@ -24,6 +24,7 @@ slots and counters untouched.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -83,9 +84,22 @@ class Optimizer(torch.optim.Optimizer):
             _hyper.check(type(self).__name__, _tf_name(key), defaults[key], allowed)
         super().__init__(params, defaults)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # torch's ``lr=`` (torch.optim code, RETURNN's torch engine) as an alias of TF's
+        # ``learning_rate`` in every subclass constructor that takes one.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_accepts_lr", False):
+            if "learning_rate" in inspect.signature(init).parameters:
+                cls.__init__ = _hyper.accept_lr_alias(init)
+
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if "learning_rate" in param_group:  # TF's name for lr is accepted in groups too
+            if "lr" in param_group:
+                raise ValueError(
+                    f"{type(self).__name__}: param group has both lr and learning_rate; give one"
+                )
             param_group = dict(param_group)
             param_group["lr"] = param_group.pop("learning_rate")
         owner = type(self).__name__
@@ -197,7 +211,10 @@ class Optimizer(torch.optim.Optimizer):
         values = {}
         for key, allowed in self.hyperparameters.items():
             value = _hyper.resolve(group[key])
-            _hyper.check(owner, _tf_name(key), value, allowed)
+            # A tensor on an accelerator (RETURNN's device lr) is not read back each step: that
+            # would wait for the device and cannot be captured in a CUDA graph.
+            if not (isinstance(value, torch.Tensor) and not value.is_cpu):
+                _hyper.check(owner, _tf_name(key), value, allowed)
             values[key] = value
         cache: dict[tuple[torch.dtype, torch.device], dict[str, Any]] = {}
 
@@ -241,6 +258,18 @@ class Optimizer(torch.optim.Optimizer):
                         state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
             out.append(state)
         return out
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every slot of the parameters that have a gradient now, with the fill the
+        first ``step()`` would give it, changing no parameter and no counter: the next
+        ``step()`` is the same as without this call.  Non-slot state (beta powers) exists
+        from construction.  RETURNN's torch engine calls this before it captures the
+        optimizer step in a CUDA graph, whose state tensors must exist up front."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._slots_of(params, group)
 
     def _validate_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
         owner = type(self).__name__

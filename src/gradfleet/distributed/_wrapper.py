@@ -98,6 +98,17 @@ class WrapperOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def init_state(self) -> None:
+        """The wrapped optimizer's ``init_state()`` (slots of the parameters with a gradient,
+        no update; RETURNN's torch engine calls it before a CUDA-graph capture)."""
+        inner = getattr(self.optimizer, "init_state", None)
+        if inner is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: the wrapped {type(self.optimizer).__name__} has no "
+                f"init_state(); its state is created by its first step"
+            )
+        inner()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             f"{type(self).__name__}: add parameter groups to the wrapped optimizer before wrapping"
