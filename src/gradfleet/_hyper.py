@@ -36,17 +36,21 @@ def as_float(value: Any) -> float:
     return float(value)
 
 
-def scalar(value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scalar(
+    value: Any, dtype: torch.dtype, device: torch.device, through_float32: bool = True
+) -> torch.Tensor:
     """A 0-dim tensor of ``dtype`` on ``device`` holding ``value`` the way TF's kernels see it.
 
-    Python numbers go through float32 first (TF's ``convert_to_tensor``); a floating tensor
-    keeps its own precision before the cast to ``dtype``.
+    Python numbers go through float32 first (TF's ``convert_to_tensor``) unless
+    ``through_float32`` is False (a Python float that TF code multiplies straight into a
+    tensor, which converts it to that tensor's dtype); a floating tensor keeps its own
+    precision before the cast to ``dtype``.
     """
     value = resolve(value)
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         t = value.detach().reshape(())
     else:
-        t = torch.tensor(float(value), dtype=torch.float32)
+        t = torch.tensor(float(value), dtype=torch.float32 if through_float32 else dtype)
     return t.to(device=device, dtype=dtype)
 
 

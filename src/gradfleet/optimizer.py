@@ -55,6 +55,9 @@ class Optimizer(torch.optim.Optimizer):
     sparse: ClassVar[str | None] = "sum_duplicates"
     #: Option keys (bools/ints) that live in the param group but are not cast like floats.
     flags: ClassVar[tuple[str, ...]] = ()
+    #: Hyperparameters the seed's code uses as Python floats inside tensor ops: converted
+    #: straight to the parameter's dtype, not rounded through float32 first.
+    unrounded: ClassVar[tuple[str, ...]] = ()
     #: Fast paths whose use of ``_apply_dense`` this class supports (``gradfleet.kernels``):
     #: "foreach" needs elementwise maths (no branching on data), "fused" needs it traceable
     #: into one graph whose only tensors are the step's inputs (``kernels/fused.py``).
@@ -231,8 +234,9 @@ class Optimizer(torch.optim.Optimizer):
     def _scalar(self, key: str, value: Any, dtype, device) -> torch.Tensor:
         """``_hyper.scalar(value, dtype, device)``, reusing the tensor made for the same Python
         number before (building 0-dim tensors is a measurable share of a fused step)."""
+        via_float32 = key not in self.unrounded
         if type(value) not in (int, float):  # tensors may change in place: re-read them
-            return _hyper.scalar(value, dtype, device)
+            return _hyper.scalar(value, dtype, device, via_float32)
         cache = self.__dict__.setdefault("_scalar_cache", {})
         # The sign is part of the key: 0.0 == -0.0 in Python, not as tensors.
         slot = (key, value, math.copysign(1, value), dtype, device)
@@ -240,7 +244,7 @@ class Optimizer(torch.optim.Optimizer):
         if hit is None:
             if len(cache) >= 256:  # a schedule makes a new value every step: stay bounded
                 cache.clear()
-            hit = cache[slot] = _hyper.scalar(value, dtype, device)
+            hit = cache[slot] = _hyper.scalar(value, dtype, device, via_float32)
         return hit
 
     def _slots_for(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:

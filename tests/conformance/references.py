@@ -5,6 +5,8 @@ gradfleet gets; afterwards it reports every parameter and slot.  A gradient is e
 ``("dense", array)`` or ``("sparse", indices, values)`` (row-sparse, duplicates allowed).
 
 * :class:`TFReference` drives TensorFlow itself (``tf.compat.v1.train`` in graph mode).
+* :class:`ReturnnTFReference` drives RETURNN's own TF optimizers (``returnn.tf.updater``) the
+  same way, on reference variables.
 * :class:`NumpyReference` runs a float64 numpy rule written from the spec (for RETURNN's own
   optimizers, which TensorFlow does not ship).
 """
@@ -20,8 +22,12 @@ Grad = tuple
 
 
 class TFReference:
-    """Runs a ``tf.compat.v1.train`` optimizer on resource variables, one session step per
-    ``step`` call, feeding dense gradients or ``IndexedSlices`` through placeholders."""
+    """Runs a ``tf.compat.v1.train`` optimizer on resource variables (``use_resource=False``:
+    classic reference variables), one session step per ``step`` call, feeding dense gradients
+    or ``IndexedSlices`` through placeholders.  ``make_optimizer(config, global_step)`` builds
+    the optimizer inside the graph, after the variables (``self.vars``)."""
+
+    use_resource = True
 
     def __init__(
         self,
@@ -40,7 +46,7 @@ class TFReference:
         with self.graph.as_default():
             dtype = tf.as_dtype(init[0].dtype)
             self.vars = [
-                v1.Variable(x, dtype=dtype, use_resource=True, name=f"w{i}")
+                v1.Variable(x, dtype=dtype, use_resource=self.use_resource, name=f"w{i}")
                 for i, x in enumerate(init)
             ]
             self.global_step = v1.Variable(0, dtype=tf.int64, name="global_step")
@@ -57,13 +63,19 @@ class TFReference:
                     self.feeds.append((idx, vals))
                     pairs.append((tf.IndexedSlices(vals, idx, tf.constant(x.shape, tf.int64)), var))
             gs = self.global_step if pass_global_step else None
-            self.train = opt.apply_gradients(pairs, global_step=gs)
+            self.train = self._apply_gradients(opt, pairs, gs)
             self.slots = [
-                {name: opt.get_slot(var, name) for name in slot_names} for var in self.vars
+                {name: self._get_slot(opt, var, name) for name in slot_names} for var in self.vars
             ]
             self.optimizer = opt
             self.sess = v1.Session(graph=self.graph)
             self.sess.run(v1.global_variables_initializer())
+
+    def _apply_gradients(self, opt: Any, pairs: list, global_step: Any) -> Any:
+        return opt.apply_gradients(pairs, global_step=global_step)
+
+    def _get_slot(self, opt: Any, var: Any, name: str) -> Any:
+        return opt.get_slot(var, name)
 
     def step(self, grads: list[Grad]) -> None:
         feed = {}
@@ -83,6 +95,39 @@ class TFReference:
 
     def close(self) -> None:
         self.sess.close()
+
+
+class ReturnnTFReference(TFReference):
+    """``returnn.tf.updater``'s own optimizers (RETURNN's TF backend code, run live) on
+    classic reference variables: there their sparse path reads each slot after its scatter
+    update, the intended maths.  On resource variables (RETURNN's default under TF2) the
+    ``tf.gather`` after a ``scatter_*`` has no control dependency on it, so sparse
+    NeuralOptimizer1 / GradVarianceScaled / CustomAdam read stale slots (README, catalog).
+
+    ``make_optimizer(config, variables)`` gets the variables too (RETURNN's AMSGrad creates
+    its slots at construction from ``var_list`` and takes no ``global_step``)."""
+
+    use_resource = False
+
+    def __init__(self, make_optimizer, config, init, modes, slot_names) -> None:
+        # Importing returnn.tf switches TF to graph mode for the whole process (returnn.tf.
+        # compat); every TF reference here builds its own graph and session, so none cares.
+        import returnn.tf.updater  # noqa: F401
+
+        super().__init__(
+            lambda cfg, gs: make_optimizer(cfg, self.vars), config, init, modes, slot_names
+        )
+
+    def _apply_gradients(self, opt: Any, pairs: list, global_step: Any) -> Any:
+        # RETURNN never passes global_step (spec 2.4); AMSGrad's apply_gradients has none.
+        return opt.apply_gradients(pairs)
+
+    def _get_slot(self, opt: Any, var: Any, name: str) -> Any:
+        import returnn.tf.updater as updater
+
+        if isinstance(opt, updater.AMSGradOptimizer):  # plain dicts keyed by variable
+            return getattr(opt, name)[var]
+        return opt.get_slot(var, name)
 
 
 class NumpyReference:

@@ -10,10 +10,12 @@ through float32 (``f32``) as TF's ``convert_to_tensor`` does (spec 1.4, 13.1).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 import gradfleet as gf
-from tests.conformance.references import NumpyReference, f32
+from tests.conformance.references import NumpyReference, ReturnnTFReference, f32
 from tests.conformance.specs import Spec
 
 # ---------------------------------------------------------------- BaseCustom helpers (13.1)
@@ -76,7 +78,7 @@ def _normalized_sgd(w, slots, grad, c, state):
 def _neural_optimizer1(w, slots, grad, c, state):
     g, idx = _parts(grad)
     lr, b1 = f32(c["learning_rate"]), f32(c.get("beta1", 0.9))
-    df = f32(c.get("decrease_factor", 0.1))
+    df = c.get("decrease_factor", 0.1)  # a Python float in RETURNN's op: not float32-rounded
     m = slots["m"]
     m *= b1  # all rows
     _assign_add(m, g * (1 - b1), idx)
@@ -233,4 +235,43 @@ SPECS: list[Spec] = [
         },
         modes=("dense",),
     ),
+]
+
+
+# ---------------------------------------------------------------- RETURNN's TF code, live
+
+
+def _returnn_tf(class_name: str, slot_names: list[str]):
+    """A ``reference`` running ``returnn.tf.updater.<class_name>`` as RETURNN's TF backend
+    builds it: TF-named options, the learning rate as ``learning_rate``."""
+
+    def make(config, variables):
+        import returnn.tf.updater as updater
+
+        cls = getattr(updater, class_name)
+        if cls is updater.AMSGradOptimizer:
+            return cls(var_list=variables, **config)
+        return cls(**config)
+
+    def build(config, init, modes):
+        return ReturnnTFReference(make, config, init, modes, slot_names)
+
+    return build
+
+
+# RETURNN's CustomAdam and AMSGrad keep float32 state (beta powers, AMSGrad's tf.zeros slots)
+# that their maths mixes with the variable's dtype: float64 variables fail in RETURNN itself.
+_FLOAT32_ONLY = {"CustomAdamOptimizer", "AMSGradOptimizer"}
+
+# The same rows again, checked against RETURNN's TF code (graph mode, reference variables)
+# instead of the numpy rules.
+SPECS += [
+    replace(
+        spec,
+        reference=_returnn_tf(spec.cls.__name__, list(spec.slots.values())),
+        variant="returnn_tf",
+        dtypes=("float32",) if spec.cls.__name__ in _FLOAT32_ONLY else spec.dtypes,
+        random_config=None,  # the numpy rows cover random configs; these are a live session each
+    )
+    for spec in list(SPECS)
 ]

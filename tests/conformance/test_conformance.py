@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import gradfleet as gf
 from tests.conformance.specs import SPECS, Spec
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
 
@@ -100,3 +101,42 @@ def test_matches_reference(spec: Spec, config: dict, dtype: str, mode: str):
                     )
     finally:
         ref.close()
+
+
+def test_returnn_resource_variables_drop_sparse_updates():
+    """Why the RETURNN rows run on reference variables (README, catalog): on resource
+    variables RETURNN's sparse GradVarianceScaled never updates ``v`` nor the parameter (the
+    gather after its ``scatter_*`` does not depend on it), where reference variables, the
+    numpy rule and gradfleet all do."""
+    pytest.importorskip("returnn.tf.updater")
+    from tests.conformance.references import ReturnnTFReference
+
+    class OnResourceVariables(ReturnnTFReference):
+        use_resource = True
+
+    def make(config, variables):
+        import returnn.tf.updater as updater
+
+        return updater.GradVarianceScaledOptimizer(**config)
+
+    init = np.ones((4, 2), np.float32)
+    grad = ("sparse", np.array([1, 3]), np.full((2, 2), 0.5, np.float32))
+    w = torch.nn.Parameter(torch.from_numpy(init.copy()))
+    ours = gf.GradVarianceScaledOptimizer([w], learning_rate=0.1)
+    w.grad = torch.sparse_coo_tensor([[1, 3]], torch.from_numpy(grad[2].copy()), (4, 2))
+    ours.step()
+    results = {}
+    for cls in (OnResourceVariables, ReturnnTFReference):
+        ref = cls(make, {"learning_rate": 0.1}, [init.copy()], ["sparse"], ["m", "v"])
+        try:
+            ref.step([grad])
+            results[cls] = ref.params()[0], ref.slot(0, "v")
+        finally:
+            ref.close()
+    stale_w, stale_v = results[OnResourceVariables]
+    np.testing.assert_array_equal(stale_w, init)
+    np.testing.assert_array_equal(stale_v, np.zeros_like(init))
+    ref_w, ref_v = results[ReturnnTFReference]
+    assert (ref_w[[1, 3]] < 1).all() and (ref_v[[1, 3]] > 0).all()
+    np.testing.assert_allclose(w.detach().numpy(), ref_w, rtol=2e-6, atol=2e-7)
+    np.testing.assert_allclose(ours.get_slot(w, "v").numpy(), ref_v, rtol=2e-6, atol=2e-7)

@@ -9,7 +9,8 @@ Update rule, in order::
     w -= lr * g * where(sign(m_g) == sign(g), 1, decrease_factor)
 
 Sparse: ``m`` decays everywhere, ``w`` moves only on listed rows; duplicates are not summed
-(spec 13.4).
+(spec 13.4).  ``decrease_factor`` is not rounded through float32 (RETURNN uses it as a Python
+float); ``lr`` and ``beta1`` are, as RETURNN converts them to tensors first.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class NeuralOptimizer1(BaseCustomOptimizer):
         "decrease_factor": _hyper.NON_NEGATIVE,
     }
     slots = {"m": 0.0}
+    # RETURNN multiplies the Python float into a tensor of the variable's dtype
+    # (``ones * decrease_factor``): float64 variables see the double, not float32(df).
+    unrounded = ("decrease_factor",)
 
     def __init__(
         self,
