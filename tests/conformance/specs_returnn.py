@@ -10,11 +10,14 @@ through float32 (``f32``) as TF's ``convert_to_tensor`` does (spec 1.4, 13.1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 import gradfleet as gf
+from gradfleet import _hyper
 from tests.conformance.references import NumpyReference, ReturnnTFReference, f32
 from tests.conformance.specs import Spec
 
@@ -241,14 +244,14 @@ SPECS: list[Spec] = [
 # ---------------------------------------------------------------- RETURNN's TF code, live
 
 
-def _returnn_tf(class_name: str, slot_names: list[str]):
-    """A ``reference`` running ``returnn.tf.updater.<class_name>`` as RETURNN's TF backend
-    builds it: TF-named options, the learning rate as ``learning_rate``."""
+def _returnn_tf(class_name: str | Callable[[], type], slot_names: list[str]):
+    """A ``reference`` running ``returnn.tf.updater.<class_name>`` (or the class a callable
+    returns) as RETURNN's TF backend builds it: TF-named options, ``learning_rate``."""
 
     def make(config, variables):
         import returnn.tf.updater as updater
 
-        cls = getattr(updater, class_name)
+        cls = getattr(updater, class_name) if isinstance(class_name, str) else class_name()
         if cls is updater.AMSGradOptimizer:
             return cls(var_list=variables, **config)
         return cls(**config)
@@ -275,3 +278,67 @@ SPECS += [
     )
     for spec in list(SPECS)
 ]
+
+
+# ---------------------------------------------------------------- BaseCustom as extension point
+# The same user-written optimizer subclassed from each framework's BaseCustomOptimizer, using
+# every helper: gather, assign (scatter_update: the last duplicate wins), assign_add and
+# assign_sub (once per occurrence), reading slots right after their update.
+
+
+class ExtensionProbe(gf.BaseCustomOptimizer):
+    """a = beta * a + (1 - beta) * |g|;  s += g;  w -= lr * g * a   (a, s: slots)."""
+
+    hyperparameters = {"lr": _hyper.NON_NEGATIVE, "beta": _hyper.UNIT_OPEN_RIGHT}
+    slots = {"a": 0.0, "s": 0.0}
+
+    def __init__(self, params, learning_rate, beta=0.5, **kwargs):
+        super().__init__(params, learning_rate, beta=beta, **kwargs)
+
+    def _apply_var(self, grad, var, indices=None):
+        a, s, beta = self._get_slot(var, "a"), self._get_slot(var, "s"), self._hp["beta"]
+        self._assign(a, beta * self._gather(a, indices) + (1 - beta) * torch.abs(grad), indices)
+        self._assign_add(s, grad, indices)
+        self._assign_sub(var, self._hp["lr"] * grad * self._gather(a, indices), indices)
+
+
+def _returnn_extension_probe() -> type:
+    import returnn.tf.updater as updater
+    import tensorflow as tf
+
+    class TFExtensionProbe(updater.BaseCustomOptimizer):
+        def __init__(self, beta=0.5, **kwargs):
+            super().__init__(**kwargs)
+            self._beta = beta
+
+        def _prepare(self):
+            super()._prepare()
+            self._beta_t = tf.convert_to_tensor(self._beta, name="beta")
+
+        def _create_slots(self, var_list):
+            for v in var_list:
+                self._zeros_slot(v, "a", self._name)
+                self._zeros_slot(v, "s", self._name)
+
+        def _apply(self, grad, var, indices=None):
+            lr = tf.cast(self._learning_rate_tensor, var.dtype.base_dtype)
+            beta = tf.cast(self._beta_t, var.dtype.base_dtype)
+            a, s = self.get_slot(var, "a"), self.get_slot(var, "s")
+            new_a = beta * self._gather(a, indices) + (1 - beta) * tf.abs(grad)
+            a = self._assign(a, new_a, indices)
+            s = self._assign_add(s, grad, indices)
+            update = self._assign_sub(var, lr * grad * self._gather(a, indices), indices)
+            return tf.group(update, a, s)
+
+    return TFExtensionProbe
+
+
+SPECS.append(
+    Spec(
+        ExtensionProbe,
+        _returnn_tf(_returnn_extension_probe, ["a", "s"]),
+        configs=[{"learning_rate": 0.1}, {"learning_rate": 0.3, "beta": 0.8}],
+        slots={"a": "a", "s": "s"},
+        variant="returnn_tf",
+    )
+)
