@@ -19,6 +19,7 @@ from gradfleet.distributed import TowerOptimizer
 from gradfleet.kernels import fused
 from tests.conformance.specs import SPECS
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
+from tests.test_fast_paths import _snapshot
 
 _SPECS = {spec.cls: spec for spec in SPECS + RETURNN_SPECS}
 CONCRETE = [cls for cls in gf.optimizers.ALL if cls is not gf.BaseCustomOptimizer]
@@ -146,17 +147,6 @@ def test_tensor_lr_in_param_group_on_every_path(path):
 
 
 # ---------------------------------------------------------------- init_state
-
-
-def _snapshot(opt) -> list[torch.Tensor]:
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            out.append(p.detach().clone())
-            state = opt.state.get(p, {})
-            out.extend(state[k].clone() for k in sorted(state))
-        out.extend(v.clone() for _, v in sorted(group["non_slot"].items()))
-    return out
 
 
 def _set_grads(cls, params, seed):
