@@ -1,7 +1,8 @@
 """Run RETURNN's PyTorch engine in this process on a tiny task (seconds per run).
 
 The task: RETURNN's deterministic ``DummyDataset`` (24 sequences of 5 frames, 3 features,
-4 classes), an LSTM + linear model, frame-wise cross entropy, 4 steps per epoch.  A run
+4 classes), an LSTM + linear model with a sparse-gradient label embedding, frame-wise cross
+entropy, 4 steps per epoch.  A run
 trains from the last checkpoint in ``model_dir`` (if any) up to ``num_epochs``, as
 ``rnn.py`` would with the same config, and returns the parameters and the optimizer.
 """
@@ -31,13 +32,18 @@ def readme_config() -> dict[str, Any]:
 
 
 class Net(torch.nn.Module):
+    """LSTM over the features plus a sparse-gradient embedding of the previous frame's label
+    (``nn.Embedding(sparse=True)``: row-sparse gradients with repeated rows)."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.embed = torch.nn.Embedding(5, 3, sparse=True)  # row 4: "no previous label"
         self.lstm = torch.nn.LSTM(3, 8, batch_first=True)
         self.out = torch.nn.Linear(8, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.lstm(x)[0])
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        previous = torch.nn.functional.pad(labels[:, :-1], (1, 0), value=4)
+        return self.out(self.lstm(x + self.embed(previous))[0])
 
 
 def get_model(*, epoch: int, step: int, **_kwargs) -> torch.nn.Module:
@@ -50,7 +56,7 @@ def train_step(*, model: torch.nn.Module, extern_data, **_kwargs) -> None:
 
     x = extern_data["data"].raw_tensor
     y = extern_data["classes"].raw_tensor.long()
-    logits = model(x)
+    logits = model(x, y)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
     rf.get_run_ctx().mark_as_loss(name="ce", loss=loss)
 

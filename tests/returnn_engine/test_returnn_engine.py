@@ -1,7 +1,8 @@
 """RETURNN's PyTorch engine training with gradfleet's optimizers (in this process).
 
-* Optimizers given by dotted name with options in TF names train, and the optimizer RETURNN
-  built carries those options and RETURNN's per-step learning rate.
+* Optimizers given by dotted name with options in TF names train (dense and row-sparse
+  gradients), and the optimizer RETURNN built carries those options and RETURNN's per-step
+  learning rate.
 * Independent reference: gradfleet's MomentumOptimizer / GradientDescentOptimizer under the
   engine follow the same trajectory as torch's SGD (the same maths) under the engine.
 * Continuing from a RETURNN checkpoint (model + ``.opt.pt``) gives bit-identical parameters
@@ -63,6 +64,10 @@ def test_trains_by_dotted_name_with_tf_options(tmp_path, name, options):
     assert any(not torch.equal(params[k], start[k]) for k in start)
     slots = set(opt._slot_fills(group))
     assert all(set(opt.state[p]) == slots for p in group["params"])
+    # The embedding's gradients reached the optimizer row-sparse (its sparse rule ran).
+    (embedding,) = [p for p in group["params"] if p.shape == (5, 3)]
+    assert embedding.grad is not None and embedding.grad.is_sparse
+    assert not torch.equal(params["embed.weight"], start["embed.weight"])
 
 
 @pytest.mark.parametrize(
