@@ -3,7 +3,9 @@
 A subclass describes one algorithm declaratively and writes its maths once:
 
 * ``hyperparameters``: group keys that are floats in TF (cast like TF, see ``_hyper.scalar``)
-  mapped to their allowed range; ``"lr"`` holds TF's ``learning_rate``;
+  mapped to their allowed range; ``"lr"`` holds TF's ``learning_rate`` (a constructor taking
+  ``learning_rate`` also takes torch's ``lr``, see ``__init_subclass__``); keys listed in
+  ``unrounded`` skip TF's float32 rounding of Python floats;
 * ``slots``: slot name -> initial fill value (slots are created lazily, in the parameter's
   dtype, the first time the parameter gets a gradient, as TF's ``_create_slots`` does);
   override ``_slot_fills(group)`` when the set or the fills depend on the group's options
@@ -45,6 +47,7 @@ class Optimizer(torch.optim.Optimizer):
     Options every subclass accepts as keyword arguments (torch-side, not in TF):
 
     * ``foreach`` / ``fused``: implementation switch, same meaning as in ``torch.optim``.
+    * ``lr``: torch's name for ``learning_rate`` (giving both is a ``TypeError``).
     * ``check_finite``: if True, a step whose gradients hold NaN or Inf raises
       ``FloatingPointError`` naming the parameter and changes nothing.  The default (False)
       is TensorFlow's behaviour: non-finite values flow into parameters and slots.
