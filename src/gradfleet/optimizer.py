@@ -245,6 +245,12 @@ class Optimizer(torch.optim.Optimizer):
     def _validate_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
         owner = type(self).__name__
         if g.is_sparse:
+            if kernels.dtensor.is_dtensor(p):
+                raise TypeError(
+                    f"{owner}: sparse gradients are not supported for DTensor parameters "
+                    f"(shape {tuple(p.shape)}, placements {p.placements}); use a dense "
+                    f"gradient (e.g. nn.Embedding(sparse=False))"
+                )
             if self.sparse is None:
                 raise TypeError(
                     f"{owner} does not support sparse gradients; use a dense gradient "

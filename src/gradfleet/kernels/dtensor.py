@@ -1,0 +1,106 @@
+"""DTensor parameters on the fused path: the kernel sees local shards, never a subclass.
+
+``torch.distributed.tensor.DTensor`` (FSDP2's ``fully_shard``, tensor parallelism) is a
+tensor subclass; inductor's compiled kernel reads raw memory, so a DTensor reaching it is
+undefined behaviour (a crash).  Elementwise maths on a DTensor equals the same maths on its
+local shard, so the fused path runs each DTensor parameter, gradient and slot through
+``to_local()`` (an alias of the shard: the kernel's in-place stores update the DTensor).
+
+Whole-tensor reductions are not elementwise: NormalizedSGD's ``sum(g * g)`` over a shard is
+not the norm of the whole gradient.  An optimizer whose maths reduces over the whole tensor
+declares ``_whole_tensor_statistics(grad) -> {name: 0-dim tensor}``; for a parameter that
+is split across ranks (any placement other than ``Replicate``) those statistics are
+computed on the DTensor itself (DTensor reduces per shard and all-reduces on the
+parameter's mesh) and handed to the kernel as extra shared inputs, one kernel call per such
+parameter, so its maths uses the global value instead of reducing its shard.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a ``DTensor``; never imports torch.distributed.tensor itself (a DTensor
+    can only exist once that module is loaded)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _split_across_ranks(p: Any) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return any(not isinstance(pl, Replicate) for pl in p.placements)
+
+
+def _local(owner: str, what: str, t: Any, p: Any) -> torch.Tensor:
+    """The local shard of ``t`` laid out like parameter ``p``'s."""
+    if not is_dtensor(t):
+        raise TypeError(
+            f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} is a "
+            f"{type(t).__name__}; it must be a DTensor on the parameter's mesh"
+        )
+    if t.device_mesh != p.device_mesh:
+        raise ValueError(
+            f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} lives on "
+            f"another device mesh ({t.device_mesh} vs {p.device_mesh})"
+        )
+    if tuple(t.placements) != tuple(p.placements):
+        if what != "gradient":  # state is updated in place: it must share the layout
+            raise ValueError(
+                f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} has "
+                f"placements {t.placements}, the parameter {p.placements}"
+            )
+        t = t.redistribute(p.device_mesh, p.placements)  # e.g. Partial -> Shard(0)
+    return t.to_local()
+
+
+def local_work(opt, ps, gs, slots: dict[str, list], shared: dict[str, torch.Tensor]):
+    """``[(params, grads, slots, shared), ...]`` of plain tensors for one bucket: all
+    parameters in one entry, except those needing global statistics (one entry each)."""
+    owner = type(opt).__name__
+    statistics = getattr(opt, "_whole_tensor_statistics", None)
+    together: tuple[list, list, dict[str, list], dict] = ([], [], {n: [] for n in slots}, shared)
+    work = [together]
+    for j, (p, g) in enumerate(zip(ps, gs)):
+        if not is_dtensor(p):
+            entry = together
+            lp, lg, ls = p, g, {n: ts[j] for n, ts in slots.items()}
+        else:
+            lp = p.to_local()
+            lg = _local(owner, "gradient", g, p)
+            ls = {n: _local(owner, f"slot {n!r}", ts[j], p) for n, ts in slots.items()}
+            entry = together
+            if statistics is not None and _split_across_ranks(p):
+                # Computed on the DTensor: every rank takes part in the same order.
+                grad = (
+                    g
+                    if tuple(g.placements) == tuple(p.placements)
+                    else g.redistribute(p.device_mesh, p.placements)
+                )
+                stats = {k: v.full_tensor() for k, v in statistics(grad).items()}
+                entry = ([], [], {n: [] for n in slots}, dict(shared, **stats))
+                work.append(entry)
+        entry[0].append(lp)
+        entry[1].append(lg)
+        for n in slots:
+            entry[2][n].append(ls[n])
+    return [w for w in work if w[0]]
+
+
+def check_plain(opt, params: list[torch.Tensor], grads, slots: dict[str, list], shared) -> None:
+    """Refuse, with one clear error, any tensor subclass about to reach a compiled kernel."""
+    tensors = [*params, *grads, *(t for ts in slots.values() for t in ts), *shared.values()]
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            raise TypeError(
+                f"{type(opt).__name__}: fused=True compiles for plain dense tensors; a "
+                f"{type(t).__name__} of shape {tuple(t.shape)} belongs to the parameter of "
+                f"shape {tuple(params[0].shape)}'s bucket. Use foreach=True or foreach=False "
+                f"(the reference loop), which run the maths on the tensor subclass itself."
+            )
