@@ -8,10 +8,8 @@ simulation in the same process.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import gradfleet as gf
 from tests.test_dtensor import CONCRETE, build
 
 STEPS, MORE_STEPS = 3, 2
