@@ -117,3 +117,45 @@ def fsdp_every_optimizer(ctx) -> dict:
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest relative difference (relative to max(1, |a|))."""
     return float(((a - b).abs() / a.abs().clamp_min(1.0)).max())
+
+
+# Optimizers for the DDP/ZeRO runs: stateful with non-slot state, closed form, whole-tensor norm.
+ENGINE_OPTIMIZERS = ("AdamOptimizer", "FtrlOptimizer", "NormalizedSGD", "MomentumOptimizer")
+
+
+def ddp_and_zero(ctx) -> dict:
+    """DDP with a gradfleet optimizer, and ZeroRedundancyOptimizer wrapping one (each rank
+    steps the parameters it owns, then broadcasts them), vs one unsharded process."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = ctx.rank, ctx.world_size
+    out = {}
+    for cls in CONCRETE:
+        if cls.__name__ not in ENGINE_OPTIMIZERS:
+            continue
+        ref = make_model()
+        ref_opt = build(cls, ref.parameters())
+        train(ref, ref_opt, range(STEPS), global_batch)
+        for engine in ("ddp", "zero"):
+            model = DDP(make_model())
+            if engine == "ddp":
+                opt = build(cls, model.parameters())
+            else:
+                opt = ZeroRedundancyOptimizer(
+                    model.parameters(),
+                    optimizer_class=cls,
+                    **_constructor_arguments(cls),
+                )
+            train(model, opt, range(STEPS), lambda s: local_batch(s, rank, world))
+            diff = max(_diff(a, b) for a, b in zip(full_params(ref), full_params(model)))
+            out[f"{cls.__name__}/{engine}"] = diff
+    return out
+
+
+def _constructor_arguments(cls) -> dict:
+    """The keyword arguments ``build`` gives ``cls`` (ZeRO constructs the optimizer)."""
+    from tests.test_dtensor import _SPECS
+
+    spec = _SPECS.get(cls)
+    return dict(spec.configs[0]) if spec else {"learning_rate": 0.1}

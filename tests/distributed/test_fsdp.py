@@ -87,3 +87,15 @@ def test_checkpoint_state_initialisation_step_changes_nothing():
         assert opt.param_groups[0]["lr"] == 0.1
         for k, v in opt.param_groups[0]["non_slot"].items():
             assert torch.equal(v, non_slot[k])
+
+
+@pytest.mark.timeout(120)
+def test_ddp_and_zero_redundancy_optimizer():
+    """DDP, and ZeroRedundancyOptimizer(optimizer_class=<gradfleet class>, **TF arguments),
+    on 2 ranks equal one unsharded process (Adam, FTRL, NormalizedSGD, Momentum)."""
+    results = run_ranks(fsdp_ranks.ddp_and_zero, 2, timeout=90, pg_timeout=30)
+    for out in results:
+        expected = {f"{n}/{e}" for n in fsdp_ranks.ENGINE_OPTIMIZERS for e in ("ddp", "zero")}
+        assert set(out) == expected
+        bad = {k: v for k, v in out.items() if v > TOL}
+        assert not bad, bad
