@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import gradfleet as gf
+
 from tests.test_dtensor import CONCRETE, build
 
 STEPS, MORE_STEPS = 3, 2
@@ -159,3 +161,113 @@ def _constructor_arguments(cls) -> dict:
 
     spec = _SPECS.get(cls)
     return dict(spec.configs[0]) if spec else {"learning_rate": 0.1}
+
+
+# --------------------------------------------------------------------- HSDP + local SGD
+# 4 ranks on a 2x2 mesh: FSDP2 shards each replica over mesh["shard"] (2 ranks), and the
+# wrapper averages across mesh["replicate"] (2 replica groups).  Replica r trains on
+# sims.batch(r, step); each of its 2 shard ranks takes half of it.
+HSDP_STEPS, INTERVAL, HSDP_LR = 6, 2, 0.05
+
+
+def _hsdp_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from .sims import make_mlp
+
+    model = make_mlp(100)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    return fully_shard(model, mesh=mesh["shard"])
+
+
+def _half(replica: int, shard: int, step: int):
+    from .sims import batch
+
+    x, y = batch(replica, step)
+    rows = slice(shard * 4, shard * 4 + 4)
+    return x[rows], y[rows]
+
+
+def hsdp_local_sgd(ctx) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gradfleet.distributed import ElasticAverageOptimizer, ModelAverageOptimizer
+
+    from .sims import mse
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica, shard = ctx.rank // 2, ctx.rank % 2
+    group = mesh["replicate"].get_group()
+    out = {}
+    for wrapper in ("model_average", "easgd"):
+        model = _hsdp_model(mesh)
+        inner = gf.AdamOptimizer(model.parameters(), learning_rate=HSDP_LR)
+        if wrapper == "model_average":
+            opt = ModelAverageOptimizer(
+                inner,
+                num_worker=2,
+                interval_steps=INTERVAL,
+                average_optimizer_state=True,
+                process_group=group,
+            )
+        else:
+            opt = ElasticAverageOptimizer(
+                inner, num_worker=2, communication_period=INTERVAL, process_group=group
+            )
+        traj = []
+        for step in range(HSDP_STEPS):
+            opt.zero_grad()
+            mse(model, *_half(replica, shard, step)).backward()
+            if wrapper == "easgd":
+                opt.add_elastic_penalty_()
+            opt.step()
+            traj.append(full_params(model))
+        out[wrapper] = traj
+        if wrapper == "easgd":
+            from torch.distributed.tensor import DTensor
+
+            out["centre"] = [c.full_tensor() if isinstance(c, DTensor) else c for c in opt.centre()]
+    out["wrong_group"] = _wrong_group_refused(mesh)
+    return out
+
+
+def _wrong_group_refused(mesh) -> str:
+    """Averaging over the ranks that hold different shards of one replica is refused."""
+    from gradfleet.distributed import ModelAverageOptimizer
+
+    model = _hsdp_model(mesh)
+    inner = gf.AdamOptimizer(model.parameters(), learning_rate=HSDP_LR)
+    try:
+        ModelAverageOptimizer(inner, num_worker=2, process_group=mesh["shard"].get_group())
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def simulate_hsdp_model_average() -> list[list[list[torch.Tensor]]]:
+    """2 unsharded replicas, Adam, exact mean of parameters and slots every INTERVAL steps."""
+    import copy
+
+    from .sims import batch, make_mlp, mse
+
+    models = [copy.deepcopy(make_mlp(100)) for _ in range(2)]
+    opts = [gf.AdamOptimizer(m.parameters(), learning_rate=HSDP_LR) for m in models]
+    traj: list[list[list[torch.Tensor]]] = [[], []]
+    for step in range(HSDP_STEPS):
+        for r in range(2):
+            opts[r].zero_grad()
+            mse(models[r], *batch(r, step)).backward()
+            opts[r].step()
+        if (step + 1) % INTERVAL == 0:
+            pairs = list(zip(models[0].parameters(), models[1].parameters()))
+            with torch.no_grad():
+                for a, b in pairs:
+                    tensors = [a, b] + [o.state[p][k] for o, p in zip(opts, (a, b)) for k in "mv"]
+                    for group in ([a, b], tensors[2::2], tensors[3::2]):
+                        mean = (group[0] + group[1]) / 2
+                        for t in group:
+                            t.copy_(mean)
+        for r in range(2):
+            traj[r].append([p.detach().clone() for p in models[r].parameters()])
+    return traj

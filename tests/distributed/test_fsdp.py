@@ -99,3 +99,32 @@ def test_ddp_and_zero_redundancy_optimizer():
         assert set(out) == expected
         bad = {k: v for k, v in out.items() if v > TOL}
         assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_hsdp_model_average_and_easgd_on_a_2x2_mesh():
+    """FSDP2 within each replica group, ModelAverageOptimizer / synchronous EASGD across
+    groups (the HSDP local-SGD pattern), 4 ranks, vs the unsharded 2-replica simulation."""
+    from .sims import simulate_easgd
+
+    results = run_ranks(fsdp_ranks.hsdp_local_sgd, 4, timeout=150, pg_timeout=60)
+    ma = fsdp_ranks.simulate_hsdp_model_average()
+    easgd = simulate_easgd(
+        2,
+        fsdp_ranks.INTERVAL,
+        fsdp_ranks.HSDP_STEPS,
+        lambda ps, lr: gf.AdamOptimizer(ps, learning_rate=lr),
+        fsdp_ranks.HSDP_LR,
+    )
+    for rank, out in enumerate(results):
+        replica = rank // 2
+        for name, ref in (("model_average", ma[replica]), ("easgd", easgd["traj"][replica])):
+            for step, (want, got) in enumerate(zip(ref, out[name], strict=True)):
+                for a, b in zip(want, got, strict=True):
+                    torch.testing.assert_close(
+                        b, a, rtol=TOL, atol=TOL, msg=f"rank {rank} {name} step {step + 1}"
+                    )
+        for a, b in zip(easgd["centres"][-1], out["centre"], strict=True):
+            torch.testing.assert_close(b, a, rtol=TOL, atol=TOL)
+        assert "not across the shards of one replica" in out["wrong_group"], out["wrong_group"]
