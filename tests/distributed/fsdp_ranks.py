@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import gradfleet as gf
-
 from tests.test_dtensor import CONCRETE, build
 
 STEPS, MORE_STEPS = 3, 2
