@@ -219,3 +219,19 @@ def test_dtensor_matrix_every_optimizer_every_path():
         assert "sparse gradients" in out["sparse"] and out["sparse"].endswith(
             "(unchanged: True)"
         ), out["sparse"]
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass that is not a DTensor."""
+
+
+def test_fused_refuses_other_tensor_subclasses_and_changes_nothing():
+    plain = torch.nn.Parameter(torch.randn(4))
+    tagged = torch.nn.Parameter(torch.randn(3).as_subclass(_Tagged))
+    before = [plain.detach().clone(), tagged.detach().clone()]
+    opt = gf.AdamOptimizer([plain, tagged], learning_rate=0.1, fused=True)
+    plain.grad, tagged.grad = torch.ones(4), torch.ones(3).as_subclass(_Tagged)
+    with pytest.raises(TypeError, match="fused=True compiles for plain dense tensors.*_Tagged"):
+        opt.step()
+    assert torch.equal(plain.detach(), before[0]) and torch.equal(tagged.detach(), before[1])
+    assert not opt.state

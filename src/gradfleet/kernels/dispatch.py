@@ -68,6 +68,8 @@ def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
 def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: str) -> None:
     """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``."""
     shared = opt._shared_state(group)
+    if path == "fused":  # before any bucket runs: a refused step changes nothing
+        dtensor.check_plain(opt, params, grads, dtensors=True)
     for (device, dtype), idx in buckets(params).items():
         ps = [params[i] for i in idx]
         gs = [grads[i] for i in idx]
@@ -103,7 +105,7 @@ def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
                 [grads[j] for j in keep],
                 {n: [ts[j] for j in keep] for n, ts in slot_table.items()},
             )
-            dtensor.check_plain(opt, *args, extra_shared)
+            dtensor.check_plain(opt, args[0], args[1])
             run_fused(opt, *args, hp, extra_shared)
 
 

@@ -93,14 +93,19 @@ def local_work(opt, ps, gs, slots: dict[str, list], shared: dict[str, torch.Tens
     return [w for w in work if w[0]]
 
 
-def check_plain(opt, params: list[torch.Tensor], grads, slots: dict[str, list], shared) -> None:
-    """Refuse, with one clear error, any tensor subclass about to reach a compiled kernel."""
-    tensors = [*params, *grads, *(t for ts in slots.values() for t in ts), *shared.values()]
-    for t in tensors:
-        if type(t) not in _PLAIN:
-            raise TypeError(
-                f"{type(opt).__name__}: fused=True compiles for plain dense tensors; a "
-                f"{type(t).__name__} of shape {tuple(t.shape)} belongs to the parameter of "
-                f"shape {tuple(params[0].shape)}'s bucket. Use foreach=True or foreach=False "
-                f"(the reference loop), which run the maths on the tensor subclass itself."
-            )
+def check_plain(opt, params: list[torch.Tensor], grads: list[torch.Tensor], dtensors=False):
+    """Refuse, with one clear error, a tensor subclass about to reach a compiled kernel
+    (with ``dtensors``: any subclass but DTensor, which runs through its local shard).
+
+    Parameters and gradients are checked (slots are made from, or loaded like, their
+    parameter; hyperparameters and shared state are the optimizer's own plain tensors).
+    """
+    for p, g in zip(params, grads):
+        for t in (p, g):
+            if type(t) not in _PLAIN and not (dtensors and is_dtensor(t)):
+                raise TypeError(
+                    f"{type(opt).__name__}: fused=True compiles for plain dense tensors, got a "
+                    f"{type(t).__name__} for the parameter of shape {tuple(p.shape)}; use "
+                    f"foreach=True or foreach=False (the reference loop), which run the maths "
+                    f"on the tensor subclass itself"
+                )
