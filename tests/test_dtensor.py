@@ -148,6 +148,7 @@ def matrix_rank(ctx) -> dict:
         "kernel_input_types": sorted(set(seen)),
         "colwise": _colwise_parallel(mesh),
         "sparse": _sparse_refused(mesh),
+        "check_finite": _nan_in_one_shard(mesh),
     }
 
 
@@ -199,6 +200,22 @@ def _sparse_refused(mesh) -> str:
     return "accepted"
 
 
+def _nan_in_one_shard(mesh) -> str:
+    """check_finite=True: a NaN in rank 1's shard only must stop the step on every rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    opt = gf.AdamOptimizer([p], learning_rate=0.1, check_finite=True)
+    g = torch.ones(4, 2)
+    g[3, 1] = float("nan")
+    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    try:
+        opt.step()
+    except FloatingPointError:
+        return "raised" if torch.equal(p.detach().full_tensor(), torch.ones(4, 2)) else "changed"
+    return "stepped"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_dtensor_matrix_every_optimizer_every_path():
@@ -216,6 +233,7 @@ def test_dtensor_matrix_every_optimizer_every_path():
         ] == ["Tensor"], out["kernel_input_types"]
         for path, diff in out["colwise"].items():
             assert diff <= 1e-5, f"ColwiseParallel on {path}: max diff {diff}"
+        assert out["check_finite"] == "raised"
         assert "sparse gradients" in out["sparse"] and out["sparse"].endswith(
             "(unchanged: True)"
         ), out["sparse"]

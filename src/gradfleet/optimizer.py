@@ -203,7 +203,7 @@ class Optimizer(torch.optim.Optimizer):
             for pairs in work:
                 for p, g in pairs:
                     values = g._values() if g.is_sparse else g
-                    if not bool(torch.isfinite(values).all()):
+                    if not kernels.dtensor.all_finite(values):
                         raise FloatingPointError(
                             f"{type(self).__name__}: non-finite gradient for parameter of "
                             f"shape {tuple(p.shape)}; no parameter was changed (check_finite=True)"

@@ -32,6 +32,14 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite; for a DTensor, over all of its shards (the
+    same answer on every rank, so every rank takes the same branch)."""
+    if not is_dtensor(t):
+        return bool(torch.isfinite(t).all())
+    return not bool(torch.isfinite(t).logical_not().sum().full_tensor())
+
+
 def _split_across_ranks(p: Any) -> bool:
     from torch.distributed.tensor import Replicate
 
