@@ -46,8 +46,9 @@ def _split_across_ranks(p: Any) -> bool:
     return any(not isinstance(pl, Replicate) for pl in p.placements)
 
 
-def _local(owner: str, what: str, t: Any, p: Any) -> torch.Tensor:
-    """The local shard of ``t`` laid out like parameter ``p``'s."""
+def _like_param(owner: str, what: str, t: Any, p: Any) -> Any:
+    """``t`` as a DTensor laid out like parameter ``p`` (a gradient is redistributed, e.g.
+    Partial -> Shard(0); state is updated in place, so it must share the layout)."""
     if not is_dtensor(t):
         raise TypeError(
             f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} is a "
@@ -58,14 +59,14 @@ def _local(owner: str, what: str, t: Any, p: Any) -> torch.Tensor:
             f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} lives on "
             f"another device mesh ({t.device_mesh} vs {p.device_mesh})"
         )
-    if tuple(t.placements) != tuple(p.placements):
-        if what != "gradient":  # state is updated in place: it must share the layout
-            raise ValueError(
-                f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} has "
-                f"placements {t.placements}, the parameter {p.placements}"
-            )
-        t = t.redistribute(p.device_mesh, p.placements)  # e.g. Partial -> Shard(0)
-    return t.to_local()
+    if tuple(t.placements) == tuple(p.placements):
+        return t
+    if what != "gradient":
+        raise ValueError(
+            f"{owner}: {what} of DTensor parameter of shape {tuple(p.shape)} has "
+            f"placements {t.placements}, the parameter {p.placements}"
+        )
+    return t.redistribute(p.device_mesh, p.placements)
 
 
 def local_work(opt, ps, gs, slots: dict[str, list], shared: dict[str, torch.Tensor]):
@@ -76,26 +77,20 @@ def local_work(opt, ps, gs, slots: dict[str, list], shared: dict[str, torch.Tens
     together: tuple[list, list, dict[str, list], dict] = ([], [], {n: [] for n in slots}, shared)
     work = [together]
     for j, (p, g) in enumerate(zip(ps, gs)):
-        if not is_dtensor(p):
-            entry = together
-            lp, lg, ls = p, g, {n: ts[j] for n, ts in slots.items()}
-        else:
-            lp = p.to_local()
-            lg = _local(owner, "gradient", g, p)
-            ls = {n: _local(owner, f"slot {n!r}", ts[j], p) for n, ts in slots.items()}
-            entry = together
+        entry = together
+        ls = {n: ts[j] for n, ts in slots.items()}
+        if is_dtensor(p):
+            g = _like_param(owner, "gradient", g, p)
+            ls = {n: _like_param(owner, f"slot {n!r}", s, p).to_local() for n, s in ls.items()}
             if statistics is not None and _split_across_ranks(p):
-                # Computed on the DTensor: every rank takes part in the same order.
-                grad = (
-                    g
-                    if tuple(g.placements) == tuple(p.placements)
-                    else g.redistribute(p.device_mesh, p.placements)
-                )
-                stats = {k: v.full_tensor() for k, v in statistics(grad).items()}
+                # Computed on the DTensor (per-shard sums, all-reduced on its mesh); every
+                # rank gets here for the same parameters in the same order.
+                stats = {k: v.full_tensor() for k, v in statistics(g).items()}
                 entry = ([], [], {n: [] for n in slots}, dict(shared, **stats))
                 work.append(entry)
-        entry[0].append(lp)
-        entry[1].append(lg)
+            p, g = p.to_local(), g.to_local()  # aliases of the shards (no autograd here)
+        entry[0].append(p)
+        entry[1].append(g)
         for n in slots:
             entry[2][n].append(ls[n])
     return [w for w in work if w[0]]
