@@ -89,6 +89,7 @@ def test_checkpoint_state_initialisation_step_changes_nothing():
             assert torch.equal(v, non_slot[k])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_and_zero_redundancy_optimizer():
     """DDP, and ZeroRedundancyOptimizer(optimizer_class=<gradfleet class>, **TF arguments),
