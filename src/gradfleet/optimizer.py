@@ -176,11 +176,37 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._apply([
+        work = [
             [(p, p.grad) for p in group["params"] if p.grad is not None]
             for group in self.param_groups
-        ])
+        ]
+        if not self.state and self._is_state_initialisation(work):
+            for group, pairs in zip(self.param_groups, work):
+                self._slots_of([p for p, _ in pairs], group)
+            return loss
+        self._apply(work)
         return loss
+
+    def _is_state_initialisation(self, work) -> bool:
+        """A first step with learning rate 0 and all-zero gradients only creates the slots.
+
+        ``torch.distributed.checkpoint``'s ``get/set_optimizer_state_dict`` take such a step
+        on a fresh optimizer to create its state before loading into it.  As a real step it
+        would not be harmless here (AdagradDA's and FTRL's closed forms set the weights from
+        the slots; FTRL rejects learning rate 0), so it creates the slots and stops.
+        """
+        if not any(work) or any(callable(g["lr"]) or g["lr"] != 0 for g in self.param_groups):
+            return False
+        for pairs in work:
+            for _, g in pairs:
+                if g.is_sparse:
+                    return False
+                total = g.abs().sum()  # a DTensor's is global: every rank decides alike
+                if kernels.dtensor.is_dtensor(total):
+                    total = total.full_tensor()
+                if bool(total != 0):
+                    return False
+        return True
 
     def _apply(self, work: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """One update: ``work[i]`` holds the (parameter, gradient) pairs of param group i.
@@ -197,7 +223,7 @@ class Optimizer(torch.optim.Optimizer):
             for pairs in work:
                 for p, g in pairs:
                     values = g._values() if g.is_sparse else g
-                    if not bool(torch.isfinite(values).all()):
+                    if not kernels.dtensor.all_finite(values):
                         raise FloatingPointError(
                             f"{type(self).__name__}: non-finite gradient for parameter of "
                             f"shape {tuple(p.shape)}; no parameter was changed (check_finite=True)"
@@ -281,6 +307,12 @@ class Optimizer(torch.optim.Optimizer):
     def _validate_gradient(self, p: torch.Tensor, g: torch.Tensor) -> None:
         owner = type(self).__name__
         if g.is_sparse:
+            if kernels.dtensor.is_dtensor(p):
+                raise TypeError(
+                    f"{owner}: sparse gradients are not supported for DTensor parameters "
+                    f"(shape {tuple(p.shape)}, placements {p.placements}); use a dense "
+                    f"gradient (e.g. nn.Embedding(sparse=False))"
+                )
             if self.sparse is None:
                 raise TypeError(
                     f"{owner} does not support sparse gradients; use a dense gradient "
@@ -420,11 +452,8 @@ class Optimizer(torch.optim.Optimizer):
         """
         owner = type(self).__name__
         meta = state_dict.get("gradfleet")
-        if meta is None:
-            raise ValueError(
-                f"{owner}.load_state_dict: not a gradfleet state dict (no 'gradfleet' entry); "
-                f"it was probably saved by another optimizer"
-            )
+        if meta is None:  # torch.distributed.checkpoint's form, or someone else's
+            meta = self._check_named_state_dict(state_dict)
         if meta["optimizer"] != owner:
             raise ValueError(
                 f"{owner}.load_state_dict: state dict was saved by {meta['optimizer']}"
@@ -444,10 +473,19 @@ class Optimizer(torch.optim.Optimizer):
                         f"{owner}.load_state_dict: saved parameter names "
                         f"{saved['param_names']} do not match {group['param_names']}"
                     )
+        named = {
+            k: (gi, pi)
+            for gi, g in enumerate(state_dict["param_groups"])
+            for pi, k in enumerate(g["params"])
+            if isinstance(k, str)
+        }
         for key, entry in state_dict["state"].items():
-            if not isinstance(key, int):
+            if isinstance(key, str) and key in named:
+                gi, pi = named[key]
+            elif isinstance(key, int):
+                gi, pi = _locate(meta["param_shapes"], key)
+            else:
                 continue
-            gi, pi = _locate(meta["param_shapes"], key)
             for slot, t in entry.items():
                 if isinstance(t, torch.Tensor) and t.dim() and list(t.shape) != mine[gi][pi]:
                     raise ValueError(
@@ -458,6 +496,42 @@ class Optimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             device = group["params"][0].device if group["params"] else None
             group["non_slot"] = {k: v.to(device) for k, v in group["non_slot"].items()}
+
+    def _check_named_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Structural checks for a state dict keyed by parameter names, as
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` makes (it keeps
+        only "state" and "param_groups"): the same groups and parameter counts, this class's
+        slot names and non-slot state; ``load_state_dict`` then checks every slot's shape."""
+        owner = type(self).__name__
+        saved = state_dict.get("param_groups", [])
+        if not saved or not all(isinstance(k, str) for g in saved for k in g["params"]):
+            raise ValueError(
+                f"{owner}.load_state_dict: not a gradfleet state dict (no 'gradfleet' entry); "
+                f"it was probably saved by another optimizer"
+            )
+        counts = [len(g["params"]) for g in saved]
+        if counts != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"{owner}.load_state_dict: saved parameter groups of sizes {counts} do not "
+                f"match this optimizer's {[len(g['params']) for g in self.param_groups]}"
+            )
+        for saved_group, group in zip(saved, self.param_groups):
+            if set(saved_group.get("non_slot", {})) != set(group["non_slot"]):
+                raise ValueError(
+                    f"{owner}.load_state_dict: saved non-slot state "
+                    f"{sorted(saved_group.get('non_slot', {}))} is not {owner}'s "
+                    f"{sorted(group['non_slot'])}"
+                )
+            fills = set(self._slot_fills(group))
+            for name in saved_group["params"]:
+                entry = state_dict["state"].get(name, {})
+                if entry and set(entry) != fills:
+                    raise ValueError(
+                        f"{owner}.load_state_dict: saved slots {sorted(entry)} of parameter "
+                        f"{name!r} are not {owner}'s {sorted(fills)}"
+                    )
+        shapes = [[list(p.shape) for p in g["params"]] for g in self.param_groups]
+        return {"optimizer": owner, "param_shapes": shapes}
 
 
 class RowwiseOptimizer(Optimizer):

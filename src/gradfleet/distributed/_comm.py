@@ -6,6 +6,11 @@ process group, its rank and size, and offers in-place ``all_reduce_sum_`` / ``br
 collective per buffer instead of one per parameter. With ``num_worker == 1`` and no process group
 the :class:`LocalCollective` makes every operation a no-op, so the wrappers work unchanged in a
 plain single-process script.
+
+DTensor parameters (FSDP2's ``fully_shard`` on one dimension of a device mesh, the HSDP /
+local-SGD layout): the collectives run on each tensor's local shard.  That is the right
+reduction when the wrapper's group runs across the mesh dimension the tensor is sharded on,
+so that every rank of the group holds the same shard; any other layout is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from gradfleet.kernels.dtensor import is_dtensor
 
 __all__ = ["Collective", "LocalCollective", "TorchCollective", "resolve_collective"]
 
@@ -54,6 +61,34 @@ class LocalCollective(Collective):
         return list(values)
 
 
+def _local_shards(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Each DTensor's local shard (an alias: writes land in the DTensor), checked to be the
+    same shard on every rank of ``group``; other tensors as they are."""
+    out = []
+    for t in tensors:
+        if not is_dtensor(t):
+            out.append(t)
+            continue
+        from torch.distributed.tensor import Replicate
+
+        holders = set(t.device_mesh.mesh.flatten().tolist())
+        peers = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+        if peers & holders != {dist.get_rank()} and any(
+            not isinstance(pl, Replicate) for pl in t.placements
+        ):
+            raise ValueError(
+                f"DTensor of shape {tuple(t.shape)} is split ({t.placements}) across ranks "
+                f"{sorted(peers & holders)} of the averaging group: the group must run across "
+                f"replicas that hold the same shard (e.g. mesh['replicate'].get_group() of an "
+                f"HSDP mesh), not across the shards of one replica"
+            )
+        with torch.no_grad():
+            out.append(t.to_local())
+    return out
+
+
 def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -88,13 +123,13 @@ class TorchCollective(Collective):
         return dist.get_global_rank(self.group, group_rank)
 
     def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
-        for ts in _buckets(tensors).values():
+        for ts in _buckets(_local_shards(tensors, self.group)).values():
             flat = _flat(ts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             _unflat_(flat, ts)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        for ts in _buckets(tensors).values():
+        for ts in _buckets(_local_shards(tensors, self.group)).values():
             flat = _flat(ts)
             dist.broadcast(flat, src=self._global_rank(src), group=self.group)
             _unflat_(flat, ts)

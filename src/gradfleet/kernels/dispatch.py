@@ -14,6 +14,12 @@
   ``kernels/__init__.py``), so it is never chosen silently.
 
 Sparse gradients never reach this module: the base class sends them to ``_apply_sparse``.
+
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): the loop and foreach paths
+run the maths on the DTensors themselves, so a whole-tensor reduction is global across
+shards as in the unsharded run.  The fused path compiles for plain dense tensors only: each
+DTensor goes through its local shard (``kernels/dtensor.py``), and an optimizer whose maths
+reduces over the whole tensor gets the global value computed before the kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 
+from gradfleet.kernels import dtensor
 from gradfleet.kernels.fused import run_fused
 from gradfleet.kernels.tensorlist import TensorList
 
@@ -61,6 +68,8 @@ def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
 def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: str) -> None:
     """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``."""
     shared = opt._shared_state(group)
+    if path == "fused":  # before any bucket runs: a refused step changes nothing
+        dtensor.check_plain(opt, params, grads, dtensors=True)
     for (device, dtype), idx in buckets(params).items():
         ps = [params[i] for i in idx]
         gs = [grads[i] for i in idx]
@@ -68,17 +77,36 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
         names = list(slots[0]) if slots else []
         hp = hp_for(dtype, device)
         if path == "fused":
-            keep = [j for j, p in enumerate(ps) if p.numel()]  # empty tensors: nothing to do
-            if keep:
-                table = {n: [slots[j][n] for j in keep] for n in names}
-                run_fused(opt, [ps[j] for j in keep], [gs[j] for j in keep], table, hp, shared)
+            _apply_fused(opt, ps, gs, slots, names, hp, shared)
             continue
         for chunk in _chunks(ps):
             lists = {n: TensorList(slots[j][n] for j in chunk) for n in names}
             opt._apply_dense(
-                TensorList(ps[j] for j in chunk), TensorList(gs[j] for j in chunk), lists, hp,
+                TensorList(ps[j] for j in chunk),
+                TensorList(gs[j] for j in chunk),
+                lists,
+                hp,
                 shared,
             )
+
+
+def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
+    """One bucket on the fused path; DTensors run through their local shards."""
+    table = {n: [s[n] for s in slots] for n in names}
+    if not any(dtensor.is_dtensor(p) for p in ps):
+        work = [(ps, gs, table, shared)]
+    else:
+        work = dtensor.local_work(opt, ps, gs, table, shared)
+    for params, grads, slot_table, extra_shared in work:
+        keep = [j for j, p in enumerate(params) if p.numel()]  # empty: nothing to do
+        if keep:
+            args = (
+                [params[j] for j in keep],
+                [grads[j] for j in keep],
+                {n: [ts[j] for j in keep] for n, ts in slot_table.items()},
+            )
+            dtensor.check_plain(opt, args[0], args[1])
+            run_fused(opt, *args, hp, extra_shared)
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[int]]:

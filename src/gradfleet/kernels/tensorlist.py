@@ -107,13 +107,15 @@ class _Foreach:
     only where it is commutative bit for bit (IEEE ``+`` and ``*`` are).
     """
 
-    def __init__(self, op, arity=2, scalar="tensor", inplace=False, kwargs=()):
+    def __init__(self, op, arity=2, scalar="tensor", inplace=False, kwargs=(), plain=False):
         self.op, self.arity, self.scalar = op, arity, scalar
-        self.inplace, self.kwargs = inplace, frozenset(kwargs)
+        self.inplace, self.kwargs, self.plain = inplace, frozenset(kwargs), plain
 
     def __call__(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if len(args) != self.arity or not isinstance(args[0], TensorList):
             return NotImplemented
+        if self.plain and not all(_plain(a) for a in args):
+            return NotImplemented  # the per-tensor loop: same ATen kernel per member
         ops = [args[0].tensors]
         for other in args[1:]:
             if isinstance(other, TensorList):
@@ -121,14 +123,27 @@ class _Foreach:
             elif self.scalar != "none" and type(other) in (int, float):
                 ops.append(other)
             elif (
-                self.scalar == "tensor" and self.arity == 2 and isinstance(other, _T)
-                and other.dim() == 0 and other.device == args[0].device
+                self.scalar == "tensor"
+                and self.arity == 2
+                and isinstance(other, _T)
+                and other.dim() == 0
+                and other.device == args[0].device
             ):
                 ops.append(other)
             else:
                 return NotImplemented
         out = self.op(*ops, **kwargs)
         return args[0] if self.inplace else TensorList(out)
+
+
+def _plain(operand: Any) -> bool:
+    """No tensor subclass (DTensor...) among ``operand``'s tensors."""
+    if isinstance(operand, TensorList):
+        return all(type(t) in _PLAIN for t in operand.tensors)
+    return not isinstance(operand, _T) or type(operand) in _PLAIN
+
+
+_PLAIN = (_T, torch.nn.Parameter)
 
 
 def _table() -> dict[Callable[..., Any], _Foreach]:
@@ -149,7 +164,8 @@ def _table() -> dict[Callable[..., Any], _Foreach]:
     put("div_ __itruediv__", _Foreach(f._foreach_div_, inplace=True))
     sub_ = _Foreach(f._foreach_sub_, scalar="number", inplace=True, kwargs=("alpha",))
     put("sub_ __isub__", sub_)
-    put("copy_", _Foreach(f._foreach_copy_, scalar="none", inplace=True))
+    # DTensor registers no sharding strategy for _foreach_copy_ (torch 2.13); copy_ does.
+    put("copy_", _Foreach(f._foreach_copy_, scalar="none", inplace=True, plain=True))
     put("maximum torch.maximum", _Foreach(f._foreach_maximum, scalar="none"))
     put("minimum torch.minimum", _Foreach(f._foreach_minimum, scalar="none"))
     put("__pow__ pow torch.pow", _Foreach(f._foreach_pow, scalar="number"))

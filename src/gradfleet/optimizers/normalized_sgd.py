@@ -27,8 +27,20 @@ class NormalizedSGD(CustomGradientDescentOptimizer):
     """
 
     def _apply_var(self, grad, var, indices=None):
-        inv_norm = torch.rsqrt(torch.clamp_min(_sum_of_squares(grad), _NORM_EPSILON))
+        # A sharded DTensor on the fused path: the kernel sees one shard, the global sum
+        # comes precomputed (gradfleet.kernels.dtensor).
+        squares = self._shared.get(_GLOBAL_SQUARES) if indices is None else None
+        if squares is None:
+            squares = _sum_of_squares(grad)
+        inv_norm = torch.rsqrt(torch.clamp_min(squares, _NORM_EPSILON))
         super()._apply_var(grad * inv_norm, var, indices)
+
+    def _whole_tensor_statistics(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole-tensor reductions of the dense maths (see gradfleet.kernels.dtensor)."""
+        return {_GLOBAL_SQUARES: _sum_of_squares(grad)}
+
+
+_GLOBAL_SQUARES = "_grad_sum_of_squares"
 
 
 _BLOCK = 4096  # inductor's CPU reductions over more elements switch to a slow cascade sum
