@@ -79,7 +79,7 @@ def init_with_one_fake_gpu(ctx) -> dict:
 
 def test_init_falls_back_to_gloo_with_a_warning_when_ranks_outnumber_gpus():
     out = run_ranks(init_with_one_fake_gpu, 2, rendezvous="env")
-    for rank, res in enumerate(out):
+    for res in out:
         assert (res["info"].backend, res["info"].device) == ("gloo", torch.device("cpu"))
         assert any("2 ranks on this machine but 1 CUDA device" in w for w in res["warned"])
         assert res["sum"] == 2.0

@@ -40,6 +40,14 @@ INDUCTOR_OPTIONS = (
 )
 
 
+#: Whether inductor's CPU code generator keeps the float16/bfloat16 round trips that
+#: ``emulate_precision_casts`` puts after each operation, making fused half-precision results
+#: the loop's bits.  torch 2.11's C++ backend converts to half precision and then goes on
+#: computing with the float32 value (checked in its generated code), so fused float16/bfloat16
+#: differ from the loop there by up to the bound README "Supported PyTorch releases" states.
+HALF_PRECISION_EXACT = torch.__version__ >= "2.12"
+
+
 class TorchPrivateAPIError(RuntimeError):
     """The running torch lacks a private entry point (or option) gradfleet relies on."""
 
