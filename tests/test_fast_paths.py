@@ -358,7 +358,7 @@ def _half_compare(cls, config, dtype, exact: bool) -> None:
 
     Where it cannot (NormalizedSGD's whole-tensor sum is taken in another order; releases
     whose CPU code generator drops the round trips, ``HALF_PRECISION_EXACT`` False: torch <
-    2.12), each step may differ by one rounding of the update and one of the stored value,
+    2.13), each step may differ by one rounding of the update and one of the stored value,
     eps/2 relative each, of operands no larger than |p| + |update| <= 2|p| + 1 here (lr 0.1,
     standard normal gradients): |fused - loop| <= HALF_STEPS x eps x (2|p| + 1), the bound
     the README states for those releases.
@@ -388,7 +388,7 @@ def _half_compare(cls, config, dtype, exact: bool) -> None:
     ids=lambda x: getattr(x, "__name__", ""),
 )
 def test_fused_half_precision_rounds_like_the_loop(cls, config, dtype):
-    """Element-wise maths: the loop's bits (within the stated bound on torch < 2.12)."""
+    """Element-wise maths: the loop's bits (within the stated bound on torch < 2.13)."""
     _half_compare(cls, config, dtype, exact=True)
 
 
