@@ -48,6 +48,11 @@ INDUCTOR_OPTIONS = (
 #: rounded value), so fused float16/bfloat16 results differ from the loop there, within the
 #: bound README "Supported PyTorch releases" states (tests/test_fast_paths.py checks both).
 HALF_PRECISION_EXACT = torch.__version__ >= "2.13"
+#: Up to torch 2.10 the vectorised C++ backend names the keyword the precision-cast round trip
+#: passes ``use_compute_dtypes`` (a TypeError on the first float16/bfloat16 kernel; fixed in
+#: 2.11), so there the option is left off: half precision is then computed in float32 and
+#: rounded when stored, within the same bound as on 2.11 and 2.12.
+_PRECISION_CASTS_COMPILE = torch.__version__ >= "2.11"
 
 
 class TorchPrivateAPIError(RuntimeError):
@@ -108,5 +113,7 @@ def inductor_options(options: dict[str, Any]) -> Iterator[None]:
     unknown = [name for name in options if not hasattr(config, name)]
     if unknown:
         raise _missing(f"the inductor config option(s) {', '.join(unknown)}")
+    if not _PRECISION_CASTS_COMPILE:
+        options = {k: v for k, v in options.items() if k != "emulate_precision_casts"}
     with config.patch(options):
         yield
