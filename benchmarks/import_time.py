@@ -8,7 +8,8 @@ Method: every command is a fresh interpreter (``sys.executable``), timed wall-cl
 start to exit; the commands run in rounds (torch, gradfleet, --help, list, bad input, torch,
 ...) so a slow spell of a shared machine hits all of them alike; one warm-up round (disk
 cache) is not counted.  Reported: the median of ``--runs`` rounds, and each command's median
-minus ``python -c "import torch"``'s median, against the targets (issue 16): ``import
+minus ``python -c "import torch"``'s median (wall clock, and CPU time user+sys, which a
+busy shared machine distorts far less), against the targets (issue 16): ``import
 gradfleet`` adds at most 0.3 s, ``--help``, ``list`` and a bad-input error at most 1.0 s.
 Writes ``import_time.json`` under ``--out`` and prints a table; exit code 1 if a target is
 missed.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,33 +38,45 @@ COMMANDS = [
 ]
 
 
-def _time_once(code: str, argv: list[str], ok: tuple[int, ...]) -> float:
-    start = time.perf_counter()
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time_once(code: str, argv: list[str], ok: tuple[int, ...]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds user+sys) of one fresh interpreter running ``code``."""
+    cpu, start = _cpu_s(), time.perf_counter()
     res = subprocess.run(
         [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300
     )
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, _cpu_s() - cpu
     if res.returncode not in ok:
         raise RuntimeError(f"{code} {argv}: exit {res.returncode}\n{res.stderr[-2000:]}")
-    return elapsed
+    return elapsed, cpu
 
 
 def measure(runs: int) -> dict:
     times: dict[str, list[float]] = {name: [] for name, *_ in COMMANDS}
+    cpus: dict[str, list[float]] = {name: [] for name, *_ in COMMANDS}
     for round_ in range(runs + 1):
         for name, code, argv, ok, _ in COMMANDS:
-            t = _time_once(code, argv, ok)
+            t, c = _time_once(code, argv, ok)
             if round_:  # round 0 warms the disk cache
                 times[name].append(t)
+                cpus[name].append(c)
     base = statistics.median(times["import torch"])
+    cpu_base = statistics.median(cpus["import torch"])
     rows = []
     for name, *_, target in COMMANDS:
-        med = statistics.median(times[name])
+        med, cpu = statistics.median(times[name]), statistics.median(cpus[name])
         rows.append(
             {
                 "command": name,
                 "median_s": round(med, 3),
                 "above_import_torch_s": None if target is None else round(med - base, 3),
+                # CPU time (user + sys) hardly moves when other jobs share the cores.
+                "cpu_median_s": round(cpu, 3),
+                "cpu_above_import_torch_s": None if target is None else round(cpu - cpu_base, 3),
                 "target_s": target,
                 "met": None if target is None else med - base <= target,
                 "runs_s": [round(t, 3) for t in times[name]],
@@ -96,19 +110,27 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def _plus(x: float | None) -> str:
+    return "" if x is None else f"{x:+.2f}"
+
+
 def table(result: dict) -> str:
     lines = [
         f"{result['machine']}, {result['cores']} cores, torch {result['torch']}, "
         f"median of {result['runs']} runs",
         "",
-        "| command | median (s) | above `import torch` (s) | target (s) | met |",
-        "|---|---|---|---|---|",
+        "| command | wall (s) | above `import torch` | CPU (s) | CPU above | target | met |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        above = "" if r["above_import_torch_s"] is None else f"+{r['above_import_torch_s']:.2f}"
+        above = _plus(r["above_import_torch_s"])
+        cpu_above = _plus(r["cpu_above_import_torch_s"])
         target = "" if r["target_s"] is None else f"<= +{r['target_s']:.1f}"
         met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
-        lines.append(f"| `{r['command']}` | {r['median_s']:.2f} | {above} | {target} | {met} |")
+        lines.append(
+            f"| `{r['command']}` | {r['median_s']:.2f} | {above} | {r['cpu_median_s']:.2f} "
+            f"| {cpu_above} | {target} | {met} |"
+        )
     return "\n".join(lines)
 
 
