@@ -17,9 +17,11 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
 
 Checked on: torch 2.8.0, 2.11.0, 2.12.1 and 2.13.0 (Linux x86-64, CPU wheels and CUDA wheels
 run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see README "Tests").
-The options exist from 2.8 on (``alignment_asserts`` is the newest of them).  ``torch._foreach_*`` (the foreach
-path, ``kernels/tensorlist.py``) are ATen operators that ``torch.optim`` itself is built on;
-they are exercised by the same fast-path tests on both releases and are not wrapped here.
+The options exist from 2.8 on (``alignment_asserts`` is the newest of them).
+
+``torch._foreach_*`` (the foreach path, ``kernels/tensorlist.py``) are ATen operators that
+``torch.optim`` itself is built on; the same fast-path tests exercise them on both CI releases,
+and they are not wrapped here.
 """
 
 from __future__ import annotations
