@@ -9,13 +9,14 @@ import inspect  # noqa: E402
 
 import pytest  # noqa: E402
 
-# A test that starts processes (ranks through run_ranks, a subprocess) pays seconds of
-# interpreter start and torch import per process: it is `slow` (README "Tests": the fast subset
-# is `-m "not slow"`).  Found from the test's own source so new tests are classified too;
-# tests/cli marks its launches explicitly.
-_STARTS_PROCESSES = ("run_ranks(", "subprocess.")
-# Slow for another reason (measured on 2 cores: several seconds of inductor compiles each).
-_SLOW_NODES = ()
+# `slow` (README "Tests": the fast subset is `-m "not slow"`), found from the test's own source
+# (and the same module's helpers it calls) so that new tests are classified too:
+# * a test that starts processes (ranks through run_ranks, a subprocess) pays seconds of
+#   interpreter start and torch import per process (tests/cli marks its launches explicitly);
+# * a test that compiles fused kernels pays seconds of inductor compile per kernel.
+_SLOW_SOURCE = ("run_ranks(", "subprocess.", "fused=True")
+# Slow for another reason: the speed benchmark end to end (about 50 s on 2 cores).
+_SLOW_NODES = ("tests/test_benchmarks.py",)
 
 
 def _source(fn, depth: int = 2) -> str:
@@ -40,6 +41,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         if fn not in sources:
             sources[fn] = _source(fn)
-        starts = any(s in sources[fn] for s in _STARTS_PROCESSES)
+        starts = any(s in sources[fn] for s in _SLOW_SOURCE)
         if starts or item.nodeid.startswith(_SLOW_NODES):
             item.add_marker(pytest.mark.slow)
