@@ -24,6 +24,7 @@ import torch
 from benchmarks.optimizer_speed import peak_extra_mib
 
 import gradfleet as gf
+from gradfleet.kernels import _torch_private as private
 from gradfleet.kernels import fused
 from tests.conformance.specs import SPECS
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
@@ -184,22 +185,62 @@ def test_sparse_gradients_take_the_reference_path():
             torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
 
 
-def test_fused_normalized_sgd_blocked_norm_matches_float64():
+# Thread counts for the tests whose reductions torch splits across threads: the summation
+# order (and so the rounding) changes with the count; the bounds below hold for any order.
+THREADS = [1, 2, 16]
+
+
+@pytest.fixture(params=THREADS, ids=lambda n: f"{n}threads")
+def num_threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's gamma_n = n u / (1 - n u), u = eps / 2: the relative error bound of a sum of
+    n + 1 terms of one sign added in ANY order (any blocking, any number of threads)."""
+    u = torch.finfo(dtype).eps / 2
+    return n * u / (1 - n * u)
+
+
+def test_fused_normalized_sgd_blocked_norm_matches_float64(num_threads):
     """NormalizedSGD's fused kernel sums squares in blocks of 4096 (a faster reduction under
-    inductor); on tensors longer than a block, with a tail, it still matches float64."""
+    inductor); on tensors longer than a block, with a tail, it still matches float64.
+
+    Bound, element-wise, float32 with u = eps/2 and n elements: the squares and their sum in
+    any order are off by at most gamma_n (relative), the root halves that and adds u, the
+    division and the learning-rate product add u each, so the update is off by at most
+    d = gamma_n / 2 + 3u relative; the subtraction rounds once more: |p - p64| <=
+    d |update64| + u |p64|.  The tails hold a large share of each norm (gradient x 30
+    there), so a kernel that dropped or doubled a tail would miss by far more than d.
+    """
     gen = torch.Generator().manual_seed(7)
     shapes = [(3 * 4096 + 5,), (64, 129), (4096,)]  # tail, 2-D with tail, exactly one block
     start = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) * 10 for s in shapes]
+    for g in grads[:2]:
+        g.view(-1)[-(g.numel() % 4096) :] *= 30
     params = [torch.nn.Parameter(x.clone()) for x in start]
     opt = gf.NormalizedSGD(params, learning_rate=100.0, fused=True)
     for p, g in zip(params, grads):
         p.grad = g
     opt.step()
+    u = torch.finfo(torch.float32).eps / 2
     for p, w, g in zip(params, start, grads):
         g64 = g.double()
-        expected = w.double() - 100.0 * g64 / g64.square().sum().clamp_min(1e-12).sqrt()
-        torch.testing.assert_close(p.detach().double(), expected, rtol=2e-6, atol=2e-7)
+        update = 100.0 * g64 / g64.square().sum().clamp_min(1e-12).sqrt()
+        expected = w.double() - update
+        d = _gamma(g.numel(), torch.float32) / 2 + 3 * u
+        bound = d * update.abs() + u * expected.abs()
+        err = (p.detach().double() - expected).abs()
+        assert bool((err <= bound).all()), f"max error/bound {(err / bound).max():.3g}"
+        # the tail matters: without it the update differs by far more than the bound
+        if g.numel() % 4096:
+            head = g64.view(-1)[: g.numel() // 4096 * 4096]
+            dropped = 100.0 * g64 / head.square().sum().sqrt()
+            assert bool(((dropped - update).abs() > bound).any())
 
 
 def test_fused_follows_gradient_layout_changes():
@@ -292,43 +333,72 @@ def test_fused_step_allocates_no_parameter_sized_temporary(cls):
     assert peak_extra_mib(opt.step) * 2**20 < smallest_big // 8
 
 
-def _half_run(cls, dtype, config, **options):
+def _half_run(cls, dtype, config, steps=5, **options):
     gen = torch.Generator().manual_seed(11)
     params = [
         torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(64, 33), (5000,)]
     ]
     opt = cls(params, **config, **options)
-    for _ in range(5):
+    for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         opt.step()
     return opt, params
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+HALF = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+HALF_STEPS = 5
+
+
+def _half_compare(cls, config, dtype, exact: bool) -> None:
+    """The loop and the fused path on float16/bfloat16 for HALF_STEPS steps.
+
+    Exact: the fused kernel rounds every intermediate to the dtype as eager ATen and TF do
+    (inductor would otherwise carry them in float32), so it gives the loop's bits.
+
+    Where it cannot (NormalizedSGD's whole-tensor sum is taken in another order; releases
+    whose CPU code generator drops the round trips, ``HALF_PRECISION_EXACT`` False: torch <
+    2.13), each step may differ by one rounding of the update and one of the stored value,
+    eps/2 relative each, of operands no larger than |p| + |update| <= 2|p| + 1 here (lr 0.1,
+    standard normal gradients): |fused - loop| <= HALF_STEPS x eps x (2|p| + 1), the bound
+    the README states for those releases.
+    """
+    _, ref = _half_run(cls, dtype, config, steps=HALF_STEPS, foreach=False)
+    _, got = _half_run(cls, dtype, config, steps=HALF_STEPS, fused=True)
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(ref, got):
+        a, b = a.detach().float(), b.detach().float()
+        if exact and private.HALF_PRECISION_EXACT:
+            assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} elements differ"
+            continue
+        bound = HALF_STEPS * eps * (2 * a.abs() + 1)
+        err = (a - b).abs()
+        assert bool((err <= bound).all()), f"max error/bound {(err / bound).max():.3g}"
+
+
+@HALF
 @pytest.mark.parametrize(
-    "cls,config,exact",
+    "cls,config",
     [
-        (gf.GradientDescentOptimizer, {"learning_rate": 0.1}, True),
-        (gf.MomentumOptimizer, {"learning_rate": 0.1, "momentum": 0.9}, True),
-        (gf.RMSPropOptimizer, {"learning_rate": 0.01}, True),
-        (gf.FtrlOptimizer, {"learning_rate": 0.1, "l1_regularization_strength": 0.01}, True),
-        (gf.NormalizedSGD, {"learning_rate": 0.1}, False),  # the norm's summation order
+        (gf.GradientDescentOptimizer, {"learning_rate": 0.1}),
+        (gf.MomentumOptimizer, {"learning_rate": 0.1, "momentum": 0.9}),
+        (gf.RMSPropOptimizer, {"learning_rate": 0.01}),
+        (gf.FtrlOptimizer, {"learning_rate": 0.1, "l1_regularization_strength": 0.01}),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
-def test_fused_half_precision_rounds_like_the_loop(cls, config, exact, dtype):
-    """float16/bfloat16: the fused kernel rounds every intermediate to the dtype as eager
-    ATen and TF do (inductor would otherwise carry them in float32), so it gives the loop's
-    bits; a whole-tensor sum is taken in another order, within 2 ulps after 5 steps."""
-    _, ref = _half_run(cls, dtype, config, foreach=False)
-    _, got = _half_run(cls, dtype, config, fused=True)
-    eps = torch.finfo(dtype).eps
-    for a, b in zip(ref, got):
-        if exact:
-            assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} elements differ"
-        else:
-            torch.testing.assert_close(b.detach(), a.detach(), rtol=2 * eps, atol=2 * eps)
+def test_fused_half_precision_rounds_like_the_loop(cls, config, dtype):
+    """Element-wise maths: the loop's bits (within the stated bound on torch < 2.13)."""
+    _half_compare(cls, config, dtype, exact=True)
+
+
+@HALF
+def test_fused_half_precision_normalized_sgd_within_bound(dtype, num_threads):
+    """NormalizedSGD sums 5000 squares in float32 in another order (one that depends on the
+    thread count): off by at most gamma_5000 = 3e-4 relative, far below half precision's
+    eps, so its rounded norm is the loop's or one ulp away: within ``_half_compare``'s
+    bound for any thread count."""
+    _half_compare(gf.NormalizedSGD, {"learning_rate": 0.1}, dtype, exact=False)
 
 
 def test_fused_bucket_of_only_empty_parameters():

@@ -1,4 +1,11 @@
-"""The ``gradfleet`` command run as a user runs it: in a subprocess, in a scratch directory."""
+"""The ``gradfleet`` command, in a scratch directory.
+
+Commands that stay in one process (``list``, bad input, single-process ``train``) run in this
+process through typer's test runner: the same parsing, checks, output and exit codes without a
+second interpreter and torch import per test.  Commands that launch worker processes run as a
+user runs them, in a subprocess (``slow``): there the launcher, its process tree and its exit
+codes are the point.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
+
+from gradfleet.cli.main import app
 
 GRADFLEET = [sys.executable, "-m", "gradfleet"]
 
@@ -17,6 +27,17 @@ def run(args: list[str], cwd: Path, timeout: float = 150) -> subprocess.Complete
     return subprocess.run(
         GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+@pytest.fixture
+def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``cli(args)``: run ``gradfleet args`` in this process with ``tmp_path`` as the working
+    directory; returns typer's result (``exit_code``, ``stdout``, ``stderr``)."""
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()  # a training run sets its own thread count
+    runner = CliRunner()
+    yield lambda args: runner.invoke(app, args)
+    torch.set_num_threads(threads)
 
 
 def summary(out: Path) -> dict:
@@ -29,9 +50,9 @@ def losses(out: Path) -> list[float]:
 
 
 @pytest.mark.timeout(120)
-def test_default_train_reaches_stated_accuracy(tmp_path: Path) -> None:
-    res = run(["train", "-q"], tmp_path)
-    assert res.returncode == 0, res.stderr
+def test_default_train_reaches_stated_accuracy(tmp_path: Path, cli) -> None:
+    res = cli(["train", "-q"])
+    assert res.exit_code == 0, res.stderr
     (out,) = (tmp_path / "runs").iterdir()
     s = summary(out)
     assert s["workload"] == "digits" and s["steps"] == 300
@@ -51,6 +72,7 @@ STRATEGY_RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("strategy", "workload"), STRATEGY_RUNS)
 def test_two_workers_every_strategy(tmp_path: Path, strategy: str, workload: str) -> None:
@@ -84,6 +106,7 @@ def test_two_workers_every_strategy(tmp_path: Path, strategy: str, workload: str
     torch.load(out / "model.pt", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     common = ["-s", "model-average:interval=3", "-n", "2", "--seed", "3", "-q"]
@@ -107,6 +130,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert steps == list(range(1, 25))  # steps 11-13 of the first run were replaced
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_compare_writes_plot_and_table(tmp_path: Path) -> None:
     res = run(
@@ -135,21 +159,21 @@ def test_compare_writes_plot_and_table(tmp_path: Path) -> None:
     assert "steps/s" in res.stdout
 
 
-def test_config_file_sets_optimizer_and_settings(tmp_path: Path) -> None:
+def test_config_file_sets_optimizer_and_settings(tmp_path: Path, cli) -> None:
     (tmp_path / "cfg.py").write_text(
         "learning_rate = 0.05\noptimizer = {'class': 'momentum', 'momentum': 0.9}\n"
         "steps = 30\nworkload = 'digits'\n"
     )
-    res = run(["train", "--optimizer", "cfg.py", "--out", "r", "-q"], tmp_path)
-    assert res.returncode == 0, res.stderr
+    res = cli(["train", "--optimizer", "cfg.py", "--out", "r", "-q"])
+    assert res.exit_code == 0, res.stderr
     s = summary(tmp_path / "r")
     assert s["optimizer"] == {"class": "momentum", "momentum": 0.9, "learning_rate": 0.05}
     assert s["steps"] == 30
 
 
-def test_list_shows_optimizers_and_strategies(tmp_path: Path) -> None:
-    res = run(["list"], tmp_path)
-    assert res.returncode == 0
+def test_list_shows_optimizers_and_strategies(cli) -> None:
+    res = cli(["list"])
+    assert res.exit_code == 0
     for word in (
         "FtrlOptimizer",
         "l1_regularization_strength",
@@ -176,16 +200,17 @@ BAD = [
 
 
 @pytest.mark.parametrize(("args", "message"), BAD)
-def test_bad_input_one_line_exit_2_nothing_written(tmp_path: Path, args, message) -> None:
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path: Path, cli, args, message) -> None:
     (tmp_path / "broken.py").write_text("optimizer = {'class': 'adam'\nsteps = 3\n")
-    res = run(["train", *args, "--out", "r"], tmp_path)
-    assert res.returncode == 2
+    res = cli(["train", *args, "--out", "r"])
+    assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert message in lines[0]
     assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_worker_failure_names_rank_and_log(tmp_path: Path) -> None:
     # torch's Adam has no sparse support: rank 0 fails inside the loop.
     res = run(

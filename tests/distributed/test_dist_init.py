@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from gradfleet.distributed import init
+from gradfleet.distributed import _launch, init
 from gradfleet.distributed.testing import run_ranks
 
 from . import ranks
@@ -15,13 +17,87 @@ from . import ranks
 pytestmark = pytest.mark.timeout(60)
 
 
+def _documented_default(rank: int, ranks_here: int) -> tuple[str, torch.device]:
+    """init()'s documented choice on this machine (README "Distributed"): the combined
+    backend when every local rank gets a GPU of its own, gloo on the CPU otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here:
+        return "cpu:gloo,cuda:nccl", torch.device("cuda", rank)
+    return "gloo", torch.device("cpu")
+
+
 def test_init_from_torchrun_environment():
+    # On a CPU machine gloo; on a one-GPU machine gloo after a warning; with >= 2 GPUs the
+    # combined backend, and the CPU all-reduce below still works (it goes over gloo).
     out = run_ranks(ranks.init_from_env, 2, rendezvous="env")
     for rank, res in enumerate(out):
         info = res["info"]
         assert (info.rank, info.world_size, info.local_rank) == (rank, 2, rank)
-        assert info.backend == "gloo" and info.device == torch.device("cpu")
+        assert (info.backend, info.device) == _documented_default(rank, 2)
         assert res["again"] == info and res["sum"] == 2.0
+
+
+def test_default_backend_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _launch._default_backend(4) == ("gloo", None)
+
+
+@pytest.mark.parametrize("gpus,ranks_here", [(1, 1), (2, 2), (8, 2)])
+def test_default_backend_is_combined_with_a_gpu_per_rank(monkeypatch, gpus, ranks_here):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert _launch._default_backend(ranks_here) == ("cpu:gloo,cuda:nccl", None)
+
+
+def test_default_backend_falls_back_to_gloo_when_ranks_outnumber_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    backend, why = _launch._default_backend(2)
+    assert backend == "gloo"
+    assert "2 ranks on this machine but 1 CUDA device(s)" in why and "backend='gloo'" in why
+
+
+def test_ranks_on_this_machine(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _launch._ranks_on_this_machine(env_ok=True) == 4  # torchrun's count wins
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert _launch._ranks_on_this_machine(env_ok=True) == 8  # no launcher: one machine
+    assert _launch._ranks_on_this_machine(env_ok=False) == 1
+
+
+def init_with_one_fake_gpu(ctx) -> dict:
+    """Two ranks on a machine that claims one GPU (CUDA faked in this rank process only)."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = init(timeout=7)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"info": info, "warned": [str(w.message) for w in caught], "sum": t.item()}
+
+
+def test_init_falls_back_to_gloo_with_a_warning_when_ranks_outnumber_gpus():
+    out = run_ranks(init_with_one_fake_gpu, 2, rendezvous="env")
+    for res in out:
+        assert (res["info"].backend, res["info"].device) == ("gloo", torch.device("cpu"))
+        assert any("2 ranks on this machine but 1 CUDA device" in w for w in res["warned"])
+        assert res["sum"] == 2.0
+
+
+def disagree_on_fallback(ctx) -> str:
+    try:
+        _launch._agree_on_fallback(fell_back=ctx.rank == 0)
+    except RuntimeError as exc:
+        return f"{exc} initialized={dist.is_initialized()}"
+    return "no error"
+
+
+def test_ranks_that_chose_different_backends_fail_together():
+    out = run_ranks(disagree_on_fallback, 2)
+    for msg in out:
+        assert "1 rank(s) fell back to gloo" in msg and "1 chose 'cpu:gloo,cuda:nccl'" in msg
+        assert msg.endswith("initialized=False")
 
 
 def test_init_without_launcher_and_with_user_group():

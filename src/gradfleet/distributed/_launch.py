@@ -10,6 +10,7 @@ process on an in-memory store, so examples and tests run unchanged without a lau
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,14 +49,53 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+#: torch's own default on a CUDA build: CPU tensors reduce over gloo, CUDA tensors over NCCL.
+COMBINED_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def _ranks_on_this_machine(env_ok: bool) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE``; without it, every rank of the world (one machine)."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return int(os.environ["WORLD_SIZE"]) if env_ok else 1
+
+
+def _default_backend(ranks_here: int) -> tuple[str, str | None]:
+    """``(backend, why_gloo)``: the combined CPU+CUDA backend when CUDA is available and each
+    local rank gets a GPU of its own; gloo otherwise.  ``why_gloo`` explains a fallback from
+    CUDA to gloo (NCCL refuses two ranks on one GPU: "Duplicate GPU detected")."""
+    if not torch.cuda.is_available():
+        return "gloo", None
+    gpus = torch.cuda.device_count()
+    if ranks_here > gpus:
+        return "gloo", (
+            f"{ranks_here} ranks on this machine but {gpus} CUDA device(s): NCCL needs one GPU "
+            f"per rank, so gradfleet.distributed.init() uses gloo (CPU tensors only; CUDA "
+            f"tensors would have to be moved to the CPU). Start at most {gpus} ranks per "
+            f"machine for NCCL, or pass backend='gloo' to silence this warning."
+        )
+    return COMBINED_BACKEND, None
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def _agree_on_fallback(fell_back: bool) -> None:
+    """All ranks must have made the same automatic choice: machines with different numbers
+    of GPUs per rank would mix NCCL and gloo for CUDA tensors (a hang).  One CPU all-reduce,
+    which both gloo and the combined backend serve."""
+    votes = torch.tensor([int(fell_back), int(not fell_back)], dtype=torch.int64)
+    dist.all_reduce(votes)
+    if votes.min().item() > 0:
+        dist.destroy_process_group()
+        raise RuntimeError(
+            f"init: {votes[0].item()} rank(s) fell back to gloo (more ranks than GPUs on their "
+            f"machine) and {votes[1].item()} chose {COMBINED_BACKEND!r}; pass the same backend "
+            f"to init() on every machine"
+        )
 
 
 def _info() -> DistInfo:
@@ -79,11 +119,16 @@ def init(
     """Initialise the default process group once and describe this process.
 
     Args:
-        backend: ``"gloo"``, ``"nccl"`` or any backend string torch accepts; ``None`` picks
-            NCCL when CUDA is available and gloo otherwise.
+        backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"`` or any backend string torch
+            accepts.  ``None``: without CUDA, gloo; with CUDA, torch's combined
+            ``"cpu:gloo,cuda:nccl"`` (CPU and CUDA tensors both work) when every rank on this
+            machine (``LOCAL_WORLD_SIZE``) has a GPU of its own, and otherwise gloo with a
+            ``RuntimeWarning`` saying why (NCCL cannot put two ranks on one GPU).  All ranks
+            must make the same choice; a mix is a ``RuntimeError`` on every rank.
         timeout: collective timeout (seconds or ``timedelta``); default 5 minutes instead of
             gloo's 30.
-        set_device: with NCCL, call ``torch.cuda.set_device(LOCAL_RANK)``.
+        set_device: with NCCL (alone or combined), call
+            ``torch.cuda.set_device(LOCAL_RANK % device_count)``.
 
     Idempotent: if a default group already exists (created by an earlier ``init()`` or by the
     user's own ``init_process_group``), nothing is created and the existing group is described.
@@ -93,8 +138,12 @@ def init(
     td = _as_timedelta(timeout)
     if dist.is_initialized():
         return _info()
-    chosen = backend or _default_backend()
     env_ok = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    chosen, why_gloo = (
+        (backend, None) if backend else _default_backend(_ranks_on_this_machine(env_ok))
+    )
+    if why_gloo:
+        warnings.warn(why_gloo, RuntimeWarning, stacklevel=2)
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
     if "nccl" in chosen and set_device and torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -106,6 +155,8 @@ def init(
         dist.init_process_group(
             backend=chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=td
         )
+    if backend is None and torch.cuda.is_available() and dist.get_world_size() > 1:
+        _agree_on_fallback(why_gloo is not None)
     _created_here = True
     return _info()
 

@@ -34,10 +34,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx_inner
-from torch._inductor.decomposition import select_decomp_table
-from torch.fx.experimental.proxy_tensor import make_fx
+
+# Inductor, dynamo and make_fx load on the first fused step (seconds of import), through
+# the adapter that holds every private torch entry point.
+from gradfleet.kernels import _torch_private as private
 
 # Compiled steps per optimizer instance (the traced maths may read the instance's Python
 # configuration), keyed by ``signature``; entries die with the optimizer.
@@ -151,18 +151,20 @@ def compile_step(opt, params, grads, slots, hp, shared):
     )
     # The options cover tracing too: make_fx marks float16/bfloat16 results for
     # ``emulate_precision_casts`` while it traces.
-    with inductor_config.patch(_OPTIONS):
+    with private.inductor_options(_OPTIONS):
         graph = _trace(type(opt).__name__, step, flat)
         _store_in_order(graph)
-        compiled = compile_fx_inner(graph, flat)
+        compiled = private.compile_fx_inner(graph, flat)
     compiled_signatures += 1
     return compiled
 
 
 def _trace(name: str, step, flat: list[torch.Tensor]) -> torch.fx.GraphModule:
+    # Outside the try: a torch without these entry points gets the adapter's own error.
+    trace = private.make_fx(step, private.decomposition_table(), tracing_mode="fake")
     try:
         with torch.no_grad(), _tracing_scope():
-            return make_fx(step, select_decomp_table(), tracing_mode="fake")(*flat)
+            return trace(*flat)
     except NotImplementedError:  # an abstract optimizer (BaseCustomOptimizer): its own message
         raise
     except Exception as exc:

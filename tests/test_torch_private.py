@@ -1,0 +1,50 @@
+"""The adapter over torch's private entry points: a release without one gets a clear error
+naming it, before anything is traced or any parameter changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradfleet as gf
+from gradfleet.kernels import _torch_private as private
+from gradfleet.kernels import fused
+
+
+def _fused_step_error():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = gf.GradientDescentOptimizer([p], learning_rate=0.5, fused=True)
+    with pytest.raises(private.TorchPrivateAPIError) as err:
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))  # nothing changed
+    return str(err.value)
+
+
+def test_every_option_the_fused_path_sets_exists_on_this_release():
+    config = private.inductor_config()
+    assert set(fused._OPTIONS) == set(private.INDUCTOR_OPTIONS)
+    assert all(hasattr(config, name) for name in private.INDUCTOR_OPTIONS)
+
+
+def test_unknown_inductor_option_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(fused._OPTIONS, "no_such_option", True)
+    msg = _fused_step_error()
+    assert "inductor config option(s) no_such_option" in msg
+    assert f"torch {torch.__version__} does not have" in msg and "foreach=True" in msg
+
+
+def test_missing_compiler_entry_point_is_a_clear_error(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    monkeypatch.delattr(compile_fx, "compile_fx_inner")
+    msg = _fused_step_error()
+    assert "torch._inductor.compile_fx.compile_fx_inner" in msg
+    assert "checked on torch" in msg
+
+
+def test_missing_tracer_is_a_clear_error(monkeypatch):
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    monkeypatch.delattr(proxy_tensor, "make_fx")
+    assert "torch.fx.experimental.proxy_tensor.make_fx" in _fused_step_error()
