@@ -143,7 +143,7 @@ def execute(spec: dict[str, Any], label: str, quiet: bool) -> dict[str, Any]:
 def _env_rank() -> int:
     import os
 
-    return int(os.environ.get("RANK", 0))
+    return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
 
 
 # ----------------------------------------------------------------------------- output
@@ -399,9 +399,7 @@ def list_(
             if cls in seen:
                 continue
             seen.add(cls)
-            table.add_row(
-                name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else ""
-            )
+            table.add_row(name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else "")
     out_console.print(table)
     st = Table(title="strategies (--strategy NAME[:key=value,...])")
     for col in ("name", "what", "arguments", "workers"):

@@ -148,6 +148,7 @@ class _Job:
             self.store = elastic.job_store(float(spec.get("timeout", 120)))
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
+        self._rejoins: dict[int, Any] = {}
 
     def poll(self, metrics: _Metrics, step: int, now: bool = False) -> None:
         """Rank 0, about twice a second: publish progress, log newly lost / rejoined workers."""
@@ -160,10 +161,12 @@ class _Job:
             if r not in self.lost:
                 self.lost[r] = {"step": step, **info}
                 metrics.write(event="worker_lost", **self.lost[r])
-        for r in list(self.lost):
-            if elastic.read_key(self.store, f"rejoined/{r}") is not None:
-                metrics.write(step=step, event="worker_rejoined", rank=r)
-                del self.lost[r]
+        for r in range(1, self.world):
+            at = elastic.read_key(self.store, f"rejoined/{r}")
+            if at is not None and self._rejoins.get(r) != at:
+                self._rejoins[r] = at
+                self.lost.pop(r, None)
+                metrics.write(step=step, event="worker_rejoined", rank=r, at_step=at[0])
 
 
 def _setup(spec: dict[str, Any], job: _Job) -> tuple[Workload, Strategy]:
@@ -208,9 +211,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     workload, strategy = _setup(spec, job)
     rank, world = job.rank, job.world
     start, wall_before, samples = 0, 0.0, 0
+    pids = out / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank-{rank}.pid").write_text(str(os.getpid()))
     if job.rejoining:  # TF's restarted worker: carry on from where the job is
         start = int(elastic.read_key(job.store, "progress", 0))
-        elastic.publish(job.store, f"rejoined/{rank}", start)
+        elastic.publish(job.store, f"rejoined/{rank}", [start, os.getpid()])
+        print(f"worker rank {rank} rejoined the running job at step {start}", flush=True)
     elif spec.get("resume"):
         state = _load_checkpoint(out, rank, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
