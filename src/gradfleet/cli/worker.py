@@ -83,7 +83,8 @@ class _Metrics:
             self._f.close()
 
 
-def _save_checkpoint(out: Path, step: int, rank: int, strategy: Strategy, extra: dict) -> None:
+def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra: dict) -> None:
+    rank, timeout = job.rank, extra.pop("timeout")
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
@@ -94,7 +95,14 @@ def _save_checkpoint(out: Path, step: int, rank: int, strategy: Strategy, extra:
         **extra,
     }
     _atomic_save(state, ckpt_dir / f"rank-{rank}.pt")
-    dist.barrier()  # every rank's file exists before the pointer moves
+    # every (live) rank's file exists before the pointer moves; no collective where a
+    # worker may be lost
+    if job.store is None:
+        dist.barrier()
+    else:
+        elastic.arrive(job.store, f"checkpoint-{step}", rank)
+        if rank == 0:
+            elastic.wait_arrived(job.store, f"checkpoint-{step}", job.world, timeout)
     if rank == 0:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
@@ -251,7 +259,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
-            _save_checkpoint(out, step, rank, strategy, {"wall": wall, "samples": samples})
+            extra = {"wall": wall, "samples": samples, "timeout": float(spec.get("timeout", 120))}
+            _save_checkpoint(out, step, job, strategy, extra)
     _finish(job, strategy, metrics, float(spec.get("timeout", 120)))
     wall = time.perf_counter() - t0
     result = None
@@ -280,10 +289,10 @@ def _finish(job: _Job, strategy: Strategy, metrics: _Metrics, timeout: float) ->
         return
     if job.rank != 0:
         strategy.finish()
-        elastic.mark_finished(job.store, job.rank)
+        elastic.arrive(job.store, "finished", job.rank)
         return
-    elastic.mark_finished(job.store, 0)
-    missing = elastic.wait_finished(job.store, job.world, timeout)
+    elastic.arrive(job.store, "finished", 0)
+    missing = elastic.wait_arrived(job.store, "finished", job.world, timeout)
     job.poll(metrics, job.step, now=True)
     for r in missing:  # dead without a launcher that saw it (torchrun), or stuck
         job.lost.setdefault(r, {"rank": r, "step": None, "cause": f"not finished in {timeout:g}s"})

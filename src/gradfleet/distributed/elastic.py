@@ -46,8 +46,8 @@ __all__ = [
     "read_key",
     "mark_lost",
     "lost_workers",
-    "mark_finished",
-    "wait_finished",
+    "arrive",
+    "wait_arrived",
 ]
 
 _PREFIX = "gradfleet/"
@@ -158,19 +158,20 @@ def lost_workers(store: dist.Store, world_size: int) -> dict[int, dict[str, Any]
     return out
 
 
-def mark_finished(store: dist.Store, rank: int) -> None:
-    publish(store, f"finished/{rank}", True)
+def arrive(store: dist.Store, point: str, rank: int) -> None:
+    """``rank`` reached ``point`` (e.g. ``"finished"``, ``"checkpoint-100"``)."""
+    publish(store, f"{point}/{rank}", True)
 
 
-def wait_finished(store: dist.Store, world_size: int, timeout: float) -> list[int]:
-    """Rank 0's end-of-training barrier that a dead member cannot block: wait until every
-    rank finished or was reported lost, at most ``timeout`` seconds. Returns the ranks that
-    did neither (dead without a launcher that noticed, or stuck)."""
+def wait_arrived(store: dist.Store, point: str, world_size: int, timeout: float) -> list[int]:
+    """A barrier that a dead member cannot block (rank 0's side): wait until every rank
+    arrived at ``point`` or was reported lost, at most ``timeout`` seconds. Returns the ranks
+    that did neither (dead without a launcher that noticed, or stuck)."""
     end = time.monotonic() + timeout
     while True:
         lost = lost_workers(store, world_size)
         missing = [
-            r for r in range(world_size) if r not in lost and not read_key(store, f"finished/{r}")
+            r for r in range(world_size) if r not in lost and not read_key(store, f"{point}/{r}")
         ]
         if not missing or time.monotonic() > end:
             return missing
