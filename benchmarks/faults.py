@@ -14,6 +14,7 @@ updates a failed job had made (lost without checkpoints); 0 for a completed one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -68,13 +69,10 @@ def _start(launcher: str, strategy: str, workers: int, steps: int, out: Path) ->
 
 
 def _kill_all(procs: list) -> None:
+    """End each launcher's session (the launcher and the workers it started)."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 
