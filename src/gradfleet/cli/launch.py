@@ -137,6 +137,10 @@ def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
                 log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
                 where = f"log: {log}" if log else f"logs under {log_dir}"
+                if summary is not None:  # after rank 0 saved the results: report only
+                    print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
                 started = elastic.read_key(store, "started", False)
                 if rank == 0 or not started or len(lost) >= tolerated:
                     raise WorkerFailed(f"worker rank {rank} failed: {cause}; {where}")
