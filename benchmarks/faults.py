@@ -1,7 +1,8 @@
 """Fault report: K jobs per strategy and launcher, a random worker SIGKILLed at a random step.
 
-For each job: start it as a user would (``gradfleet train -n N``, or the README's torchrun
-recipe: one agent per worker with ``--max-restarts=1``), wait until rank 0 logged the chosen
+For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the README's
+recipe -- one agent per worker, ``--max-restarts=1`` -- for strategies that can lose a worker,
+``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
 step, SIGKILL the chosen rank (1..N-1; rank 0 hosts the servers and is always fatal), and
 classify the end: *completed* (exit 0 everywhere, the summary written), *failed fast* (a
 non-zero exit, with the seconds from the kill to the last process's end), or *hung* (nothing
@@ -37,6 +38,16 @@ STRATEGIES = [
 ]
 
 
+# Strategies that cannot lose a worker: under torchrun they run with --nproc-per-node N (the
+# per-worker recipe refuses them); the others with the recipe, one agent per worker.
+LOCKSTEP = {
+    "allreduce",
+    "model-average:interval=4",
+    "easgd:period=4",
+    "sync-replicas:replicas_to_aggregate=3",
+}
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,22 +69,30 @@ def _start(launcher: str, strategy: str, workers: int, steps: int, out: Path) ->
     common = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     if launcher == "cli":
         return [subprocess.Popen([sys.executable, *train], **common)]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    agent += ["--monitor-interval=0.2"]
+    if strategy in LOCKSTEP:  # torch's own launch: one agent for the N workers
+        return [subprocess.Popen([*agent, f"--nproc-per-node={workers}", *train], **common)]
     port, procs = _port(), []
     for r in range(workers):
         env = dict(os.environ, GRADFLEET_RANK=str(r), GRADFLEET_WORLD_SIZE=str(workers))
         env.update(GRADFLEET_MASTER_ADDR="127.0.0.1", GRADFLEET_MASTER_PORT=str(port))
-        agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
-        agent += ["--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.2"]
-        procs.append(subprocess.Popen([*agent, *train], env=env, **common))
+        one = [*agent, "--nproc-per-node=1", "--max-restarts=1"]
+        procs.append(subprocess.Popen([*one, *train], env=env, **common))
     return procs
 
 
-def _kill_all(procs: list) -> None:
-    """End each launcher's session (the launcher and the workers it started)."""
+def _kill_all(procs: list, out: Path) -> None:
+    """End each launcher's session and the workers named in ``out/pids`` (torchrun starts its
+    workers in sessions of their own)."""
+    running = [p for p in procs if p.poll() is None]
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+    for pid_file in (out / "pids").glob("*.pid") if running else ():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def run_job(launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float) -> dict:
@@ -100,7 +119,7 @@ def run_job(launcher: str, strategy: str, workers: int, steps: int, rng, deadlin
             outcome = "completed" if ok else "failed"
             return {**job, "outcome": outcome, "steps_lost": 0 if ok else _last_step(out)}
         finally:
-            _kill_all(procs)
+            _kill_all(procs, out)
 
 
 def summarise(jobs: list[dict]) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,9 @@ def kill_rank(out: Path, rank: int) -> int:
     return pid
 
 
-def finish(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int, str]]:
+def finish(
+    procs: list[subprocess.Popen], deadline: float, out: Path | None = None
+) -> list[tuple[int, str]]:
     """Wait for every process until ``deadline``; on overrun kill them all and fail."""
     results = []
     try:
@@ -48,24 +51,32 @@ def finish(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int, st
             stdout, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             results.append((p.returncode, stdout))
     except subprocess.TimeoutExpired:
-        stop(procs)
+        stop(procs, out)
         raise AssertionError("hang: a launcher did not finish before its deadline") from None
     return results
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    """Kill each launcher and everything it started (each runs in its own session)."""
+def stop(procs: list[subprocess.Popen], out: Path | None = None) -> None:
+    """End each launcher and its workers: SIGTERM to each launcher's session (torchrun stops
+    its workers), then SIGKILL to the sessions and to the workers named in ``out/pids``
+    (torchrun starts workers in sessions of their own)."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    end = time.monotonic() + 10
+    while any(p.poll() is None for p in alive) and time.monotonic() < end:
+        time.sleep(0.1)
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    if alive and out is not None:
+        for pid_file in (out / "pids").glob("rank-*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
             p.communicate(timeout=10)
-        except (subprocess.TimeoutExpired, ValueError):
-            pass
 
 
 def popen(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

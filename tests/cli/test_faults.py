@@ -47,9 +47,9 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
     try:
         wait_for_step(out, 40, [proc], deadline)
         kill_rank(out, 2)
-        ((code, console),) = finish([proc], deadline)
+        ((code, console),) = finish([proc], deadline, out)
     finally:
-        stop([proc])
+        stop([proc], out)
     assert code == 0, console
     warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
     assert len(warning) == 1 and "killed by signal 9" in warning[0], console
@@ -80,10 +80,10 @@ def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: 
         wait_for_step(out, 20, [proc], deadline)
         kill_rank(out, 1)
         killed = time.monotonic()
-        ((code, console),) = finish([proc], deadline)
+        ((code, console),) = finish([proc], deadline, out)
         took = time.monotonic() - killed
     finally:
-        stop([proc])
+        stop([proc], out)
     assert code == 1, console
     errors = [ln for ln in console.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, console

@@ -99,9 +99,9 @@ def test_every_wrapper_trains_across_two_hosts(
         for h in hosts
     ]  # fmt: skip
     try:
-        results = finish(procs, time.monotonic() + 240)
+        results = finish(procs, time.monotonic() + 240, out)
     finally:
-        stop(procs)
+        stop(procs, out)
     for code, console in results:
         assert code == 0, console
     summary = json.loads((out / "summary.json").read_text())
@@ -131,9 +131,9 @@ def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path)
     try:
         wait_for_step(out, 40, procs, deadline)
         kill_rank(out, 2)
-        results = finish(procs, deadline)
+        results = finish(procs, deadline, out)
     finally:
-        stop(procs)
+        stop(procs, out)
     for code, console in results:
         assert code == 0, console
     assert "worker rank 2 rejoined the running job at step" in results[2][1]

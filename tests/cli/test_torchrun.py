@@ -49,9 +49,9 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     try:
         wait_for_step(out, 40, procs, deadline)
         first = kill_rank(out, 2)
-        results = finish(procs, deadline)
+        results = finish(procs, deadline, out)
     finally:
-        stop(procs)
+        stop(procs, out)
     for rank, (code, console) in enumerate(results):
         assert code == 0, (rank, console)
     said = re.findall(r"worker rank 2 rejoined the running job at step (\d+)", results[2][1])

@@ -132,6 +132,15 @@ class _Job:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         place = elastic.apply_job_env()  # one launcher agent per worker (the torchrun recipe)
+        if place is not None and not tolerated_losses(
+            spec["strategy"], spec["strategy_args"], place.world_size
+        ):
+            # Nothing would end the survivors of a lost rank but the collective timeout.
+            raise RuntimeError(
+                f"strategy {spec['strategy']} cannot lose a worker (its ranks run collectives "
+                "in lockstep), so it does not run one agent per worker (GRADFLEET_RANK): "
+                "launch it with torchrun --nproc-per-node N, or one agent per host"
+            )
         self.rejoining = place is not None and place.rejoining
         self.store: Any = None
         if self.rejoining:
@@ -146,12 +155,6 @@ class _Job:
             info = gfd.init(backend="gloo", timeout=float(spec.get("timeout", 120)))
             self.rank, self.world = info.rank, info.world_size
         self.tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], self.world)
-        if self.rejoining and not self.tolerated:
-            raise RuntimeError(
-                f"worker rank {self.rank} was restarted, but strategy {spec['strategy']} cannot "
-                "admit a restarted worker (its ranks run collectives in lockstep): restart the "
-                "whole job instead (torchrun --nproc-per-node N --max-restarts K, or --resume)"
-            )
         if self.tolerated and self.store is None:
             self.store = elastic.job_store(float(spec.get("timeout", 120)))
         self.lost: dict[int, dict[str, Any]] = {}
