@@ -92,3 +92,17 @@ def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: 
     # the launcher polls every 0.1 s and gives survivors 5 s to stop after SIGTERM
     assert took < 15, took
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "model-average", "easgd"])
+def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, strategy) -> None:
+    from gradfleet.cli.worker import run_worker
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    env.update(GRADFLEET_RANK="1", GRADFLEET_WORLD_SIZE="2", GRADFLEET_MASTER_ADDR="127.0.0.1")
+    env.update(GRADFLEET_MASTER_PORT="9", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec = {"strategy": strategy, "strategy_args": {}, "out": "unused"}
+    with pytest.raises(RuntimeError, match=f"strategy {strategy} cannot lose a worker"):
+        run_worker(spec)  # before any process group or file

@@ -23,10 +23,12 @@ RECIPE = {
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+    for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    for key in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
-        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    # set here so that the monkeypatch restores what apply_job_env() exports
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
+    monkeypatch.setenv("LOCAL_RANK", "unset")
     monkeypatch.delenv("GRADFLEET_SERVER_HOST", raising=False)
     return monkeypatch
 
