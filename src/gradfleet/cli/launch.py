@@ -1,19 +1,29 @@
-"""Run the worker loop: in this process, or as N local ranks via torch's elastic launcher.
+"""Run the worker loop: in this process, or as N local ranks started by torch's elastic
+multiprocessing (``start_processes``), one process context per rank.
 
-Local ranks rendezvous on a free loopback port (c10d backend, no etcd), their stdout/stderr go
-to ``<run>/logs``, and a failed rank ends the whole job at once (``max_restarts=0``: the agent
-kills the survivors instead of letting them wait out a collective timeout).
+Ranks rendezvous on a TCPStore this process hosts on loopback (``env://`` with the launcher's
+store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R``, and
+``<run>/workers.json`` maps ranks to process ids and logs. Which exit is fatal is the
+strategy's (``tolerated_losses``): a worker lost while the wrapper can do without it
+(sync-replicas with a backup left, asynchronous EASGD) is reported -- console, then rank 0's
+``metrics.jsonl`` and ``summary.json`` through the job store -- and the survivors finish the
+run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left)
+ends every survivor at once and raises :class:`WorkerFailed`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
+import sys
+import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .strategies import tolerated_losses
 from .worker import run_worker
 
 __all__ = ["WorkerFailed", "run_local", "launch", "under_torchrun"]
@@ -28,12 +38,6 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_local(spec: dict[str, Any]) -> dict[str, Any] | None:
     """One process (``none``, ``towers``, or this rank under torchrun)."""
     return run_worker(spec)
@@ -44,47 +48,114 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no error message"
 
 
-def _failure(err: Any, log_dir: Path) -> WorkerFailed:
-    rank, failure = err.get_first_failure()
-    logs = sorted(log_dir.glob(f"**/{rank}/stderr.log"))
-    where = f"; log: {logs[-1]}" if logs else f"; logs under {log_dir}"
+def _rank_log(log_dir: Path, rank: int) -> Path | None:
+    logs = sorted((log_dir / f"rank-{rank}").glob("**/stderr.log"))
+    return logs[-1] if logs else None
+
+
+def _cause(failure: Any) -> str:
+    if failure.exitcode < 0:
+        return f"killed by signal {-failure.exitcode}"
     message = failure.message
     if isinstance(message, dict):  # the error-file payload: {"message": ..., "extraInfo": ...}
         message = message.get("message", message)
-    if failure.exitcode < 0:
-        cause = f"killed by signal {-failure.exitcode}"
-    else:
-        cause = _last_line(str(message)) if message else f"exit code {failure.exitcode}"
-    return WorkerFailed(f"worker rank {rank} failed: {cause}{where}")
+    return _last_line(str(message)) if message else f"exit code {failure.exitcode}"
+
+
+def _last_step(metrics: Path) -> int | None:
+    """The newest step rank 0 logged (the end of ``metrics.jsonl``)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _start(spec: dict[str, Any], rank: int, workers: int, port: int, run_id: str, log_dir: Path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(workers),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(workers),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store below, hosted here
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+    }
+    return start_processes(
+        name=f"gradfleet-rank{rank}",
+        entrypoint=run_worker,
+        args={0: (spec,)},
+        envs={0: env},
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / f"rank-{rank}"), redirects=Std.ALL),
+        start_method="spawn",
+    )
 
 
 def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
-    """Spawn ``workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """Start ``workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
+    import torch.distributed as dist
 
-    # The agent logs each failure with a traceback; the CLI reports it as one line instead.
+    from gradfleet.distributed import elastic
+
+    # The elastic code logs each failure with a traceback; the CLI reports it as one line.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    log_dir = Path(spec["out"]) / "logs"
-    timeout = int(spec.get("timeout", 120))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=workers,
-        run_id=f"gradfleet-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"timeout": timeout, "join_timeout": timeout},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        local_addr="127.0.0.1",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
-    )
+    out = Path(spec["out"])
+    log_dir = out / "logs"
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=int(spec.get("timeout", 120))),
+    )  # fmt: skip
+    run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
+    tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], workers)
+    running = {r: _start(spec, r, workers, store.port, run_id, log_dir) for r in range(workers)}
+    pids = {r: pc.pids()[0] for r, pc in running.items()}
+    (out / "workers.json").write_text(json.dumps({"pids": pids, "logs": str(log_dir)}) + "\n")
+    lost: dict[int, str] = {}
+    summary = None
     try:
-        results = elastic_launch(config, run_worker)(spec)
-    except ChildFailedError as err:
-        raise _failure(err, log_dir) from None
-    return results.get(0)
+        while running:
+            for rank, pc in list(running.items()):
+                result = pc.wait(0)
+                if result is None:
+                    continue
+                del running[rank]
+                if not result.is_failed():
+                    summary = result.return_values.get(0) if rank == 0 else summary
+                    continue
+                log = _rank_log(log_dir, rank)
+                cause = _cause(result.failures[0])
+                where = f"log: {log}" if log else f"logs under {log_dir}"
+                if summary is not None:  # after rank 0 saved the results: report only
+                    print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                started = elastic.read_key(store, "started", False)
+                if rank == 0 or not started or len(lost) >= tolerated:
+                    raise WorkerFailed(f"worker rank {rank} failed: {cause}; {where}")
+                step = _last_step(out / "metrics.jsonl")
+                lost[rank] = cause
+                elastic.mark_lost(store, rank, step=step, cause=cause, log=str(log))
+                print(
+                    f"warning: worker rank {rank} lost at step {step}: {cause}; {where}; "
+                    f"training goes on with {workers - len(lost)} of {workers} workers "
+                    f"({tolerated - len(lost)} more loss(es) tolerated)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(0.1)
+    finally:
+        for pc in running.values():  # a fatal failure (or Ctrl-C): end every survivor now
+            pc.close(timeout=5)
+    return summary

@@ -143,7 +143,7 @@ def execute(spec: dict[str, Any], label: str, quiet: bool) -> dict[str, Any]:
 def _env_rank() -> int:
     import os
 
-    return int(os.environ.get("RANK", 0))
+    return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
 
 
 # ----------------------------------------------------------------------------- output

@@ -18,7 +18,14 @@ from torch import nn
 
 import gradfleet.distributed as gfd
 
-__all__ = ["STRATEGIES", "StrategyInfo", "Strategy", "make_strategy", "validate_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "StrategyInfo",
+    "Strategy",
+    "make_strategy",
+    "validate_strategy",
+    "tolerated_losses",
+]
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,24 @@ def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
             )
 
 
+def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
+    """How many workers other than rank 0 the job can lose and still finish its steps.
+
+    Rank 0 hosts the wrappers' servers and writes the results, so its loss is always fatal.
+    Sync-replicas keeps training while a backup is left (N - R of them); asynchronous EASGD
+    workers never wait for each other; every other strategy runs collectives in lockstep,
+    where one missing member stops all.
+    """
+    if workers < 2:
+        return 0
+    if name == "sync-replicas":
+        total = int(args.get("total_num_replicas", workers))
+        return max(total - int(args.get("replicas_to_aggregate", workers - 1)), 0)
+    if name == "easgd" and args.get("mode", "sync") == "async":
+        return workers - 1
+    return 0
+
+
 def _nbytes(t: torch.Tensor) -> int:
     if t.is_sparse:
         return _nbytes(t._indices()) + _nbytes(t._values())
@@ -192,6 +217,13 @@ class Strategy:
 
     def close(self) -> None:
         """Release the wrapper's threads and connections (every rank, after ``export``)."""
+        return None
+
+    #: Where a restarted worker finds the running job's server (None: it cannot rejoin).
+    server_address: str | None = None
+
+    def forget(self, ranks: list[int]) -> None:
+        """Rank 0: these workers are gone; the server stops waiting for them at the end."""
         return None
 
 
@@ -271,15 +303,27 @@ def _rho(value: Any) -> float | None:
 
 class Easgd(Strategy):
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        from gradfleet.distributed._centre import CENTRE_MODES
+
         self.period = int(self.args.get("period", 4))
+        mode = _easgd_modes()[self.args.get("mode", "sync")]
+        self._centre = None
+        if mode != "allreduce":  # the centre server: its interface, or the running job's
+            self._centre = CENTRE_MODES[mode](
+                timeout=float(self.args.get("timeout", 60.0)),
+                host=self.args.get("host", "127.0.0.1"),
+                address=self.args.get("server_address"),
+                worker=self.args.get("worker"),
+            )
         wrapped = gfd.ElasticAverageOptimizer(
             opt,
             self.world,
             self.period,
             moving_rate=self.args.get("moving_rate"),
             rho=_rho(self.args.get("rho", DEFAULT_RHO)),
-            mode=_easgd_modes()[self.args.get("mode", "sync")],
+            mode=self._centre or mode,
         )
+        self.server_address = getattr(self._centre, "address", None)
         self._payload = sum(_nbytes(p) for p in model.parameters())
         return super().setup(model, wrapped)
 
@@ -300,6 +344,17 @@ class Easgd(Strategy):
         # Asynchronous mode: rank 0's centre server must stop before the interpreter exits
         # (its threads block inside the C++ store; left running they abort the process).
         self.opt.close()
+
+    def forget(self, ranks: list[int]) -> None:
+        _mark_done(getattr(self._centre, "_server", None), ranks)
+
+
+def _mark_done(server: Any, ranks: list[int]) -> None:
+    """Count lost workers as having left, so the server's end-of-training wait (every worker
+    left or silent for ``timeout`` seconds) does not sit out the timeout for the dead.
+    Reaches into the wrappers' server state: they have no public call for it yet."""
+    if server is not None and ranks:
+        server.done.update(ranks)
 
 
 class Towers(Strategy):
@@ -350,7 +405,11 @@ class SyncReplicas(Strategy):
             total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
             timeout=float(self.args.get("timeout", 60.0)),
             last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
+            host=self.args.get("host", "127.0.0.1"),
+            server_address=self.args.get("server_address"),
+            worker=self.args.get("worker"),
         )
+        self.server_address = wrapped.server_address
         return super().setup(model, wrapped)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
@@ -363,6 +422,9 @@ class SyncReplicas(Strategy):
 
     def finish(self) -> None:
         self.opt.close()
+
+    def forget(self, ranks: list[int]) -> None:
+        _mark_done(getattr(self.opt, "_server", None), ranks)
 
 
 _ADAPTERS: dict[str, type[Strategy]] = {

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 import gradfleet.distributed as gfd
+from gradfleet.distributed import elastic
 from gradfleet.registry import create_optimizer
 
-from .strategies import STRATEGIES, Strategy, make_strategy
+from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
 from .workloads import Workload, batch_indices, load_workload
 
 __all__ = ["run_worker", "latest_checkpoint"]
@@ -82,7 +83,8 @@ class _Metrics:
             self._f.close()
 
 
-def _save_checkpoint(out: Path, step: int, rank: int, strategy: Strategy, extra: dict) -> None:
+def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra: dict) -> None:
+    rank, timeout = job.rank, extra.pop("timeout")
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
@@ -93,7 +95,14 @@ def _save_checkpoint(out: Path, step: int, rank: int, strategy: Strategy, extra:
         **extra,
     }
     _atomic_save(state, ckpt_dir / f"rank-{rank}.pt")
-    dist.barrier()  # every rank's file exists before the pointer moves
+    # every (live) rank's file exists before the pointer moves; no collective where a
+    # worker may be lost
+    if job.store is None:
+        dist.barrier()
+    else:
+        elastic.arrive(job.store, f"checkpoint-{step}", rank)
+        if rank == 0:
+            elastic.wait_arrived(job.store, f"checkpoint-{step}", job.world, timeout)
     if rank == 0:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
@@ -116,26 +125,90 @@ def _load_checkpoint(out: Path, rank: int, strategy: Strategy) -> dict[str, Any]
     return state
 
 
-def _setup(spec: dict[str, Any]) -> tuple[Workload, Strategy, int, int]:
+class _Job:
+    """This rank's place in the job, and (when a lost worker is tolerated) the job store that
+    carries the launcher's and rank 0's control messages (:mod:`gradfleet.distributed.elastic`).
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        place = elastic.apply_job_env()  # one launcher agent per worker (the torchrun recipe)
+        if place is not None and not tolerated_losses(
+            spec["strategy"], spec["strategy_args"], place.world_size
+        ):
+            # Nothing would end the survivors of a lost rank but the collective timeout.
+            raise RuntimeError(
+                f"strategy {spec['strategy']} cannot lose a worker (its ranks run collectives "
+                "in lockstep), so it does not run one agent per worker (GRADFLEET_RANK): "
+                "launch it with torchrun --nproc-per-node N, or one agent per host"
+            )
+        self.rejoining = place is not None and place.rejoining
+        self.store: Any = None
+        if self.rejoining:
+            assert place is not None
+            # The others have moved on: no process group with them, only the store and server.
+            self.store = elastic.job_store(float(spec.get("timeout", 120)))
+            for key in ("RANK", "WORLD_SIZE"):
+                os.environ.pop(key)
+            gfd.init(backend="gloo")
+            self.rank, self.world = place.rank, place.world_size
+        else:
+            info = gfd.init(backend="gloo", timeout=float(spec.get("timeout", 120)))
+            self.rank, self.world = info.rank, info.world_size
+        self.tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], self.world)
+        if self.tolerated and self.store is None:
+            self.store = elastic.job_store(float(spec.get("timeout", 120)))
+        self.lost: dict[int, dict[str, Any]] = {}
+        self._next_poll, self.step = 0.0, 0
+        self._rejoins: dict[int, Any] = {}
+
+    def poll(self, metrics: _Metrics, step: int, now: bool = False) -> None:
+        """Rank 0, about twice a second: publish progress, log newly lost / rejoined workers."""
+        self.step = step
+        if self.store is None or self.rank != 0 or (time.monotonic() < self._next_poll and not now):
+            return
+        self._next_poll = time.monotonic() + 0.5
+        elastic.publish(self.store, "progress", step)
+        for r, info in elastic.lost_workers(self.store, self.world).items():
+            if r not in self.lost:
+                self.lost[r] = {"step": step, **info}
+                metrics.write(event="worker_lost", **self.lost[r])
+        for r in range(1, self.world):
+            at = elastic.read_key(self.store, f"rejoined/{r}")
+            if at is not None and self._rejoins.get(r) != at:
+                self._rejoins[r] = at
+                self.lost.pop(r, None)
+                metrics.write(step=step, event="worker_rejoined", rank=r, at_step=at[0])
+
+
+def _setup(spec: dict[str, Any], job: _Job) -> tuple[Workload, Strategy]:
     torch.set_num_threads(int(spec.get("threads", 1)))
-    info = gfd.init(backend="gloo", timeout=float(spec.get("timeout", 120)))
-    rank, world = info.rank, info.world_size
+    rank, world = job.rank, job.world
     workload = load_workload(spec["workload"], spec["seed"])
     opt = create_optimizer(workload.model.parameters(), spec["optimizer"])
     name = spec["strategy"]
     args = dict(spec["strategy_args"])
+    timeout = float(spec.get("timeout", 120))
     if name == "sync-replicas":  # internal: release every worker at the last update
-        args.update(last_step=int(spec["steps"]), timeout=float(spec.get("timeout", 120)))
+        args.update(last_step=int(spec["steps"]), timeout=timeout)
+    if name in ("sync-replicas", "easgd"):  # where servers listen, or the running job's
+        args.update(host=elastic.server_host(), timeout=timeout)
+        if job.rejoining:
+            address = elastic.read_key(job.store, "server")
+            if address is None:
+                raise RuntimeError("rejoining: the running job published no server address")
+            args.update(server_address=address, worker=rank)
     # Towers run as threads of this one process: the "world" is the tower count.
     strategy = make_strategy(
         name, args, rank, world if STRATEGIES[name].spawns else spec["workers"]
     )
     strategy.setup(workload.model, opt)
+    if job.store is not None and rank == 0 and strategy.server_address is not None:
+        elastic.publish(job.store, "server", strategy.server_address)
     if spec.get("straggler"):
         slow_rank, delay_ms = spec["straggler"]
         strategy.straggle_s = delay_ms / 1000 if slow_rank == rank or name == "towers" else 0.0
         strategy.straggler_tower = slow_rank  # type: ignore[attr-defined]
-    return workload, strategy, rank, world
+    return workload, strategy
 
 
 def _loss_fn(workload: Workload):
@@ -145,9 +218,18 @@ def _loss_fn(workload: Workload):
 def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Train as this rank; rank 0 returns the summary dict."""
     out = Path(spec["out"])
-    workload, strategy, rank, world = _setup(spec)
+    job = _Job(spec)
+    workload, strategy = _setup(spec, job)
+    rank, world = job.rank, job.world
     start, wall_before, samples = 0, 0.0, 0
-    if spec.get("resume"):
+    pids = out / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    if job.rejoining:  # TF's restarted worker: carry on from where the job is
+        start = int(elastic.read_key(job.store, "progress", 0))
+        elastic.publish(job.store, f"rejoined/{rank}", [start, os.getpid()])
+        print(f"worker rank {rank} rejoined the running job at step {start}", flush=True)
+    elif spec.get("resume"):
         state = _load_checkpoint(out, rank, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
     metrics = _Metrics(
@@ -158,7 +240,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     steps, eval_every = int(spec["steps"]), int(spec.get("eval_every") or 0)
     ckpt_every = int(spec.get("checkpoint_every") or 0)
     loss_fn = _loss_fn(workload)
-    dist.barrier()  # start the clock together
+    if not job.rejoining:
+        dist.barrier()  # start the clock together
+    if job.store is not None and rank == 0:
+        elastic.publish(job.store, "started", True)  # from now on a lost worker is tolerated
     t0 = time.perf_counter() - wall_before
     loss = float("nan")
     step = start
@@ -173,18 +258,20 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
         wall = time.perf_counter() - t0
         done = strategy.updates(step)
         metrics.write(step=done, loss=loss, wall=wall, samples=samples, bytes=strategy.bytes_sent)
+        job.poll(metrics, done)
         if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
-            _save_checkpoint(out, step, rank, strategy, {"wall": wall, "samples": samples})
-    strategy.finish()
+            extra = {"wall": wall, "samples": samples, "timeout": float(spec.get("timeout", 120))}
+            _save_checkpoint(out, step, job, strategy, extra)
+    _finish(job, strategy, metrics, float(spec.get("timeout", 120)))
     wall = time.perf_counter() - t0
-    dist.barrier()
     result = None
     if rank == 0:
         final_state = strategy.export()
         _atomic_save(final_state, out / "model.pt")
         result = _summary(spec, workload, strategy, loss, wall, samples, world)
+        result["lost_workers"] = sorted(job.lost.values(), key=lambda w: w["rank"])
         result.update(evaluate(workload, final_state))
         metrics.write(step=steps, wall=wall, final=True, **evaluate(workload, final_state))
         (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -192,6 +279,28 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     metrics.close()
     gfd.shutdown()
     return result
+
+
+def _finish(job: _Job, strategy: Strategy, metrics: _Metrics, timeout: float) -> None:
+    """End of training on every rank. Lockstep strategies: the wrapper's collective end and a
+    barrier. Tolerant ones must not touch the process group again (a dead member breaks
+    gloo's collectives): workers say they finished through the store, and rank 0 waits for
+    every rank that is neither finished nor reported lost, then tells the server who is gone."""
+    if job.store is None:
+        strategy.finish()
+        dist.barrier()
+        return
+    if job.rank != 0:
+        strategy.finish()
+        elastic.arrive(job.store, "finished", job.rank)
+        return
+    elastic.arrive(job.store, "finished", 0)
+    missing = elastic.wait_arrived(job.store, "finished", job.world, timeout)
+    job.poll(metrics, job.step, now=True)
+    for r in missing:  # dead without a launcher that saw it (torchrun), or stuck
+        job.lost.setdefault(r, {"rank": r, "step": None, "cause": f"not finished in {timeout:g}s"})
+    strategy.forget(sorted(job.lost))
+    strategy.finish()
 
 
 def _summary(

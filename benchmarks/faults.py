@@ -1,0 +1,175 @@
+"""Fault report: K jobs per strategy and launcher, a random worker SIGKILLed at a random step.
+
+For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the README's
+recipe -- one agent per worker, ``--max-restarts=1`` -- for strategies that can lose a worker,
+``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
+step, SIGKILL the chosen rank (1..N-1; rank 0 hosts the servers and is always fatal), and
+classify the end: *completed* (exit 0 everywhere, the summary written), *failed fast* (a
+non-zero exit, with the seconds from the kill to the last process's end), or *hung* (nothing
+ended within ``--deadline`` seconds; everything is then killed). *Steps lost*: the model
+updates a failed job had made (lost without checkpoints); 0 for a completed one.
+
+    python benchmarks/faults.py --jobs 2 --json benchmarks/results/faults.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+STRATEGIES = [
+    "allreduce",
+    "model-average:interval=4",
+    "easgd:period=4",
+    "easgd:mode=async,period=4",
+    "sync-replicas:replicas_to_aggregate=2",  # one backup of 3 workers
+    "sync-replicas:replicas_to_aggregate=3",  # no backup
+]
+
+
+# Strategies that cannot lose a worker: under torchrun they run with --nproc-per-node N (the
+# per-worker recipe refuses them); the others with the recipe, one agent per worker.
+LOCKSTEP = {
+    "allreduce",
+    "model-average:interval=4",
+    "easgd:period=4",
+    "sync-replicas:replicas_to_aggregate=3",
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _last_step(out: Path) -> int:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(ln)["step"] for ln in lines if '"loss"' in ln]
+    return steps[-1] if steps else 0
+
+
+def _start(launcher: str, strategy: str, workers: int, steps: int, out: Path) -> list:
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(workers)]
+    train += ["--steps", str(steps), "--out", str(out), "-q"]
+    common = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    if launcher == "cli":
+        return [subprocess.Popen([sys.executable, *train], **common)]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    agent += ["--monitor-interval=0.2"]
+    if strategy in LOCKSTEP:  # torch's own launch: one agent for the N workers
+        return [subprocess.Popen([*agent, f"--nproc-per-node={workers}", *train], **common)]
+    port, procs = _port(), []
+    for r in range(workers):
+        env = dict(os.environ, GRADFLEET_RANK=str(r), GRADFLEET_WORLD_SIZE=str(workers))
+        env.update(GRADFLEET_MASTER_ADDR="127.0.0.1", GRADFLEET_MASTER_PORT=str(port))
+        one = [*agent, "--nproc-per-node=1", "--max-restarts=1"]
+        procs.append(subprocess.Popen([*one, *train], env=env, **common))
+    return procs
+
+
+def _kill_all(procs: list, out: Path) -> None:
+    """End each launcher's session and the workers named in ``out/pids`` (torchrun starts its
+    workers in sessions of their own)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    for pid_file in (out / "pids").glob("*.pid") if running else ():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def run_job(launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float) -> dict:
+    rank, at = rng.randrange(1, workers), rng.randint(steps // 10, steps * 6 // 10)
+    with tempfile.TemporaryDirectory(prefix="gf-faults-") as tmp:
+        out = Path(tmp) / "run"
+        procs = _start(launcher, strategy, workers, steps, out)
+        end = time.monotonic() + deadline
+        try:
+            while _last_step(out) < at:  # wait for the chosen step
+                if time.monotonic() > end or any(p.poll() is not None for p in procs):
+                    return {"outcome": "error", "detail": "ended or stalled before the kill"}
+                time.sleep(0.05)
+            pid = int((out / "pids" / f"rank-{rank}.pid").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while any(p.poll() is None for p in procs) and time.monotonic() < end:
+                time.sleep(0.05)
+            took = time.monotonic() - killed
+            job = {"rank": rank, "killed_at": at, "seconds_after_kill": round(took, 2)}
+            if any(p.poll() is None for p in procs):
+                return {**job, "outcome": "hung", "steps_lost": _last_step(out)}
+            ok = all(p.returncode == 0 for p in procs) and (out / "summary.json").is_file()
+            outcome = "completed" if ok else "failed"
+            return {**job, "outcome": outcome, "steps_lost": 0 if ok else _last_step(out)}
+        finally:
+            _kill_all(procs, out)
+
+
+def summarise(jobs: list[dict]) -> dict:
+    failed = [j for j in jobs if j["outcome"] == "failed"]
+    return {
+        "jobs": len(jobs),
+        "completed": sum(j["outcome"] == "completed" for j in jobs),
+        "failed_fast": len(failed),
+        "failed_after_s": median(j["seconds_after_kill"] for j in failed) if failed else None,
+        "hung": sum(j["outcome"] == "hung" for j in jobs),
+        "errors": sum(j["outcome"] == "error" for j in jobs),
+        "steps_lost": [j.get("steps_lost") for j in jobs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2, help="jobs per strategy and launcher (K)")
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--launchers", default="cli,torchrun")
+    ap.add_argument("--strategy", action="append", help="repeat; default: all six")
+    ap.add_argument("--deadline", type=float, default=240, help="seconds before 'hung'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    strategies = args.strategy or STRATEGIES
+    report = []
+    print(f"{'launcher':9} {'strategy':40} {'done':>4} {'fast':>4} {'after s':>8} {'hung':>4} "
+          "steps lost")  # fmt: skip
+    for launcher in args.launchers.split(","):
+        for strategy in strategies:
+            jobs = [
+                run_job(launcher, strategy, args.workers, args.steps, rng, args.deadline)
+                for _ in range(args.jobs)
+            ]
+            row = {"launcher": launcher, "strategy": strategy, **summarise(jobs), "runs": jobs}
+            report.append(row)
+            after = "-" if row["failed_after_s"] is None else f"{row['failed_after_s']:.1f}"
+            print(
+                f"{launcher:9} {strategy:40} {row['completed']:>4} {row['failed_fast']:>4} "
+                f"{after:>8} {row['hung']:>4} {row['steps_lost']}",
+                flush=True,
+            )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"workers": args.workers, "steps": args.steps, "jobs": args.jobs}
+        args.json.write_text(json.dumps({"config": meta, "rows": report}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

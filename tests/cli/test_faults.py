@@ -1,0 +1,108 @@
+"""`gradfleet train -n N` with a worker SIGKILLed mid-run, launched as a user launches it.
+
+Strategies that can lose a worker (sync-replicas with a backup left, asynchronous EASGD) finish
+their steps and name the lost rank and step on the console, in summary.json and metrics.jsonl
+(exit code 0); the others fail within seconds with one ``error:`` line naming the rank and log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gradfleet.cli.strategies import tolerated_losses
+
+from .launching import GRADFLEET, finish, kill_rank, metrics, popen, stop, wait_for_step
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_tolerated_losses_policy() -> None:
+    assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
+    assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
+    assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1
+    assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 3}, 3) == 0
+    assert tolerated_losses("easgd", {"mode": "async"}, 3) == 2
+    for name in ("allreduce", "model-average", "easgd", "towers", "none"):
+        assert tolerated_losses(name, {}, 3) == 0
+
+
+def _train(tmp_path: Path, strategy: str, workers: int, steps: int):
+    out = tmp_path / "run"
+    args = ["train", "-s", strategy, "-n", str(workers), "--steps", str(steps)]
+    return out, popen([*GRADFLEET, *args, "--out", str(out), "-q"], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy", ["sync-replicas:replicas_to_aggregate=2", "easgd:mode=async,period=4"]
+)
+def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None:
+    steps = 400
+    out, proc = _train(tmp_path, strategy, 3, steps)
+    deadline = time.monotonic() + 200
+    try:
+        wait_for_step(out, 40, [proc], deadline)
+        kill_rank(out, 2)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
+    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
+    summary = json.loads((out / "summary.json").read_text())
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == 2 and lost["cause"] == "killed by signal 9"
+    assert 40 <= lost["step"] < steps and Path(lost["log"]).is_file()
+    events = [r for r in metrics(out) if r.get("event") == "worker_lost"]
+    assert events == [{**lost, "event": "worker_lost"}]
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps  # the survivors made every update
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    assert (out / "model.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "workers"),
+    [
+        ("allreduce", 2),  # lockstep: cannot lose a worker
+        ("sync-replicas:replicas_to_aggregate=2", 2),  # R = N: no backup
+    ],
+)
+def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: int) -> None:
+    out, proc = _train(tmp_path, strategy, workers, 100000)
+    deadline = time.monotonic() + 200
+    try:
+        wait_for_step(out, 20, [proc], deadline)
+        kill_rank(out, 1)
+        killed = time.monotonic()
+        ((code, console),) = finish([proc], deadline, out)
+        took = time.monotonic() - killed
+    finally:
+        stop([proc], out)
+    assert code == 1, console
+    errors = [ln for ln in console.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, console
+    assert errors[0].startswith("error: worker rank 1 failed: killed by signal 9; log: ")
+    assert Path(errors[0].split("log: ")[1]).is_file()
+    # the launcher polls every 0.1 s and gives survivors 5 s to stop after SIGTERM
+    assert took < 15, took
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "model-average", "easgd"])
+def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, strategy) -> None:
+    from gradfleet.cli.worker import run_worker
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    env.update(GRADFLEET_RANK="1", GRADFLEET_WORLD_SIZE="2", GRADFLEET_MASTER_ADDR="127.0.0.1")
+    env.update(GRADFLEET_MASTER_PORT="9", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec = {"strategy": strategy, "strategy_args": {}, "out": "unused"}
+    with pytest.raises(RuntimeError, match=f"strategy {strategy} cannot lose a worker"):
+        run_worker(spec)  # before any process group or file

@@ -1,0 +1,142 @@
+"""Several hosts on one machine: two Linux network namespaces joined by a veth pair, each a
+host with its own address (10.231.N.1 and .2/24, which exist only inside the namespaces this
+test creates and removes). Every wrapper trains across them with one torchrun per host and a
+c10d rendezvous on the first, with a straggler; a worker on the second host is SIGKILLed under
+the per-worker recipe and rejoins across hosts. Skipped where namespaces cannot be created."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .test_torchrun import AGENT, recipe_env
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    iface: str
+    address: str
+
+    def popen(self, cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+        # gloo picks its interface by name, servers their address from the route (default)
+        env = {"GLOO_SOCKET_IFNAME": self.iface, **env}
+        return popen(["ip", "netns", "exec", self.netns, *cmd], cwd, env)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+@pytest.fixture
+def hosts(request: pytest.FixtureRequest) -> list[Host]:
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` tool (iproute2) is not installed")
+    tag = os.getpid() % 100000
+    subnet = 20 + os.getpid() % 200
+    made = [
+        Host(f"gf{tag}{s}", f"gfv{tag}{s}", f"10.231.{subnet}.{i}") for i, s in ((1, "a"), (2, "b"))
+    ]
+
+    def remove() -> None:  # deleting a namespace deletes its end of the veth pair too
+        for h in made:
+            subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", made[0].iface], capture_output=True, timeout=10)
+
+    request.addfinalizer(remove)
+    try:
+        _ip("netns", "add", made[0].netns)
+    except subprocess.CalledProcessError as err:
+        pytest.skip(
+            f"cannot create network namespaces (needs root and CAP_SYS_ADMIN): {err.stderr}"
+        )
+    _ip("netns", "add", made[1].netns)
+    _ip("link", "add", made[0].iface, "type", "veth", "peer", "name", made[1].iface)
+    for h in made:
+        _ip("link", "set", h.iface, "netns", h.netns)
+        _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.iface)
+        _ip("-n", h.netns, "link", "set", h.iface, "up")
+        _ip("-n", h.netns, "link", "set", "lo", "up")
+    return made
+
+
+def _port() -> int:
+    return 29000 + os.getpid() % 1000
+
+
+STRATEGIES = [
+    "allreduce",
+    "model-average:interval=4",
+    "easgd:period=4",
+    "easgd:mode=async,period=4",
+    "sync-replicas:replicas_to_aggregate=1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_wrapper_trains_across_two_hosts(
+    hosts: list[Host], tmp_path: Path, strategy: str
+) -> None:
+    first, steps, out = hosts[0], 80, tmp_path / "run"
+    agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
+    agent += [f"--rdzv-endpoint={first.address}:{_port()}", "--rdzv-id=gf-multihost"]
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", "2", "--steps", str(steps)]
+    train += ["--straggler", "1:30", "--out", str(out), "-q"]
+    procs = [
+        h.popen([*agent, f"--rdzv-conf=is_host={int(h is first)}", f"--local-addr={h.address}",
+                 *train], tmp_path, {})
+        for h in hosts
+    ]  # fmt: skip
+    try:
+        results = finish(procs, time.monotonic() + 240, out)
+    finally:
+        stop(procs, out)
+    for code, console in results:
+        assert code == 0, console
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["workers"] == 2
+    assert summary["test_accuracy"] >= 0.5  # 80 steps: learning, not the target
+    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
+
+
+@pytest.mark.slow
+def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path) -> None:
+    """Ranks 0 and 1 on the first host, rank 2 on the second; one agent per worker."""
+    world, steps, out = 3, 400, tmp_path / "run"
+    strategy = "sync-replicas:replicas_to_aggregate=2"
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world), "--steps", str(steps)]
+    train += ["--straggler", "1:20", "--out", str(out), "-q"]
+    where = [hosts[0], hosts[0], hosts[1]]
+    procs = [
+        where[r].popen(
+            [*AGENT, "--max-restarts=1", *train],
+            tmp_path,
+            recipe_env(r, world, hosts[0].address, _port()),
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        kill_rank(out, 2)
+        results = finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+    for code, console in results:
+        assert code == 0, console
+    assert "worker rank 2 rejoined the running job at step" in results[2][1]
+    (event,) = [r for r in metrics(out) if r.get("event") == "worker_rejoined"]
+    assert event["rank"] == 2 and event["at_step"] >= 40
+    assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps

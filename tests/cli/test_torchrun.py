@@ -1,0 +1,65 @@
+"""The torchrun recipe of the README: one agent per worker (``--standalone --nnodes=1
+--nproc-per-node=1``), gradfleet's rank and world in ``GRADFLEET_*``. A SIGKILLed worker is
+restarted by its own agent and rejoins the running job (``local_step := global_step``) while the
+others never stop."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from gradfleet.distributed.testing import free_port
+
+from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def recipe_env(rank: int, world: int, master: str, port: int) -> dict[str, str]:
+    return {
+        "GRADFLEET_RANK": str(rank),
+        "GRADFLEET_WORLD_SIZE": str(world),
+        "GRADFLEET_MASTER_ADDR": master,
+        "GRADFLEET_MASTER_PORT": str(port),
+    }
+
+
+AGENT = [*TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=0.2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy", ["sync-replicas:replicas_to_aggregate=2", "easgd:mode=async,period=4"]
+)
+def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -> None:
+    world, steps, port, out = 3, 500, free_port(), tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world)]
+    train += ["--steps", str(steps), "--out", str(out), "-q"]
+    procs = [
+        popen(
+            [*AGENT, "--max-restarts=1", *train], tmp_path, recipe_env(r, world, "127.0.0.1", port)
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        first = kill_rank(out, 2)
+        results = finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+    for rank, (code, console) in enumerate(results):
+        assert code == 0, (rank, console)
+    said = re.findall(r"worker rank 2 rejoined the running job at step (\d+)", results[2][1])
+    assert len(said) == 1, results[2][1]
+    assert int((out / "pids" / "rank-2.pid").read_text()) != first  # a new process
+    (event,) = [r for r in metrics(out) if r.get("event") == "worker_rejoined"]
+    assert event["rank"] == 2 and event["at_step"] == int(said[0]) >= 40
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_workers"] == []  # it came back
+    assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
