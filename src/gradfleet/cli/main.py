@@ -75,6 +75,8 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     if flags["optimizer"] and flags["optimizer"].endswith((".py", ".json")):
         flags["optimizer"] = None
     merged = {**file, **{k: v for k, v in flags.items() if v is not None}}
+    if merged.get("optimizer"):  # a bad optimizer fails before the workload's data is built
+        _check_optimizer(optimizer_config(merged["optimizer"], merged.get("learning_rate")))
     workload_name = merged.get("workload", "digits")
     try:
         workload = load_workload(workload_name, int(merged.get("seed", 0)))
