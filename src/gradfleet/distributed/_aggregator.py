@@ -170,6 +170,7 @@ class GradientAggregator:
                 if g is None:
                     continue
                 self._seen[i] = True
+                g = g.to(self._sum[i].device)  # received tensors may sit in host memory
                 if g.is_sparse:
                     self.kinds[i] = "sparse"
                     g = g.coalesce()

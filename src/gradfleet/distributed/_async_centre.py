@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ._centre import CENTRE_MODES, CentreStrategy
 from ._comm import Collective, LocalCollective, resolve_collective
-from ._mailbox import MailboxClient, MailboxServer, Reply
+from .transport import MailboxClient, MailboxServer, Reply
 
 __all__ = ["AsyncCentre", "CentreServer"]
 
@@ -68,7 +68,7 @@ class CentreServer:
             alpha = float(msg["alpha"])
             read = [c.clone() for c in self.centre]
             for c, x, r in zip(self.centre, msg["params"], read, strict=True):
-                c.add_(x.to(c.dtype) - r, alpha=alpha)
+                c.add_(x.to(c) - r, alpha=alpha)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
             reply.send({"centre": read})
         elif op == "barrier":
@@ -197,21 +197,21 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call(
             "exchange", worker=self.worker, alpha=moving_rate, params=[p.detach() for p in params]
         )
-        read = reply["centre"]
+        read = [c.to(p, copy=True) for p, c in zip(params, reply["centre"], strict=True)]
         with torch.no_grad():
             for p, c in zip(params, read, strict=True):
-                p.sub_(p.detach() - c.to(p.dtype), alpha=moving_rate)
+                p.sub_(p.detach() - c, alpha=moving_rate)
         return read
 
     def centre(self) -> list[torch.Tensor]:
         assert self._client is not None, "setup() must run first"
-        return self._client.call("read", worker=self.worker)["centre"]
+        return [c.clone() for c in self._client.call("read", worker=self.worker)["centre"]]
 
     def counters(self) -> dict[str, dict[int, int]]:
         """Server-side exchanges and (re)joins per worker."""
         assert self._client is not None
         reply = self._client.call("read", worker=self.worker)
-        return {"exchanges": reply["exchanges"], "joins": reply["joins"]}
+        return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
     @property
     def bytes_sent(self) -> int:

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from ._aggregator import GradientAggregator, TokenQueue
-from ._mailbox import Reply
 from ._shards import Shard, server_optimizer
+from .transport import Reply
 
 __all__ = ["SyncServer", "ExponentialMovingAverage", "server_optimizer"]
 

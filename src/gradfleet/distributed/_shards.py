@@ -48,14 +48,16 @@ import torch
 import torch.distributed as dist
 
 from ._aggregator import GradientAggregator
-from ._mailbox import MailboxClient, Reply, ServerUnreachable
 from ._wrapper import apply_with_step
+from .transport import MailboxClient, Reply, ServerUnreachable
 
 __all__ = [
     "Shard",
     "ShardServer",
     "ShardLinks",
     "round_robin",
+    "by_bytes",
+    "assign",
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
@@ -92,6 +94,33 @@ def check_server_ranks(
 def round_robin(num_params: int, num_shards: int) -> list[list[int]]:
     """Parameter indices of each shard: ``i`` goes to shard ``i % num_shards``."""
     return [list(range(k, num_params, num_shards)) for k in range(num_shards)]
+
+
+def by_bytes(nbytes: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Parameter indices of each shard, balancing bytes: largest parameter first, each to the
+    shard holding the fewest bytes so far (ties: lowest shard).  Whole parameters only, so
+    per-tensor reductions of the wrapped optimizer (norms) stay exact."""
+    load = [0] * num_shards
+    parts: list[list[int]] = [[] for _ in range(num_shards)]
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        k = min(range(num_shards), key=lambda k: (load[k], len(parts[k]), k))
+        parts[k].append(i)
+        load[k] += nbytes[i]
+    return [sorted(p) for p in parts]
+
+
+ASSIGNMENTS = ("bytes", "round_robin")
+
+
+def assign(params: Sequence[torch.Tensor], num_shards: int, how: str) -> list[list[int]]:
+    """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter)."""
+    if how not in ASSIGNMENTS:
+        raise ValueError(
+            f"SyncReplicasOptimizer: shard_assignment must be one of {ASSIGNMENTS}, got {how!r}"
+        )
+    if how == "round_robin" or num_shards == 1:
+        return round_robin(len(params), num_shards)
+    return by_bytes([p.numel() * p.element_size() for p in params], num_shards)
 
 
 def server_optimizer(
@@ -237,7 +266,11 @@ class ShardServer:
 
     def connect_chief(self, address: str, rank: int) -> None:
         self._chief = MailboxClient(
-            address, f"shard{self.k}", self.timeout + 10.0, f"server rank {rank} (chief)"
+            address,
+            f"shard{self.k}",
+            self.timeout + 10.0,
+            f"server rank {rank} (chief)",
+            data=False,  # "applied" reports carry no tensors
         )
         self._linked.set()
 
@@ -320,19 +353,25 @@ class ShardLinks:
             out[k] = reply["params"]
         return out
 
-    def push(self, tag: int, parts: Sequence[list[torch.Tensor | None]]) -> bool:
-        """Push shard k's gradients to shard k; True iff every shard accepted them."""
-        accepted = True
+    def push(self, tag: int, parts: Sequence[list[torch.Tensor | None]]) -> None:
+        """Start pushing shard k's gradients to every shard k (they travel concurrently);
+        :meth:`pushed` collects the answers."""
         for k, client in self.clients.items():
-            reply = client.call("push", worker=self.worker, tag=tag, grads=parts[k])
-            accepted = bool(reply["accepted"]) and accepted
-        return accepted
+            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
+
+    def pushed(self) -> bool:
+        """True iff every shard accepted the gradients of the last :meth:`push`."""
+        accepted = [bool(c.response()["accepted"]) for c in self.clients.values()]
+        return all(accepted)
 
     def read(self) -> dict[int, list[torch.Tensor]]:
-        """Values of every shard that stepped since the last read."""
+        """Values of every shard that stepped since the last read (read concurrently; the
+        tensors are views of each link's buffer: copy them before the next read)."""
+        for k, client in self.clients.items():
+            client.request("read", worker=self.worker, version=self.versions[k])
         out = {}
         for k, client in self.clients.items():
-            reply = client.call("read", worker=self.worker, version=self.versions[k])
+            reply = client.response()
             self.versions[k] = int(reply["version"])
             if "params" in reply:
                 out[k] = reply["params"]

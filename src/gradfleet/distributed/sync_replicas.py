@@ -51,10 +51,10 @@ import torch.distributed as dist
 
 from ._aggregator import NONFINITE_POLICIES, init_tokens
 from ._allreduce_sync import AllReduceSync
-from ._mailbox import MailboxClient, MailboxServer
 from ._server import ExponentialMovingAverage, SyncServer
-from ._shards import Shard, ShardLinks, ShardServer, check_server_ranks, probe, round_robin
+from ._shards import Shard, ShardLinks, ShardServer, assign, check_server_ranks, probe
 from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
+from .transport import MailboxClient, MailboxServer
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -112,6 +112,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
+        shard_assignment: str = "bytes",
     ) -> None:
         R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
         N = check_int(
@@ -164,7 +165,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
             )
             return
-        self._parts = round_robin(len(self._index), len(ranks))
+        self._parts = assign(self.params(), len(ranks), shard_assignment)
         given = [server_address] if isinstance(server_address, str) else server_address
         self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
 
@@ -324,10 +325,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         if self._links is not None:
             if self._nonfinite != "apply" and not all(_finite(g) for g in grads):
                 tag = -1  # stale everywhere: no shard keeps any part (the bad shard reports it)
-            accepted = self._links.push(tag, parts)
-        reply = self._client.call(
+            self._links.push(tag, parts)  # every shard receives at once, the chief too
+            if tag < 0:  # bad input: the shard holding it raises before the chief is asked
+                accepted = self._links.pushed()
+        self._client.request(
             "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
         )
+        if self._links is not None and tag >= 0:
+            accepted = self._links.pushed()
+        reply = self._client.response()
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
         if "params" in reply:
