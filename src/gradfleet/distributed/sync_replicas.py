@@ -322,17 +322,21 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         assert self._client is not None, "optimizer is closed"
         parts = [[grads[i] for i in idx] for idx in self._parts]
         tag, accepted = self.local_step, True
-        if self._links is not None:
+        if self._links is None:  # one server: push and wait for the token in one request
+            self._client.request(
+                "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
+            )
+        else:  # every shard (the chief's too) receives at once; then the token
             if self._nonfinite != "apply" and not all(_finite(g) for g in grads):
                 tag = -1  # stale everywhere: no shard keeps any part (the bad shard reports it)
-            self._links.push(tag, parts)  # every shard receives at once, the chief too
-            if tag < 0:  # bad input: the shard holding it raises before the chief is asked
+            self._links.push(tag, parts)
+            if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
                 accepted = self._links.pushed()
-        self._client.request(
-            "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
-        )
-        if self._links is not None and tag >= 0:
-            accepted = self._links.pushed()
+            self._client.request("push", worker=self.worker, tag=tag, grads=parts[0])
+            if tag >= 0:
+                accepted = self._links.pushed()
+            accepted = bool(self._client.response()["accepted"]) and accepted
+            self._client.request("step", worker=self.worker, tag=tag, version=self._version)
         reply = self._client.response()
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
