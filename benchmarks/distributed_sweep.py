@@ -144,6 +144,7 @@ def _easgd(ctx, count: int, steps: int) -> float:
 
 
 def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
+    torch.set_num_threads(1)  # one process per worker on a shared host, as torchrun sets it
     if path in ("allreduce", "allreduce_straggler", "reduce_broadcast"):
         return _collective(ctx, path, count, steps, delay)
     if path == "p2p_roundtrip":

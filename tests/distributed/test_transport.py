@@ -21,7 +21,7 @@ from gradfleet.distributed.transport import (
     local_address_towards,
     split,
 )
-from gradfleet.distributed.transport.wire import ALIGN, dumps, layout
+from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,23 +59,37 @@ def test_split_join_roundtrip_nested_and_sparse():
 
 def test_pack_unpack_every_dtype_aligned_views():
     tensors = sample_tensors()
-    spec, total = layout(tensors)
-    assert all(offset % ALIGN == 0 for _, _, offset in spec)
-    packer = Packer()
-    spec2, data = packer.pack(tensors)
-    assert spec2 == spec and data.numel() == total and data.dtype == torch.uint8
-    views = Packer().unpack(json.loads(dumps(spec)), data.clone())
-    for got, want in zip(views, tensors, strict=True):
+    spec = layout(tensors)
+    assert all(offset % ALIGN == 0 for _, _, offset, _ in spec["entries"])
+    sent_spec, messages = Packer().pack(tensors)
+    assert sent_spec == spec and len(messages) == 1 and messages[0].dtype == torch.uint8
+    inbox = Packer()
+    targets = inbox.receive(json.loads(dumps(spec)))
+    for dst, src in zip(targets, messages, strict=True):
+        dst.copy_(src)  # what the pair link's recv does
+    for got, want in zip(inbox.unpack(spec), tensors, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
 
 
+def test_large_tensors_go_direct_without_a_copy():
+    big, small = torch.randn(DIRECT), torch.randn(10)
+    spec, messages = Packer().pack([small, big, small], direct=True)
+    assert [e[3] for e in spec["entries"]] == [False, True, False]
+    assert len(messages) == 2 and messages[1].data_ptr() == big.data_ptr()  # zero copy
+    inbox = Packer()
+    for dst, src in zip(inbox.receive(spec), messages, strict=True):
+        dst.copy_(src)
+    got = inbox.unpack(spec)
+    assert torch.equal(got[1], big) and torch.equal(got[0], small) and torch.equal(got[2], small)
+
+
 def test_packer_buffer_is_reused_not_reallocated():
     packer = Packer()
-    _, first = packer.pack([torch.ones(1000)])
-    _, second = packer.pack([torch.ones(10), torch.zeros(20)])
+    _, [first] = packer.pack([torch.ones(1000)])
+    _, [second] = packer.pack([torch.ones(10), torch.zeros(20)])
     assert second.data_ptr() == first.data_ptr()
-    _, third = packer.pack([torch.ones(5000)])  # grows once
+    _, [third] = packer.pack([torch.ones(5000)])  # grows once
     assert third.numel() >= 20000
 
 
@@ -100,13 +114,14 @@ def test_pair_link_moves_raw_buffers_both_ways():
     [t.start() for t in threads]
     [t.join(30) for t in threads]
     payload = torch.arange(1 << 16, dtype=torch.float32).view(torch.uint8)
-    links[1].send(payload)
-    got = torch.empty_like(payload)
-    links[0].recv(got)
+    links[1].send([payload, payload[:10]])
+    got, head = torch.empty_like(payload), torch.empty(10, dtype=torch.uint8)
+    links[0].recv([got, head])
     links[1].wait_sent()
-    assert torch.equal(got, payload) and links[1].bytes_sent == payload.numel()
-    links[0].send(payload.flip(0).contiguous())
-    links[1].recv(got)
+    assert torch.equal(got, payload) and torch.equal(head, payload[:10])
+    assert links[1].bytes_sent == payload.numel() + 10
+    links[0].send([payload.flip(0).contiguous()])
+    links[1].recv([got])
     assert torch.equal(got, payload.flip(0))
 
 
@@ -152,7 +167,7 @@ def test_mailbox_tensors_on_the_pair_control_tiny_and_no_torch_save(monkeypatch)
         torch.testing.assert_close(reply["y"][0], 2 * x[0])
         assert torch.equal(reply["y"][2], 2 * x[2])
         assert client.link is not None
-        tensor_bytes = 3 * (400_000 + 48)
+        tensor_bytes = 3 * (400_000 + 48)  # x[0] direct, x[2] packed (40 bytes padded)
         assert client.link.bytes_sent == tensor_bytes  # the tensors went on the pair group
         assert client.bytes_out - tensor_bytes < 3 * 400  # the store saw only small JSON
         with pytest.raises(ValueError, match="unknown op 'nope'"):

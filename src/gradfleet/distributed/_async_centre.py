@@ -66,11 +66,10 @@ class CentreServer:
             reply.send({"centre": self.centre})
         elif op == "exchange":
             alpha = float(msg["alpha"])
-            read = [c.clone() for c in self.centre]
-            for c, x, r in zip(self.centre, msg["params"], read, strict=True):
-                c.add_(x.to(c) - r, alpha=alpha)
+            reply.send({"centre": self.centre})  # the values read (sending copies them)
+            for c, x in zip(self.centre, msg["params"], strict=True):
+                c.add_(x.to(c) - c, alpha=alpha)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-            reply.send({"centre": read})
         elif op == "barrier":
             self.arrived.add(worker)
             self.barrier.append((worker, reply, time.monotonic()))

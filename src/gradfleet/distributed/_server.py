@@ -152,7 +152,12 @@ class SyncServer:
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
             self.done.discard(worker)
             reply.send(
-                {"global_step": self.global_step, "params": self.params, "version": self.shard.step}
+                {
+                    "global_step": self.global_step,
+                    "params": self.params,
+                    "version": self.shard.step,
+                },
+                share=self.shard.values_key,
             )
         elif op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
             reply.send({"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})
@@ -203,7 +208,7 @@ class SyncServer:
             }
             if version != self.shard.step:
                 answer["params"] = self.params
-            reply.send(answer)
+            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
 
     # ------------------------------------------------------------------ liveness
     def tick(self) -> None:

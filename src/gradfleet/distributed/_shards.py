@@ -175,6 +175,12 @@ class Shard:
         self.ema, self.last_step = ema, last_step
         chosen = set(average_indices) if average_indices else set(self.indices)
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
+        self.loads = 0  # checkpoint loads: they change the variables without a step
+
+    @property
+    def values_key(self) -> tuple[int, int, int]:
+        """Equal for equal variable values: replies carrying them may share one copy."""
+        return (id(self), self.loads, self.step)
 
     @property
     def step(self) -> int:
@@ -241,6 +247,7 @@ class Shard:
         shapes = [tuple(p.shape) for p in state["params"]]
         if shapes != [tuple(p.shape) for p in self.params]:
             raise ValueError(f"SyncReplicasOptimizer: checkpoint variables have shapes {shapes}")
+        self.loads += 1
         self.aggregator.load_state_dict(state["aggregator"])
         self.opt.load_state_dict(state["optimizer"])
         with torch.no_grad():
@@ -286,7 +293,10 @@ class ShardServer:
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
             self.done.discard(worker)
-            reply.send({"version": self.shard.step, "params": self.shard.params})
+            reply.send(
+                {"version": self.shard.step, "params": self.shard.params},
+                share=self.shard.values_key,
+            )
         elif op == "push":
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
             if updated:
@@ -296,7 +306,7 @@ class ShardServer:
             answer: dict[str, Any] = {"version": self.shard.step}
             if int(msg["version"]) != self.shard.step:
                 answer["params"] = self.shard.params
-            reply.send(answer)
+            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
         elif op == "done":
             self.done.add(worker)
             reply.send({})

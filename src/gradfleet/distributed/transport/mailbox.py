@@ -66,7 +66,10 @@ class Reply:
     def __init__(self, server: MailboxServer, client: str, seq: int, inc: str) -> None:
         self._server, self.client, self.seq, self.inc, self.done = server, client, seq, inc, False
 
-    def send(self, payload: dict[str, Any]) -> None:
+    def send(self, payload: dict[str, Any], share: Any = None) -> None:
+        """Answer with ``payload``; its tensors are copied before this returns (the handler
+        may change them afterwards).  ``share``: a key promising that every reply sent with
+        the same key carries the same tensor values, so they are copied once for all."""
         if self.done:
             return
         self.done = True
@@ -78,8 +81,8 @@ class Reply:
                 return  # that incarnation is gone; its successor ignores this reply
             try:
                 peer.link.wait_sent()
-                message[LAYOUT], data = peer.outbox.pack(tensors)
-                peer.link.send(data)
+                message[LAYOUT], messages = self._server.packed(tensors, share, peer.outbox)
+                peer.link.send(messages)
             except Exception:
                 self._server.drop(self.client)  # dead client: only its own pair breaks
                 return
@@ -123,6 +126,7 @@ class MailboxServer:
         self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
         self.pair_timeout = pair_timeout
         self.peers: dict[str, _Peer] = {}
+        self._shared: tuple[Any, dict, list] | None = None
         self._handler, self._tick, self._tick_s = handler, tick, tick_s
         self._stopping = threading.Event()
         self.bytes_in = 0
@@ -156,9 +160,18 @@ class MailboxServer:
         if peer is not None:
             peer.link.close()
 
+    def packed(self, tensors: list, share: Any, outbox: Packer) -> tuple[dict, list]:
+        """Layout and messages of outgoing ``tensors``: copied into ``outbox``, or (``share``
+        given) into one fresh buffer kept for every reply with the same key (in-flight sends
+        keep their buffer alive, so a new key never overwrites one)."""
+        if share is None:
+            return outbox.pack(tensors)
+        if self._shared is None or self._shared[0] != share:
+            self._shared = (share, *Packer().pack(tensors))
+        return self._shared[1], self._shared[2]
+
     def _receive(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         """The request with its tensors (received from the client's pair), or None if lost."""
-        self.bytes_in += len(dumps(msg)) if LAYOUT not in msg else 0
         layout = msg.pop(LAYOUT, None)
         if layout is None:
             return msg
@@ -166,13 +179,13 @@ class MailboxServer:
         if peer is None or peer.incarnation != msg.get("inc"):
             return None
         try:
-            data = peer.inbox.receive_buffer(layout)
-            peer.link.recv(data)
+            messages = peer.inbox.receive(layout)
+            peer.link.recv(messages)
         except Exception:
             self.drop(msg["client"])  # died mid-message: drop its pair, serve the others
             return None
-        self.bytes_in += data.numel()
-        return join(msg, peer.inbox.unpack(layout, data))
+        self.bytes_in += sum(m.numel() for m in messages)
+        return join(msg, peer.inbox.unpack(layout))
 
     def _serve(self) -> None:
         while True:
@@ -271,9 +284,11 @@ class MailboxClient:
                 if self.link is None:
                     raise ValueError("this MailboxClient was made with data=False")
                 self.link.wait_sent()
-                message[LAYOUT], data = self._outbox.pack(tensors)
-                self.link.send(data)
-                self.bytes_out += data.numel()
+                # large tensors go as they are: the caller waits for the reply, by which time
+                # the server has received them
+                message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
+                self.link.send(messages)
+                self.bytes_out += sum(m.numel() for m in messages)
             self.bytes_out += _push(self.store, REQUESTS, message)
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
@@ -291,9 +306,8 @@ class MailboxClient:
             layout = reply.pop(LAYOUT, None)
             if layout is not None:
                 assert self.link is not None
-                data = self._inbox.receive_buffer(layout)
-                self.link.recv(data)
-                reply = join(reply, self._inbox.unpack(layout, data))
+                self.link.recv(self._inbox.receive(layout))
+                reply = join(reply, self._inbox.unpack(layout))
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
         self._pending = None

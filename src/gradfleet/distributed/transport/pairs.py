@@ -55,27 +55,28 @@ class PairLink:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         self.rank, self.peer = rank, 1 - rank
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
-        self._sending: dist.Work | None = None
+        self._sending: list[dist.Work] = []
         self.bytes_sent = self.bytes_received = 0
 
-    def send(self, data: torch.Tensor) -> None:
-        """Start sending ``data`` (a contiguous host buffer); it must stay untouched until
-        :meth:`wait_sent` (called before the next send on this link)."""
+    def send(self, messages: list[torch.Tensor]) -> None:
+        """Start sending ``messages`` (contiguous host byte buffers, message ``k`` with tag
+        ``k``); they must stay untouched until :meth:`wait_sent` (called before the next
+        send on this link)."""
         self.wait_sent()
-        if data.numel():
-            self._sending = self.group.send([data], self.peer, 0)
-            self.bytes_sent += data.numel()
+        self._sending = [self.group.send([m], self.peer, k) for k, m in enumerate(messages)]
+        self.bytes_sent += sum(m.numel() for m in messages)
 
     def wait_sent(self) -> None:
-        if self._sending is not None:
-            work, self._sending = self._sending, None
+        works, self._sending = self._sending, []
+        for work in works:
             work.wait()
 
-    def recv(self, data: torch.Tensor) -> None:
-        """Receive the peer's next message into ``data`` (its size must match the send)."""
-        if data.numel():
-            self.group.recv([data], self.peer, 0).wait()
-            self.bytes_received += data.numel()
+    def recv(self, messages: list[torch.Tensor]) -> None:
+        """Receive the peer's next messages into ``messages`` (sizes must match the send)."""
+        works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        for work in works:
+            work.wait()
+        self.bytes_received += sum(m.numel() for m in messages)
 
     def close(self) -> None:
         try:
