@@ -214,3 +214,16 @@ def test_control_only_client_has_no_pair():
         assert client.call("release") == {"seq": 2, "inc": client.inc}
     finally:
         server.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_through_pinned_host_memory():
+    tensors = [torch.randn(DIRECT, device="cuda"), torch.arange(7, device="cuda")]
+    spec, messages = Packer().pack(tensors, direct=True)
+    assert not any(e[3] for e in spec["entries"])  # CUDA tensors are never sent in place
+    assert len(messages) == 1 and messages[0].is_pinned() and not messages[0].is_cuda
+    inbox = Packer()
+    for dst, src in zip(inbox.receive(spec), messages, strict=True):
+        dst.copy_(src)
+    for got, want in zip(inbox.unpack(spec), tensors, strict=True):
+        assert torch.equal(got.cuda(), want)
