@@ -158,7 +158,7 @@ def sweep(counts: list[int], seconds: float, log=print) -> list[dict]:
     """One row per parameter count: updates/s of every path and the ratios."""
     rows = []
     for count in counts:
-        steps = max(4, int(seconds * 2e7 / count))
+        steps = max(6, int(seconds * 2e7 / count))
         row: dict = {"params": count, "steps": steps}
         for path in PATHS:
             delay = row.get("straggler_delay_s", 0.0) if path.endswith("straggler") else 0.0

@@ -301,8 +301,12 @@ class MailboxClient:
             self.store.set_timeout(timedelta(seconds=wait))
             while True:
                 reply = loads(self.store.queue_pop(f"gf/rep/{self.client}"))
-                if reply.get("inc") == self.inc and reply.get("seq") == self._seq:
-                    break  # anything else was meant for an earlier incarnation or request
+                if reply.get("inc") != self.inc:
+                    continue  # meant for an earlier incarnation (its tensors went to its pair)
+                if reply.get("seq") == self._seq:
+                    break
+                if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
+                    self.link.recv(self._inbox.receive(reply[LAYOUT]))  # drain its tensors
             layout = reply.pop(LAYOUT, None)
             if layout is not None:
                 assert self.link is not None
