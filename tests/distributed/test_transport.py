@@ -227,3 +227,17 @@ def test_cuda_tensors_are_staged_through_pinned_host_memory():
         dst.copy_(src)
     for got, want in zip(inbox.unpack(spec), tensors, strict=True):
         assert torch.equal(got.cuda(), want)
+
+
+def test_abandoned_reply_tensors_are_drained_not_mistaken_for_the_next():
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+        other = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        client.request("hold")  # abandoned: its reply (with a tensor) arrives later
+        other.call("release")
+        x = torch.randn(DIRECT)  # a different size and path than the abandoned ones(3)
+        for _ in range(2):
+            torch.testing.assert_close(client.call("double", x=[x], n=1)["y"][0], 2 * x)
+    finally:
+        server.close()
