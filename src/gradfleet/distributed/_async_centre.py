@@ -43,6 +43,7 @@ class CentreServer:
 
     def __init__(self, centre: Sequence[torch.Tensor], num_worker: int, timeout: float) -> None:
         self.centre = [c.detach().clone() for c in centre]
+        self._diff = [torch.empty_like(c) for c in self.centre]  # reused: no 2 GB of page faults
         self.num_worker, self.timeout = num_worker, timeout
         self.exchanges: dict[int, int] = {}
         self.joins: dict[int, int] = {}
@@ -67,8 +68,8 @@ class CentreServer:
         elif op == "exchange":
             alpha = float(msg["alpha"])
             reply.send({"centre": self.centre})  # the values read (sending copies them)
-            for c, x in zip(self.centre, msg["params"], strict=True):
-                c.add_(x.to(c) - c, alpha=alpha)
+            for c, x, d in zip(self.centre, msg["params"], self._diff, strict=True):
+                c.add_(torch.sub(x.to(c), c, out=d), alpha=alpha)  # c += alpha (x - c)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
         elif op == "barrier":
             self.arrived.add(worker)
@@ -139,6 +140,8 @@ class AsyncCentre(CentreStrategy):
         self._server: CentreServer | None = None
         self._mailbox: MailboxServer | None = None
         self._client: MailboxClient | None = None
+        self._read: list[torch.Tensor] | None = None
+        self._diff: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ wrapper hooks
     def configure(self, num_worker: int, synchronous: bool) -> None:
@@ -196,11 +199,14 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call(
             "exchange", worker=self.worker, alpha=moving_rate, params=[p.detach() for p in params]
         )
-        read = [c.to(p, copy=True) for p, c in zip(params, reply["centre"], strict=True)]
+        if self._read is None:  # buffers reused by every exchange (the wrapper's c_loc)
+            self._read = [torch.empty_like(p, requires_grad=False) for p in params]
+            self._diff = [torch.empty_like(p, requires_grad=False) for p in params]
         with torch.no_grad():
-            for p, c in zip(params, read, strict=True):
-                p.sub_(p.detach() - c, alpha=moving_rate)
-        return read
+            for p, c, r, d in zip(params, reply["centre"], self._read, self._diff, strict=True):
+                r.copy_(c)
+                p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
+        return self._read
 
     def centre(self) -> list[torch.Tensor]:
         assert self._client is not None, "setup() must run first"

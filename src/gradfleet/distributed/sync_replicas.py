@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._aggregator import NONFINITE_POLICIES, init_tokens
+from ._aggregator import NONFINITE_POLICIES, all_finite, init_tokens
 from ._allreduce_sync import AllReduceSync
 from ._server import ExponentialMovingAverage, SyncServer
 from ._shards import Shard, ShardLinks, ShardServer, assign, check_server_ranks, probe
@@ -473,4 +473,4 @@ class SyncReplicasOptimizer(WrapperOptimizer):
 
 
 def _finite(g: torch.Tensor | None) -> bool:
-    return g is None or bool(torch.isfinite(g._values() if g.is_sparse else g).all())
+    return g is None or all_finite(g)
