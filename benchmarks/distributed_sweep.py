@@ -154,13 +154,13 @@ def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
     return _sync(ctx, path, count, steps, delay)
 
 
-def sweep(counts: list[int], seconds: float, log=print) -> list[dict]:
+def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6) -> list[dict]:
     """One row per parameter count: updates/s of every path and the ratios."""
     rows = []
     for count in counts:
-        steps = max(6, int(seconds * 2e7 / count))
+        steps = max(min_steps, int(seconds * 2e7 / count))
         row: dict = {"params": count, "steps": steps}
-        for path in PATHS:
+        for path in paths:
             delay = row.get("straggler_delay_s", 0.0) if path.endswith("straggler") else 0.0
             out = run_ranks(
                 _rank, WORLD, args=(path, count, steps, delay), timeout=600, pg_timeout=300
@@ -169,7 +169,9 @@ def sweep(counts: list[int], seconds: float, log=print) -> list[dict]:
             if path == "sync_backup":  # the straggler sleeps as long as a step takes
                 row["straggler_delay_s"] = 1.0 / out[0]
             log(f"params={count:.0e} {path}: {out[0]:.2f}/s")
-        row["ratios"] = {k: row[a] / row[b] for k, (a, b) in RATIOS.items()}
+        row["ratios"] = {
+            k: row[a] / row[b] for k, (a, b) in RATIOS.items() if a in row and b in row
+        }
         rows.append(row)
     return rows
 
