@@ -145,12 +145,15 @@ class MailboxServer:
         while not self._stopping.wait(self._tick_s):
             _push(poke, REQUESTS, {"op": "_tick"})
 
-    def _pair(self, client: str, incarnation: str) -> None:
-        """Build the server end of ``client``'s new pair group (replacing an old one)."""
+    def _pair(self, client: str, incarnation: str, client_host: str) -> None:
+        """Build the server end of ``client``'s new pair group (replacing an old one).  Gloo
+        listens on ``host``, or (wildcard host) on the address routing to the client."""
         self.drop(client)
         prefix = f"gf/pair/{client}/{incarnation}"
+        wildcard = self.host in ("", "0.0.0.0")
+        bind = local_address_towards(client_host) if wildcard else self.host
         try:
-            link = PairLink(self._pair_store, prefix, SERVER, self.host, self.pair_timeout)
+            link = PairLink(self._pair_store, prefix, SERVER, bind, self.pair_timeout)
         except Exception:
             return  # the client vanished while connecting; it gets no pair and no replies
         self.peers[client] = _Peer(incarnation, link)
@@ -198,7 +201,7 @@ class MailboxServer:
                     self._tick()
                 continue
             if op == "_pair":
-                self._pair(msg["client"], msg["inc"])
+                self._pair(msg["client"], msg["inc"], msg.get("host", "127.0.0.1"))
                 continue
             request = self._receive(msg)
             if request is None:
@@ -261,8 +264,9 @@ class MailboxClient:
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)
             if data:
-                _push(self.store, REQUESTS, {"op": "_pair", "client": client, "inc": self.inc})
                 bind = local_address_towards(host)
+                hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
+                _push(self.store, REQUESTS, hello)
                 prefix = f"gf/pair/{client}/{self.inc}"
                 self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
         except Exception as exc:  # refused / timed out
