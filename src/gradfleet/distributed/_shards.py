@@ -1,8 +1,9 @@
 """Parameter shards of ``SyncReplicasOptimizer``: TF's variables spread over several ps tasks.
 
-``server_ranks=[r0, r1, ...]`` (S shards): parameter ``i`` lives on shard ``i % S`` (TF's
-``replica_device_setter`` round-robin over ps tasks, in parameter order), hosted by rank
-``server_ranks[i % S]`` (a rank may host several shards).  A :class:`Shard` holds its variables,
+``server_ranks=[r0, r1, ...]`` (S shards): shard ``k`` is hosted by rank ``server_ranks[k]``
+(a rank may host several shards); :func:`assign` gives each shard whole parameters, balancing
+bytes (:func:`by_bytes`, default) or round-robin ``i % S`` (:func:`round_robin`, TF's
+``replica_device_setter`` over ps tasks).  A :class:`Shard` holds its variables,
 their accumulators (one :class:`GradientAggregator`: TF's per-accumulator staleness rule and
 accepted counts, per shard) and a copy of the wrapped optimizer restricted to its variables.
 Shard 0 lives inside the chief's :class:`SyncServer`, which also keeps ``global_step`` and the
@@ -10,9 +11,9 @@ token queue; shards 1.. are served by a :class:`ShardServer` on their own mailbo
 
 Per worker step::
 
-    worker: push shard k's gradients to shard k (k = 1..S-1), tagged local_step; then the
-            chief's "step": push shard 0's gradients, wait for a token; then "read" every
-            shard 1.. (values come back only if the shard stepped since the last read)
+    worker: push shard k's gradients to every shard k at once (the chief's with "push"),
+            tagged local_step; then the chief's "step": wait for a token; then "read" every
+            shard 1.. at once (values come back only if the shard stepped since the last read)
     shard:  when its accumulators hold R fresh gradients: average, apply with its optimizer
             copy, its step += 1, tell the chief "applied" (before answering the push, so the
             chief knows before the pusher asks for its token)

@@ -23,9 +23,10 @@ waits ``timeout`` seconds gets an error naming the silent ranks, a dead server a
 the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by one all-reduce
 per round with the same numerics in lockstep, including the wasted round.
 
-Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` puts
-parameter ``i`` on shard ``i % S`` in rank ``server_ranks[i % S]`` (round-robin as TF's
-``replica_device_setter``); each shard holds its variables, their accumulators and a copy of
+Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
+``k`` to rank ``server_ranks[k]``; whole parameters are assigned balancing bytes
+(``shard_assignment="bytes"``) or round-robin ``i % S`` as TF's ``replica_device_setter``
+(``"round_robin"``); each shard holds its variables, their accumulators and a copy of
 the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
 each shard's gradients to its shard, takes a token from the chief and reads every shard; an
 update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
@@ -80,9 +81,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
         server_rank / host: where the server lives; it listens on ``host`` (loopback default).
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
-            server); parameter ``i`` goes to shard ``i % len(server_ranks)``, the first rank is
-            the chief (``global_step``, tokens).  A rank may appear twice (two shards).  A
-            dead shard rank makes every worker raise ``ServerUnreachable`` naming it.
+            server); the first rank is the chief (``global_step``, tokens).  A rank may appear
+            twice (two shards).  A dead shard rank makes every worker raise
+            ``ServerUnreachable`` naming it.
+        shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
+            lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
         server_address / worker: for a process outside the process group (a restarted
             worker): the server's ``"host:port"`` (``server_address`` property of a running
             optimizer; sharded: the list ``server_addresses``) and this worker's id.
