@@ -5,11 +5,16 @@ and reports, from rank 0: optimizer steps per second (for SyncReplicas also glob
 second), and bytes each worker sends per step.  With ``--delay`` rank 3 sleeps after every step.
 
     python benchmarks/distributed_scaling.py [--seconds 4] [--delay 0.05] [--out benchmarks/results]
+    python benchmarks/distributed_scaling.py --params 1e5,1e6,1e7 [--seconds 4]
+
+``--params``: the model-size sweep of ``distributed_sweep`` (data plane against gloo
+all-reduce, reduce+broadcast and point-to-point baselines, straggler columns at every size),
+written to ``distributed_sweep.{json,md,png}``.
 
 Writes ``distributed_scaling.json``, ``distributed_scaling.md`` (table) and
-``distributed_scaling.png`` (bar plot).  Byte counts: the server / centre paths count the payload
-this worker sends (``torch.save`` frames); the all-reduce paths report the ring all-reduce estimate
-``2 (N-1)/N * parameter bytes`` per round (gloo's own traffic is not instrumented).
+``distributed_scaling.png`` (bar plot).  Byte counts: the server / centre paths count what this
+worker sends (control JSON + tensor bytes on its pair groups); the all-reduce paths report the
+ring all-reduce estimate ``2 (N-1)/N * parameter bytes`` per round (gloo is not instrumented).
 """
 
 from __future__ import annotations
@@ -127,7 +132,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results")))
+    ap.add_argument("--params", default="", help="comma-separated sizes: the sweep")
     args = ap.parse_args()
+    if args.params:
+        return run_sweep(args)
     rows = []
     for config in CONFIGS:
         for delay in (0.0, args.delay):
@@ -135,18 +143,38 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "world": WORLD,
-        "seconds": args.seconds,
-        "torch": torch.__version__,
-        "cpus": len(__import__("os").sched_getaffinity(0)),
-    }
+    meta = _meta(args.seconds)
     (out / "distributed_scaling.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=2)
     )
     (out / "distributed_scaling.md").write_text(table(rows, args.delay))
     plot(rows, args.delay, out / "distributed_scaling.png")
     print(table(rows, args.delay))
+
+
+def _meta(seconds: float) -> dict:
+    return {
+        "world": WORLD,
+        "seconds": seconds,
+        "torch": torch.__version__,
+        "cpus": len(__import__("os").sched_getaffinity(0)),
+        "machine": __import__("platform").processor() or __import__("platform").machine(),
+    }
+
+
+def run_sweep(args: argparse.Namespace) -> None:
+    from benchmarks import distributed_sweep as sweep
+
+    counts = [int(float(c)) for c in args.params.split(",")]
+    rows = sweep.sweep(counts, args.seconds, log=lambda line: print(line, flush=True))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "distributed_sweep.json").write_text(
+        json.dumps({"meta": _meta(args.seconds), "rows": rows}, indent=2)
+    )
+    (out / "distributed_sweep.md").write_text(sweep.table(rows))
+    sweep.plot(rows, out / "distributed_sweep.png")
+    print(sweep.table(rows))
 
 
 def table(rows: list[dict], delay: float) -> str:

@@ -162,6 +162,58 @@ def sync_train(
     return out
 
 
+def sync_rejoin(ctx: RankContext, steps: int) -> dict:
+    """R=2 of N=3 outside any process group: rank 0 is the chief, ranks 1-2 connect by address;
+    rank 2 is SIGKILLed after 5 steps and rank 3 restarts it (a fresh process, worker 2)."""
+    model = make_model()
+    addr = Path(ctx.workdir, "address")
+    worker = 2 if ctx.rank == 3 else ctx.rank
+    if ctx.rank == 3:
+        ctx.wait_signal(2, "die", timeout=30)
+        time.sleep(0.5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(123.0)  # garbage: the hello must overwrite it with the server's values
+    elif ctx.rank:
+        ctx.wait_signal(0, "up", timeout=30)
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        2,
+        3,
+        timeout=10,
+        last_step=steps,
+        worker=worker,
+        server_address=None if ctx.rank == 0 else addr.read_text(),
+    )
+    if ctx.rank == 0:
+        addr.write_text(opt.server_address)
+        ctx.signal("up")
+    hello = {
+        "local_step": opt.local_step,
+        "global_step": opt.global_step,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+    count = 0
+    while opt.global_step < steps:
+        opt.zero_grad()
+        loss_of(model, worker, count).backward()
+        opt.step()
+        count += 1
+        if ctx.rank == 2 and count == 5:
+            _die(ctx)
+        time.sleep(0.02)
+    out = {
+        "hello": hello,
+        "global_step": opt.global_step,
+        "counters": dict(opt.counters),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+    if ctx.rank == 0:
+        out["server_counters"] = opt.worker_counters()
+    opt.close()
+    return out
+
+
 def sync_error(
     ctx: RankContext,
     R: int,

@@ -2,6 +2,7 @@
 
 * SyncReplicas with a backup worker keeps training when a worker dies and reaches the step;
 * SyncReplicas without backups: the survivors stop within the timeout naming the dead rank;
+* a restarted worker rejoins at local_step := global_step (new pair group, others continue);
 * a dead server rank: every worker stops at once with an error naming it (both wrappers);
 * straggler: R=3 of N=4 keeps >= 85% of the straggler-free rate, R=N=4 falls to its pace;
 * checkpoint/resume reproduces the uninterrupted trajectory (deterministic configurations).
@@ -37,6 +38,31 @@ def test_sync_replicas_backup_survives_kill9():
     assert seen[1]["accepted"] + seen[1]["dropped"] == 5  # the dead worker's pushes stopped
     for a, b in zip(out[0]["params"], out[2]["params"], strict=True):
         torch.testing.assert_close(a, b)  # every survivor ends on the server's variables
+
+
+def test_sync_replicas_restarted_worker_rejoins_at_global_step():
+    """A SIGKILLed worker's replacement (a new process, a new pair group with the server)
+    starts at local_step := global_step with the server's variables and its gradients count."""
+    out = run_ranks(
+        sync_ranks.sync_rejoin,
+        4,
+        args=(60,),
+        timeout=120,
+        kill_on={2: "die"},
+        init_process_group=False,
+    )
+    assert out[2] == RankKilled(2)
+    back = out[3]
+    assert 0 < back["hello"]["global_step"] < 60
+    assert back["hello"]["local_step"] == back["hello"]["global_step"]
+    assert all(bool((p != 123.0).all()) for p in back["hello"]["params"])
+    assert back["counters"]["accepted"] > 0  # its fresh gradients made updates
+    for r in (0, 1, 3):
+        assert out[r]["global_step"] == 60
+        for a, b in zip(out[r]["params"], out[0]["params"], strict=True):
+            torch.testing.assert_close(a, b)  # everyone ends on the server's variables
+    seen = out[0]["server_counters"][2]
+    assert seen["accepted"] + seen["dropped"] >= 5 + back["counters"]["accepted"]
 
 
 def test_sync_replicas_without_backup_names_dead_rank():

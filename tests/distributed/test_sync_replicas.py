@@ -23,7 +23,7 @@ class FakeReply:
     def __init__(self) -> None:
         self.payload = None
 
-    def send(self, payload):
+    def send(self, payload, share=None):
         self.payload = payload
 
 

@@ -20,7 +20,7 @@ import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed._aggregator import init_tokens
 from gradfleet.distributed._server import SyncServer
-from gradfleet.distributed._shards import Shard, ShardServer, round_robin
+from gradfleet.distributed._shards import Shard, ShardServer, assign, by_bytes, round_robin
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks
@@ -314,3 +314,32 @@ def test_sharded_allreduce_rejected():
             transport="allreduce",
             server_ranks=[0, 0],
         )
+
+
+# --------------------------------------------------------------------- shard assignment
+def test_byte_balanced_assignment_against_brute_force():
+    """Greedy largest-first is within the largest tensor of the best split (checked by brute
+    force over every assignment), keeps whole tensors, and beats round-robin on uneven sizes."""
+    import itertools
+
+    sizes = [30, 25, 15, 12, 8, 5, 3, 2, 1]  # the benchmark's 9 tensors, in percent
+    for S in (2, 3, 4):
+        parts = by_bytes(sizes, S)
+        assert sorted(i for p in parts for i in p) == list(range(len(sizes)))
+        loads = [sum(sizes[i] for i in p) for p in parts]
+        best = min(
+            max(sum(sizes[i] for i in range(len(sizes)) if a[i] == k) for k in range(S))
+            for a in itertools.product(range(S), repeat=len(sizes))
+        )
+        assert max(loads) <= best + max(sizes) and max(loads) <= 4 / 3 * best  # LPT's bound
+        robin = [sum(sizes[i] for i in p) for p in round_robin(len(sizes), S)]
+        assert max(loads) <= max(robin)
+    assert max(sum(sizes[i] for i in p) for p in by_bytes(sizes, 4)) == 30  # the optimum
+
+
+def test_assignment_argument():
+    params = [torch.zeros(n) for n in (1, 100, 10)]
+    assert assign(params, 2, "bytes") == [[1], [0, 2]]
+    assert assign(params, 2, "round_robin") == [[0, 2], [1]]
+    with pytest.raises(ValueError, match="shard_assignment must be one of"):
+        assign(params, 2, "random")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._aggregator import TokenQueue
+from ._aggregator import TokenQueue, all_finite
 from ._server import ExponentialMovingAverage
 from ._wrapper import apply_with_step
 
@@ -135,7 +135,7 @@ class AllReduceSync:
                 flags[i] = 1.0
                 dense.copy_(g)
             bufs += [dense, rows]
-        if self.nonfinite == "raise" and not all(bool(torch.isfinite(b).all()) for b in bufs):
+        if self.nonfinite == "raise" and not all(all_finite(b) for b in bufs):
             flags[2 * n + self.rank] = 1.0
         if self.world > 1:
             dtype = bufs[0].dtype if len({b.dtype for b in bufs}) == 1 else torch.float64

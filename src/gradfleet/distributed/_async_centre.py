@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ._centre import CENTRE_MODES, CentreStrategy
 from ._comm import Collective, LocalCollective, resolve_collective
-from ._mailbox import MailboxClient, MailboxServer, Reply
+from .transport import MailboxClient, MailboxServer, Reply
 
 __all__ = ["AsyncCentre", "CentreServer"]
 
@@ -43,6 +43,7 @@ class CentreServer:
 
     def __init__(self, centre: Sequence[torch.Tensor], num_worker: int, timeout: float) -> None:
         self.centre = [c.detach().clone() for c in centre]
+        self._diff = [torch.empty_like(c) for c in self.centre]  # reused: no 2 GB of page faults
         self.num_worker, self.timeout = num_worker, timeout
         self.exchanges: dict[int, int] = {}
         self.joins: dict[int, int] = {}
@@ -66,11 +67,10 @@ class CentreServer:
             reply.send({"centre": self.centre})
         elif op == "exchange":
             alpha = float(msg["alpha"])
-            read = [c.clone() for c in self.centre]
-            for c, x, r in zip(self.centre, msg["params"], read, strict=True):
-                c.add_(x.to(c.dtype) - r, alpha=alpha)
+            reply.send({"centre": self.centre})  # the values read (sending copies them)
+            for c, x, d in zip(self.centre, msg["params"], self._diff, strict=True):
+                c.add_(torch.sub(x.to(c), c, out=d), alpha=alpha)  # c += alpha (x - c)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-            reply.send({"centre": read})
         elif op == "barrier":
             self.arrived.add(worker)
             self.barrier.append((worker, reply, time.monotonic()))
@@ -140,6 +140,8 @@ class AsyncCentre(CentreStrategy):
         self._server: CentreServer | None = None
         self._mailbox: MailboxServer | None = None
         self._client: MailboxClient | None = None
+        self._read: list[torch.Tensor] | None = None
+        self._diff: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ wrapper hooks
     def configure(self, num_worker: int, synchronous: bool) -> None:
@@ -197,21 +199,24 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call(
             "exchange", worker=self.worker, alpha=moving_rate, params=[p.detach() for p in params]
         )
-        read = reply["centre"]
+        if self._read is None:  # buffers reused by every exchange (the wrapper's c_loc)
+            self._read = [torch.empty_like(p, requires_grad=False) for p in params]
+            self._diff = [torch.empty_like(p, requires_grad=False) for p in params]
         with torch.no_grad():
-            for p, c in zip(params, read, strict=True):
-                p.sub_(p.detach() - c.to(p.dtype), alpha=moving_rate)
-        return read
+            for p, c, r, d in zip(params, reply["centre"], self._read, self._diff, strict=True):
+                r.copy_(c)
+                p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
+        return self._read
 
     def centre(self) -> list[torch.Tensor]:
         assert self._client is not None, "setup() must run first"
-        return self._client.call("read", worker=self.worker)["centre"]
+        return [c.clone() for c in self._client.call("read", worker=self.worker)["centre"]]
 
     def counters(self) -> dict[str, dict[int, int]]:
         """Server-side exchanges and (re)joins per worker."""
         assert self._client is not None
         reply = self._client.call("read", worker=self.worker)
-        return {"exchanges": reply["exchanges"], "joins": reply["joins"]}
+        return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
     @property
     def bytes_sent(self) -> int:

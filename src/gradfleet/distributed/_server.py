@@ -6,8 +6,9 @@
 
 * ``hello``:  validate the worker's parameter count/shapes/dtypes; reply variables + step
   (TF's ``local_step_init_op``: ``local_step := global_step``).
-* ``step``:   push the gradients with the worker's tag; if ``R`` are in, take the averages,
-  apply them with the wrapped optimizer, ``global_step += 1`` after all variables, enqueue
+* ``push``:   (sharded jobs) only the push below, answered with ``accepted``.
+* ``step``:   push the gradients (if given) with the worker's tag; if ``R`` are in, take the
+  averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables, enqueue
   ``max(N, R)`` tokens, update the moving averages; then answer with a token (deferred while
   the queue is empty) and the current variables.
 * ``done``:   the worker left.
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 
 from ._aggregator import GradientAggregator, TokenQueue
-from ._mailbox import Reply
 from ._shards import Shard, server_optimizer
+from .transport import Reply
 
 __all__ = ["SyncServer", "ExponentialMovingAverage", "server_optimizer"]
 
@@ -145,16 +146,23 @@ class SyncServer:
             return
         worker = int(msg["worker"])
         self.seen[worker] = time.monotonic()
-        if self.broken is not None and op in ("hello", "step"):
+        if self.broken is not None and op in ("hello", "push", "step"):
             reply.send({"error": "ServerUnreachable", "message": self.broken})
         elif op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
             self.done.discard(worker)
             reply.send(
-                {"global_step": self.global_step, "params": self.params, "version": self.shard.step}
+                {
+                    "global_step": self.global_step,
+                    "params": self.params,
+                    "version": self.shard.step,
+                },
+                share=self.shard.values_key,
             )
+        elif op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
+            reply.send({"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})
         elif op == "step":
-            accepted = self.push(worker, int(msg["tag"]), msg["grads"])
+            accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
             self.waiting.append((worker, reply, time.monotonic(), accepted, int(msg["version"])))
             self._serve_tokens()
         elif op == "done":
@@ -200,7 +208,7 @@ class SyncServer:
             }
             if version != self.shard.step:
                 answer["params"] = self.params
-            reply.send(answer)
+            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
 
     # ------------------------------------------------------------------ liveness
     def tick(self) -> None:

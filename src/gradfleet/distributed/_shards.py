@@ -1,8 +1,9 @@
 """Parameter shards of ``SyncReplicasOptimizer``: TF's variables spread over several ps tasks.
 
-``server_ranks=[r0, r1, ...]`` (S shards): parameter ``i`` lives on shard ``i % S`` (TF's
-``replica_device_setter`` round-robin over ps tasks, in parameter order), hosted by rank
-``server_ranks[i % S]`` (a rank may host several shards).  A :class:`Shard` holds its variables,
+``server_ranks=[r0, r1, ...]`` (S shards): shard ``k`` is hosted by rank ``server_ranks[k]``
+(a rank may host several shards); :func:`assign` gives each shard whole parameters, balancing
+bytes (:func:`by_bytes`, default) or round-robin ``i % S`` (:func:`round_robin`, TF's
+``replica_device_setter`` over ps tasks).  A :class:`Shard` holds its variables,
 their accumulators (one :class:`GradientAggregator`: TF's per-accumulator staleness rule and
 accepted counts, per shard) and a copy of the wrapped optimizer restricted to its variables.
 Shard 0 lives inside the chief's :class:`SyncServer`, which also keeps ``global_step`` and the
@@ -10,9 +11,9 @@ token queue; shards 1.. are served by a :class:`ShardServer` on their own mailbo
 
 Per worker step::
 
-    worker: push shard k's gradients to shard k (k = 1..S-1), tagged local_step; then the
-            chief's "step": push shard 0's gradients, wait for a token; then "read" every
-            shard 1.. (values come back only if the shard stepped since the last read)
+    worker: push shard k's gradients to every shard k at once (the chief's with "push"),
+            tagged local_step; then the chief's "step": wait for a token; then "read" every
+            shard 1.. at once (values come back only if the shard stepped since the last read)
     shard:  when its accumulators hold R fresh gradients: average, apply with its optimizer
             copy, its step += 1, tell the chief "applied" (before answering the push, so the
             chief knows before the pusher asks for its token)
@@ -48,14 +49,16 @@ import torch
 import torch.distributed as dist
 
 from ._aggregator import GradientAggregator
-from ._mailbox import MailboxClient, Reply, ServerUnreachable
 from ._wrapper import apply_with_step
+from .transport import MailboxClient, Reply, ServerUnreachable
 
 __all__ = [
     "Shard",
     "ShardServer",
     "ShardLinks",
     "round_robin",
+    "by_bytes",
+    "assign",
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
@@ -92,6 +95,33 @@ def check_server_ranks(
 def round_robin(num_params: int, num_shards: int) -> list[list[int]]:
     """Parameter indices of each shard: ``i`` goes to shard ``i % num_shards``."""
     return [list(range(k, num_params, num_shards)) for k in range(num_shards)]
+
+
+def by_bytes(nbytes: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Parameter indices of each shard, balancing bytes: largest parameter first, each to the
+    shard holding the fewest bytes so far (ties: lowest shard).  Whole parameters only, so
+    per-tensor reductions of the wrapped optimizer (norms) stay exact."""
+    load = [0] * num_shards
+    parts: list[list[int]] = [[] for _ in range(num_shards)]
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        k = min(range(num_shards), key=lambda k: (load[k], len(parts[k]), k))
+        parts[k].append(i)
+        load[k] += nbytes[i]
+    return [sorted(p) for p in parts]
+
+
+ASSIGNMENTS = ("bytes", "round_robin")
+
+
+def assign(params: Sequence[torch.Tensor], num_shards: int, how: str) -> list[list[int]]:
+    """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter)."""
+    if how not in ASSIGNMENTS:
+        raise ValueError(
+            f"SyncReplicasOptimizer: shard_assignment must be one of {ASSIGNMENTS}, got {how!r}"
+        )
+    if how == "round_robin" or num_shards == 1:
+        return round_robin(len(params), num_shards)
+    return by_bytes([p.numel() * p.element_size() for p in params], num_shards)
 
 
 def server_optimizer(
@@ -146,6 +176,12 @@ class Shard:
         self.ema, self.last_step = ema, last_step
         chosen = set(average_indices) if average_indices else set(self.indices)
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
+        self.loads = 0  # checkpoint loads: they change the variables without a step
+
+    @property
+    def values_key(self) -> tuple[int, int, int]:
+        """Equal for equal variable values: replies carrying them may share one copy."""
+        return (id(self), self.loads, self.step)
 
     @property
     def step(self) -> int:
@@ -212,6 +248,7 @@ class Shard:
         shapes = [tuple(p.shape) for p in state["params"]]
         if shapes != [tuple(p.shape) for p in self.params]:
             raise ValueError(f"SyncReplicasOptimizer: checkpoint variables have shapes {shapes}")
+        self.loads += 1
         self.aggregator.load_state_dict(state["aggregator"])
         self.opt.load_state_dict(state["optimizer"])
         with torch.no_grad():
@@ -237,7 +274,11 @@ class ShardServer:
 
     def connect_chief(self, address: str, rank: int) -> None:
         self._chief = MailboxClient(
-            address, f"shard{self.k}", self.timeout + 10.0, f"server rank {rank} (chief)"
+            address,
+            f"shard{self.k}",
+            self.timeout + 10.0,
+            f"server rank {rank} (chief)",
+            data=False,  # "applied" reports carry no tensors
         )
         self._linked.set()
 
@@ -253,7 +294,10 @@ class ShardServer:
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
             self.done.discard(worker)
-            reply.send({"version": self.shard.step, "params": self.shard.params})
+            reply.send(
+                {"version": self.shard.step, "params": self.shard.params},
+                share=self.shard.values_key,
+            )
         elif op == "push":
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
             if updated:
@@ -263,7 +307,7 @@ class ShardServer:
             answer: dict[str, Any] = {"version": self.shard.step}
             if int(msg["version"]) != self.shard.step:
                 answer["params"] = self.shard.params
-            reply.send(answer)
+            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
         elif op == "done":
             self.done.add(worker)
             reply.send({})
@@ -320,19 +364,25 @@ class ShardLinks:
             out[k] = reply["params"]
         return out
 
-    def push(self, tag: int, parts: Sequence[list[torch.Tensor | None]]) -> bool:
-        """Push shard k's gradients to shard k; True iff every shard accepted them."""
-        accepted = True
+    def push(self, tag: int, parts: Sequence[list[torch.Tensor | None]]) -> None:
+        """Start pushing shard k's gradients to every shard k (they travel concurrently);
+        :meth:`pushed` collects the answers."""
         for k, client in self.clients.items():
-            reply = client.call("push", worker=self.worker, tag=tag, grads=parts[k])
-            accepted = bool(reply["accepted"]) and accepted
-        return accepted
+            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
+
+    def pushed(self) -> bool:
+        """True iff every shard accepted the gradients of the last :meth:`push`."""
+        accepted = [bool(c.response()["accepted"]) for c in self.clients.values()]
+        return all(accepted)
 
     def read(self) -> dict[int, list[torch.Tensor]]:
-        """Values of every shard that stepped since the last read."""
+        """Values of every shard that stepped since the last read (read concurrently; the
+        tensors are views of each link's buffer: copy them before the next read)."""
+        for k, client in self.clients.items():
+            client.request("read", worker=self.worker, version=self.versions[k])
         out = {}
         for k, client in self.clients.items():
-            reply = client.call("read", worker=self.worker, version=self.versions[k])
+            reply = client.response()
             self.versions[k] = int(reply["version"])
             if "params" in reply:
                 out[k] = reply["params"]

@@ -23,9 +23,10 @@ waits ``timeout`` seconds gets an error naming the silent ranks, a dead server a
 the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by one all-reduce
 per round with the same numerics in lockstep, including the wasted round.
 
-Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` puts
-parameter ``i`` on shard ``i % S`` in rank ``server_ranks[i % S]`` (round-robin as TF's
-``replica_device_setter``); each shard holds its variables, their accumulators and a copy of
+Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
+``k`` to rank ``server_ranks[k]``; whole parameters are assigned balancing bytes
+(``shard_assignment="bytes"``) or round-robin ``i % S`` as TF's ``replica_device_setter``
+(``"round_robin"``); each shard holds its variables, their accumulators and a copy of
 the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
 each shard's gradients to its shard, takes a token from the chief and reads every shard; an
 update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
@@ -49,12 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._aggregator import NONFINITE_POLICIES, init_tokens
+from ._aggregator import NONFINITE_POLICIES, all_finite, init_tokens
 from ._allreduce_sync import AllReduceSync
-from ._mailbox import MailboxClient, MailboxServer
 from ._server import ExponentialMovingAverage, SyncServer
-from ._shards import Shard, ShardLinks, ShardServer, check_server_ranks, probe, round_robin
+from ._shards import Shard, ShardLinks, ShardServer, assign, check_server_ranks, probe
 from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
+from .transport import MailboxClient, MailboxServer
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -80,9 +81,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
         server_rank / host: where the server lives; it listens on ``host`` (loopback default).
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
-            server); parameter ``i`` goes to shard ``i % len(server_ranks)``, the first rank is
-            the chief (``global_step``, tokens).  A rank may appear twice (two shards).  A
-            dead shard rank makes every worker raise ``ServerUnreachable`` naming it.
+            server); the first rank is the chief (``global_step``, tokens).  A rank may appear
+            twice (two shards).  A dead shard rank makes every worker raise
+            ``ServerUnreachable`` naming it.
+        shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
+            lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
         server_address / worker: for a process outside the process group (a restarted
             worker): the server's ``"host:port"`` (``server_address`` property of a running
             optimizer; sharded: the list ``server_addresses``) and this worker's id.
@@ -112,6 +115,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
+        shard_assignment: str = "bytes",
     ) -> None:
         R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
         N = check_int(
@@ -164,7 +168,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
             )
             return
-        self._parts = round_robin(len(self._index), len(ranks))
+        self._parts = assign(self.params(), len(ranks), shard_assignment)
         given = [server_address] if isinstance(server_address, str) else server_address
         self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
 
@@ -321,13 +325,22 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         assert self._client is not None, "optimizer is closed"
         parts = [[grads[i] for i in idx] for idx in self._parts]
         tag, accepted = self.local_step, True
-        if self._links is not None:
+        if self._links is None:  # one server: push and wait for the token in one request
+            self._client.request(
+                "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
+            )
+        else:  # every shard (the chief's too) receives at once; then the token
             if self._nonfinite != "apply" and not all(_finite(g) for g in grads):
                 tag = -1  # stale everywhere: no shard keeps any part (the bad shard reports it)
-            accepted = self._links.push(tag, parts)
-        reply = self._client.call(
-            "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
-        )
+            self._links.push(tag, parts)
+            if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
+                accepted = self._links.pushed()
+            self._client.request("push", worker=self.worker, tag=tag, grads=parts[0])
+            if tag >= 0:
+                accepted = self._links.pushed()
+            accepted = bool(self._client.response()["accepted"]) and accepted
+            self._client.request("step", worker=self.worker, tag=tag, version=self._version)
+        reply = self._client.response()
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
         if "params" in reply:
@@ -463,4 +476,4 @@ class SyncReplicasOptimizer(WrapperOptimizer):
 
 
 def _finite(g: torch.Tensor | None) -> bool:
-    return g is None or bool(torch.isfinite(g._values() if g.is_sparse else g).all())
+    return g is None or all_finite(g)

@@ -1,0 +1,205 @@
+"""Model-size sweep of the distributed data plane against gloo baselines measured in the same run.
+
+4 gloo ranks on one host, plain GradientDescent, synthetic gradients (fixed per rank, no model
+compute), float32 parameters in 9 tensors of unequal sizes.  Per parameter count and path:
+updates per second (rank 0, after ``WARM`` warm-up updates):
+
+* ``allreduce``: one flat all-reduce of the gradients per update (DDP's traffic);
+* ``reduce_broadcast``: reduce to rank 0 + broadcast from it (a server's traffic, gloo's way);
+* ``sync_server``: SyncReplicas R=N=4 through one server (rank 0);
+* ``sync_sharded``: SyncReplicas R=N=4, ``server_ranks=[0, 1, 2, 3]``;
+* ``sync_backup`` / ``sync_backup_straggler``: R=3 of N=4, rank 3 sleeping as long as a
+  straggler-free step takes; ``allreduce_straggler``: all-reduce with the same sleeper;
+* ``p2p_roundtrip``: ranks 1-3 each send the parameters to rank 0 and get them back (gloo
+  send/recv), round trips per second served by rank 0; ``async_easgd``: exchanges per second
+  served by the centre (4 workers, tau=1, only the exchange and a local SGD step).
+
+Ratios: ``sync_server / reduce_broadcast``, ``sync_sharded / allreduce``, ``sync_backup_straggler
+/ sync_backup`` and ``/ allreduce_straggler``, ``async_easgd / p2p_roundtrip``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import gradfleet
+from gradfleet.distributed import AsyncCentre, ElasticAverageOptimizer, SyncReplicasOptimizer
+from gradfleet.distributed.testing import run_ranks
+
+WORLD, WARM = 4, 2
+FRACTIONS = [0.3, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.015, 0.005]
+PATHS = [
+    "allreduce",
+    "reduce_broadcast",
+    "sync_server",
+    "sync_sharded",
+    "sync_backup",
+    "sync_backup_straggler",
+    "allreduce_straggler",
+    "p2p_roundtrip",
+    "async_easgd",
+]
+RATIOS = {
+    "sync_server/reduce_broadcast": ("sync_server", "reduce_broadcast"),
+    "sync_sharded/allreduce": ("sync_sharded", "allreduce"),
+    "backup_kept": ("sync_backup_straggler", "sync_backup"),
+    "backup_straggler/allreduce_straggler": ("sync_backup_straggler", "allreduce_straggler"),
+    "easgd/p2p": ("async_easgd", "p2p_roundtrip"),
+}
+
+
+def _params(count: int, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    sizes = [max(1, int(count * f)) for f in FRACTIONS]
+    gen = torch.Generator().manual_seed(rank)
+    params = [torch.zeros(n, requires_grad=True) for n in sizes]
+    grads = [torch.randn(n, generator=gen) * 1e-3 for n in sizes]
+    return params, grads
+
+
+def _collective(ctx, path: str, count: int, steps: int, delay: float) -> float:
+    params, grads = _params(count, ctx.rank)
+    sgd = gradfleet.GradientDescentOptimizer(params, 0.01)
+    flat = torch.empty(sum(p.numel() for p in params))
+    for s in range(WARM + steps):
+        if s == WARM:
+            dist.barrier()
+            start = time.perf_counter()
+        torch.cat(grads, out=flat)
+        if path.startswith("allreduce"):
+            dist.all_reduce(flat)
+        else:
+            dist.reduce(flat, 0)
+            dist.broadcast(flat, 0)
+        flat /= WORLD
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p)
+        sgd.step()
+        if ctx.rank == 3 and delay:
+            time.sleep(delay)
+    return steps / (time.perf_counter() - start)
+
+
+def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float:
+    params, grads = _params(count, ctx.rank)
+    R = 3 if path.startswith("sync_backup") else WORLD
+    ranks = list(range(WORLD)) if path == "sync_sharded" else None
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(params, 0.01),
+        R,
+        WORLD,
+        timeout=120,
+        last_step=WARM + steps,
+        server_ranks=ranks,
+    )
+    start = None
+    while opt.global_step < WARM + steps:
+        if start is None and opt.global_step >= WARM:
+            start, first = time.perf_counter(), opt.global_step
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        if ctx.rank == 3 and delay:
+            time.sleep(delay)
+    rate = (opt.global_step - first) / (time.perf_counter() - start) if start else 0.0
+    opt.close()
+    return rate
+
+
+def _p2p(ctx, count: int, steps: int) -> float:
+    params, _ = _params(count, ctx.rank)
+    flat = torch.cat([p.detach() for p in params])
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(WARM + steps):
+        if ctx.rank == 0:
+            for peer in range(1, WORLD):
+                dist.recv(flat, peer)
+                dist.send(flat, peer)
+        else:
+            dist.send(flat, 0)
+            dist.recv(flat, 0)
+    return (WORLD - 1) * (WARM + steps) / (time.perf_counter() - start)
+
+
+def _easgd(ctx, count: int, steps: int) -> float:
+    params, grads = _params(count, ctx.rank)
+    centre = AsyncCentre(timeout=120)
+    opt = ElasticAverageOptimizer(
+        gradfleet.GradientDescentOptimizer(params, 0.01), WORLD, 1, 0.2, rho=0.0, mode=centre
+    )
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+    elapsed = time.perf_counter() - start
+    dist.barrier()  # every worker done: the centre's exchange count is final
+    total = sum(centre.counters()["exchanges"].values()) if ctx.rank == 0 else 0
+    centre.close()
+    return WORLD * steps / elapsed if ctx.rank else total / elapsed
+
+
+def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
+    torch.set_num_threads(1)  # one process per worker on a shared host, as torchrun sets it
+    if path in ("allreduce", "allreduce_straggler", "reduce_broadcast"):
+        return _collective(ctx, path, count, steps, delay)
+    if path == "p2p_roundtrip":
+        return _p2p(ctx, count, steps)
+    if path == "async_easgd":
+        return _easgd(ctx, count, steps)
+    return _sync(ctx, path, count, steps, delay)
+
+
+def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6) -> list[dict]:
+    """One row per parameter count: updates/s of every path and the ratios."""
+    rows = []
+    for count in counts:
+        steps = max(min_steps, int(seconds * 2e7 / count))
+        row: dict = {"params": count, "steps": steps}
+        for path in paths:
+            delay = row.get("straggler_delay_s", 0.0) if path.endswith("straggler") else 0.0
+            out = run_ranks(
+                _rank, WORLD, args=(path, count, steps, delay), timeout=600, pg_timeout=300
+            )
+            row[path] = out[0]
+            if path == "sync_backup":  # the straggler sleeps as long as a step takes
+                row["straggler_delay_s"] = 1.0 / out[0]
+            log(f"params={count:.0e} {path}: {out[0]:.2f}/s")
+        row["ratios"] = {
+            k: row[a] / row[b] for k, (a, b) in RATIOS.items() if a in row and b in row
+        }
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| parameters | " + " | ".join(PATHS) + " | " + " | ".join(RATIOS) + " |"
+    lines = [head, "|" + "---|" * (1 + len(PATHS) + len(RATIOS))]
+    for r in rows:
+        cells = [f"{r[p]:.2f}" for p in PATHS] + [f"{r['ratios'][k]:.2f}" for k in RATIOS]
+        lines.append(f"| {r['params']:.0e} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xs = [r["params"] for r in rows]
+    for p in PATHS:
+        ax.plot(xs, [r[p] for r in rows], marker="o", label=p)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("float32 parameters (9 tensors)")
+    ax.set_ylabel("updates/s (EASGD, p2p: round trips/s at rank 0)")
+    ax.set_title("4 gloo ranks on one host: data plane vs gloo baselines")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

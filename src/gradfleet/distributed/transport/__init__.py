@@ -1,0 +1,24 @@
+"""How bytes travel between workers and servers (the algorithms never see this layer).
+
+* :mod:`.mailbox` -- request/reply: ``MailboxServer(handler)`` / ``MailboxClient.call(op,
+  **fields)``; control on the server's c10d ``TCPStore`` queues, tensors on a pair group.
+* :mod:`.pairs` -- the data plane: a 2-rank gloo process group per (server, client
+  incarnation), so a restarted worker simply builds a new pair.
+* :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
+"""
+
+from .mailbox import MailboxClient, MailboxServer, Reply, ServerUnreachable
+from .pairs import PairLink, local_address_towards
+from .wire import Packer, join, split
+
+__all__ = [
+    "MailboxClient",
+    "MailboxServer",
+    "PairLink",
+    "Packer",
+    "Reply",
+    "ServerUnreachable",
+    "join",
+    "local_address_towards",
+    "split",
+]

@@ -1,0 +1,339 @@
+"""Request/reply between workers and a server: control on a c10d ``TCPStore``, tensors on pairs.
+
+The server process hosts a ``torch.distributed.TCPStore`` (bound to ``host``, loopback unless
+configured: the listening socket is created here and handed to the store) and serves its request
+queue from one daemon thread, calling ``handler(request, reply)``.  A handler may answer later
+(``Reply`` objects are kept until, e.g., a token exists), so blocking waits cost no thread.
+
+A message is split by :mod:`.wire`: its JSON part (op, client, sequence number, incarnation,
+small fields, the tensors' layout) travels through the store queues (``gf/req``, and
+``gf/rep/{client}`` back), its tensors as one packed buffer on the client's :class:`PairLink`
+(gloo send/recv, received into a preallocated buffer).  Tensors a handler or caller receives
+are views of that buffer, valid until the next message on the same link: copy what you keep.
+
+Why the store for control and not ``torch.distributed.rpc``: a static RPC group cannot admit a
+restarted process, a dynamic one makes every joiner call every member, and ``rpc.shutdown``
+waits for dead peers.  A store client (and a pair group) can be created at any time, and a dead
+server turns into an immediate connection error.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .pairs import SERVER, PairLink, local_address_towards
+from .wire import Packer, dumps, join, loads, split
+
+__all__ = ["MailboxServer", "MailboxClient", "Reply", "ServerUnreachable"]
+
+REQUESTS = "gf/req"
+LAYOUT = "$layout"
+MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages are tiny
+
+
+class ServerUnreachable(RuntimeError):
+    """The server rank cannot be reached (dead, or no reply within the timeout)."""
+
+
+def _push(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
+    data = dumps(message)
+    if len(data) > MAX_CONTROL:
+        raise ValueError(f"gradfleet transport: control message of {len(data)} bytes is too big")
+    store.queue_push(queue, data)
+    return len(data)
+
+
+class _Peer:
+    """Server-side state of one client incarnation: its pair link and buffers."""
+
+    def __init__(self, incarnation: str, link: PairLink) -> None:
+        self.incarnation, self.link = incarnation, link
+        self.inbox, self.outbox = Packer(), Packer()
+
+
+# --------------------------------------------------------------------- server
+class Reply:
+    """One pending answer to a client request; ``send`` it exactly once."""
+
+    def __init__(self, server: MailboxServer, client: str, seq: int, inc: str) -> None:
+        self._server, self.client, self.seq, self.inc, self.done = server, client, seq, inc, False
+
+    def send(self, payload: dict[str, Any], share: Any = None) -> None:
+        """Answer with ``payload``; its tensors are copied before this returns (the handler
+        may change them afterwards).  ``share``: a key promising that every reply sent with
+        the same key carries the same tensor values, so they are copied once for all."""
+        if self.done:
+            return
+        self.done = True
+        skeleton, tensors = split(payload)
+        message = dict(skeleton, seq=self.seq, inc=self.inc)
+        if tensors:
+            peer = self._server.peers.get(self.client)
+            if peer is None or peer.incarnation != self.inc:
+                return  # that incarnation is gone; its successor ignores this reply
+            try:
+                peer.link.wait_sent()
+                message[LAYOUT], messages = self._server.packed(tensors, share, peer.outbox)
+                peer.link.send(messages)
+            except Exception:
+                self._server.drop(self.client)  # dead client: only its own pair breaks
+                return
+        _push(self._server.store, f"gf/rep/{self.client}", message)
+
+
+Handler = Callable[[dict[str, Any], Reply], None]
+
+
+class MailboxServer:
+    """Host a TCPStore and call ``handler(request, reply)`` for every request, in one thread.
+
+    ``tick`` (if given) runs about every ``tick_s`` seconds on the same thread, so handler
+    state needs no lock against it.  ``bytes_in`` counts received bytes (control + tensors).
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 0.1,
+        pair_timeout: float = 60.0,
+    ) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(512)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.store = dist.TCPStore(
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(days=1),
+            master_listen_fd=self._sock.fileno(),
+        )
+        self._sock.detach()  # the store owns the descriptor now: never close it twice
+        self._pair_store = self.store.clone()
+        self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
+        self.pair_timeout = pair_timeout
+        self.peers: dict[str, _Peer] = {}
+        self._shared: tuple[Any, dict, list] | None = None
+        self._handler, self._tick, self._tick_s = handler, tick, tick_s
+        self._stopping = threading.Event()
+        self.bytes_in = 0
+        self._thread = threading.Thread(target=self._serve, name="gradfleet-server", daemon=True)
+        self._thread.start()
+        if tick is not None:
+            self._ticker = threading.Thread(target=self._ticks, name="gradfleet-tick", daemon=True)
+            self._ticker.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _ticks(self) -> None:
+        poke = self.store.clone()
+        while not self._stopping.wait(self._tick_s):
+            _push(poke, REQUESTS, {"op": "_tick"})
+
+    def _pair(self, client: str, incarnation: str, client_host: str) -> None:
+        """Build the server end of ``client``'s new pair group (replacing an old one).  Gloo
+        listens on ``host``, or (wildcard host) on the address routing to the client."""
+        self.drop(client)
+        prefix = f"gf/pair/{client}/{incarnation}"
+        wildcard = self.host in ("", "0.0.0.0")
+        bind = local_address_towards(client_host) if wildcard else self.host
+        try:
+            link = PairLink(self._pair_store, prefix, SERVER, bind, self.pair_timeout)
+        except Exception:
+            return  # the client vanished while connecting; it gets no pair and no replies
+        self.peers[client] = _Peer(incarnation, link)
+
+    def drop(self, client: str) -> None:
+        peer = self.peers.pop(client, None)
+        if peer is not None:
+            peer.link.close()
+
+    def packed(self, tensors: list, share: Any, outbox: Packer) -> tuple[dict, list]:
+        """Layout and messages of outgoing ``tensors``: copied into ``outbox``, or (``share``
+        given) into one fresh buffer kept for every reply with the same key (in-flight sends
+        keep their buffer alive, so a new key never overwrites one)."""
+        if share is None:
+            return outbox.pack(tensors)
+        if self._shared is None or self._shared[0] != share:
+            self._shared = (share, *Packer().pack(tensors))
+        return self._shared[1], self._shared[2]
+
+    def _receive(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The request with its tensors (received from the client's pair), or None if lost."""
+        layout = msg.pop(LAYOUT, None)
+        if layout is None:
+            return msg
+        peer = self.peers.get(msg.get("client", ""))
+        if peer is None or peer.incarnation != msg.get("inc"):
+            return None
+        try:
+            messages = peer.inbox.receive(layout)
+            peer.link.recv(messages)
+        except Exception:
+            self.drop(msg["client"])  # died mid-message: drop its pair, serve the others
+            return None
+        self.bytes_in += sum(m.numel() for m in messages)
+        return join(msg, peer.inbox.unpack(layout))
+
+    def _serve(self) -> None:
+        while True:
+            msg = loads(self.store.queue_pop(REQUESTS))
+            op = msg.get("op")
+            if op == "_stop":
+                return
+            if op == "_tick":
+                if self._tick is not None:
+                    self._tick()
+                continue
+            if op == "_pair":
+                self._pair(msg["client"], msg["inc"], msg.get("host", "127.0.0.1"))
+                continue
+            request = self._receive(msg)
+            if request is None:
+                continue
+            reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
+            try:
+                self._handler(request, reply)
+            except Exception as exc:  # the error goes back to the caller, the server lives on
+                reply.send({"error": type(exc).__name__, "message": str(exc)})
+
+    def close(self) -> None:
+        """Stop serving (pending clients get connection errors once the process exits)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        _push(self.store.clone(), REQUESTS, {"op": "_stop"})
+        self._thread.join(5)
+        if self._tick is not None:
+            self._ticker.join(5)
+        for client in list(self.peers):
+            self.drop(client)
+
+
+# --------------------------------------------------------------------- client
+_ERRORS = {
+    "ValueError": ValueError,
+    "FloatingPointError": FloatingPointError,
+    "TimeoutError": TimeoutError,
+    "RuntimeError": RuntimeError,
+    "ServerUnreachable": ServerUnreachable,
+}
+
+
+class MailboxClient:
+    """Talk to a :class:`MailboxServer` at ``address`` (``"host:port"``) as ``client``.
+
+    ``call`` (= ``request`` then ``response``) raises :class:`ServerUnreachable` naming
+    ``server_name`` when the server is dead or silent for ``timeout`` seconds, and re-raises
+    errors the handler reported.  ``data=False``: control messages only (no pair group).
+    """
+
+    def __init__(
+        self, address: str, client: str, timeout: float, server_name: str, data: bool = True
+    ) -> None:
+        host, port = address.rsplit(":", 1)
+        self.address, self.client, self.timeout = address, client, timeout
+        self.server_name = server_name
+        self.bytes_out = 0
+        self._seq = 0
+        self._pending: tuple[str, float, float] | None = None
+        self._broken: str | None = None
+        self.inc = uuid.uuid4().hex
+        self.link: PairLink | None = None
+        self._outbox, self._inbox = Packer(), Packer()
+        try:
+            self.store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout)
+            )
+            # a restarted client reuses its name: forget replies meant for the previous one
+            while self.store.queue_len(f"gf/rep/{client}"):
+                self.store.queue_pop(f"gf/rep/{client}", False)
+            if data:
+                bind = local_address_towards(host)
+                hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
+                _push(self.store, REQUESTS, hello)
+                prefix = f"gf/pair/{client}/{self.inc}"
+                self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
+        except Exception as exc:  # refused / timed out
+            raise ServerUnreachable(
+                f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def request(self, op: str, timeout: float | None = None, **fields: Any) -> None:
+        """Send one request (tensors start travelling at once); :meth:`response` waits."""
+        if self._broken:
+            raise ServerUnreachable(self._broken)
+        self._seq += 1
+        skeleton, tensors = split(fields)
+        message = dict(skeleton, op=op, client=self.client, seq=self._seq, inc=self.inc)
+        wait = self.timeout if timeout is None else timeout
+        self._pending = (op, wait, time.monotonic())
+        try:
+            if tensors:
+                if self.link is None:
+                    raise ValueError("this MailboxClient was made with data=False")
+                self.link.wait_sent()
+                # large tensors go as they are: the caller waits for the reply, by which time
+                # the server has received them
+                message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
+                self.link.send(messages)
+                self.bytes_out += sum(m.numel() for m in messages)
+            self.bytes_out += _push(self.store, REQUESTS, message)
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc)
+
+    def response(self) -> dict[str, Any]:
+        """The reply to the last :meth:`request` (tensors are views: copy what you keep)."""
+        assert self._pending is not None, "response() without request()"
+        op, wait, _ = self._pending
+        try:
+            self.store.set_timeout(timedelta(seconds=wait))
+            while True:
+                reply = loads(self.store.queue_pop(f"gf/rep/{self.client}"))
+                if reply.get("inc") != self.inc:
+                    continue  # meant for an earlier incarnation (its tensors went to its pair)
+                if reply.get("seq") == self._seq:
+                    break
+                if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
+                    self.link.recv(self._inbox.receive(reply[LAYOUT]))  # drain its tensors
+            layout = reply.pop(LAYOUT, None)
+            if layout is not None:
+                assert self.link is not None
+                self.link.recv(self._inbox.receive(layout))
+                reply = join(reply, self._inbox.unpack(layout))
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc)
+        self._pending = None
+        if "error" in reply:
+            raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
+        return reply
+
+    def call(self, op: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        self.request(op, timeout, **fields)
+        return self.response()
+
+    def _fail(self, exc: Exception) -> None:
+        op, wait, start = self._pending or ("?", self.timeout, time.monotonic())
+        late = time.monotonic() - start
+        what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self._broken = (
+            f"{self.server_name} at {self.address} {what} during {op!r} "
+            f"(dead or stuck): {type(exc).__name__}: {first}"
+        )
+        raise ServerUnreachable(self._broken) from None

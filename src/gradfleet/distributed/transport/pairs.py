@@ -1,0 +1,86 @@
+"""The data plane: one 2-rank gloo process group per (server, client incarnation).
+
+A :class:`PairLink` is a ``torch.distributed.ProcessGroupGloo`` of size 2 built directly over a
+``PrefixStore(f"gf/pair/{client}/{incarnation}", store)`` of the server's control store: rank 0
+is the server, rank 1 the client.  Both sides construct it at the same time (the client asks
+the server with a ``_pair`` control message, then both block in the constructor until gloo has
+connected, at most ``timeout`` seconds).  Tensors travel with gloo ``send``/``recv`` on raw
+buffers: no pickling, received into preallocated memory.
+
+Why pairs and not one group of every rank: a process group of fixed membership cannot admit a
+restarted process, and a dead member breaks every collective.  A pair involves one client:
+a restarted worker (a new incarnation) builds a new pair on its ``hello`` while the rest of the
+job keeps running, and a dead client breaks only its own pair.  ``dist.new_group`` cannot be
+used (it needs the default group and every member), so the group is constructed directly.
+
+Where gloo listens: the server side on the server's ``host``; a client on the local address
+that routes to the server (loopback for a loopback server), or ``$GRADFLEET_DATA_HOST``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PairLink", "local_address_towards"]
+
+SERVER, CLIENT = 0, 1
+
+
+def local_address_towards(host: str) -> str:
+    """The local interface address the kernel would use to reach ``host`` (no packet is
+    sent: a UDP socket's ``connect`` only selects the route); ``$GRADFLEET_DATA_HOST`` wins."""
+    forced = os.environ.get("GRADFLEET_DATA_HOST")
+    if forced:
+        return forced
+    if host in ("localhost", "") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+class PairLink:
+    """Both ends of one server-client data channel (``rank`` 0: server, 1: client)."""
+
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, bind: str, timeout: float
+    ) -> None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        self.rank, self.peer = rank, 1 - rank
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+        self._sending: list[dist.Work] = []
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, messages: list[torch.Tensor]) -> None:
+        """Start sending ``messages`` (contiguous host byte buffers, message ``k`` with tag
+        ``k``); they must stay untouched until :meth:`wait_sent` (called before the next
+        send on this link)."""
+        self.wait_sent()
+        self._sending = [self.group.send([m], self.peer, k) for k, m in enumerate(messages)]
+        self.bytes_sent += sum(m.numel() for m in messages)
+
+    def wait_sent(self) -> None:
+        works, self._sending = self._sending, []
+        for work in works:
+            work.wait()
+
+    def recv(self, messages: list[torch.Tensor]) -> None:
+        """Receive the peer's next messages into ``messages`` (sizes must match the send)."""
+        works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        for work in works:
+            work.wait()
+        self.bytes_received += sum(m.numel() for m in messages)
+
+    def close(self) -> None:
+        try:
+            self.wait_sent()
+        except Exception:
+            pass  # the peer is gone: nothing to finish
+        self.group = None  # type: ignore[assignment]

@@ -1,0 +1,181 @@
+"""Messages as a JSON control part plus one flat byte buffer of tensors (no pickling).
+
+``split(obj)`` walks a message (dicts, lists, ints, floats, strings, None, tensors) and replaces
+every tensor by a placeholder ``{"$t": k}`` (a sparse COO tensor by ``{"$sparse": [ki, kv],
+"shape": [...]}``, its indices and values), returning the JSON-able skeleton and the tensors.
+``join`` puts tensors back.  ``layout(tensors)`` places them in the receiver's byte buffer
+(each tensor 16-byte aligned, so a view of the buffer as its dtype is legal); the layout
+travels in the control message, the bytes on the data plane.
+
+``Packer`` owns one grow-only host buffer.  ``pack`` copies small tensors into it (one message)
+and, with ``direct=True``, hands large contiguous host tensors over as they are (one message
+each, zero copy); a CUDA tensor is always copied device-to-host into pinned memory.  No
+``torch.save``, no Python-level serialisation.  ``receive`` gives the buffers to receive into,
+``unpack`` views of them -- valid until the next message on the same packer: copy what you
+keep.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["split", "join", "layout", "Packer", "dumps", "loads", "ALIGN"]
+
+ALIGN = 16
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+        torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+        torch.bool,
+    )
+}  # fmt: skip
+_SIZES = {name: torch.empty(0, dtype=d).element_size() for name, d in _DTYPES.items()}
+
+
+def split(obj: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``(skeleton, tensors)``: the message with every tensor replaced by a placeholder."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_sparse:
+                x = x.coalesce()
+                tensors.extend([x.indices(), x.values()])
+                return {"$sparse": [len(tensors) - 2, len(tensors) - 1], "shape": list(x.shape)}
+            tensors.append(x.detach())
+            return {"$t": len(tensors) - 1}
+        if isinstance(x, dict):
+            return {str(k): walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(obj), tensors
+
+
+def join(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """Inverse of :func:`split` (dict keys come back as strings)."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if "$t" in x:
+                return tensors[x["$t"]]
+            if "$sparse" in x:
+                i, v = x["$sparse"]
+                return torch.sparse_coo_tensor(tensors[i], tensors[v], x["shape"]).coalesce()
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(skeleton)
+
+
+DIRECT = 1 << 16  # tensors this large travel as their own gloo message, never copied
+
+
+def _nbytes(dtype_name: str, shape: Sequence[int]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * _SIZES[dtype_name]
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(tensors: Sequence[torch.Tensor], direct: bool = False) -> dict[str, Any]:
+    """Where each tensor sits in the receiver's buffer: ``{"packed": bytes, "entries":
+    [[dtype, shape, byte offset, is_direct], ...]}``.  Packed tensors come first (one message),
+    then (``direct=True``: contiguous host tensors of at least ``DIRECT`` bytes) one message
+    per direct tensor, received straight into its place."""
+    for t in tensors:
+        if str(t.dtype) not in _SIZES:
+            raise TypeError(f"gradfleet transport: tensors of dtype {t.dtype} are not supported")
+    alone = [
+        direct and not t.is_cuda and t.is_contiguous() and t.numel() * t.element_size() >= DIRECT
+        for t in tensors
+    ]
+    entries: list[list[Any]] = [[str(t.dtype), list(t.shape), 0, a] for t, a in zip(tensors, alone)]
+    offset = 0
+    for flag in (False, True):
+        for e, t in zip(entries, tensors, strict=True):
+            if e[3] == flag:
+                e[2] = offset
+                offset += _padded(t.numel() * t.element_size())
+        if not flag:
+            packed = offset
+    return {"packed": packed, "entries": entries}
+
+
+def _total(spec: dict[str, Any]) -> int:
+    ends = [e[2] + _padded(_nbytes(e[0], e[1])) for e in spec["entries"]]
+    return max([spec["packed"], *ends])
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> Any:
+    return json.loads(data.decode())
+
+
+class Packer:
+    """One reusable host byte buffer (pinned when CUDA is in use) for packing/unpacking."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def reserve(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer, grown (never shrunk) when too small."""
+        if self.buffer.numel() < nbytes or (pinned and not self.buffer.is_pinned()):
+            size = max(nbytes, int(self.buffer.numel() * 1.25))
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return self.buffer[:nbytes]
+
+    def pack(
+        self, tensors: Sequence[torch.Tensor], direct: bool = False
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """``(layout, messages)``: the packed tensors copied into this buffer (the first
+        message, if any), then the direct tensors themselves as byte views (zero copy: they
+        must stay untouched until sent)."""
+        spec = layout(tensors, direct)
+        small = [(t, e) for t, e in zip(tensors, spec["entries"], strict=True) if not e[3]]
+        cuda = any(t.is_cuda for t, _ in small)
+        data = self.reserve(spec["packed"], pinned=cuda)
+        for t, e in small:
+            n = t.numel() * t.element_size()
+            if n:
+                dst = data[e[2] : e[2] + n].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=t.is_cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the pinned copy must be complete before gloo reads it
+        messages = [data] if spec["packed"] else []
+        for t, e in zip(tensors, spec["entries"], strict=True):
+            if e[3]:
+                messages.append(t.detach().reshape(-1).view(torch.uint8))
+        return spec, messages
+
+    def receive(self, spec: dict[str, Any]) -> list[torch.Tensor]:
+        """The buffers a message of layout ``spec`` is received into, in sending order."""
+        data = self.reserve(_total(spec))
+        out = [data[: spec["packed"]]] if spec["packed"] else []
+        for dtype_name, shape, offset, alone in spec["entries"]:
+            if alone:
+                out.append(data[offset : offset + _nbytes(dtype_name, shape)])
+        return out
+
+    def unpack(self, spec: dict[str, Any]) -> list[torch.Tensor]:
+        """Views of this buffer as the tensors of a message received by :meth:`receive`."""
+        out = []
+        for dtype_name, shape, offset, _ in spec["entries"]:
+            n = _nbytes(dtype_name, shape)
+            out.append(self.buffer[offset : offset + n].view(_DTYPES[dtype_name]).view(shape))
+        return out

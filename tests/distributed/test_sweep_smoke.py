@@ -1,0 +1,18 @@
+"""Smoke test of the data-plane sweep (benchmarks/distributed_sweep.py): tiny model, two paths,
+the rates are positive and the ratio is computed.  Speed itself is never asserted here."""
+
+from __future__ import annotations
+
+import pytest
+from benchmarks import distributed_sweep
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_sweep_runs_server_path_and_its_gloo_baseline():
+    paths = ["reduce_broadcast", "sync_server"]
+    [row] = distributed_sweep.sweep([900], 0.0, log=lambda _: None, paths=paths, min_steps=3)
+    assert row["params"] == 900 and row["steps"] == 3
+    assert row["reduce_broadcast"] > 0 and row["sync_server"] > 0
+    assert set(row["ratios"]) == {"sync_server/reduce_broadcast"}
+    assert "straggler_delay_s" not in row

@@ -1,0 +1,243 @@
+"""The transport layer alone: wire format (JSON control + packed tensors), gloo pair links,
+the request/reply mailbox with tensors on the data plane, rejoin, errors, dead servers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradfleet.distributed.transport import (
+    MailboxClient,
+    MailboxServer,
+    Packer,
+    PairLink,
+    ServerUnreachable,
+    join,
+    local_address_towards,
+    split,
+)
+from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout
+
+pytestmark = pytest.mark.timeout(120)
+
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex128,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+]
+
+
+def sample_tensors():
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(3, 5, generator=g).to(d) for d in DTYPES]
+    out.append(torch.empty(0, 4))
+    out.append(torch.tensor(2.5, dtype=torch.float64))
+    return out
+
+
+def test_split_join_roundtrip_nested_and_sparse():
+    sparse = torch.sparse_coo_tensor([[0, 2, 2]], [[1.0], [2.0], [3.0]], (4, 1))
+    msg = {"a": 1, "grads": [torch.ones(2), None, sparse], "nested": {3: [torch.zeros(1), "x"]}}
+    skeleton, tensors = split(msg)
+    json.dumps(skeleton)  # the control part is plain JSON: nothing pickled
+    assert len(tensors) == 4  # dense, sparse indices, sparse values, nested dense
+    back = join(skeleton, tensors)
+    assert back["a"] == 1 and back["grads"][1] is None and back["nested"]["3"][1] == "x"
+    torch.testing.assert_close(back["grads"][2].to_dense(), sparse.coalesce().to_dense())
+    assert back["grads"][2].is_sparse
+
+
+def test_pack_unpack_every_dtype_aligned_views():
+    tensors = sample_tensors()
+    spec = layout(tensors)
+    assert all(offset % ALIGN == 0 for _, _, offset, _ in spec["entries"])
+    sent_spec, messages = Packer().pack(tensors)
+    assert sent_spec == spec and len(messages) == 1 and messages[0].dtype == torch.uint8
+    inbox = Packer()
+    targets = inbox.receive(json.loads(dumps(spec)))
+    for dst, src in zip(targets, messages, strict=True):
+        dst.copy_(src)  # what the pair link's recv does
+    for got, want in zip(inbox.unpack(spec), tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_large_tensors_go_direct_without_a_copy():
+    big, small = torch.randn(DIRECT), torch.randn(10)
+    spec, messages = Packer().pack([small, big, small], direct=True)
+    assert [e[3] for e in spec["entries"]] == [False, True, False]
+    assert len(messages) == 2 and messages[1].data_ptr() == big.data_ptr()  # zero copy
+    inbox = Packer()
+    for dst, src in zip(inbox.receive(spec), messages, strict=True):
+        dst.copy_(src)
+    got = inbox.unpack(spec)
+    assert torch.equal(got[1], big) and torch.equal(got[0], small) and torch.equal(got[2], small)
+
+
+def test_packer_buffer_is_reused_not_reallocated():
+    packer = Packer()
+    _, [first] = packer.pack([torch.ones(1000)])
+    _, [second] = packer.pack([torch.ones(10), torch.zeros(20)])
+    assert second.data_ptr() == first.data_ptr()
+    _, [third] = packer.pack([torch.ones(5000)])  # grows once
+    assert third.numel() >= 20000
+
+
+def test_unsupported_dtype_is_named():
+    with pytest.raises(TypeError, match="uint16|dtype"):
+        layout([torch.zeros(2, dtype=torch.uint16)])
+
+
+def _store(port: int = 0, master: bool = True):
+    return dist.TCPStore("127.0.0.1", port, is_master=master, wait_for_workers=False)
+
+
+def test_pair_link_moves_raw_buffers_both_ways():
+    store = _store()
+    links = {}
+
+    def make(rank):
+        own = store if rank == 0 else store.clone()  # one store connection per side
+        links[rank] = PairLink(own, "gf/pair/t/0", rank, "127.0.0.1", 20.0)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    payload = torch.arange(1 << 16, dtype=torch.float32).view(torch.uint8)
+    links[1].send([payload, payload[:10]])
+    got, head = torch.empty_like(payload), torch.empty(10, dtype=torch.uint8)
+    links[0].recv([got, head])
+    links[1].wait_sent()
+    assert torch.equal(got, payload) and torch.equal(head, payload[:10])
+    assert links[1].bytes_sent == payload.numel() + 10
+    links[0].send([payload.flip(0).contiguous()])
+    links[1].recv([got])
+    assert torch.equal(got, payload.flip(0))
+
+
+def test_local_address_for_loopback_and_override(monkeypatch):
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setenv("GRADFLEET_DATA_HOST", "127.0.0.5")
+    assert local_address_towards("10.1.2.3") == "127.0.0.5"
+
+
+class Echo:
+    """Replies 2 * x; ``hold`` defers the reply until the next request ("release")."""
+
+    def __init__(self):
+        self.held = []
+
+    def handle(self, msg, reply):
+        if msg["op"] == "double":
+            reply.send({"y": [None if t is None else 2 * t for t in msg["x"]], "n": msg["n"]})
+        elif msg["op"] == "hold":
+            self.held.append(reply)
+        elif msg["op"] == "release":
+            for r in self.held:
+                r.send({"y": [torch.ones(3)]})
+            self.held = []
+            reply.send({})
+        else:
+            raise ValueError(f"unknown op {msg['op']!r}")
+
+
+def test_mailbox_tensors_on_the_pair_control_tiny_and_no_torch_save(monkeypatch):
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+
+        def forbidden(*a, **k):
+            raise AssertionError("torch.save used by the transport")
+
+        monkeypatch.setattr(torch, "save", forbidden)
+        x = [torch.randn(1000, 100), None, torch.arange(5)]
+        for _ in range(3):
+            reply = client.call("double", x=x, n=7)
+        assert reply["n"] == 7 and reply["y"][1] is None
+        torch.testing.assert_close(reply["y"][0], 2 * x[0])
+        assert torch.equal(reply["y"][2], 2 * x[2])
+        assert client.link is not None
+        tensor_bytes = 3 * (400_000 + 48)  # x[0] direct, x[2] packed (40 bytes padded)
+        assert client.link.bytes_sent == tensor_bytes  # the tensors went on the pair group
+        assert client.bytes_out - tensor_bytes < 3 * 400  # the store saw only small JSON
+        with pytest.raises(ValueError, match="unknown op 'nope'"):
+            client.call("nope")
+    finally:
+        server.close()
+
+
+def test_restarted_client_gets_a_new_pair_and_ignores_old_replies():
+    echo = Echo()
+    server = MailboxServer(echo.handle)
+    try:
+        old = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        old.request("hold")  # the old incarnation "dies" while its reply is pending
+        new = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        other = MailboxClient(server.address, "w2", 20.0, "server rank 0")
+        other.call("release")  # the old reply goes nowhere (its pair was replaced)
+        x = torch.randn(64)
+        torch.testing.assert_close(new.call("double", x=[x], n=1)["y"][0], 2 * x)
+        assert server.peers["w1"].incarnation == new.inc != old.inc
+    finally:
+        server.close()
+
+
+def test_dead_server_raises_server_unreachable_naming_it():
+    server = MailboxServer(Echo().handle)
+    client = MailboxClient(server.address, "w0", 3.0, "server rank 7")
+    server.close()
+    start = time.monotonic()
+    with pytest.raises(ServerUnreachable, match="server rank 7"):
+        client.call("double", x=[torch.ones(4)], n=0, timeout=2.0)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ServerUnreachable, match="server rank 7"):
+        MailboxClient("127.0.0.1:1", "w0", 2.0, "server rank 7")
+
+
+def test_control_only_client_has_no_pair():
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "c", 10.0, "chief", data=False)
+        assert client.link is None and "c" not in server.peers
+        with pytest.raises(ValueError, match="data=False"):
+            client.call("double", x=[torch.ones(1)], n=0)
+        assert client.call("release") == {"seq": 2, "inc": client.inc}
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_through_pinned_host_memory():
+    tensors = [torch.randn(DIRECT, device="cuda"), torch.arange(7, device="cuda")]
+    spec, messages = Packer().pack(tensors, direct=True)
+    assert not any(e[3] for e in spec["entries"])  # CUDA tensors are never sent in place
+    assert len(messages) == 1 and messages[0].is_pinned() and not messages[0].is_cuda
+    inbox = Packer()
+    for dst, src in zip(inbox.receive(spec), messages, strict=True):
+        dst.copy_(src)
+    for got, want in zip(inbox.unpack(spec), tensors, strict=True):
+        assert torch.equal(got.cuda(), want)
+
+
+def test_abandoned_reply_tensors_are_drained_not_mistaken_for_the_next():
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+        other = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        client.request("hold")  # abandoned: its reply (with a tensor) arrives later
+        other.call("release")
+        x = torch.randn(DIRECT)  # a different size and path than the abandoned ones(3)
+        for _ in range(2):
+            torch.testing.assert_close(client.call("double", x=[x], n=1)["y"][0], 2 * x)
+    finally:
+        server.close()
