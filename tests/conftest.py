@@ -14,9 +14,14 @@ import pytest  # noqa: E402
 # * a test that starts processes (ranks through run_ranks, a subprocess) pays seconds of
 #   interpreter start and torch import per process (tests/cli marks its launches explicitly);
 # * a test that compiles fused kernels pays seconds of inductor compile per kernel.
-_SLOW_SOURCE = ("run_ranks(", "subprocess.", "fused=True")
-# Slow for another reason: the speed benchmark end to end (about 50 s on 2 cores).
-_SLOW_NODES = ("tests/test_benchmarks.py",)
+_SLOW_SOURCE = ("run_ranks(", "subprocess.", "fused=True", "torch.compile(")
+# Slow for another reason: the benchmarks end to end (the speed benchmark is about 50 s on 2
+# cores), and RETURNN's engine (about 1 s of set-up per training run).
+_SLOW_NODES = (
+    "tests/test_benchmarks.py",
+    "tests/distributed/test_sweep_smoke.py",
+    "tests/returnn_engine/",
+)
 
 
 def _source(fn, depth: int = 2) -> str:

@@ -34,10 +34,18 @@ def _cases():
         if spec.random_config:
             configs += [spec.random_config(rng) for _ in range(N_RANDOM_CONFIGS)]
         for ci, config in enumerate(configs):
+            # The randomised configs widen the coverage of the fixed ones; the fast subset
+            # (-m "not slow") keeps every optimizer x fixed config x dtype x gradient mode.
+            marks = [pytest.mark.slow] if ci >= len(spec.configs) else []
             for dtype in spec.dtypes:
                 for mode in spec.modes:
                     yield pytest.param(
-                        spec, config, dtype, mode, id=f"{spec.name}-c{ci}-{dtype}-{mode}"
+                        spec,
+                        config,
+                        dtype,
+                        mode,
+                        id=f"{spec.name}-c{ci}-{dtype}-{mode}",
+                        marks=marks,
                     )
 
 
