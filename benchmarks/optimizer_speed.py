@@ -174,9 +174,7 @@ def minimal_bytes(params, state_tensors_per_param: int) -> int:
 def measure(opt, params, warmup: int, reps: int, partner=None) -> dict[str, Any]:
     stats = time_steps(opt.step, warmup, reps, partner)
     big = params[0]
-    slots = sum(
-        1 for t in opt.state[big].values() if torch.is_tensor(t) and t.shape == big.shape
-    )
+    slots = sum(1 for t in opt.state[big].values() if torch.is_tensor(t) and t.shape == big.shape)
     stats["bytes"] = minimal_bytes(params, slots)
     stats["gbps"] = stats["bytes"] / stats["median_s"] / 1e9
     stats["peak_extra_mib"] = peak_extra_mib(opt.step)
@@ -236,8 +234,11 @@ def run(args) -> dict[str, Any]:
     shapes = parameter_shapes(args.width, args.layers, args.vocab)
     params, grads = make_tensors(shapes)
     n = sum(p.numel() for p in params)
-    print(f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     startup = inductor_startup_s() if "fused" in args.paths else None
     adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
@@ -325,14 +326,20 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load {m['load_average']}")
     for name, b in result["baselines"].items():
         impl = f" [{b['impl']}]" if "impl" in b else ""
-        print(f"torch {name}{impl}: {b['median_s'] * 1e3:.1f} ms, {b['gbps']:.1f} GB/s, "
-              f"peak extra {b['peak_extra_mib']:.0f} MiB")
+        print(
+            f"torch {name}{impl}: {b['median_s'] * 1e3:.1f} ms, {b['gbps']:.1f} GB/s, "
+            f"peak extra {b['peak_extra_mib']:.0f} MiB"
+        )
     if result.get("inductor_startup_s") is not None:
-        print(f"one-time inductor start-up (first fused compile in a process, fresh cache): "
-              f"{result['inductor_startup_s']:.1f} s")
+        print(
+            f"one-time inductor start-up (first fused compile in a process, fresh cache): "
+            f"{result['inductor_startup_s']:.1f} s"
+        )
     for name, c in result.get("ceilings", {}).items():
-        print(f"ceiling, {name}: {c['median_s'] * 1e3:.1f} ms, {c['gbps']:.1f} GB/s, "
-              f"{c['vs_torch_fused_adam']:.2f} x torch fused Adam's bandwidth")
+        print(
+            f"ceiling, {name}: {c['median_s'] * 1e3:.1f} ms, {c['gbps']:.1f} GB/s, "
+            f"{c['vs_torch_fused_adam']:.2f} x torch fused Adam's bandwidth"
+        )
     print(HEADER)
     for row in result["rows"]:
         print(format_row(row))
@@ -362,8 +369,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ceiling = result.get("ceilings", {}).get("norm then update (NormalizedSGD's work)")
     if ceiling is not None and "NormalizedSGD" in names:
         i = names.index("NormalizedSGD")
-        ax.hlines(ceiling["vs_torch_fused_adam"], i - 0.1, i + 0.9, color="r",
-                  label="ATen eager ceiling for NormalizedSGD's work")
+        ax.hlines(
+            ceiling["vs_torch_fused_adam"],
+            i - 0.1,
+            i + 0.9,
+            color="r",
+            label="ATen eager ceiling for NormalizedSGD's work",
+        )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
     ax.set_xticklabels([n.replace("Optimizer", "") for n in names], rotation=45, ha="right")
     ax.set_ylabel("effective bandwidth / torch fused Adam's\n(paired steps, same tensors)")

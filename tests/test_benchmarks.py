@@ -12,11 +12,25 @@ from benchmarks import optimizer_speed
 def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     # main() picks a fresh inductor cache unless one is set; keep that choice to this test
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    optimizer_speed.main([
-        "--out", str(tmp_path), "--warmup", "1", "--reps", "2",
-        "--only", "AdamOptimizer", "NormalizedSGD",
-        "--width", "16", "--layers", "1", "--vocab", "64",
-    ])
+    optimizer_speed.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--warmup",
+            "1",
+            "--reps",
+            "2",
+            "--only",
+            "AdamOptimizer",
+            "NormalizedSGD",
+            "--width",
+            "16",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+        ]
+    )
     result = json.loads((tmp_path / "optimizer_speed.json").read_text())
     assert (tmp_path / "optimizer_speed.png").stat().st_size > 0
     assert "AdamOptimizer" in capsys.readouterr().out
@@ -27,8 +41,13 @@ def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, 
         for path in ("loop", "foreach", "fused")
     }
     for row in rows.values():
-        for key in ("median_s", "gbps", "time_vs_torch_fused_adam", "bw_vs_torch_fused_adam",
-                    "peak_extra_mib"):
+        for key in (
+            "median_s",
+            "gbps",
+            "time_vs_torch_fused_adam",
+            "bw_vs_torch_fused_adam",
+            "peak_extra_mib",
+        ):
             assert row[key] >= 0, key
         assert (row.get("compile_s") is not None) == (row["path"] == "fused")
     assert rows["AdamOptimizer", "fused"]["torch_equivalent"].startswith("Adam")

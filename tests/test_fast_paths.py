@@ -110,9 +110,7 @@ def _reference(cls, config, partial_none=True):
 # test_returnn_optimizers.py); every concrete optimizer is covered.
 CONCRETE = [cls for cls in gf.optimizers.ALL if cls is not gf.BaseCustomOptimizer]
 ALL_CONFIGS = [pytest.param(cls, c, id=n) for cls in CONCRETE for n, c in _configs(cls)]
-FIRST_CONFIGS = [
-    pytest.param(cls, _configs(cls)[0][1], id=_configs(cls)[0][0]) for cls in CONCRETE
-]
+FIRST_CONFIGS = [pytest.param(cls, _configs(cls)[0][1], id=_configs(cls)[0][0]) for cls in CONCRETE]
 
 
 @pytest.mark.parametrize("cls,config", ALL_CONFIGS)

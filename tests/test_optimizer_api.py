@@ -248,14 +248,15 @@ def test_param_groups_lr_scheduler_and_callable_hyperparameters():
     torch.testing.assert_close(w.detach(), torch.full((2,), -0.2))
 
 
-
 @pytest.mark.parametrize("options", [{"foreach": False}, {"foreach": True}, {"fused": True}])
 def test_hyperparameter_changes_between_steps_reach_every_path(options):
     # The base class reuses last step's 0-dim hyperparameter tensors when the value is the
     # same; a changed value (also one going back to an earlier value) must take effect.
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     opt = gf.MomentumOptimizer(
-        [{"params": [a]}, {"params": [b], "lr": 0.5}], learning_rate=0.25, momentum=0.0,
+        [{"params": [a]}, {"params": [b], "lr": 0.5}],
+        learning_rate=0.25,
+        momentum=0.0,
         **options,
     )
     expected_a = expected_b = 0.0
@@ -267,6 +268,8 @@ def test_hyperparameter_changes_between_steps_reach_every_path(options):
         expected_b -= 0.5
         assert a.detach().tolist() == [expected_a] * 3
         assert b.detach().tolist() == [expected_b] * 2
+
+
 def test_closure_is_evaluated_with_grad_enabled():
     w = torch.nn.Parameter(torch.tensor([3.0]))
     opt = gf.GradientDescentOptimizer([w], learning_rate=0.1)

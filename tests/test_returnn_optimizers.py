@@ -267,8 +267,13 @@ def test_empty_sparse_step_still_decays_and_counts():
 
 def test_default_names_and_tf_kwargs():
     w = [torch.nn.Parameter(torch.ones(2))]
-    for cls in (gf.CustomGradientDescentOptimizer, gf.NormalizedSGD, gf.NeuralOptimizer1,
-                gf.GradVarianceScaledOptimizer, gf.CustomAdamOptimizer):
+    for cls in (
+        gf.CustomGradientDescentOptimizer,
+        gf.NormalizedSGD,
+        gf.NeuralOptimizer1,
+        gf.GradVarianceScaledOptimizer,
+        gf.CustomAdamOptimizer,
+    ):
         assert cls(w, learning_rate=0.1).get_name() == cls.__name__
         assert cls(w, learning_rate=0.1, use_locking=True, name="n").get_name() == "n"
     with pytest.raises(ValueError, match="name"):

@@ -164,8 +164,11 @@ def test_state_dict_round_trip_with_centre():
     for m, o in ((model, opt), (model2, opt2)):
         x, y = batch(0, 3)
         o.minimize(lambda m=m, x=x, y=y: mse(m, x, y))  # step 4 exchanges with the centre
-    for a, b in zip(opt.centre() + list(model.parameters()),
-                    opt2.centre() + list(model2.parameters()), strict=True):
+    for a, b in zip(
+        opt.centre() + list(model.parameters()),
+        opt2.centre() + list(model2.parameters()),
+        strict=True,
+    ):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="checkpoint has communication_period=2"):
         _, opt3 = build(1)

@@ -19,12 +19,24 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_torchrun_example_trains_with_every_wrapper():
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(EXAMPLE), "--steps", "40",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        "--steps",
+        "40",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # so a timeout can kill torchrun *and* its workers
     )
     try:

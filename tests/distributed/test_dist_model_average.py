@@ -117,8 +117,11 @@ def test_state_dict_round_trip_includes_counters():
     torch.manual_seed(0)
     model = make_bn_model(0)
     opt = ModelAverageOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), 1, interval_steps=3,
-        buffers=model.buffers(), average_optimizer_state=True,
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        1,
+        interval_steps=3,
+        buffers=model.buffers(),
+        average_optimizer_state=True,
     )
     for s in range(4):
         opt.zero_grad()
@@ -131,8 +134,11 @@ def test_state_dict_round_trip_includes_counters():
     model2 = make_bn_model(1)
     model2.load_state_dict(ckpt["model"])
     opt2 = ModelAverageOptimizer(
-        torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9), 1, interval_steps=3,
-        buffers=model2.buffers(), average_optimizer_state=True,
+        torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9),
+        1,
+        interval_steps=3,
+        buffers=model2.buffers(),
+        average_optimizer_state=True,
     )
     opt2.load_state_dict(ckpt["opt"])
     assert (opt2.local_step, opt2.global_step) == (4, 1)

@@ -401,9 +401,7 @@ def list_(
             if cls in seen:
                 continue
             seen.add(cls)
-            table.add_row(
-                name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else ""
-            )
+            table.add_row(name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else "")
     out_console.print(table)
     st = Table(title="strategies (--strategy NAME[:key=value,...])")
     for col in ("name", "what", "arguments", "workers"):

@@ -236,8 +236,12 @@ class WrapperOptimizer(torch.optim.Optimizer):
         inner = getattr(self.optimizer, "variables", None)
         if inner is not None:
             return list(inner())
-        return [v for p in self.params() for v in self.state.get(p, {}).values()
-                if isinstance(v, torch.Tensor)]
+        return [
+            v
+            for p in self.params()
+            for v in self.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor)
+        ]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"

@@ -178,9 +178,7 @@ class ReplicatedModel:
         """Run one replicated step; returns :class:`TowerOutput`."""
         if self.num_towers == 1:
             home = next((p.device for p in self.module.parameters()), self.devices[0])
-            loss = self.model_fn(
-                self.module, _to_device(features, home), _to_device(labels, home)
-            )
+            loss = self.model_fn(self.module, _to_device(features, home), _to_device(labels, home))
             return TowerOutput(loss, [loss])
         f_shards = split_batch(features, self.num_towers)
         l_shards = split_batch(labels, self.num_towers)

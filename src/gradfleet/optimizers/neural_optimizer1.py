@@ -51,8 +51,13 @@ class NeuralOptimizer1(BaseCustomOptimizer):
         **options: Any,
     ) -> None:
         super().__init__(
-            params, learning_rate, use_locking, name,
-            beta1=beta1, decrease_factor=decrease_factor, **options,
+            params,
+            learning_rate,
+            use_locking,
+            name,
+            beta1=beta1,
+            decrease_factor=decrease_factor,
+            **options,
         )
 
     def _apply_var(self, grad, var, indices=None):
