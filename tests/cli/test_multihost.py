@@ -2,7 +2,9 @@
 host with its own address (10.231.N.1 and .2/24, which exist only inside the namespaces this
 test creates and removes). Every wrapper trains across them with one torchrun per host and a
 c10d rendezvous on the first, with a straggler; a worker on the second host is SIGKILLed under
-the per-worker recipe and rejoins across hosts. Skipped where namespaces cannot be created."""
+the per-worker recipe and rejoins across hosts; under one agent per host, a SIGKILLed worker
+takes its host's workers down and the other host finishes. Skipped where namespaces cannot be
+created."""
 
 from __future__ import annotations
 
