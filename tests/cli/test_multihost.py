@@ -18,7 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    TORCHRUN,
+    finish,
+    kill_rank,
+    metrics,
+    popen,
+    running,
+    stop,
+    wait_for_step,
+)
 from .test_torchrun import AGENT, recipe_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -188,7 +197,12 @@ def test_host_agent_ends_its_workers_the_other_host_finishes(
         while not (out / "summary.json").exists() and time.monotonic() < deadline:
             assert procs[0].poll() is None, procs[0].communicate()[0]
             time.sleep(0.5)
-        barrier = procs[0].poll() is None  # the first host's agent, after its workers ended
+        pids = [int((out / "pids" / f"rank-{r}.pid").read_text()) for r in range(world)]
+        survivors = [pid for r, pid in enumerate(pids) if r not in second]
+        while any(running(pid) for pid in survivors) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # the agent's monitor has seen its workers succeed: it is in the barrier
+        barrier = procs[0].poll() is None and not any(running(pid) for pid in survivors)
     finally:
         stop(procs, out)
     assert code != 0, console

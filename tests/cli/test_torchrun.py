@@ -14,7 +14,16 @@ import pytest
 
 from gradfleet.distributed.testing import free_port
 
-from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    TORCHRUN,
+    finish,
+    kill_rank,
+    metrics,
+    popen,
+    running,
+    stop,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,15 +74,6 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     assert summary["test_accuracy"] >= summary["target_accuracy"]
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting for its reaper does not count)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.slow
 def test_one_agent_for_all_workers_ends_the_job_when_one_is_killed(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node N``: one agent for the N workers ends every survivor when one
@@ -96,6 +96,6 @@ def test_one_agent_for_all_workers_ends_the_job_when_one_is_killed(tmp_path: Pat
         stop(procs, out)
     assert code != 0, console
     assert ended_after < 30, (ended_after, console)  # the agent's stop: SIGTERM, 30 s grace
-    assert not [r for r, pid in pids.items() if _running(pid)], console
+    assert not [r for r, pid in pids.items() if running(pid)], console
     assert not (out / "summary.json").exists()
     assert "exitcode  : -9" in console and "rank      : 2" in console, console
