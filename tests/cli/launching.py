@@ -34,6 +34,15 @@ def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen], deadline:
     raise AssertionError(f"step {step} not reached in time")
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for its reaper does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
 def kill_rank(out: Path, rank: int) -> int:
     """SIGKILL the worker process of ``rank`` (its pid file in the run directory)."""
     pid = int((out / "pids" / f"rank-{rank}.pid").read_text())

@@ -2,7 +2,9 @@
 host with its own address (10.231.N.1 and .2/24, which exist only inside the namespaces this
 test creates and removes). Every wrapper trains across them with one torchrun per host and a
 c10d rendezvous on the first, with a straggler; a worker on the second host is SIGKILLed under
-the per-worker recipe and rejoins across hosts. Skipped where namespaces cannot be created."""
+the per-worker recipe and rejoins across hosts; under one agent per host, a SIGKILLed worker
+takes its host's workers down and the other host finishes. Skipped where namespaces cannot be
+created."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    TORCHRUN,
+    finish,
+    kill_rank,
+    metrics,
+    popen,
+    running,
+    stop,
+    wait_for_step,
+)
 from .test_torchrun import AGENT, recipe_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,6 +85,21 @@ def _port() -> int:
     return 29000 + os.getpid() % 1000
 
 
+def _agents_per_host(
+    hosts: list[Host], per_host: int, train: list[str], cwd: Path
+) -> list[subprocess.Popen]:
+    """One torchrun per host for ``per_host`` workers each, c10d rendezvous on the first host."""
+    first = hosts[0]
+    agent = [*TORCHRUN, "--nnodes=2", f"--nproc-per-node={per_host}", "--rdzv-backend=c10d"]
+    agent += [f"--rdzv-endpoint={first.address}:{_port()}", "--rdzv-id=gf-multihost"]
+    agent += ["--monitor-interval=0.2", "--max-restarts=0"]
+    return [
+        h.popen([*agent, f"--rdzv-conf=is_host={int(h is first)}", f"--local-addr={h.address}",
+                 *train], cwd, {})
+        for h in hosts
+    ]  # fmt: skip
+
+
 STRATEGIES = [
     "allreduce",
     "model-average:interval=4",
@@ -88,16 +114,10 @@ STRATEGIES = [
 def test_every_wrapper_trains_across_two_hosts(
     hosts: list[Host], tmp_path: Path, strategy: str
 ) -> None:
-    first, steps, out = hosts[0], 80, tmp_path / "run"
-    agent = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
-    agent += [f"--rdzv-endpoint={first.address}:{_port()}", "--rdzv-id=gf-multihost"]
+    steps, out = 80, tmp_path / "run"
     train = ["-m", "gradfleet", "train", "-s", strategy, "-n", "2", "--steps", str(steps)]
     train += ["--straggler", "1:30", "--out", str(out), "-q"]
-    procs = [
-        h.popen([*agent, f"--rdzv-conf=is_host={int(h is first)}", f"--local-addr={h.address}",
-                 *train], tmp_path, {})
-        for h in hosts
-    ]  # fmt: skip
+    procs = _agents_per_host(hosts, 1, train, tmp_path)
     try:
         results = finish(procs, time.monotonic() + 240, out)
     finally:
@@ -140,3 +160,58 @@ def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path)
     (event,) = [r for r in metrics(out) if r.get("event") == "worker_rejoined"]
     assert event["rank"] == 2 and event["at_step"] >= 40
     assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
+
+
+def _ranks_on(host: Host, out: Path, world: int) -> list[int]:
+    """The ranks whose worker process runs in ``host``'s network namespace."""
+    listed = subprocess.run(
+        ["ip", "netns", "pids", host.netns], capture_output=True, text=True, timeout=10
+    ).stdout.split()
+    pids = {int((out / "pids" / f"rank-{r}.pid").read_text()): r for r in range(world)}
+    return sorted(pids[int(p)] for p in listed if int(p) in pids)
+
+
+@pytest.mark.slow
+def test_host_agent_ends_its_workers_the_other_host_finishes(
+    hosts: list[Host], tmp_path: Path
+) -> None:
+    """Multi-node torchrun, one agent per host for two workers each, c10d rendezvous. A worker
+    on the second host is SIGKILLed: its agent ends its host's other worker too and exits
+    non-zero (``--max-restarts 0``); sync-replicas with two backups (R=2 of N=4) lets the first
+    host's workers finish. Nothing reports the loss to rank 0, which waits the job timeout
+    (120 s) for the two ranks, then names them in the summary; its agent then sits in torch's
+    exit barrier (300 s), so the test ends it once the summary is written."""
+    world, steps, out = 4, 300, tmp_path / "run"
+    strategy = "sync-replicas:replicas_to_aggregate=2"
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world), "--steps", str(steps)]
+    train += ["--out", str(out), "-q"]
+    procs = _agents_per_host(hosts, 2, train, tmp_path)
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        second = _ranks_on(hosts[1], out, world)
+        assert len(second) == 2 and 0 not in second, second  # rank 0 on the rendezvous host
+        kill_rank(out, second[-1])
+        killed_at = time.monotonic()
+        ((code, console),) = finish(procs[1:], min(deadline, killed_at + 60), out)
+        while not (out / "summary.json").exists() and time.monotonic() < deadline:
+            assert procs[0].poll() is None, procs[0].communicate()[0]
+            time.sleep(0.5)
+        pids = [int((out / "pids" / f"rank-{r}.pid").read_text()) for r in range(world)]
+        survivors = [pid for r, pid in enumerate(pids) if r not in second]
+        while any(running(pid) for pid in survivors) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # the agent's monitor has seen its workers succeed: it is in the barrier
+        barrier = procs[0].poll() is None and not any(running(pid) for pid in survivors)
+    finally:
+        stop(procs, out)
+    assert code != 0, console
+    assert f"rank      : {second[-1]}" in console and "exitcode  : -9" in console, console
+    assert barrier
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["workers"] == world
+    lost = summary["lost_workers"]
+    assert [w["rank"] for w in lost] == second, lost
+    assert all(w["cause"] == "not finished in 120s" for w in lost), lost
+    assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
+    assert summary["test_accuracy"] >= summary["target_accuracy"]

@@ -14,7 +14,16 @@ import pytest
 
 from gradfleet.distributed.testing import free_port
 
-from .launching import TORCHRUN, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    TORCHRUN,
+    finish,
+    kill_rank,
+    metrics,
+    popen,
+    running,
+    stop,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,3 +72,30 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     assert summary["lost_workers"] == []  # it came back
     assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
     assert summary["test_accuracy"] >= summary["target_accuracy"]
+
+
+@pytest.mark.slow
+def test_one_agent_for_all_workers_ends_the_job_when_one_is_killed(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node N``: one agent for the N workers ends every survivor when one
+    is killed (``--max-restarts 0``), even where a backup could have covered it; no summary."""
+    world, out = 3, tmp_path / "run"
+    agent = [*TORCHRUN, "--standalone", "--nnodes=1", f"--nproc-per-node={world}"]
+    agent += ["--monitor-interval=0.2", "--max-restarts=0"]
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2"]
+    train += ["-n", str(world), "--steps", "100000", "--out", str(out), "-q"]
+    procs = [popen([*agent, *train], tmp_path)]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        pids = {r: int((out / "pids" / f"rank-{r}.pid").read_text()) for r in range(world)}
+        kill_rank(out, 2)
+        killed_at = time.monotonic()
+        ((code, console),) = finish(procs, min(deadline, killed_at + 60), out)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        stop(procs, out)
+    assert code != 0, console
+    assert ended_after < 30, (ended_after, console)  # the agent's stop: SIGTERM, 30 s grace
+    assert not [r for r, pid in pids.items() if running(pid)], console
+    assert not (out / "summary.json").exists()
+    assert "exitcode  : -9" in console and "rank      : 2" in console, console
