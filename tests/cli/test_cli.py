@@ -196,6 +196,7 @@ BAD = [
     (["-s", "sync-replicas:total_num_replicas=3", "-n", "2"], "needs --workers >= 3"),
     (["-s", "model-average:interval=0", "-n", "2"], "interval must be an integer >= 1"),
     (["--straggler", "fast"], "RANK:DELAY_MS"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
 ]
 
 

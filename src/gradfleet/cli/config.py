@@ -29,6 +29,7 @@ SETTINGS = (
     "straggler",
     "eval_every",
     "checkpoint_every",
+    "timeout",
 )
 
 

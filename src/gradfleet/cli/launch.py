@@ -115,7 +115,7 @@ def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
     log_dir = out / "logs"
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=int(spec.get("timeout", 120))),
+        timeout=timedelta(seconds=float(spec.get("timeout", 120))),
     )  # fmt: skip
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
     tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], workers)

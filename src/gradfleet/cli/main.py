@@ -99,6 +99,9 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     steps = int(merged.get("steps", workload.steps))
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
+    timeout = merged.get("timeout", 120)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout!r}")
     straggler = merged.get("straggler")
     if straggler is not None:
         straggler = parse_straggler(straggler)
@@ -116,7 +119,7 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
         "straggler": straggler,
         "eval_every": merged.get("eval_every", max(steps // 5, 1)),
         "checkpoint_every": merged.get("checkpoint_every", 0),
-        "timeout": merged.get("timeout", 120),
+        "timeout": timeout,
         "target_accuracy": workload.target,
     }
 
@@ -237,6 +240,10 @@ def train(
     checkpoint_every: Opt[
         int | None, typer.Option(help="checkpoint every K steps (0: never)")
     ] = None,
+    timeout: Opt[
+        float | None,
+        typer.Option(help="seconds to wait for a silent worker or server before failing (120)"),
+    ] = None,
     out: Opt[
         Path | None, typer.Option(help="run directory (default runs/<time>-<workload>-...)")
     ] = None,
@@ -260,6 +267,7 @@ def train(
         straggler=straggler,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
+        timeout=timeout,
     )
     try:
         spec = _resume_spec(resume, steps) if resume else resolve(flags)
