@@ -195,7 +195,7 @@ class Optimizer(torch.optim.Optimizer):
         would not be harmless here (AdagradDA's and FTRL's closed forms set the weights from
         the slots; FTRL rejects learning rate 0), so it creates the slots and stops.
         """
-        if not any(work) or any(callable(g["lr"]) or g["lr"] != 0 for g in self.param_groups):
+        if not any(work) or not all(_is_zero_on_host(g["lr"]) for g in self.param_groups):
             return False
         for pairs in work:
             for _, g in pairs:
@@ -589,3 +589,12 @@ def _locate(shapes: list[list[Any]], flat_index: int) -> tuple[int, int]:
             return gi, rest
         rest -= len(group)
     raise ValueError(f"state dict holds state for parameter {flat_index} beyond the parameter list")
+
+
+def _is_zero_on_host(lr: Any) -> bool:
+    """``lr == 0`` for a number or a CPU tensor.  A learning rate on an accelerator is never
+    read back here: a slot-free optimizer keeps ``state`` empty, so this runs every step, and a
+    read-back would wait for the device and break CUDA-graph capture."""
+    if isinstance(lr, torch.Tensor):
+        return lr.is_cpu and bool(lr == 0)
+    return not callable(lr) and lr == 0
