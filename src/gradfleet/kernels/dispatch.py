@@ -93,10 +93,12 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
 def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
     """One bucket on the fused path; DTensors run through their local shards."""
     table = {n: [s[n] for s in slots] for n in names}
-    if not any(dtensor.is_dtensor(p) for p in ps):
-        work = [(ps, gs, table, shared)]
+    if not any(dtensor.is_dtensor(t) for t in (*ps, *gs)):
+        work = [(ps, gs, table, shared)]  # apply_dense's check_plain: plain tensors only
     else:
         work = dtensor.local_work(opt, ps, gs, table, shared)
+        for params, grads, _, _ in work:  # to_local() must leave no subclass for the kernel
+            dtensor.check_plain(opt, params, grads)
     for params, grads, slot_table, extra_shared in work:
         keep = [j for j, p in enumerate(params) if p.numel()]  # empty: nothing to do
         if keep:
@@ -105,7 +107,6 @@ def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
                 [grads[j] for j in keep],
                 {n: [ts[j] for j in keep] for n, ts in slot_table.items()},
             )
-            dtensor.check_plain(opt, args[0], args[1])
             run_fused(opt, *args, hp, extra_shared)
 
 
