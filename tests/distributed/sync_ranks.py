@@ -364,6 +364,8 @@ def easgd_oracle(ctx: RankContext) -> dict:
     strategy = AsyncCentre(timeout=20)
     opt = _easgd([v0, v1], 2, 1, 0.5, strategy)
     gs = torch.zeros((), dtype=torch.int64)
+    ctx.signal("joined")  # both start from the initial centre, as in TF's oracle
+    ctx.wait_signal(1 - ctx.rank, "joined", timeout=20)
     if ctx.rank == 1:
         ctx.wait_signal(0, "stepped", timeout=20)
     opt.apply_gradients([(torch.tensor(-1.0), v0), (torch.tensor(-1.0), v1)], gs)
@@ -387,6 +389,9 @@ def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> l
     model = make_model()
     strategy = AsyncCentre(timeout=20)
     opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
+    ctx.signal("joined")  # every worker starts from the initial centre, as the replay does
+    for r in range(ctx.world_size):
+        ctx.wait_signal(r, "joined", timeout=20)
     traj = []
     for s in range(steps):
         if ctx.rank:

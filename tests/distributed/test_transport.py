@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gradfleet.distributed.transport import (
+    LocalLink,
     MailboxClient,
     MailboxServer,
     Packer,
@@ -21,9 +22,12 @@ from gradfleet.distributed.transport import (
     local_address_towards,
     split,
 )
-from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout
+from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout, views
 
 pytestmark = pytest.mark.timeout(120)
+# A client in the server's process normally gets an in-process link; False forces the gloo
+# pair a client in another process gets, so both data planes run the same request tests.
+IN_PROCESS = pytest.mark.parametrize("in_process", [False, True], ids=["pair", "local"])
 
 DTYPES = [
     torch.float16,
@@ -151,10 +155,12 @@ class Echo:
             raise ValueError(f"unknown op {msg['op']!r}")
 
 
-def test_mailbox_tensors_on_the_pair_control_tiny_and_no_torch_save(monkeypatch):
+@IN_PROCESS
+def test_mailbox_tensors_on_the_pair_control_tiny_and_no_torch_save(monkeypatch, in_process):
     server = MailboxServer(Echo().handle)
     try:
-        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0", in_process=in_process)
+        assert isinstance(client.link, LocalLink if in_process else PairLink)
 
         def forbidden(*a, **k):
             raise AssertionError("torch.save used by the transport")
@@ -176,14 +182,15 @@ def test_mailbox_tensors_on_the_pair_control_tiny_and_no_torch_save(monkeypatch)
         server.close()
 
 
-def test_restarted_client_gets_a_new_pair_and_ignores_old_replies():
+@IN_PROCESS
+def test_restarted_client_gets_a_new_pair_and_ignores_old_replies(in_process):
     echo = Echo()
     server = MailboxServer(echo.handle)
     try:
-        old = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        old = MailboxClient(server.address, "w1", 20.0, "server rank 0", in_process=in_process)
         old.request("hold")  # the old incarnation "dies" while its reply is pending
-        new = MailboxClient(server.address, "w1", 20.0, "server rank 0")
-        other = MailboxClient(server.address, "w2", 20.0, "server rank 0")
+        new = MailboxClient(server.address, "w1", 20.0, "server rank 0", in_process=in_process)
+        other = MailboxClient(server.address, "w2", 20.0, "server rank 0", in_process=False)
         other.call("release")  # the old reply goes nowhere (its pair was replaced)
         x = torch.randn(64)
         torch.testing.assert_close(new.call("double", x=[x], n=1)["y"][0], 2 * x)
@@ -192,9 +199,10 @@ def test_restarted_client_gets_a_new_pair_and_ignores_old_replies():
         server.close()
 
 
-def test_dead_server_raises_server_unreachable_naming_it():
+@IN_PROCESS
+def test_dead_server_raises_server_unreachable_naming_it(in_process):
     server = MailboxServer(Echo().handle)
-    client = MailboxClient(server.address, "w0", 3.0, "server rank 7")
+    client = MailboxClient(server.address, "w0", 3.0, "server rank 7", in_process=in_process)
     server.close()
     start = time.monotonic()
     with pytest.raises(ServerUnreachable, match="server rank 7"):
@@ -229,15 +237,54 @@ def test_cuda_tensors_are_staged_through_pinned_host_memory():
         assert torch.equal(got.cuda(), want)
 
 
-def test_abandoned_reply_tensors_are_drained_not_mistaken_for_the_next():
+@IN_PROCESS
+def test_abandoned_reply_tensors_are_drained_not_mistaken_for_the_next(in_process):
     server = MailboxServer(Echo().handle)
     try:
-        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
-        other = MailboxClient(server.address, "w1", 20.0, "server rank 0")
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0", in_process=in_process)
+        other = MailboxClient(server.address, "w1", 20.0, "server rank 0", in_process=False)
         client.request("hold")  # abandoned: its reply (with a tensor) arrives later
         other.call("release")
         x = torch.randn(DIRECT)  # a different size and path than the abandoned ones(3)
         for _ in range(2):
             torch.testing.assert_close(client.call("double", x=[x], n=1)["y"][0], 2 * x)
+    finally:
+        server.close()
+
+
+def test_views_of_received_messages_match_the_packed_tensors():
+    tensors = sample_tensors() + [torch.randn(DIRECT)]
+    spec, messages = Packer().pack(tensors, direct=True)
+    assert spec["entries"][-1][3]  # the large one travels alone
+    for got, want in zip(views(spec, messages), tensors, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class Reader:
+    """Replies first, then reads the request's tensor (as the EASGD centre does)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def handle(self, msg, reply):
+        reply.send({"ok": 1})
+        time.sleep(0.05)  # a client told at once would have changed x by now
+        self.seen.append(msg["x"][0].clone())
+        self.pointers = msg["x"][0].data_ptr()
+
+
+def test_in_process_client_is_zero_copy_and_told_only_after_the_handler_returned():
+    reader = Reader()
+    server = MailboxServer(reader.handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+        assert isinstance(client.link, LocalLink)
+        x = torch.randn(DIRECT)
+        for k in range(3):
+            client.call("read", x=[x])
+            x.add_(1.0)  # what a worker does with its tensors once the reply is there
+        assert reader.pointers == x.data_ptr()  # the server read the client's own memory
+        for k, seen in enumerate(reader.seen):
+            torch.testing.assert_close(seen, x - (3 - k), rtol=0, atol=1e-5)
     finally:
         server.close()

@@ -3,15 +3,17 @@
 * :mod:`.mailbox` -- request/reply: ``MailboxServer(handler)`` / ``MailboxClient.call(op,
   **fields)``; control on the server's c10d ``TCPStore`` queues, tensors on a pair group.
 * :mod:`.pairs` -- the data plane: a 2-rank gloo process group per (server, client
-  incarnation), so a restarted worker simply builds a new pair.
+  incarnation), so a restarted worker simply builds a new pair; a client in the server's own
+  process hands its tensors over in memory (``LocalLink``).
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
 """
 
 from .mailbox import MailboxClient, MailboxServer, Reply, ServerUnreachable
-from .pairs import PairLink, local_address_towards
+from .pairs import LocalLink, PairLink, local_address_towards
 from .wire import Packer, join, split
 
 __all__ = [
+    "LocalLink",
     "MailboxClient",
     "MailboxServer",
     "PairLink",

@@ -11,6 +11,12 @@ small fields, the tensors' layout) travels through the store queues (``gf/req``,
 (gloo send/recv, received into a preallocated buffer).  Tensors a handler or caller receives
 are views of that buffer, valid until the next message on the same link: copy what you keep.
 
+A client in the server's own process (the worker on the server rank, found by address in
+``_IN_PROCESS``) gets a :class:`~.pairs.LocalLink`: its tensors are handed over without a
+socket or a copy, as a collective treats a rank's own contribution.  So that the server never
+reads such a client's tensors after the client resumed, a reply to a local client is posted
+only once the handler that sent it has returned.
+
 Why the store for control and not ``torch.distributed.rpc``: a static RPC group cannot admit a
 restarted process, a dynamic one makes every joiner call every member, and ``rpc.shutdown``
 waits for dead peers.  A store client (and a pair group) can be created at any time, and a dead
@@ -23,13 +29,14 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from .pairs import SERVER, PairLink, local_address_towards
+from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .wire import Packer, dumps, join, loads, split
 
 __all__ = ["MailboxServer", "MailboxClient", "Reply", "ServerUnreachable"]
@@ -37,6 +44,8 @@ __all__ = ["MailboxServer", "MailboxClient", "Reply", "ServerUnreachable"]
 REQUESTS = "gf/req"
 LAYOUT = "$layout"
 MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages are tiny
+# Servers of this process by address: a client of one of them talks to it in-process.
+_IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
 
 
 class ServerUnreachable(RuntimeError):
@@ -54,7 +63,7 @@ def _push(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
 class _Peer:
     """Server-side state of one client incarnation: its pair link and buffers."""
 
-    def __init__(self, incarnation: str, link: PairLink) -> None:
+    def __init__(self, incarnation: str, link: PairLink | LocalLink) -> None:
         self.incarnation, self.link = incarnation, link
         self.inbox, self.outbox = Packer(), Packer()
 
@@ -75,8 +84,8 @@ class Reply:
         self.done = True
         skeleton, tensors = split(payload)
         message = dict(skeleton, seq=self.seq, inc=self.inc)
+        peer = self._server.peers.get(self.client)
         if tensors:
-            peer = self._server.peers.get(self.client)
             if peer is None or peer.incarnation != self.inc:
                 return  # that incarnation is gone; its successor ignores this reply
             try:
@@ -86,6 +95,10 @@ class Reply:
             except Exception:
                 self._server.drop(self.client)  # dead client: only its own pair breaks
                 return
+        deferred = self._server.deferred
+        if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):
+            deferred.append((self.client, message))  # posted when the handler returns
+            return
         _push(self._server.store, f"gf/rep/{self.client}", message)
 
 
@@ -126,12 +139,16 @@ class MailboxServer:
         self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
         self.pair_timeout = pair_timeout
         self.peers: dict[str, _Peer] = {}
+        self._local_ends: dict[tuple[str, str], LocalLink] = {}
+        # replies to in-process clients sent by the running handler (None: no handler runs)
+        self.deferred: list[tuple[str, dict[str, Any]]] | None = None
         self._shared: tuple[Any, dict, list] | None = None
         self._handler, self._tick, self._tick_s = handler, tick, tick_s
         self._stopping = threading.Event()
         self.bytes_in = 0
         self._thread = threading.Thread(target=self._serve, name="gradfleet-server", daemon=True)
         self._thread.start()
+        _IN_PROCESS[self.address] = self
         if tick is not None:
             self._ticker = threading.Thread(target=self._ticks, name="gradfleet-tick", daemon=True)
             self._ticker.start()
@@ -145,10 +162,19 @@ class MailboxServer:
         while not self._stopping.wait(self._tick_s):
             _push(poke, REQUESTS, {"op": "_tick"})
 
+    def adopt_local(self, client: str, incarnation: str, link: LocalLink) -> None:
+        """Called by an in-process client before its ``_pair`` request: the server end of its
+        :class:`LocalLink`, taken up when that request is served (in order with the rest)."""
+        self._local_ends[(client, incarnation)] = link
+
     def _pair(self, client: str, incarnation: str, client_host: str) -> None:
         """Build the server end of ``client``'s new pair group (replacing an old one).  Gloo
         listens on ``host``, or (wildcard host) on the address routing to the client."""
         self.drop(client)
+        local = self._local_ends.pop((client, incarnation), None)
+        if local is not None:
+            self.peers[client] = _Peer(incarnation, local)
+            return
         prefix = f"gf/pair/{client}/{incarnation}"
         wildcard = self.host in ("", "0.0.0.0")
         bind = local_address_towards(client_host) if wildcard else self.host
@@ -182,13 +208,12 @@ class MailboxServer:
         if peer is None or peer.incarnation != msg.get("inc"):
             return None
         try:
-            messages = peer.inbox.receive(layout)
-            peer.link.recv(messages)
+            tensors = peer.link.receive(layout, peer.inbox)
         except Exception:
             self.drop(msg["client"])  # died mid-message: drop its pair, serve the others
             return None
-        self.bytes_in += sum(m.numel() for m in messages)
-        return join(msg, peer.inbox.unpack(layout))
+        self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
+        return join(msg, tensors)
 
     def _serve(self) -> None:
         while True:
@@ -207,16 +232,22 @@ class MailboxServer:
             if request is None:
                 continue
             reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
+            self.deferred = []
             try:
                 self._handler(request, reply)
             except Exception as exc:  # the error goes back to the caller, the server lives on
                 reply.send({"error": type(exc).__name__, "message": str(exc)})
+            finally:
+                deferred, self.deferred = self.deferred, None
+                for client, message in deferred:
+                    _push(self.store, f"gf/rep/{client}", message)
 
     def close(self) -> None:
         """Stop serving (pending clients get connection errors once the process exits)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
+        _IN_PROCESS.pop(self.address, None)
         _push(self.store.clone(), REQUESTS, {"op": "_stop"})
         self._thread.join(5)
         if self._tick is not None:
@@ -241,10 +272,17 @@ class MailboxClient:
     ``call`` (= ``request`` then ``response``) raises :class:`ServerUnreachable` naming
     ``server_name`` when the server is dead or silent for ``timeout`` seconds, and re-raises
     errors the handler reported.  ``data=False``: control messages only (no pair group).
+    ``in_process=False``: a gloo pair even when the server lives in this process.
     """
 
     def __init__(
-        self, address: str, client: str, timeout: float, server_name: str, data: bool = True
+        self,
+        address: str,
+        client: str,
+        timeout: float,
+        server_name: str,
+        data: bool = True,
+        in_process: bool = True,
     ) -> None:
         host, port = address.rsplit(":", 1)
         self.address, self.client, self.timeout = address, client, timeout
@@ -254,7 +292,7 @@ class MailboxClient:
         self._pending: tuple[str, float, float] | None = None
         self._broken: str | None = None
         self.inc = uuid.uuid4().hex
-        self.link: PairLink | None = None
+        self.link: PairLink | LocalLink | None = None
         self._outbox, self._inbox = Packer(), Packer()
         try:
             self.store = dist.TCPStore(
@@ -263,7 +301,12 @@ class MailboxClient:
             # a restarted client reuses its name: forget replies meant for the previous one
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)
-            if data:
+            server = _IN_PROCESS.get(address) if in_process else None
+            if data and server is not None:
+                server_end, self.link = LocalLink.pair()
+                server.adopt_local(client, self.inc, server_end)
+                _push(self.store, REQUESTS, {"op": "_pair", "client": client, "inc": self.inc})
+            elif data:
                 bind = local_address_towards(host)
                 hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
                 _push(self.store, REQUESTS, hello)
@@ -310,12 +353,11 @@ class MailboxClient:
                 if reply.get("seq") == self._seq:
                     break
                 if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
-                    self.link.recv(self._inbox.receive(reply[LAYOUT]))  # drain its tensors
+                    self.link.receive(reply[LAYOUT], self._inbox)  # drain its tensors
             layout = reply.pop(LAYOUT, None)
             if layout is not None:
                 assert self.link is not None
-                self.link.recv(self._inbox.receive(layout))
-                reply = join(reply, self._inbox.unpack(layout))
+                reply = join(reply, self.link.receive(layout, self._inbox))
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
         self._pending = None

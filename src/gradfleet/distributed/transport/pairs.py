@@ -13,6 +13,10 @@ a restarted worker (a new incarnation) builds a new pair on its ``hello`` while 
 job keeps running, and a dead client breaks only its own pair.  ``dist.new_group`` cannot be
 used (it needs the default group and every member), so the group is constructed directly.
 
+A client in the server's own process (the worker on the server rank) gets a :class:`LocalLink`
+instead: the sender's byte messages are handed over as they are (no socket, no copy), which
+is what a collective does with a rank's own contribution.
+
 Where gloo listens: the server side on the server's ``host``; a client on the local address
 that routes to the server (loopback for a loopback server), or ``$GRADFLEET_DATA_HOST``.
 """
@@ -21,12 +25,16 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import deque
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PairLink", "local_address_towards"]
+from .wire import Packer, views
+
+__all__ = ["PairLink", "LocalLink", "local_address_towards"]
 
 SERVER, CLIENT = 0, 1
 
@@ -78,9 +86,51 @@ class PairLink:
             work.wait()
         self.bytes_received += sum(m.numel() for m in messages)
 
+    def receive(self, spec: dict[str, Any], inbox: Packer) -> list[torch.Tensor]:
+        """The tensors of the peer's next message of layout ``spec``, received into
+        ``inbox`` (views of it, valid until its next message)."""
+        self.recv(inbox.receive(spec))
+        return inbox.unpack(spec)
+
     def close(self) -> None:
         try:
             self.wait_sent()
         except Exception:
             pass  # the peer is gone: nothing to finish
         self.group = None  # type: ignore[assignment]
+
+
+class LocalLink:
+    """One end of a data channel inside one process (``PairLink``'s interface).
+
+    ``send`` hands the byte messages themselves to the other end and ``receive`` returns views
+    of them: the sender must leave them untouched until the receiver is done with them, which
+    the request/reply protocol guarantees (a client waits for the reply; the server tells the
+    client only after its handler returned, see ``mailbox``).  The deques are thread-safe.
+    """
+
+    def __init__(self, incoming: deque, outgoing: deque) -> None:
+        self._incoming, self._outgoing = incoming, outgoing
+        self.bytes_sent = self.bytes_received = 0
+
+    @staticmethod
+    def pair() -> tuple[LocalLink, LocalLink]:
+        """``(server end, client end)``."""
+        to_server: deque = deque()
+        to_client: deque = deque()
+        return LocalLink(to_server, to_client), LocalLink(to_client, to_server)
+
+    def send(self, messages: list[torch.Tensor]) -> None:
+        self._outgoing.append(messages)
+        self.bytes_sent += sum(m.numel() for m in messages)
+
+    def wait_sent(self) -> None:
+        """Nothing to wait for: the messages were handed over."""
+
+    def receive(self, spec: dict[str, Any], inbox: Packer) -> list[torch.Tensor]:
+        messages = self._incoming.popleft()
+        self.bytes_received += sum(m.numel() for m in messages)
+        return views(spec, messages)
+
+    def close(self) -> None:
+        self._incoming.clear()

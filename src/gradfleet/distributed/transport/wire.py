@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split", "join", "layout", "Packer", "dumps", "loads", "ALIGN"]
+__all__ = ["split", "join", "layout", "views", "Packer", "dumps", "loads", "ALIGN"]
 
 ALIGN = 16
 _DTYPES = {
@@ -174,8 +174,18 @@ class Packer:
 
     def unpack(self, spec: dict[str, Any]) -> list[torch.Tensor]:
         """Views of this buffer as the tensors of a message received by :meth:`receive`."""
-        out = []
-        for dtype_name, shape, offset, _ in spec["entries"]:
-            n = _nbytes(dtype_name, shape)
-            out.append(self.buffer[offset : offset + n].view(_DTYPES[dtype_name]).view(shape))
-        return out
+        return views(spec, self.receive(spec))
+
+
+def views(spec: dict[str, Any], messages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of a message of layout ``spec`` as views of its byte ``messages`` (the
+    packed buffer first, if any, then one per direct tensor, as :meth:`Packer.pack` made
+    them or :meth:`Packer.receive` received them)."""
+    packed = messages[0] if spec["packed"] else torch.empty(0, dtype=torch.uint8)
+    alone = iter(messages[1:] if spec["packed"] else messages)
+    out = []
+    for dtype_name, shape, offset, direct in spec["entries"]:
+        n = _nbytes(dtype_name, shape)
+        data = next(alone)[:n] if direct else packed[offset : offset + n]
+        out.append(data.view(_DTYPES[dtype_name]).view(shape))
+    return out
