@@ -280,7 +280,7 @@ def test_in_process_client_is_zero_copy_and_told_only_after_the_handler_returned
         client = MailboxClient(server.address, "w0", 20.0, "server rank 0")
         assert isinstance(client.link, LocalLink)
         x = torch.randn(DIRECT)
-        for k in range(3):
+        for _ in range(3):
             client.call("read", x=[x])
             x.add_(1.0)  # what a worker does with its tensors once the reply is there
         assert reader.pointers == x.data_ptr()  # the server read the client's own memory
