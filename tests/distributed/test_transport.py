@@ -288,3 +288,30 @@ def test_in_process_client_is_zero_copy_and_told_only_after_the_handler_returned
             torch.testing.assert_close(seen, x - (3 - k), rtol=0, atol=1e-5)
     finally:
         server.close()
+
+
+def test_copy_mode_snapshots_large_tensors_that_still_travel_alone():
+    big, small = torch.randn(DIRECT), torch.arange(3.0)
+    spec, messages = Packer().pack([small, big], direct=True, copy=True)
+    assert [e[3] for e in spec["entries"]] == [False, True] and len(messages) == 2
+    big.add_(1.0)  # the sender may change its tensors at once
+    got = views(spec, messages)
+    torch.testing.assert_close(got[1], big - 1.0, rtol=0, atol=1e-6)
+    assert torch.equal(got[0], small)
+
+
+def test_reply_lands_in_the_callers_tensors_where_they_match():
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0", in_process=False)
+        x = [torch.randn(DIRECT), torch.randn(DIRECT), torch.arange(4.0)]
+        into = [torch.empty(DIRECT), torch.empty(DIRECT + 1), torch.empty(4)]
+        y = client.call("double", x=x, n=0, receive_into=into)["y"]
+        assert y[0].data_ptr() == into[0].data_ptr()  # received in place
+        assert y[1].data_ptr() != into[1].data_ptr()  # wrong shape: the link's own buffer
+        assert y[2].data_ptr() != into[2].data_ptr()  # small: packed, never in place
+        for got, want in zip(y, x, strict=True):
+            torch.testing.assert_close(got, 2 * want)
+        torch.testing.assert_close(into[0], 2 * x[0])
+    finally:
+        server.close()

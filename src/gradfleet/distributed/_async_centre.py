@@ -196,15 +196,20 @@ class AsyncCentre(CentreStrategy):
 
     def exchange(self, params: Sequence[torch.Tensor], moving_rate: float) -> list[torch.Tensor]:
         assert self._client is not None, "setup() must run first"
-        reply = self._client.call(
-            "exchange", worker=self.worker, alpha=moving_rate, params=[p.detach() for p in params]
-        )
         if self._read is None:  # buffers reused by every exchange (the wrapper's c_loc)
             self._read = [torch.empty_like(p, requires_grad=False) for p in params]
             self._diff = [torch.empty_like(p, requires_grad=False) for p in params]
+        reply = self._client.call(  # the centre read lands in ``_read`` where it can
+            "exchange",
+            receive_into=self._read,
+            worker=self.worker,
+            alpha=moving_rate,
+            params=[p.detach() for p in params],
+        )
         with torch.no_grad():
             for p, c, r, d in zip(params, reply["centre"], self._read, self._diff, strict=True):
-                r.copy_(c)
+                if c.data_ptr() != r.data_ptr():
+                    r.copy_(c)
                 p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
         return self._read
 

@@ -375,14 +375,15 @@ class ShardLinks:
         accepted = [bool(c.response()["accepted"]) for c in self.clients.values()]
         return all(accepted)
 
-    def read(self) -> dict[int, list[torch.Tensor]]:
+    def read(self, into: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Values of every shard that stepped since the last read (read concurrently; the
-        tensors are views of each link's buffer: copy them before the next read)."""
+        tensors are views of each link's buffer, or of shard k's ``into[k]`` tensors where
+        they were received in place: copy the others before the next read)."""
         for k, client in self.clients.items():
             client.request("read", worker=self.worker, version=self.versions[k])
         out = {}
         for k, client in self.clients.items():
-            reply = client.response()
+            reply = client.response(receive_into=into.get(k))
             self.versions[k] = int(reply["version"])
             if "params" in reply:
                 out[k] = reply["params"]

@@ -272,11 +272,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 )
         return check_int(_OWNER, "worker", worker, 0)
 
-    def _load_shard(self, k: int, values: Sequence[torch.Tensor]) -> None:
+    def _shard_params(self, k: int) -> list[torch.Tensor]:
         params = self.params()
+        return [params[i] for i in self._parts[k]]
+
+    def _load_shard(self, k: int, values: Sequence[torch.Tensor]) -> None:
+        """Copy shard ``k``'s new values into the parameters (those the transport received
+        in place already are skipped)."""
         with torch.no_grad():
-            for i, v in zip(self._parts[k], values, strict=True):
-                params[i].copy_(v)
+            for p, v in zip(self._shard_params(k), values, strict=True):
+                if v.data_ptr() != p.data_ptr():
+                    p.copy_(v)
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -340,14 +346,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 accepted = self._links.pushed()
             accepted = bool(self._client.response()["accepted"]) and accepted
             self._client.request("step", worker=self.worker, tag=tag, version=self._version)
-        reply = self._client.response()
+        reply = self._client.response(receive_into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
         if "params" in reply:
             self._load_shard(0, reply["params"])
         self._version = int(reply.get("version", self.global_step))
         if self._links is not None:
-            for k, values in self._links.read().items():
+            into = {k: self._shard_params(k) for k in self._links.clients}
+            for k, values in self._links.read(into).items():
                 self._load_shard(k, values)
         return accepted
 

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -194,9 +194,9 @@ class MailboxServer:
         given) into one fresh buffer kept for every reply with the same key (in-flight sends
         keep their buffer alive, so a new key never overwrites one)."""
         if share is None:
-            return outbox.pack(tensors)
+            return outbox.pack(tensors, direct=True, copy=True)
         if self._shared is None or self._shared[0] != share:
-            self._shared = (share, *Packer().pack(tensors))
+            self._shared = (share, *Packer().pack(tensors, direct=True, copy=True))
         return self._shared[1], self._shared[2]
 
     def _receive(self, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -340,8 +340,13 @@ class MailboxClient:
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
-    def response(self) -> dict[str, Any]:
-        """The reply to the last :meth:`request` (tensors are views: copy what you keep)."""
+    def response(self, receive_into: Sequence[Any] | None = None) -> dict[str, Any]:
+        """The reply to the last :meth:`request` (tensors are views: copy what you keep).
+
+        ``receive_into``: tensors of the caller's for the reply's tensors (in the order they
+        appear in the reply); a large one that matches in dtype and shape is received
+        straight into it, and the reply then holds a view of it (check with
+        ``data_ptr()`` before copying)."""
         assert self._pending is not None, "response() without request()"
         op, wait, _ = self._pending
         try:
@@ -357,7 +362,7 @@ class MailboxClient:
             layout = reply.pop(LAYOUT, None)
             if layout is not None:
                 assert self.link is not None
-                reply = join(reply, self.link.receive(layout, self._inbox))
+                reply = join(reply, self.link.receive(layout, self._inbox, receive_into))
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
         self._pending = None
@@ -365,9 +370,15 @@ class MailboxClient:
             raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
         return reply
 
-    def call(self, op: str, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+    def call(
+        self,
+        op: str,
+        timeout: float | None = None,
+        receive_into: Sequence[Any] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
         self.request(op, timeout, **fields)
-        return self.response()
+        return self.response(receive_into)
 
     def _fail(self, exc: Exception) -> None:
         op, wait, start = self._pending or ("?", self.timeout, time.monotonic())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -86,11 +87,14 @@ class PairLink:
             work.wait()
         self.bytes_received += sum(m.numel() for m in messages)
 
-    def receive(self, spec: dict[str, Any], inbox: Packer) -> list[torch.Tensor]:
+    def receive(
+        self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
+    ) -> list[torch.Tensor]:
         """The tensors of the peer's next message of layout ``spec``, received into
-        ``inbox`` (views of it, valid until its next message)."""
-        self.recv(inbox.receive(spec))
-        return inbox.unpack(spec)
+        ``inbox`` (views of it, valid until its next message) or, for direct tensors that
+        match them, into the ``into`` tensors (see ``Packer.receive``)."""
+        self.recv(inbox.receive(spec, into))
+        return inbox.unpack(spec, into)
 
     def close(self) -> None:
         try:
@@ -127,7 +131,11 @@ class LocalLink:
     def wait_sent(self) -> None:
         """Nothing to wait for: the messages were handed over."""
 
-    def receive(self, spec: dict[str, Any], inbox: Packer) -> list[torch.Tensor]:
+    def receive(
+        self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
+    ) -> list[torch.Tensor]:
+        """Views of the sender's messages (``into`` is ignored: copying into it would cost
+        what the caller's own copy costs)."""
         messages = self._incoming.popleft()
         self.bytes_received += sum(m.numel() for m in messages)
         return views(spec, messages)

@@ -90,16 +90,21 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(tensors: Sequence[torch.Tensor], direct: bool = False) -> dict[str, Any]:
+def layout(
+    tensors: Sequence[torch.Tensor], direct: bool = False, copy: bool = False
+) -> dict[str, Any]:
     """Where each tensor sits in the receiver's buffer: ``{"packed": bytes, "entries":
     [[dtype, shape, byte offset, is_direct], ...]}``.  Packed tensors come first (one message),
-    then (``direct=True``: contiguous host tensors of at least ``DIRECT`` bytes) one message
-    per direct tensor, received straight into its place."""
+    then (``direct=True``: tensors of at least ``DIRECT`` bytes; contiguous host tensors only
+    unless ``copy``) one message per direct tensor, received straight into its place (or into
+    the receiver's own tensor, see :meth:`Packer.receive`)."""
     for t in tensors:
         if str(t.dtype) not in _SIZES:
             raise TypeError(f"gradfleet transport: tensors of dtype {t.dtype} are not supported")
     alone = [
-        direct and not t.is_cuda and t.is_contiguous() and t.numel() * t.element_size() >= DIRECT
+        direct
+        and (copy or (not t.is_cuda and t.is_contiguous()))
+        and t.numel() * t.element_size() >= DIRECT
         for t in tensors
     ]
     entries: list[list[Any]] = [[str(t.dtype), list(t.shape), 0, a] for t, a in zip(tensors, alone)]
@@ -141,40 +146,64 @@ class Packer:
         return self.buffer[:nbytes]
 
     def pack(
-        self, tensors: Sequence[torch.Tensor], direct: bool = False
+        self, tensors: Sequence[torch.Tensor], direct: bool = False, copy: bool = False
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """``(layout, messages)``: the packed tensors copied into this buffer (the first
         message, if any), then the direct tensors themselves as byte views (zero copy: they
-        must stay untouched until sent)."""
-        spec = layout(tensors, direct)
-        small = [(t, e) for t, e in zip(tensors, spec["entries"], strict=True) if not e[3]]
-        cuda = any(t.is_cuda for t, _ in small)
-        data = self.reserve(spec["packed"], pinned=cuda)
-        for t, e in small:
+        must stay untouched until sent).  ``copy=True``: direct tensors are copied into the
+        buffer too (the caller may change its tensors at once) and still travel alone, so a
+        receiver can take them straight into its own tensors."""
+        spec = layout(tensors, direct, copy)
+        copied = [(t, e) for t, e in zip(tensors, spec["entries"], strict=True) if copy or not e[3]]
+        cuda = any(t.is_cuda for t, _ in copied)
+        data = self.reserve(_total(spec) if copy else spec["packed"], pinned=cuda)
+        for t, e in copied:
             n = t.numel() * t.element_size()
             if n:
                 dst = data[e[2] : e[2] + n].view(t.dtype).view(t.shape)
                 dst.copy_(t, non_blocking=t.is_cuda)
         if cuda:
             torch.cuda.synchronize()  # the pinned copy must be complete before gloo reads it
-        messages = [data] if spec["packed"] else []
+        messages = [data[: spec["packed"]]] if spec["packed"] else []
         for t, e in zip(tensors, spec["entries"], strict=True):
-            if e[3]:
+            if e[3] and copy:
+                messages.append(data[e[2] : e[2] + t.numel() * t.element_size()])
+            elif e[3]:
                 messages.append(t.detach().reshape(-1).view(torch.uint8))
         return spec, messages
 
-    def receive(self, spec: dict[str, Any]) -> list[torch.Tensor]:
-        """The buffers a message of layout ``spec`` is received into, in sending order."""
+    def receive(
+        self, spec: dict[str, Any], into: Sequence[Any] | None = None
+    ) -> list[torch.Tensor]:
+        """The buffers a message of layout ``spec`` is received into, in sending order.
+        ``into[k]``: a tensor of the receiver's for the message's tensor ``k``; a direct
+        tensor whose dtype and shape it matches (contiguous, host memory) is received
+        straight into it instead of this buffer."""
         data = self.reserve(_total(spec))
         out = [data[: spec["packed"]]] if spec["packed"] else []
-        for dtype_name, shape, offset, alone in spec["entries"]:
+        for k, (dtype_name, shape, offset, alone) in enumerate(spec["entries"]):
             if alone:
-                out.append(data[offset : offset + _nbytes(dtype_name, shape)])
+                target = _target(into, k, dtype_name, shape)
+                n = _nbytes(dtype_name, shape)
+                out.append(data[offset : offset + n] if target is None else target)
         return out
 
-    def unpack(self, spec: dict[str, Any]) -> list[torch.Tensor]:
-        """Views of this buffer as the tensors of a message received by :meth:`receive`."""
-        return views(spec, self.receive(spec))
+    def unpack(self, spec: dict[str, Any], into: Sequence[Any] | None = None) -> list[torch.Tensor]:
+        """The tensors of a message received by :meth:`receive` (with the same ``into``):
+        views of this buffer, or of the ``into`` tensors that were received into."""
+        return views(spec, self.receive(spec, into))
+
+
+def _target(into: Sequence[Any] | None, k: int, dtype_name: str, shape: Sequence[int]):
+    """The bytes of ``into[k]`` if a direct tensor ``(dtype_name, shape)`` can land there."""
+    if into is None or k >= len(into) or not isinstance(into[k], torch.Tensor):
+        return None
+    t = into[k].detach()
+    if str(t.dtype) != dtype_name or list(t.shape) != list(shape):
+        return None
+    if t.is_cuda or not t.is_contiguous() or t.is_sparse:
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def views(spec: dict[str, Any], messages: Sequence[torch.Tensor]) -> list[torch.Tensor]:
