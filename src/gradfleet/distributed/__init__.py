@@ -18,7 +18,8 @@ Layers of the server-based wrappers, from ``SyncReplicasOptimizer.step`` to the 
    dicts of numbers and tensors, testable in one process with a fake reply;
 3. ``transport/`` -- ``mailbox.py`` request/reply (control JSON on the server's c10d
    ``TCPStore``), ``wire.py`` (message = JSON + packed/direct tensor buffers, no pickling),
-   ``pairs.py`` (the data plane: a 2-rank gloo process group per server and client incarnation).
+   ``pairs.py`` (the data plane: a 2-rank gloo process group per server and client incarnation,
+   or an in-process ``LocalLink`` for the worker that shares the server's process).
 """
 
 from ._async_centre import AsyncCentre
