@@ -315,3 +315,25 @@ def test_reply_lands_in_the_callers_tensors_where_they_match():
         torch.testing.assert_close(into[0], 2 * x[0])
     finally:
         server.close()
+
+
+@IN_PROCESS
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_request_and_reply_travel_through_host_memory_never_torch_save(
+    monkeypatch, in_process
+):
+    def forbidden(*a, **k):
+        raise AssertionError("torch.save used by the transport")
+
+    monkeypatch.setattr(torch, "save", forbidden)
+    server = MailboxServer(Echo().handle)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0", in_process=in_process)
+        x = [torch.randn(DIRECT, device="cuda"), torch.arange(5, device="cuda")]
+        into = [torch.empty(DIRECT, device="cuda"), None]
+        y = client.call("double", x=x, n=0, receive_into=into)["y"]
+        for got, want in zip(y, x, strict=True):
+            assert not got.is_cuda  # a host view: the caller copies it to its device
+            torch.testing.assert_close(got.cuda(), 2 * want)
+    finally:
+        server.close()
