@@ -5,7 +5,7 @@ and reports, from rank 0: optimizer steps per second (for SyncReplicas also glob
 second), and bytes each worker sends per step.  With ``--delay`` rank 3 sleeps after every step.
 
     python benchmarks/distributed_scaling.py [--seconds 4] [--delay 0.05] [--out benchmarks/results]
-    python benchmarks/distributed_scaling.py --params 1e5,1e6,1e7 [--seconds 4]
+    python benchmarks/distributed_scaling.py --params 1e5,1e6,1e7,1e8 [--seconds 4]
 
 ``--params``: the model-size sweep of ``distributed_sweep`` (data plane against gloo
 all-reduce, reduce+broadcast and point-to-point baselines, straggler columns at every size),
@@ -159,6 +159,8 @@ def _meta(seconds: float) -> dict:
         "torch": torch.__version__,
         "cpus": len(__import__("os").sched_getaffinity(0)),
         "machine": __import__("platform").processor() or __import__("platform").machine(),
+        # 1/5/15-minute load averages when the run ended: > cpus means it shared the machine
+        "load_average": list(__import__("os").getloadavg()),
     }
 
 

@@ -162,8 +162,10 @@ class Packer:
             if n:
                 dst = data[e[2] : e[2] + n].view(t.dtype).view(t.shape)
                 dst.copy_(t, non_blocking=t.is_cuda)
-        if cuda:
-            torch.cuda.synchronize()  # the pinned copy must be complete before gloo reads it
+        # the pinned copies must be complete before gloo reads them; a server thread's current
+        # device is GPU 0 whatever its tensors' device, so synchronise each device in use
+        for device in {t.device for t, _ in copied if t.is_cuda}:
+            torch.cuda.synchronize(device)
         messages = [data[: spec["packed"]]] if spec["packed"] else []
         for t, e in zip(tensors, spec["entries"], strict=True):
             if e[3] and copy:
