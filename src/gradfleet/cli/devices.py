@@ -52,7 +52,9 @@ def _cuda_count(device: str) -> int:
             if torch.version.cuda is None
             else f"torch built for CUDA {torch.version.cuda}, but no GPU is visible"
         )
-        raise ConfigError(f"--device {device}: CUDA is not available here ({build}); available: cpu")
+        raise ConfigError(
+            f"--device {device}: CUDA is not available here ({build}); available: cpu"
+        )
     return torch.cuda.device_count()
 
 

@@ -1,0 +1,261 @@
+"""``--device`` and the step time in the metrics.
+
+On any machine: argument checks (a CUDA device that is not there, more ranks or towers than
+GPUs, malformed names, the config-file key) with CUDA's availability and GPU count faked, so
+that the checks run the same with or without a GPU; the step clock's synchronisation; the
+median step time in ``summary.json``, ``compare.json`` and the table.
+
+With CUDA (skipped with the reason otherwise): training on the GPU for a few steps against the
+same run on the CPU, towers on one or two GPUs, and the collective strategies over NCCL with
+one rank per GPU against the same strategies over gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import gradfleet.cli.main as cli_main
+from gradfleet.cli.devices import StepClock
+from gradfleet.cli.main import app
+
+GRADFLEET = [sys.executable, "-m", "gradfleet"]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device (none visible)")
+needs_two_gpus = pytest.mark.skipif(
+    GPUS < 2, reason=f"needs 2 CUDA devices (one rank per GPU), {GPUS} visible"
+)
+#: float32 unit roundoff: tolerances below are (reduction length) x EPS32
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture
+def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    runner = CliRunner()
+    yield lambda args: runner.invoke(app, args)
+    torch.set_num_threads(threads)
+
+
+def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """Make the checks see ``count`` GPUs (0: CUDA unavailable). Nothing reaches a GPU: every
+    case below fails in the checks, before a workload is built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- bad input
+DEVICE_ERRORS = [
+    (0, ["--device", "cuda"], "--device cuda: CUDA is not available here"),
+    (0, ["--device", "cuda:0"], "available: cpu"),
+    (2, ["--device", "gpu"], "--device must be cpu, cuda or cuda:N (N >= 0), got 'gpu'"),
+    (2, ["--device", "cuda:x"], "--device must be cpu, cuda or cuda:N"),
+    (2, ["--device", "cpu:0"], "--device must be cpu, cuda or cuda:N"),
+    (2, ["--device", "cuda:2"], "has 2 CUDA device(s); available: cpu, cuda:0, cuda:1"),
+    (2, ["--device", "cuda", "-s", "allreduce", "-n", "3"], "-n 3 needs 3 GPUs"),
+    (2, ["--device", "cuda:1", "-s", "model-average", "-n", "2"], "use --device cuda"),
+    (2, ["--device", "cuda", "-s", "towers", "-n", "3"], "-n 3 towers need 3 GPUs"),
+    (1, ["--device", "cuda", "-s", "sync-replicas", "-n", "2"], "-n 2 needs 2 GPUs"),
+]
+
+
+@pytest.mark.parametrize(("gpus", "args", "message"), DEVICE_ERRORS)
+def test_bad_device_one_line_exit_2_before_any_data(
+    tmp_path: Path, cli, monkeypatch, gpus, args, message
+) -> None:
+    fake_gpus(monkeypatch, gpus)
+    built = []
+    monkeypatch.setattr(cli_main, "load_workload", lambda *a: built.append(a))
+    res = cli(["train", *args, "--out", "r"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert message in lines[0]
+    assert "--device" in lines[0]
+    assert not built  # the check comes before the workload's data is generated
+    assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
+
+
+def test_more_ranks_than_gpus_under_torchrun(tmp_path: Path, cli, monkeypatch) -> None:
+    # torchrun's ranks on this machine (LOCAL_WORLD_SIZE), not -n, are what need GPUs
+    fake_gpus(monkeypatch, 2)
+    env = {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    res = cli(["train", "--device", "cuda", "-s", "allreduce", "-n", "6", "--out", "r"])
+    assert res.exit_code == 2
+    assert "-n 3 needs 3 GPUs, this machine has 2" in res.stderr
+
+
+def test_config_key_and_flag_precedence(tmp_path: Path, cli, monkeypatch) -> None:
+    fake_gpus(monkeypatch, 0)
+    (tmp_path / "cfg.py").write_text("device = 'cuda:1'\nsteps = 4\n")
+    res = cli(["train", "-c", "cfg.py", "--out", "r", "-q"])
+    assert res.exit_code == 2 and "--device cuda:1: CUDA is not available" in res.stderr
+    res = cli(["train", "-c", "cfg.py", "--device", "cpu", "--out", "r", "-q"])  # flag wins
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["device"] == "cpu"
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["device"] == "cpu"
+
+
+def test_resume_keeps_the_run_device(tmp_path: Path, cli) -> None:
+    res = cli(["train", "--steps", "4", "--checkpoint-every", "2", "--out", "r", "-q"])
+    assert res.exit_code == 0, res.output
+    res = cli(["train", "--resume", "r", "--device", "cpu", "--steps", "6", "-q"])
+    assert res.exit_code == 2 and "leave out --device" in res.stderr
+
+
+# ----------------------------------------------------------------------------- step time
+def test_step_clock_synchronises_the_gpu_before_each_reading(monkeypatch) -> None:
+    events: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(device))
+    times = iter([10.0, 10.25])  # seconds, read at the start and at the end of the step
+    monkeypatch.setattr("gradfleet.cli.devices.time.perf_counter", lambda: next(times))
+    clock = StepClock(torch.device("cuda", 1))
+    with clock.step():
+        events.append("work")
+    # the queue is drained before the start is read and the step's kernels before the end
+    assert events == [torch.device("cuda", 1), "work", torch.device("cuda", 1)]
+    assert clock.times_ms == [250.0] and clock.median_ms() == 250.0
+
+
+def test_step_clock_on_cpu_never_touches_cuda(monkeypatch) -> None:
+    def fail(*_a, **_k):
+        raise AssertionError("CUDA touched on a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", fail)
+    clock = StepClock(torch.device("cpu"))
+    for _ in range(3):
+        with clock.step():
+            pass
+    assert len(clock.times_ms) == 3 and clock.median_ms() == statistics.median(clock.times_ms)
+    assert math.isnan(StepClock(torch.device("cpu")).median_ms())  # no step, no time
+
+
+def test_train_reports_median_step_time(tmp_path: Path, cli) -> None:
+    res = cli(["train", "--steps", "9", "--out", "r", "-q"])
+    assert res.exit_code == 0, res.output
+    steps = [r["step_ms"] for r in records(tmp_path / "r") if "loss" in r]
+    assert len(steps) == 9 and all(ms > 0 for ms in steps)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["median_step_ms"] == statistics.median(steps)
+    # a step is part of the run: their sum is within the wall time
+    assert sum(steps) / 1000 <= summary["wall_s"]
+    assert "step ms" in res.stdout and f"{summary['median_step_ms']:.2f}" in res.stdout
+
+
+def test_compare_reports_median_step_time(tmp_path: Path, cli) -> None:
+    # in-process strategies only; tower 1 sleeps 30 ms in every step (the straggler)
+    res = cli(
+        ["compare", "-s", "none", "-s", "towers", "-n", "2", "--steps", "6"]
+        + ["--straggler", "1:30", "--device", "cpu", "--out", "cmp", "-q"]
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["label"] for r in rows] == ["none", "towers"]
+    assert all(r["device"] == "cpu" and r["median_step_ms"] > 0 for r in rows)
+    assert rows[1]["median_step_ms"] >= 30.0  # the step waits for its slowest tower
+    assert "step ms" in res.stdout
+
+
+# ----------------------------------------------------------------------------- on CUDA
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=240
+    )
+
+
+def _models_close(a_dir: Path, b_dir: Path, steps: int, length: int) -> None:
+    """Same run on two devices: the parameters agree to ``steps x length x eps`` (float32
+    rounding of reductions of ``length`` terms, compounded over ``steps`` SGD steps)."""
+    a = torch.load(a_dir / "model.pt", weights_only=True)
+    b = torch.load(b_dir / "model.pt", weights_only=True)
+    assert set(a) == set(b)
+    tol = steps * length * EPS32
+    for key in a:
+        assert a[key].device.type == "cpu"  # model.pt loads without the GPU
+        scale = float(a[key].abs().max()) + 1.0
+        torch.testing.assert_close(b[key], a[key], rtol=tol, atol=tol * scale, msg=key)
+
+
+# the digits MLP: reductions over 64 inputs, 128 hidden units and a batch of 64
+DIGITS_LENGTH = 64 + 128 + 64
+SGD = ["-o", "gradientdescent:learning_rate=0.1"]
+
+
+@needs_gpu
+@pytest.mark.timeout(240)
+def test_train_on_cuda_matches_cpu(tmp_path: Path, cli) -> None:
+    for device in ("cpu", "cuda"):
+        res = cli(["train", *SGD, "--steps", "5", "--device", device, "--out", device, "-q"])
+        assert res.exit_code == 0, res.output
+    cuda = json.loads((tmp_path / "cuda" / "summary.json").read_text())
+    assert cuda["device"] == "cuda" and cuda["median_step_ms"] > 0
+    _models_close(tmp_path / "cpu", tmp_path / "cuda", 5, DIGITS_LENGTH)
+
+
+@needs_gpu
+@pytest.mark.timeout(240)
+def test_train_on_cuda_learns_with_default_adam_and_sparse_ctr(tmp_path: Path, cli) -> None:
+    res = cli(["train", "--steps", "150", "--device", "cuda:0", "--out", "d", "-q"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "d" / "summary.json").read_text())["test_accuracy"] > 0.8
+    res = cli(["train", "-w", "ctr", "--steps", "100", "--device", "cuda", "--out", "c", "-q"])
+    assert res.exit_code == 0, res.output  # FTRL on sparse CUDA gradients
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["test_accuracy"] > 0.6
+
+
+@needs_gpu
+@pytest.mark.timeout(240)
+def test_towers_on_one_gpu_match_cpu_towers(tmp_path: Path, cli) -> None:
+    for device in ("cpu", "cuda:0"):
+        args = ["train", *SGD, "-s", "towers", "-n", "2", "--steps", "5", "--device", device]
+        res = cli([*args, "--out", device.replace(":", ""), "-q"])
+        assert res.exit_code == 0, res.output
+    _models_close(tmp_path / "cpu", tmp_path / "cuda0", 5, DIGITS_LENGTH + 2)
+
+
+@needs_two_gpus
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "strategy", ["allreduce", "model-average:interval=2", "easgd:period=2", "towers"]
+)
+def test_strategies_on_two_gpus_match_cpu(tmp_path: Path, strategy: str) -> None:
+    """NCCL, one rank (or tower) per GPU, against gloo on the CPU: the same run."""
+    for device in ("cpu", "cuda"):
+        args = ["train", *SGD, "-s", strategy, "-n", "2", "--steps", "6", "--device", device]
+        res = _run([*args, "--out", device, "-q"], tmp_path)
+        assert res.returncode == 0, res.stderr
+    _models_close(tmp_path / "cpu", tmp_path / "cuda", 6, DIGITS_LENGTH + 2)
+
+
+@needs_two_gpus
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "strategy", ["sync-replicas:replicas_to_aggregate=1", "easgd:mode=async,period=2"]
+)
+def test_server_strategies_on_two_gpus_learn(tmp_path: Path, strategy: str) -> None:
+    """The servers' data plane stages CUDA tensors through pinned host memory (gloo)."""
+    res = _run(["train", "-s", strategy, "-n", "2", "--steps", "60", "--device", "cuda"]
+               + ["--out", "r", "-q"], tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["test_accuracy"] > 0.7
+    losses = [r["loss"] for r in records(tmp_path / "r") if "loss" in r]
+    assert sum(losses[-10:]) < sum(losses[:10])
