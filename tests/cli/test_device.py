@@ -174,9 +174,7 @@ def test_compare_reports_median_step_time(tmp_path: Path, cli) -> None:
 
 # ----------------------------------------------------------------------------- on CUDA
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=240
-    )
+    return subprocess.run(GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
 def _models_close(a_dir: Path, b_dir: Path, steps: int, length: int) -> None:
