@@ -177,33 +177,50 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(GRADFLEET + args, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
-def _models_close(a_dir: Path, b_dir: Path, steps: int, length: int) -> None:
-    """Same run on two devices: the parameters agree to ``steps x length x eps`` (float32
-    rounding of reductions of ``length`` terms, compounded over ``steps`` SGD steps)."""
-    a = torch.load(a_dir / "model.pt", weights_only=True)
-    b = torch.load(b_dir / "model.pt", weights_only=True)
+def _in_process(cli):
+    def run(args: list[str]) -> tuple[int, str]:
+        res = cli(args)
+        return res.exit_code, res.output
+
+    return run
+
+
+# the digits MLP: reductions over 64 inputs, 128 hidden units and a batch of 64, and the sum of
+# two ranks' or towers' gradients
+DIGITS_LENGTH = 64 + 128 + 64 + 2
+SGD = ["-o", "gradientdescent:learning_rate=0.1"]
+
+
+def same_run_on_cpu_and(device: str, args: list[str], steps: int, run, where: Path) -> None:
+    """``gradfleet train args`` with plain SGD on the CPU and on ``device``: the parameters
+    agree to ``steps x L x eps`` (float32 rounding of reductions of ``L`` terms, compounded over
+    ``steps`` steps), and ``model.pt`` holds CPU tensors either way."""
+    dirs = {}
+    for dev in ("cpu", device):
+        dirs[dev] = where / dev.replace(":", "")
+        out = ["--steps", str(steps), "--device", dev, "--out", str(dirs[dev]), "-q"]
+        code, output = run(["train", *SGD, *args, *out])
+        assert code == 0, output
+    summary = json.loads((dirs[device] / "summary.json").read_text())
+    assert summary["device"] == device and summary["median_step_ms"] > 0
+    a = torch.load(dirs["cpu"] / "model.pt", weights_only=True)
+    b = torch.load(dirs[device] / "model.pt", weights_only=True)
     assert set(a) == set(b)
-    tol = steps * length * EPS32
+    tol = steps * DIGITS_LENGTH * EPS32
     for key in a:
-        assert a[key].device.type == "cpu"  # model.pt loads without the GPU
+        assert b[key].device.type == "cpu"
         scale = float(a[key].abs().max()) + 1.0
         torch.testing.assert_close(b[key], a[key], rtol=tol, atol=tol * scale, msg=key)
 
 
-# the digits MLP: reductions over 64 inputs, 128 hidden units and a batch of 64
-DIGITS_LENGTH = 64 + 128 + 64
-SGD = ["-o", "gradientdescent:learning_rate=0.1"]
-
-
 @needs_gpu
 @pytest.mark.timeout(240)
-def test_train_on_cuda_matches_cpu(tmp_path: Path, cli) -> None:
-    for device in ("cpu", "cuda"):
-        res = cli(["train", *SGD, "--steps", "5", "--device", device, "--out", device, "-q"])
-        assert res.exit_code == 0, res.output
-    cuda = json.loads((tmp_path / "cuda" / "summary.json").read_text())
-    assert cuda["device"] == "cuda" and cuda["median_step_ms"] > 0
-    _models_close(tmp_path / "cpu", tmp_path / "cuda", 5, DIGITS_LENGTH)
+@pytest.mark.parametrize(
+    ("device", "args"),
+    [("cuda", []), ("cuda:0", ["-s", "towers", "-n", "2"])],  # towers: both on one GPU
+)
+def test_train_on_one_gpu_matches_cpu(tmp_path: Path, cli, device, args) -> None:
+    same_run_on_cpu_and(device, args, 5, _in_process(cli), tmp_path)
 
 
 @needs_gpu
@@ -217,16 +234,6 @@ def test_train_on_cuda_learns_with_default_adam_and_sparse_ctr(tmp_path: Path, c
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["test_accuracy"] > 0.6
 
 
-@needs_gpu
-@pytest.mark.timeout(240)
-def test_towers_on_one_gpu_match_cpu_towers(tmp_path: Path, cli) -> None:
-    for device in ("cpu", "cuda:0"):
-        args = ["train", *SGD, "-s", "towers", "-n", "2", "--steps", "5", "--device", device]
-        res = cli([*args, "--out", device.replace(":", ""), "-q"])
-        assert res.exit_code == 0, res.output
-    _models_close(tmp_path / "cpu", tmp_path / "cuda0", 5, DIGITS_LENGTH + 2)
-
-
 @needs_two_gpus
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -235,11 +242,12 @@ def test_towers_on_one_gpu_match_cpu_towers(tmp_path: Path, cli) -> None:
 )
 def test_strategies_on_two_gpus_match_cpu(tmp_path: Path, strategy: str) -> None:
     """NCCL, one rank (or tower) per GPU, against gloo on the CPU: the same run."""
-    for device in ("cpu", "cuda"):
-        args = ["train", *SGD, "-s", strategy, "-n", "2", "--steps", "6", "--device", device]
-        res = _run([*args, "--out", device, "-q"], tmp_path)
-        assert res.returncode == 0, res.stderr
-    _models_close(tmp_path / "cpu", tmp_path / "cuda", 6, DIGITS_LENGTH + 2)
+
+    def run(args: list[str]) -> tuple[int, str]:
+        res = _run(args, tmp_path)
+        return res.returncode, res.stderr
+
+    same_run_on_cpu_and("cuda", ["-s", strategy, "-n", "2"], 6, run, tmp_path)
 
 
 @needs_two_gpus
