@@ -103,7 +103,9 @@ def test_more_ranks_than_gpus_under_torchrun(tmp_path: Path, cli, monkeypatch) -
 
 def test_config_key_and_flag_precedence(tmp_path: Path, cli, monkeypatch) -> None:
     fake_gpus(monkeypatch, 0)
-    (tmp_path / "cfg.py").write_text("device = 'cuda:1'\nsteps = 4\n")
+    (tmp_path / "cfg.py").write_text(
+        "device = 'cuda:1'\nsteps = 4\noptimizer = 'gradientdescent:learning_rate=0.1'\n"
+    )
     res = cli(["train", "-c", "cfg.py", "--out", "r", "-q"])
     assert res.exit_code == 2 and "--device cuda:1: CUDA is not available" in res.stderr
     res = cli(["train", "-c", "cfg.py", "--device", "cpu", "--out", "r", "-q"])  # flag wins
@@ -265,3 +267,21 @@ def test_server_strategies_on_two_gpus_learn(tmp_path: Path, strategy: str) -> N
     assert summary["device"] == "cuda" and summary["test_accuracy"] > 0.7
     losses = [r["loss"] for r in records(tmp_path / "r") if "loss" in r]
     assert sum(losses[-10:]) < sum(losses[:10])
+
+
+def test_help_list_and_cpu_runs_never_query_cuda(tmp_path: Path, cli, monkeypatch) -> None:
+    """``--help``, ``list``, bad input and a CPU run never ask CUDA anything (asking may start
+    the driver: seconds, and a GPU context held by a process that does not use it)."""
+
+    def failing(name: str):
+        def fail(*_a, **_k):
+            raise AssertionError(f"torch.cuda.{name} called")
+
+        return fail  # one function per name: the fused path's compiler keys on the object
+
+    for name in ("is_available", "device_count", "set_device", "synchronize", "init"):
+        monkeypatch.setattr(torch.cuda, name, failing(name))
+    for args in (["--help"], ["list"], ["train", "--device", "tpu", "--out", "r"]):
+        assert cli(args).exit_code in (0, 2)
+    res = cli(["train", *SGD, "--steps", "3", "--device", "cpu", "--out", "r", "-q"])
+    assert res.exit_code == 0, res.output

@@ -86,7 +86,7 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     strat.validate_strategy(name, args, workers)
     device = parse_device(merged.get("device", "cpu"))  # before any data is built
-    check_device(device, _ranks_here(name, workers), workers if name == "towers" else 1)
+    _check_run_device(device, name, workers)
     workload_name = merged.get("workload", "digits")
     try:
         workload = load_workload(workload_name, int(merged.get("seed", 0)))
@@ -129,11 +129,13 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ranks_here(strategy: str, workers: int) -> int:
-    """Processes of this run on this machine, each of which needs a GPU of its own."""
+def _check_run_device(device: str, strategy: str, workers: int) -> None:
+    """A GPU for each process of the run on this machine, and for each tower."""
     if under_torchrun():
-        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    return workers if strat.STRATEGIES[strategy].spawns else 1
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    else:
+        processes = workers if strat.STRATEGIES[strategy].spawns else 1
+    check_device(device, processes, workers if strategy == "towers" else 1)
 
 
 def _default_out(spec: dict[str, Any]) -> Path:
@@ -329,8 +331,7 @@ def _resume_spec(run: Path, steps: int | None) -> dict[str, Any]:
     spec["straggler"] = tuple(spec["straggler"]) if spec.get("straggler") else None
     spec["resume"] = True
     spec.setdefault("device", "cpu")  # a run directory from before --device
-    check_device(spec["device"], _ranks_here(spec["strategy"], spec["workers"]),
-                 spec["workers"] if spec["strategy"] == "towers" else 1)  # fmt: skip
+    _check_run_device(spec["device"], spec["strategy"], spec["workers"])
     if steps is not None:
         spec["steps"] = steps
     return spec

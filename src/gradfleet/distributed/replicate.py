@@ -133,14 +133,17 @@ class ReplicatedModel:
         self.module = module
         self.loss_reduction = loss_reduction
         self.devices = [_canonical(torch.device(d)) for d in devices]
-        #: where the one shared copy of every parameter lives (the consolidation device)
-        self.home = next((p.device for p in module.parameters()), torch.device("cpu"))
         same = [i for i, d in enumerate(self.devices) if _same_device(d, self.home)]
         self.shared_tower = same[-1] if same else None
         self.towers = [
             module if i == self.shared_tower else self._replica(d)
             for i, d in enumerate(self.devices)
         ]
+
+    @property
+    def home(self) -> torch.device:
+        """Where the one shared copy of every parameter lives (the consolidation device)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     @property
     def num_towers(self) -> int:
@@ -180,8 +183,7 @@ class ReplicatedModel:
     def __call__(self, features: Any = None, labels: Any = None, *, train: bool = True):
         """Run one replicated step; returns :class:`TowerOutput`."""
         if self.num_towers == 1:
-            has_params = next(self.module.parameters(), None) is not None
-            home = self.home if has_params else self.devices[0]
+            home = next((p.device for p in self.module.parameters()), self.devices[0])
             loss = self.model_fn(self.module, _to_device(features, home), _to_device(labels, home))
             return TowerOutput(loss, [loss])
         f_shards = split_batch(features, self.num_towers)
