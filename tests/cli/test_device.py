@@ -219,7 +219,12 @@ def same_run_on_cpu_and(device: str, args: list[str], steps: int, run, where: Pa
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("device", "args"),
-    [("cuda", []), ("cuda:0", ["-s", "towers", "-n", "2"])],  # towers: both on one GPU
+    [
+        ("cuda", []),
+        ("cuda:0", ["-s", "towers", "-n", "2"]),  # both towers on one GPU
+        # the centre server's data plane: CUDA tensors staged through pinned host buffers
+        ("cuda", ["-s", "easgd:mode=async,period=2", "-n", "1"]),
+    ],
 )
 def test_train_on_one_gpu_matches_cpu(tmp_path: Path, cli, device, args) -> None:
     same_run_on_cpu_and(device, args, 5, _in_process(cli), tmp_path)
