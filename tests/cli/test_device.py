@@ -24,7 +24,7 @@ import torch
 from typer.testing import CliRunner
 
 import gradfleet.cli.main as cli_main
-from gradfleet.cli.devices import StepClock
+from gradfleet.cli.devices import StepClock, process_backend, rank_device, tower_devices
 from gradfleet.cli.main import app
 
 GRADFLEET = [sys.executable, "-m", "gradfleet"]
@@ -120,6 +120,21 @@ def test_resume_keeps_the_run_device(tmp_path: Path, cli) -> None:
     assert res.exit_code == 0, res.output
     res = cli(["train", "--resume", "r", "--device", "cpu", "--steps", "6", "-q"])
     assert res.exit_code == 2 and "leave out --device" in res.stderr
+
+
+def test_each_rank_and_tower_gets_its_gpu(monkeypatch) -> None:
+    fake_gpus(monkeypatch, 2)
+    assert [rank_device("cuda", r) for r in (0, 1)] == [torch.device("cuda", r) for r in (0, 1)]
+    assert rank_device("cuda:1", 0) == torch.device("cuda", 1)  # -n 1 on GPU 1
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="local rank 2 has no GPU of its own"):
+        rank_device("cuda", 2)  # a launcher that skipped the CLI's checks
+    assert tower_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert tower_devices("cuda:1", 3) == ["cuda:1"] * 3
+    assert tower_devices("cpu", 2) == ["cpu", "cpu"]
+    # NCCL for the ranks' CUDA tensors, gloo for the CPU tensors of the control paths
+    assert process_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+    assert process_backend(torch.device("cpu")) == "gloo"
 
 
 # ----------------------------------------------------------------------------- step time
