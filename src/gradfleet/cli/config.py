@@ -3,8 +3,8 @@
 A config file is Python (run in a fresh namespace, as RETURNN does) or JSON. Its entries are
 the training settings: ``optimizer = {"class": "adam", "epsilon": 1e-8}``, ``learning_rate``
 (RETURNN's top-level learning rate), ``workload``, ``strategy``, ``workers``, ``steps``,
-``seed``, ``batch_size``, ``straggler``, ``eval_every``, ``checkpoint_every``. Command-line flags
-override the file.
+``seed``, ``batch_size``, ``straggler``, ``eval_every``, ``checkpoint_every``, ``timeout``,
+``device``. Command-line flags override the file.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ SETTINGS = (
     "eval_every",
     "checkpoint_every",
     "timeout",
+    "device",
 )
 
 

@@ -9,6 +9,7 @@ line naming the rank and its log, exit code 1.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from .config import (
     parse_spec,
     parse_straggler,
 )
+from .devices import check_device, check_server_device, parse_device
 from .launch import WorkerFailed, launch, run_local, under_torchrun
 from .progress import Progress
 from .workloads import WORKLOADS, load_workload
@@ -77,6 +79,14 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     merged = {**file, **{k: v for k, v in flags.items() if v is not None}}
     if merged.get("optimizer"):  # a bad optimizer fails before the workload's data is built
         _check_optimizer(optimizer_config(merged["optimizer"], merged.get("learning_rate")))
+    strategy = merged.get("strategy", "none")
+    name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
+    workers = int(merged.get("workers", 1))
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    strat.validate_strategy(name, args, workers)
+    device = parse_device(merged.get("device", "cpu"))  # before any data is built
+    _check_run_device(device, name, args, workers)
     workload_name = merged.get("workload", "digits")
     try:
         workload = load_workload(workload_name, int(merged.get("seed", 0)))
@@ -85,12 +95,6 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     opt_spec = merged.get("optimizer") or workload.optimizer
     opts = optimizer_config(opt_spec, merged.get("learning_rate"))
     _check_optimizer(opts)
-    strategy = merged.get("strategy", "none")
-    name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
-    workers = int(merged.get("workers", 1))
-    if workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {workers}")
-    strat.validate_strategy(name, args, workers)
     if name == "sync-replicas" and merged.get("checkpoint_every"):
         raise ConfigError(
             "--checkpoint-every is not supported with sync-replicas: its ranks run different "
@@ -113,6 +117,7 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
         "strategy": name,
         "strategy_args": args,
         "workers": workers,
+        "device": device,
         "steps": steps,
         "seed": int(merged.get("seed", 0)),
         "batch_size": merged.get("batch_size"),
@@ -122,6 +127,16 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
         "timeout": timeout,
         "target_accuracy": workload.target,
     }
+
+
+def _check_run_device(device: str, strategy: str, args: dict[str, Any], workers: int) -> None:
+    """A GPU for each process of the run on this machine, and for each tower."""
+    if under_torchrun():
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    else:
+        processes = workers if strat.STRATEGIES[strategy].spawns else 1
+    check_device(device, processes, workers if strategy == "towers" else 1)
+    check_server_device(device, strategy, args)
 
 
 def _default_out(spec: dict[str, Any]) -> Path:
@@ -146,8 +161,6 @@ def execute(spec: dict[str, Any], label: str, quiet: bool) -> dict[str, Any]:
 
 
 def _env_rank() -> int:
-    import os
-
     return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
 
 
@@ -162,11 +175,13 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         "run",
         "optimizer",
         "strategy",
+        "device",
         "workers",
         "steps",
         "final loss",
         "test acc",
         "steps/s",
+        "step ms",
         "samples/s",
         "comm",
         "wall",
@@ -180,11 +195,13 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
             r["label"],
             r["optimizer"]["class"],
             r["strategy"] + (f":{args}" if args else ""),
+            r["device"],
             str(r["workers"]),
             str(r["steps"]),
             f"{r['final_loss']:.4f}",
             f"{r['test_accuracy']:.3f}",
             f"{r['steps_per_s']:.1f}",
+            f"{r['median_step_ms']:.2f}",
             f"{r['samples_per_s']:.0f}",
             _mb(r["bytes_sent"]),
             f"{r['wall_s']:.1f}s",
@@ -194,6 +211,10 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 # ----------------------------------------------------------------------------- commands
 Opt = Annotated
+DEVICE_HELP = (
+    "cpu (default), cuda (rank r, or tower t, on cuda:r / cuda:t) or cuda:N (one rank, or "
+    "every tower, on GPU N)"
+)
 
 
 @app.command()
@@ -244,6 +265,7 @@ def train(
         float | None,
         typer.Option(help="seconds to wait for a silent worker or server before failing (120)"),
     ] = None,
+    device: Opt[str | None, typer.Option(help=DEVICE_HELP)] = None,
     out: Opt[
         Path | None, typer.Option(help="run directory (default runs/<time>-<workload>-...)")
     ] = None,
@@ -268,8 +290,11 @@ def train(
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
         timeout=timeout,
+        device=device,
     )
     try:
+        if resume and device is not None:
+            raise ConfigError("--resume continues on the run's own device: leave out --device")
         spec = _resume_spec(resume, steps) if resume else resolve(flags)
     except (ConfigError, ValueError) as err:
         raise _fail(str(err)) from None
@@ -306,6 +331,8 @@ def _resume_spec(run: Path, steps: int | None) -> dict[str, Any]:
     spec = json.loads(cfg.read_text())
     spec["straggler"] = tuple(spec["straggler"]) if spec.get("straggler") else None
     spec["resume"] = True
+    spec.setdefault("device", "cpu")  # a run directory from before --device
+    _check_run_device(spec["device"], spec["strategy"], spec["strategy_args"], spec["workers"])
     if steps is not None:
         spec["steps"] = steps
     return spec
@@ -335,6 +362,7 @@ def compare(
     steps: Opt[int | None, typer.Option()] = None,
     seed: Opt[int, typer.Option()] = 0,
     straggler: Opt[str | None, typer.Option(help="RANK:DELAY_MS applied to every run")] = "1:20",
+    device: Opt[str | None, typer.Option(help=DEVICE_HELP)] = None,
     out: Opt[Path, typer.Option(help="directory for the runs, the plot and the table")] = Path(
         "runs/compare"
     ),
@@ -360,6 +388,7 @@ def compare(
                     straggler=None if s.split(":")[0] == "none" else straggler,
                     eval_every=None,
                     checkpoint_every=None,
+                    device=device,
                 )
                 spec = resolve(flags)
                 label = s if not optimizer else f"{spec['optimizer']['class']} / {s}"
@@ -377,7 +406,7 @@ def compare(
             raise _fail(f"{label}: {err}", code=1) from None
         rows.append({**summary, "label": label})
         runs[label] = Path(spec["out"]) / "metrics.jsonl"
-    title = f"{workload}, {workers} workers"
+    title = f"{workload}, {workers} workers" + (f" on {device}" if device else "")
     if straggler:
         slow, delay = parse_straggler(straggler)
         title += f", straggler: rank {slow} +{delay:g} ms/step"

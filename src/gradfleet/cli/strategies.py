@@ -257,12 +257,13 @@ class AllReduce(Strategy):
 
     def _gather_sparse(self, grad: torch.Tensor) -> torch.Tensor:
         idx, val = grad.indices(), grad.values()
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([idx.shape[1]]))
+        dev = val.device  # NCCL gathers CUDA tensors only, gloo CPU ones
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([idx.shape[1]], device=dev))
         n_max = int(max(s.item() for s in sizes))
         # all_gather needs equal shapes: pad to the largest nnz, cut after.
-        pad_idx = torch.zeros(idx.shape[0], n_max, dtype=idx.dtype)
-        pad_val = torch.zeros((n_max, *val.shape[1:]), dtype=val.dtype)
+        pad_idx = torch.zeros(idx.shape[0], n_max, dtype=idx.dtype, device=dev)
+        pad_val = torch.zeros((n_max, *val.shape[1:]), dtype=val.dtype, device=dev)
         pad_idx[:, : idx.shape[1]], pad_val[: val.shape[0]] = idx, val
         all_idx = [torch.empty_like(pad_idx) for _ in range(self.world)]
         all_val = [torch.empty_like(pad_val) for _ in range(self.world)]
@@ -358,7 +359,8 @@ def _mark_done(server: Any, ranks: list[int]) -> None:
 
 
 class Towers(Strategy):
-    """``world`` towers in this one process (threads), each on a slice of the batch."""
+    """``world`` towers in this one process (threads), each on a slice of the batch, on the
+    devices ``args["devices"]`` (the run's ``--device``; default every tower on the CPU)."""
 
     def __init__(self, args: dict[str, Any], rank: int, world: int) -> None:
         super().__init__(args, rank, world)
@@ -384,9 +386,8 @@ class Towers(Strategy):
             return loss
 
         if self._replicated is None:  # replicas are built once, then kept in sync by gfd
-            self._replicated = gfd.replicate_model(
-                tower_fn, self.model, "mean", ["cpu"] * self.towers
-            )
+            devices = self.args.get("devices", ["cpu"] * self.towers)
+            self._replicated = gfd.replicate_model(tower_fn, self.model, "mean", devices)
         out = self._replicated(x, y)
         # Gradients of T-1 towers merged into the shared copy, parameters copied back.
         self.bytes_sent += 2 * (self.towers - 1) * self._grad_bytes

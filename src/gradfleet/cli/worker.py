@@ -22,8 +22,9 @@ import gradfleet.distributed as gfd
 from gradfleet.distributed import elastic
 from gradfleet.registry import create_optimizer
 
+from .devices import StepClock, process_backend, rank_device, tower_devices
 from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
-from .workloads import Workload, batch_indices, load_workload
+from .workloads import Workload, batch_indices, load_workload, workload_to
 
 __all__ = ["run_worker", "latest_checkpoint"]
 
@@ -112,12 +113,14 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
             shutil.rmtree(out / "checkpoints" / f"step-{previous:07d}", ignore_errors=True)
 
 
-def _load_checkpoint(out: Path, rank: int, strategy: Strategy) -> dict[str, Any]:
+def _load_checkpoint(out: Path, job: _Job, strategy: Strategy) -> dict[str, Any]:
     step = latest_checkpoint(out)
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {out / 'checkpoints'}")
     state = torch.load(
-        out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt", weights_only=True
+        out / "checkpoints" / f"step-{step:07d}" / f"rank-{job.rank}.pt",
+        weights_only=True,
+        map_location=job.device,
     )
     strategy.model.load_state_dict(state["model"])
     strategy.opt.load_state_dict(state["optimizer"])
@@ -142,6 +145,12 @@ class _Job:
                 "launch it with torchrun --nproc-per-node N, or one agent per host"
             )
         self.rejoining = place is not None and place.rejoining
+        # One GPU per rank (local rank r on cuda:r); the device is current before the process
+        # group exists, so that NCCL and torch.cuda calls without a device use it.
+        self.device = rank_device(spec.get("device", "cpu"), int(os.environ.get("LOCAL_RANK", 0)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = process_backend(self.device)
         self.store: Any = None
         if self.rejoining:
             assert place is not None
@@ -149,10 +158,11 @@ class _Job:
             self.store = elastic.job_store(float(spec.get("timeout", 120)))
             for key in ("RANK", "WORLD_SIZE"):
                 os.environ.pop(key)
-            gfd.init(backend="gloo")
+            gfd.init(backend=backend, set_device=False)
             self.rank, self.world = place.rank, place.world_size
         else:
-            info = gfd.init(backend="gloo", timeout=float(spec.get("timeout", 120)))
+            timeout = float(spec.get("timeout", 120))
+            info = gfd.init(backend=backend, timeout=timeout, set_device=False)
             self.rank, self.world = info.rank, info.world_size
         self.tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], self.world)
         if self.tolerated and self.store is None:
@@ -183,13 +193,16 @@ class _Job:
 def _setup(spec: dict[str, Any], job: _Job) -> tuple[Workload, Strategy]:
     torch.set_num_threads(int(spec.get("threads", 1)))
     rank, world = job.rank, job.world
-    workload = load_workload(spec["workload"], spec["seed"])
+    # Built on the CPU from the seed, then moved: every device starts from the same model.
+    workload = workload_to(load_workload(spec["workload"], spec["seed"]), job.device)
     opt = create_optimizer(workload.model.parameters(), spec["optimizer"])
     name = spec["strategy"]
     args = dict(spec["strategy_args"])
     timeout = float(spec.get("timeout", 120))
     if name == "sync-replicas":  # internal: release every worker at the last update
         args.update(last_step=int(spec["steps"]), timeout=timeout)
+    if name == "towers":
+        args["devices"] = tower_devices(spec.get("device", "cpu"), int(spec["workers"]))
     if name in ("sync-replicas", "easgd"):  # where servers listen, or the running job's
         args.update(host=elastic.server_host(), timeout=timeout)
         if job.rejoining:
@@ -230,7 +243,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
         elastic.publish(job.store, f"rejoined/{rank}", [start, os.getpid()])
         print(f"worker rank {rank} rejoined the running job at step {start}", flush=True)
     elif spec.get("resume"):
-        state = _load_checkpoint(out, rank, strategy)
+        state = _load_checkpoint(out, job, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
     metrics = _Metrics(
         out / "metrics.jsonl" if rank == 0 else None, start if spec.get("resume") else None
@@ -240,6 +253,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     steps, eval_every = int(spec["steps"]), int(spec.get("eval_every") or 0)
     ckpt_every = int(spec.get("checkpoint_every") or 0)
     loss_fn = _loss_fn(workload)
+    clock = StepClock(job.device)
     if not job.rejoining:
         dist.barrier()  # start the clock together
     if job.store is not None and rank == 0:
@@ -252,12 +266,20 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     # wrapper that never reports progress.
     while strategy.updates(step) < steps and step < start + 4 * steps:
         step += 1
-        idx = batch_indices(len(y_train), batch, spec["seed"], rank, step)
-        loss = strategy.train_step(x_train[idx], y_train[idx], loss_fn)
+        idx = batch_indices(len(y_train), batch, spec["seed"], rank, step).to(job.device)
+        with clock.step():
+            loss = strategy.train_step(x_train[idx], y_train[idx], loss_fn)
         samples += batch
         wall = time.perf_counter() - t0
         done = strategy.updates(step)
-        metrics.write(step=done, loss=loss, wall=wall, samples=samples, bytes=strategy.bytes_sent)
+        metrics.write(
+            step=done,
+            loss=loss,
+            wall=wall,
+            samples=samples,
+            bytes=strategy.bytes_sent,
+            step_ms=clock.last_ms,
+        )
         job.poll(metrics, done)
         if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
@@ -269,8 +291,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     result = None
     if rank == 0:
         final_state = strategy.export()
-        _atomic_save(final_state, out / "model.pt")
+        # model.pt loads on any machine, with or without the GPU it was trained on
+        _atomic_save({k: v.detach().cpu() for k, v in final_state.items()}, out / "model.pt")
         result = _summary(spec, workload, strategy, loss, wall, samples, world)
+        result["median_step_ms"] = clock.median_ms()
         result["lost_workers"] = sorted(job.lost.values(), key=lambda w: w["rank"])
         result.update(evaluate(workload, final_state))
         metrics.write(step=steps, wall=wall, final=True, **evaluate(workload, final_state))
@@ -319,6 +343,7 @@ def _summary(
         "strategy": spec["strategy"],
         "strategy_args": spec["strategy_args"],
         "workers": spec["workers"],
+        "device": spec.get("device", "cpu"),
         "steps": steps,
         "final_loss": loss,
         "wall_s": wall,

@@ -14,6 +14,7 @@ function named as ``file.py:function``).
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Workload", "WORKLOADS", "load_workload", "batch_indices"]
+__all__ = ["Workload", "WORKLOADS", "load_workload", "batch_indices", "workload_to"]
 
 
 @dataclass
@@ -45,6 +46,16 @@ class Workload:
     optimizer: dict[str, Any] = field(default_factory=lambda: {"class": "adam"})
     steps: int = 300
     target: float | None = None
+
+
+def workload_to(workload: Workload, device: torch.device) -> Workload:
+    """``workload`` with its model (moved in place) and its data on ``device``."""
+    workload.model.to(device)
+
+    def move(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (pair[0].to(device), pair[1].to(device))
+
+    return dataclasses.replace(workload, train=move(workload.train), test=move(workload.test))
 
 
 def batch_indices(n: int, batch_size: int, seed: int, rank: int, step: int) -> torch.Tensor:

@@ -79,7 +79,9 @@ def split_batch(x: Any, num_towers: int) -> list[Any]:
 
 def _to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
+        # Asynchronous only towards a GPU, where the copy is ordered before the tower's
+        # kernels on the same stream; a non-blocking copy to the CPU may be read unfinished.
+        return x.to(device, non_blocking=device.type == "cuda")
     if isinstance(x, dict):
         return {k: _to_device(v, device) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -130,14 +132,18 @@ class ReplicatedModel:
         self.model_fn = model_fn
         self.module = module
         self.loss_reduction = loss_reduction
-        self.devices = [torch.device(d) for d in devices]
-        home = next((p.device for p in module.parameters()), torch.device("cpu"))
-        same = [i for i, d in enumerate(self.devices) if _same_device(d, home)]
+        self.devices = [_canonical(torch.device(d)) for d in devices]
+        same = [i for i, d in enumerate(self.devices) if _same_device(d, self.home)]
         self.shared_tower = same[-1] if same else None
         self.towers = [
             module if i == self.shared_tower else self._replica(d)
             for i, d in enumerate(self.devices)
         ]
+
+    @property
+    def home(self) -> torch.device:
+        """Where the one shared copy of every parameter lives (the consolidation device)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     @property
     def num_towers(self) -> int:
@@ -232,10 +238,13 @@ class ReplicatedModel:
                 raise ValueError(
                     "Each invocation of model_fn was supposed to make the same optimizer calls."
                 )
-        for key, k in ctx.last_order:
-            opt, per_tower = ctx.calls[key]
-            merged = _merge([calls[k][0] for calls in per_tower])
-            opt._apply_now(merged, per_tower[-1][k][1])
+        # On the shared parameters' device: kernels launched without a device argument (an
+        # optimizer's scalars, a fused step) must land where the parameters are.
+        with _device_scope(self.home):
+            for key, k in ctx.last_order:
+                opt, per_tower = ctx.calls[key]
+                merged = _merge([calls[k][0] for calls in per_tower])
+                opt._apply_now(merged, per_tower[-1][k][1])
 
     def _finish(self) -> None:
         last = self.towers[-1]
@@ -248,9 +257,17 @@ class ReplicatedModel:
     def _total_loss(self, losses: list[Any], ctx: TowerContext) -> torch.Tensor | None:
         if not all(isinstance(x, torch.Tensor) for x in losses):
             return None
-        home = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        home = self.home
         scaled = [x.to(home) / self.num_towers if ctx.scale_loss else x.to(home) for x in losses]
         return torch.stack([s.reshape(()) for s in scaled]).sum()
+
+
+def _canonical(device: torch.device) -> torch.device:
+    """``cuda`` as the GPU it means now (the current device), so that two towers named
+    ``cuda`` and ``cuda:0`` are recognised as one device and each replica has an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
