@@ -26,7 +26,6 @@ from .config import ConfigError
 __all__ = [
     "parse_device",
     "check_device",
-    "check_server_device",
     "rank_device",
     "tower_devices",
     "process_backend",
@@ -91,20 +90,6 @@ def check_device(device: str, processes: int, towers: int = 1) -> None:
         raise ConfigError(
             f"--device cuda puts tower t on cuda:t: -n {towers} towers need {towers} GPUs, this "
             f"machine has {count}; use -n <= {count}, or --device cuda:N for all towers on GPU N"
-        )
-
-
-def check_server_device(device: str, strategy: str, args: dict) -> None:
-    """The servers of sync-replicas and asynchronous EASGD run as threads of rank 0, whose
-    current GPU is GPU 0 whatever the rank's; their data plane synchronises the current GPU
-    before gloo sends the pinned copies, so a server on another GPU could send unfinished
-    copies. ``CUDA_VISIBLE_DEVICES`` makes the chosen GPU number 0."""
-    server = strategy == "sync-replicas" or (strategy == "easgd" and args.get("mode") == "async")
-    if server and device.startswith("cuda:") and device != "cuda:0":
-        index = device.split(":")[1]
-        raise ConfigError(
-            f"--device {device} with {strategy}: its server stages tensors for GPU 0 only; "
-            f"run it as CUDA_VISIBLE_DEVICES={index} gradfleet train --device cuda"
         )
 
 

@@ -27,7 +27,7 @@ from .config import (
     parse_spec,
     parse_straggler,
 )
-from .devices import check_device, check_server_device, parse_device
+from .devices import check_device, parse_device
 from .launch import WorkerFailed, launch, run_local, under_torchrun
 from .progress import Progress
 from .workloads import WORKLOADS, load_workload
@@ -86,7 +86,7 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     strat.validate_strategy(name, args, workers)
     device = parse_device(merged.get("device", "cpu"))  # before any data is built
-    _check_run_device(device, name, args, workers)
+    _check_run_device(device, name, workers)
     workload_name = merged.get("workload", "digits")
     try:
         workload = load_workload(workload_name, int(merged.get("seed", 0)))
@@ -129,14 +129,13 @@ def resolve(flags: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check_run_device(device: str, strategy: str, args: dict[str, Any], workers: int) -> None:
+def _check_run_device(device: str, strategy: str, workers: int) -> None:
     """A GPU for each process of the run on this machine, and for each tower."""
     if under_torchrun():
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     else:
         processes = workers if strat.STRATEGIES[strategy].spawns else 1
     check_device(device, processes, workers if strategy == "towers" else 1)
-    check_server_device(device, strategy, args)
 
 
 def _default_out(spec: dict[str, Any]) -> Path:
@@ -332,7 +331,7 @@ def _resume_spec(run: Path, steps: int | None) -> dict[str, Any]:
     spec["straggler"] = tuple(spec["straggler"]) if spec.get("straggler") else None
     spec["resume"] = True
     spec.setdefault("device", "cpu")  # a run directory from before --device
-    _check_run_device(spec["device"], spec["strategy"], spec["strategy_args"], spec["workers"])
+    _check_run_device(spec["device"], spec["strategy"], spec["workers"])
     if steps is not None:
         spec["steps"] = steps
     return spec
