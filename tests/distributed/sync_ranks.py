@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradfleet
@@ -118,9 +119,11 @@ def sync_train(
     server_ranks: list[int] | None = None,
     num_tokens: int = -1,
     adam: bool = False,
+    forget_dead: bool = False,
 ) -> dict:
     """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
-    rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token)."""
+    rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token);
+    ``forget_dead``: rank 0 tells every server that rank 1 is gone, then all ranks close."""
     model = make_model(width=width)
     inner = (
         gradfleet.AdamOptimizer(model.parameters(), 0.01)
@@ -158,8 +161,31 @@ def sync_train(
     }
     if ctx.rank == 0:
         out["server_counters"] = opt.worker_counters()
+    if forget_dead:
+        if ctx.rank == 0:
+            opt.forget_workers([1])
+        ctx.signal("trained")  # the forgetting is done before any server rank closes
+        for r in range(ctx.world_size):
+            if r != 1:
+                ctx.wait_signal(r, "trained", timeout=60)
+    start = time.monotonic()
     opt.close()
+    out["close_s"] = time.monotonic() - start
     return out
+
+
+def forget_bad_rank(ctx: RankContext) -> str:
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(make_model().parameters(), 0.1), 2, 2, timeout=10
+    )
+    dist.barrier()  # both workers said hello before either closes
+    try:
+        opt.forget_workers([0, 2, -1])
+    except ValueError as exc:
+        return str(exc).split(".", 1)[1]
+    finally:
+        opt.close()
+    return "accepted"
 
 
 def sync_rejoin(ctx: RankContext, steps: int) -> dict:

@@ -40,6 +40,24 @@ def test_sync_replicas_backup_survives_kill9():
         torch.testing.assert_close(a, b)  # every survivor ends on the server's variables
 
 
+@pytest.mark.parametrize("server_ranks", [None, [0, 2]], ids=["one-server", "sharded"])
+def test_forgotten_dead_worker_is_not_waited_for_at_close(server_ranks):
+    """Every server (the chief's and shard 1's on rank 2) stops waiting for the SIGKILLed
+    rank 1 once rank 0 forgets it; without that each would wait ``timeout`` (20 s) of its
+    silence."""
+    args = (2, 3, 12, "server", None, 0.0, 4, 3, 20.0, server_ranks, -1, False, True)
+    out = run_ranks(sync_ranks.sync_train, 3, args=args, timeout=90, kill_on={1: "die"})
+    assert out[1] == RankKilled(1)
+    for r in (0, 2):
+        assert out[r]["global_step"] == 12
+        assert out[r]["close_s"] < 10.0, out[r]["close_s"]
+
+
+def test_forget_workers_names_ranks_out_of_range():
+    out = run_ranks(sync_ranks.forget_bad_rank, 2, timeout=60)
+    assert out[0] == out[1] == "forget_workers: ranks must be in [0, 2), got [2, -1]"
+
+
 def test_sync_replicas_restarted_worker_rejoins_at_global_step():
     """A SIGKILLed worker's replacement (a new process, a new pair group with the server)
     starts at local_step := global_step with the server's variables and its gradients count."""

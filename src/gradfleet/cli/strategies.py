@@ -347,15 +347,8 @@ class Easgd(Strategy):
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:
-        _mark_done(getattr(self._centre, "_server", None), ranks)
-
-
-def _mark_done(server: Any, ranks: list[int]) -> None:
-    """Count lost workers as having left, so the server's end-of-training wait (every worker
-    left or silent for ``timeout`` seconds) does not sit out the timeout for the dead.
-    Reaches into the wrappers' server state: they have no public call for it yet."""
-    if server is not None and ranks:
-        server.done.update(ranks)
+        if ranks and self._centre is not None:
+            self._centre.forget_workers(ranks)
 
 
 class Towers(Strategy):
@@ -425,7 +418,8 @@ class SyncReplicas(Strategy):
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:
-        _mark_done(getattr(self.opt, "_server", None), ranks)
+        if ranks:
+            self.opt.forget_workers(ranks)
 
 
 _ADAPTERS: dict[str, type[Strategy]] = {

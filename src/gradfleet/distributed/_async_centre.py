@@ -223,6 +223,19 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call("read", worker=self.worker)
         return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
+    def forget_workers(self, ranks: Sequence[int]) -> None:
+        """Count the workers ``ranks`` as having left (dead for good): the server rank's
+        :meth:`close` stops waiting for them at once.  A forgotten worker that comes back
+        (``hello``) is counted again."""
+        assert self._client is not None, "setup() must run first"
+        bad = [r for r in ranks if not 0 <= int(r) < self.num_worker]
+        if bad:
+            raise ValueError(
+                f"AsyncCentre.forget_workers: ranks must be in [0, {self.num_worker}), got {bad}"
+            )
+        for r in ranks:
+            self._client.call("done", worker=int(r))
+
     @property
     def bytes_sent(self) -> int:
         return self._client.bytes_out if self._client is not None else 0

@@ -396,6 +396,24 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         sent = self._client.bytes_out if self._client is not None else 0
         return sent + (self._links.bytes_out if self._links is not None else 0)
 
+    def forget_workers(self, ranks: Iterable[int]) -> None:
+        """Count the workers ``ranks`` as having left (they died and will not come back), on
+        every server: a server rank's :meth:`close` then stops waiting for them at once
+        instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
+        forgotten worker that does come back (``hello``) is counted again."""
+        if self._client is None:
+            raise RuntimeError(f"{_OWNER}.forget_workers: the optimizer is closed")
+        ranks = [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
+        if bad:
+            raise ValueError(
+                f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
+                f"got {bad}"
+            )
+        for client in [self._client, *(self._links.clients.values() if self._links else ())]:
+            for r in ranks:
+                client.call("done", worker=r)
+
     def close(self) -> None:
         """Leave: tell every server; a server rank keeps serving until every worker left or
         has been silent for ``timeout`` seconds, then stops its servers (shards, then chief)."""
