@@ -337,3 +337,28 @@ def test_cuda_request_and_reply_travel_through_host_memory_never_torch_save(
             torch.testing.assert_close(got.cuda(), 2 * want)
     finally:
         server.close()
+
+
+def _call_from_forked_child(address, queue):
+    client = MailboxClient(address, "child", 10.0, "server rank 0")
+    x = torch.arange(4.0)
+    y = client.call("double", x=[x], n=0)["y"][0]
+    queue.put((type(client.link).__name__, y.tolist()))
+
+
+def test_forked_child_of_a_server_process_uses_a_pair_not_the_dead_servers_memory():
+    """A child forked from a server's process inherits the registry of in-process servers
+    but not the server's thread: it must talk to the server over a pair."""
+    import multiprocessing as mp
+
+    server = MailboxServer(Echo().handle)
+    try:
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_call_from_forked_child, args=(server.address, queue))
+        child.start()
+        kind, y = queue.get(timeout=60)
+        child.join(30)
+        assert kind == "PairLink" and y == [0.0, 2.0, 4.0, 6.0]
+    finally:
+        server.close()

@@ -25,6 +25,7 @@ server turns into an immediate connection error.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -148,6 +149,7 @@ class MailboxServer:
         self.bytes_in = 0
         self._thread = threading.Thread(target=self._serve, name="gradfleet-server", daemon=True)
         self._thread.start()
+        self.pid = os.getpid()  # a forked child inherits the registry but not this thread
         _IN_PROCESS[self.address] = self
         if tick is not None:
             self._ticker = threading.Thread(target=self._ticks, name="gradfleet-tick", daemon=True)
@@ -302,7 +304,7 @@ class MailboxClient:
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)
             server = _IN_PROCESS.get(address) if in_process else None
-            if data and server is not None:
+            if data and server is not None and server.pid == os.getpid():
                 server_end, self.link = LocalLink.pair()
                 server.adopt_local(client, self.inc, server_end)
                 _push(self.store, REQUESTS, {"op": "_pair", "client": client, "inc": self.inc})
