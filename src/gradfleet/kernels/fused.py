@@ -56,6 +56,12 @@ _OPTIONS = {
     # quarter of the elements off by an ulp after a few GradientDescent steps.
     "emulate_precision_casts": True,
 }
+#: Extra inductor options for CUDA buckets only (CPU kernels never see them).  Empty by
+#: default: candidates such as ``combo_kernels`` (one Triton launch for many parameters'
+#: kernels, inductor's horizontal fusion) change the CUDA kernel and are switched on only
+#: once measured on a GPU (``benchmarks/optimizer_speed.py --fused-option``; the CUDA
+#: tests check the maths with it on).
+CUDA_OPTIONS: dict[str, Any] = {}
 #: How many distinct signatures were compiled in this process (tests check it stays put).
 compiled_signatures = 0
 _tracing = False
@@ -151,7 +157,8 @@ def compile_step(opt, params, grads, slots, hp, shared):
     )
     # The options cover tracing too: make_fx marks float16/bfloat16 results for
     # ``emulate_precision_casts`` while it traces.
-    with private.inductor_options(_OPTIONS):
+    options = dict(_OPTIONS, **CUDA_OPTIONS) if params[0].is_cuda else _OPTIONS
+    with private.inductor_options(options):
         graph = _trace(type(opt).__name__, step, flat)
         _store_in_order(graph)
         compiled = private.compile_fx_inner(graph, flat)
