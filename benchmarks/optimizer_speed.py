@@ -428,11 +428,18 @@ def main(argv: list[str] | None = None) -> None:
         args.fused_options = speed_setup.parse_options(args.fused_option)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.fused_options and args.device.type != "cuda":
-        parser.error("--fused-option: the options apply to CUDA kernels only (--device cuda)")
-    from gradfleet.kernels import fused
+    if args.params is not None and args.params <= 0:
+        parser.error(f"--params {args.params}: expected a positive parameter count")
+    if args.fused_options:
+        if args.device.type != "cuda":
+            parser.error("--fused-option: the options apply to CUDA kernels only (--device cuda)")
+        from gradfleet.kernels import _torch_private, fused
 
-    fused.CUDA_OPTIONS.update(args.fused_options)
+        config = _torch_private.inductor_config()
+        unknown = [name for name in args.fused_options if not hasattr(config, name)]
+        if unknown:
+            parser.error(f"--fused-option: no inductor option {', '.join(unknown)} in this torch")
+        fused.CUDA_OPTIONS.update(args.fused_options)
     # A fresh inductor cache: the reported compile time is a cold compile.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gradfleet-bench-"))
     result = run(args)
