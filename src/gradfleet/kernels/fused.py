@@ -1,4 +1,4 @@
-"""The fused path: one inductor kernel per (device, dtype) bucket of parameters.
+"""The fused path: one inductor kernel per (device, dtype) bucket of parameters (two on CPU).
 
 How a bucket's step is compiled (once per signature, then cached on the optimizer):
 
@@ -70,7 +70,8 @@ _OPTIONS = {
 #: tests check the maths with it on).
 CUDA_OPTIONS: dict[str, Any] = {}
 #: CPU: parameters of at most this many elements run in a single-threaded kernel of their own
-#: (a 4096-element Adam update is a few microseconds of work, about one barrier's cost), up to
+#: (a 4096-element Adam update is a few microseconds of work, the order of one OpenMP
+#: barrier's cost, which each parameter's loop pays in the threaded kernel), up to
 #: ``SMALL_BUDGET`` elements in all so that many mid-sized tensors never lose the threads.
 SMALL_NUMEL = 4096
 SMALL_BUDGET = 2**20
@@ -217,8 +218,8 @@ def _store_in_order(graph: torch.fx.GraphModule) -> None:
 
 def small_parameters(params) -> list[int]:
     """Indices of the CPU parameters that go to the single-threaded kernel: at most
-    ``SMALL_NUMEL`` elements each, in order, while their total stays within ``SMALL_BUDGET``
-    (all of them when that leaves no other parameter: one kernel then)."""
+    ``SMALL_NUMEL`` elements each, in order, while their total stays within ``SMALL_BUDGET``.
+    A bucket of small parameters only is one single-threaded kernel."""
     if not params[0].is_cpu:
         return []
     small, total = [], 0
