@@ -7,12 +7,16 @@ Run from the repository root::
 It writes ``optimizer_speed.json`` and ``optimizer_speed.png`` under ``--out`` and prints
 the table.  Method:
 
-* Parameters: a transformer-like set of ~16.8M float32 parameters in 41 tensors (an
-  embedding, 4 layers of attention/MLP matrices, biases and norm scales); gradients are
-  fixed random tensors, so every path of every optimizer moves the same data.
-* Step time: median of ``--reps`` steps after ``--warmup`` steps.  Effective bandwidth:
-  minimal bytes a step must move (read+write the parameter and each parameter-sized slot,
-  read the gradient) / step time.
+* Device: ``--device cpu`` (default), ``cuda`` or ``cuda:N``.
+* Parameters: ``--preset`` (``benchmarks/speed_setup.py``): ``default``, a transformer-like
+  set of ~16.8M float32 parameters in 41 tensors; ``transformer-134m`` (134M in 81);
+  ``small-tensors`` (6.8M in 99, 62 of them biases and norm weights of 256-1024 elements).
+  ``--params N`` rescales the preset's width.  Gradients are fixed random tensors, so every
+  path of every optimizer moves the same data.
+* Step time: median of ``--reps`` steps after ``--warmup`` steps; on CPU the wall clock
+  around ``step()``, on CUDA CUDA events around it after draining the queue.  Effective
+  bandwidth: minimal bytes a step must move (read+write the parameter and each
+  parameter-sized slot, read the gradient) / step time.
 * Baselines, on copies of the same tensors in the same run: ``torch.optim.Adam(fused=True)``,
   timed in alternation with every row (step, Adam step, step, ...); ratios to it are the
   median of the per-pair ratios, so a slow spell of a shared machine cancels.  For the
@@ -22,7 +26,7 @@ the table.  Method:
   read-only pass over the gradients, each against fused Adam the same way.
 * Peak extra memory: the peak of torch's live CPU allocations during one step above the
   allocations alive before it, from ``torch.profiler`` memory events (allocator-agnostic:
-  glibc's caching cannot hide a temporary).
+  glibc's caching cannot hide a temporary); on CUDA the caching allocator's peak.
 * Fused compile time: first step minus a steady step, in a fresh inductor cache directory
   (a cold compile, as a new machine sees it); inductor's one-time start-up in a process
   (CPU feature probes) is measured first and reported on its own.
@@ -35,11 +39,15 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks import speed_setup
+from benchmarks.speed_setup import parameter_shapes
+
+__all__ = ["main", "parameter_shapes", "peak_extra_mib"]
 
 TORCH_EQUIVALENT = {  # gradfleet class -> (torch class, extra kwargs)
     "AdadeltaOptimizer": ("Adadelta", {"lr": 1.0}),
@@ -50,18 +58,10 @@ TORCH_EQUIVALENT = {  # gradfleet class -> (torch class, extra kwargs)
 }
 
 
-def parameter_shapes(d: int = 512, layers: int = 4, vocab: int = 8192) -> list[tuple]:
-    shapes: list[tuple] = [(vocab, d)]
-    for _ in range(layers):
-        shapes += [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]  # q, k, v, o; MLP in/out
-        shapes += [(4 * d,), (d,), (d,), (d,)]  # MLP bias, out bias, two norm scales
-    return shapes
-
-
-def make_tensors(shapes, seed: int = 0):
+def make_tensors(shapes, seed: int = 0, device: torch.device | str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    params = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
     return params, grads
 
 
@@ -73,12 +73,15 @@ def _fresh(params, grads):
 
 
 # ------------------------------------------------------------------ measurement
-def peak_extra_mib(step) -> float:
+def peak_extra_mib(step, device: torch.device | None = None) -> float:
     """Peak of torch's live CPU allocations during one ``step()`` above those before (MiB).
 
     From the profiler's allocation/free events, so cached or reused memory cannot hide a
     temporary; allocations outside torch's allocator (e.g. compiler scratch) are not seen.
+    On a CUDA ``device``: the CUDA caching allocator's peak above what was live before.
     """
+    if device is not None and device.type == "cuda":
+        return speed_setup.peak_extra_cuda_mib(step, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         step()
@@ -90,23 +93,19 @@ def peak_extra_mib(step) -> float:
     return peak / 2**20
 
 
-def time_steps(step, warmup: int, reps: int, partner=None) -> dict[str, float]:
+def time_steps(step, warmup: int, reps: int, partner=None, device=None) -> dict[str, float]:
     """Median step time; with ``partner`` (torch's fused Adam) timed in alternation, so
     both see the same load on a shared machine and their ratio stays meaningful."""
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
+    device = torch.device("cpu") if device is None else device
+    timed = speed_setup.step_clock(device)
+    first = speed_setup.wall_clock(device, step)
     for _ in range(max(warmup - 1, 0)):
         step()
     times, partner_times = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+        times.append(timed(step))
         if partner is not None:
-            t0 = time.perf_counter()
-            partner()
-            partner_times.append(time.perf_counter() - t0)
+            partner_times.append(timed(partner))
     median = statistics.median(times)
     out = {"first_s": first, "median_s": median, "min_s": min(times), "max_s": max(times)}
     if partner_times:
@@ -118,7 +117,7 @@ def time_steps(step, warmup: int, reps: int, partner=None) -> dict[str, float]:
     return out
 
 
-def memory_ceilings(params, grads, warmup: int, reps: int, partner) -> dict[str, Any]:
+def memory_ceilings(params, grads, warmup: int, reps: int, partner, device) -> dict[str, Any]:
     """What this machine's memory system gives ATen's own eager kernels (no optimizer), each
     as bandwidth and as a fraction of torch fused Adam's, timed in alternation with it:
 
@@ -145,25 +144,23 @@ def memory_ceilings(params, grads, warmup: int, reps: int, partner) -> dict[str,
     }
     out = {}
     for name, (fn, passes) in probes.items():
-        stats = time_steps(fn, warmup, reps, partner)
+        stats = time_steps(fn, warmup, reps, partner, device)
         gbps = nbytes * passes / stats["median_s"] / 1e9
         ratio = passes / 7 / stats["time_ratio_to_partner"]  # Adam moves 7 passes
         out[name] = {"median_s": stats["median_s"], "gbps": gbps, "vs_torch_fused_adam": ratio}
     return out
 
 
-def inductor_startup_s() -> float:
+def inductor_startup_s(device: torch.device) -> float:
     """The one-time cost of the first fused compile in a process (inductor probes the CPU's
     vector instruction sets by building test programs), measured on a one-tensor step so
     that each row's compile time is its own."""
     import gradfleet as gf
 
-    p = torch.nn.Parameter(torch.zeros(8))
-    p.grad = torch.ones(8)
+    p = torch.nn.Parameter(torch.zeros(8, device=device))
+    p.grad = torch.ones(8, device=device)
     opt = gf.GradientDescentOptimizer([p], 0.1, fused=True)
-    t0 = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - t0
+    return speed_setup.wall_clock(device, opt.step)
 
 
 def minimal_bytes(params, state_tensors_per_param: int) -> int:
@@ -172,12 +169,13 @@ def minimal_bytes(params, state_tensors_per_param: int) -> int:
 
 
 def measure(opt, params, warmup: int, reps: int, partner=None) -> dict[str, Any]:
-    stats = time_steps(opt.step, warmup, reps, partner)
+    device = params[0].device
+    stats = time_steps(opt.step, warmup, reps, partner, device)
     big = params[0]
     slots = sum(1 for t in opt.state[big].values() if torch.is_tensor(t) and t.shape == big.shape)
     stats["bytes"] = minimal_bytes(params, slots)
     stats["gbps"] = stats["bytes"] / stats["median_s"] / 1e9
-    stats["peak_extra_mib"] = peak_extra_mib(opt.step)
+    stats["peak_extra_mib"] = peak_extra_mib(opt.step, device)
     return stats
 
 
@@ -231,19 +229,24 @@ def torch_best(name: str, kwargs: dict, params, grads, warmup, reps) -> dict[str
 
 def run(args) -> dict[str, Any]:
     torch.manual_seed(0)
-    shapes = parameter_shapes(args.width, args.layers, args.vocab)
-    params, grads = make_tensors(shapes)
+    device = args.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # events record on this device's current stream
+    override = {"width": args.width, "layers": args.layers, "vocab": args.vocab}
+    shapes = speed_setup.preset_shapes(args.preset, args.params, **override)
+    params, grads = make_tensors(shapes, device=device)
     n = sum(p.numel() for p in params)
+    small = sum(1 for p in params if p.numel() <= 4096)
     print(
-        f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors; "
-        f"{torch.get_num_threads()} threads",
+        f"{n / 1e6:.1f}M float32 parameters in {len(shapes)} tensors ({small} of <= 4096 "
+        f"elements) on {device}; {torch.get_num_threads()} threads",
         flush=True,
     )
-    startup = inductor_startup_s() if "fused" in args.paths else None
+    startup = inductor_startup_s(device) if "fused" in args.paths else None
     adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
     baselines = {"Adam(fused=True)": ref}
-    ceilings = memory_ceilings(params, grads, args.warmup, args.reps, adam.step)
+    ceilings = memory_ceilings(params, grads, args.warmup, args.reps, adam.step, device)
     rows = []
     for cls, (config, make) in gradfleet_configs().items():
         if args.only and cls.__name__ not in args.only:
@@ -274,19 +277,23 @@ def run(args) -> dict[str, Any]:
             rows.append(stats)
             print(format_row(stats), flush=True)
     return {
-        "machine": machine(),
+        "machine": machine(device),
+        "device": str(device),
+        "preset": args.preset,
         "parameters": n,
         "tensors": len(shapes),
+        "small_tensors": small,
         "warmup": args.warmup,
         "reps": args.reps,
         "baselines": baselines,
         "ceilings": ceilings,
         "inductor_startup_s": startup,
+        "fused_cuda_options": args.fused_options,
         "rows": rows,
     }
 
 
-def machine() -> dict[str, Any]:
+def machine(device: torch.device) -> dict[str, Any]:
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -298,6 +305,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "gpu": speed_setup.device_name(device),
         "load_average": os.getloadavg(),
     }
 
@@ -323,7 +331,12 @@ def format_row(r: dict[str, Any]) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     m = result["machine"]
-    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load {m['load_average']}")
+    gpu = f"{m['gpu']} ({result['device']}), " if m.get("gpu") else ""
+    print(f"\n{gpu}{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load {m['load_average']}")
+    print(
+        f"preset {result['preset']}: {result['parameters'] / 1e6:.1f}M parameters in "
+        f"{result['tensors']} tensors ({result['small_tensors']} of <= 4096 elements)"
+    )
     for name, b in result["baselines"].items():
         impl = f" [{b['impl']}]" if "impl" in b else ""
         print(
@@ -381,7 +394,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("effective bandwidth / torch fused Adam's\n(paired steps, same tensors)")
     m = result["machine"]
     size = result["parameters"] / 1e6
-    ax.set_title(f"{size:.1f}M params, {m['cores']} cores, torch {m['torch']}")
+    where = m["gpu"] or f"{m['cores']} CPU cores"
+    ax.set_title(f"{size:.1f}M params in {result['tensors']} tensors, {where}, torch {m['torch']}")
     ax.set_ylim(0, 1.5)
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     fig.tight_layout()
@@ -395,10 +409,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--paths", nargs="+", default=["loop", "foreach", "fused"])
     parser.add_argument("--only", nargs="*", help="optimizer class names to run")
-    parser.add_argument("--width", type=int, default=512, help="model width d")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192, help="embedding rows")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--preset", default="default", choices=sorted(speed_setup.PRESETS))
+    parser.add_argument("--params", type=int, help="rescale the preset's width to ~N params")
+    parser.add_argument("--width", type=int, help="model width d (overrides the preset)")
+    parser.add_argument("--layers", type=int, help="blocks (overrides the preset)")
+    parser.add_argument("--vocab", type=int, help="embedding rows (overrides the preset)")
+    parser.add_argument(
+        "--fused-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="inductor option for the fused path's CUDA kernels, e.g. combo_kernels=1",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.device = speed_setup.parse_device(args.device)
+        args.fused_options = speed_setup.parse_options(args.fused_option)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.params is not None and args.params <= 0:
+        parser.error(f"--params {args.params}: expected a positive parameter count")
+    if args.fused_options:
+        if args.device.type != "cuda":
+            parser.error("--fused-option: the options apply to CUDA kernels only (--device cuda)")
+        from gradfleet.kernels import _torch_private, fused
+
+        config = _torch_private.inductor_config()
+        unknown = [name for name in args.fused_options if not hasattr(config, name)]
+        if unknown:
+            parser.error(f"--fused-option: no inductor option {', '.join(unknown)} in this torch")
+        fused.CUDA_OPTIONS.update(args.fused_options)
     # A fresh inductor cache: the reported compile time is a cold compile.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gradfleet-bench-"))
     result = run(args)

@@ -5,8 +5,11 @@ measured by running the benchmark, never asserted here."""
 from __future__ import annotations
 
 import json
+import math
 
-from benchmarks import optimizer_speed
+import pytest
+import torch
+from benchmarks import optimizer_speed, speed_setup
 
 
 def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
@@ -56,3 +59,26 @@ def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, 
     # 3 passes for slot-free optimizers, 3 + 2 per slot otherwise (Adam: m and v)
     adam, nsgd = rows["AdamOptimizer", "loop"]["bytes"], rows["NormalizedSGD", "loop"]["bytes"]
     assert 3 * adam == 7 * nsgd
+
+
+def test_speed_presets_have_the_shapes_they_promise():
+    def sizes(shapes):
+        return [math.prod(s) for s in shapes]
+
+    big = sizes(speed_setup.preset_shapes("transformer-134m"))
+    assert len(big) == 81 and 133e6 < sum(big) < 135e6  # issue 12's GPU parameter set
+    small = sizes(speed_setup.preset_shapes("small-tensors"))
+    assert sum(n <= 4096 for n in small) * 3 >= len(small)  # a third or more are small
+    assert sizes(speed_setup.preset_shapes("default")) == sizes(
+        optimizer_speed.parameter_shapes(512, 4, 8192)
+    )
+    scaled = sum(sizes(speed_setup.preset_shapes("small-tensors", params=20_000_000)))
+    assert abs(scaled - 20e6) < 0.05 * 20e6
+
+
+def test_speed_benchmark_device_errors_name_the_argument(capsys):
+    bad = ["tpu", "cuda:99"] if torch.cuda.is_available() else ["tpu", "cuda"]
+    for device in bad:
+        with pytest.raises(SystemExit):
+            optimizer_speed.main(["--device", device, "--only", "AdamOptimizer"])
+        assert f"--device '{device}'" in capsys.readouterr().err

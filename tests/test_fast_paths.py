@@ -30,7 +30,9 @@ from tests.conformance.specs import SPECS
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
 
 STEPS = 10
-SHAPES32 = [(5, 3), (0,), (7,)]
+# (70, 64) is above fused.SMALL_NUMEL: the float32 bucket runs as two CPU kernels (small
+# parameters single-threaded, the rest on OpenMP), so both kinds are checked.
+SHAPES32 = [(5, 3), (0,), (7,), (70, 64)]
 SHAPES64 = [(4, 2), (3,)]
 FUSED_TOL = {torch.float32: (2e-6, 2e-7), torch.float64: (1e-12, 1e-14)}
 PARTIAL_NONE_FUSED = {"AdamOptimizer", "MomentumOptimizer", "CustomAdamOptimizer"}
@@ -53,16 +55,23 @@ def _build(cls, groups, config, **options):
     return cls(groups, **config, **options)
 
 
-def _run(cls, config, partial_none=True, **options) -> list[list[torch.Tensor]]:
-    """Snapshots of (params, state tensors, non-slot tensors) after every step."""
+def _run(cls, config, partial_none=True, device="cpu", **options) -> list[list[torch.Tensor]]:
+    """Snapshots of (params, state tensors, non-slot tensors) after every step, on the CPU.
+
+    Values are drawn on the CPU and moved to ``device``: every device sees the same numbers.
+    """
     gen = torch.Generator().manual_seed(1234)
-    p32 = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES32]
-    p64 = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in SHAPES64]
+
+    def draw(shape, dtype=torch.float32):
+        return torch.randn(shape, generator=gen, dtype=dtype).to(device)
+
+    p32 = [torch.nn.Parameter(draw(s)) for s in SHAPES32]
+    p64 = [torch.nn.Parameter(draw(s, torch.float64)) for s in SHAPES64]
     opt = _build(cls, [{"params": p32}, {"params": p64}], config, **options)
     snapshots = []
     for step in range(STEPS):
         for p in p32 + p64:
-            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.grad = draw(p.shape, p.dtype)
         if partial_none and step in (3, 4):  # one parameter of a bucket without a gradient
             p32[2].grad = None
         if step in (6, 7):  # a whole group without gradients
@@ -77,10 +86,10 @@ def _snapshot(opt) -> list[torch.Tensor]:
     out = []
     for group in opt.param_groups:
         for p in group["params"]:
-            out.append(p.detach().clone())
+            out.append(p.detach().cpu().clone())
             state = opt.state.get(p, {})
-            out.extend(state[k].clone() for k in sorted(state) if torch.is_tensor(state[k]))
-        out.extend(v.clone() for _, v in sorted(group["non_slot"].items()))
+            out.extend(state[k].cpu().clone() for k in sorted(state) if torch.is_tensor(state[k]))
+        out.extend(v.cpu().clone() for _, v in sorted(group["non_slot"].items()))
     return out
 
 

@@ -23,7 +23,7 @@ def _fused_step_error():
 
 def test_every_option_the_fused_path_sets_exists_on_this_release():
     config = private.inductor_config()
-    assert set(fused._OPTIONS) == set(private.INDUCTOR_OPTIONS)
+    assert {*fused._OPTIONS, *fused._SINGLE_THREAD} == set(private.INDUCTOR_OPTIONS)
     assert all(hasattr(config, name) for name in private.INDUCTOR_OPTIONS)
 
 

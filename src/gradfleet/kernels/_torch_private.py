@@ -14,6 +14,8 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
 * ``torch._inductor.compile_fx.compile_fx_inner``: inductor's graph compiler.
 * ``torch._inductor.config`` options ``INDUCTOR_OPTIONS``; ``emulate_precision_casts``
   decides the half-precision bits (float16/bfloat16 intermediates rounded like eager).
+  ``fused.CUDA_OPTIONS`` (empty unless set, e.g. by the benchmark's ``--fused-option``) are
+  checked the same way when a CUDA kernel compiles.
 
 Checked on: torch 2.8.0, 2.11.0, 2.12.1 and 2.13.0 (Linux x86-64, CPU wheels and CUDA wheels
 run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see README "Tests").
@@ -40,6 +42,7 @@ INDUCTOR_OPTIONS = (
     "alignment_asserts",
     "score_fusion_memory_threshold",
     "emulate_precision_casts",
+    "cpp.threads",  # 1 for the CPU kernel of small parameters (``fused.SMALL_NUMEL``)
 )
 
 

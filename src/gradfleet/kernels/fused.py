@@ -1,4 +1,4 @@
-"""The fused path: one inductor kernel per (device, dtype) bucket of parameters.
+"""The fused path: one inductor kernel per (device, dtype) bucket of parameters (two on CPU).
 
 How a bucket's step is compiled (once per signature, then cached on the optimizer):
 
@@ -15,6 +15,13 @@ How a bucket's step is compiled (once per signature, then cached on the optimize
    input once and stores straight into parameter and slot memory.  Going through
    ``torch.compile`` or ``torch._inductor.compile`` instead would re-run AOTAutograd,
    which moves every store back to the end of the graph.
+
+On CPU, a bucket's small parameters (at most ``SMALL_NUMEL`` elements each, biases and norm
+weights) get a kernel of their own that runs on the calling thread.  In one OpenMP kernel each
+parameter's loop ends in a barrier (``omp for`` / ``omp single``), so 60 biases cost 60
+thread synchronisations a step for a few microseconds of work, and on a loaded machine every
+barrier waits for a descheduled thread; ATen's own kernels (torch's fused Adam) run such
+tensors on one thread too (below its parallel grain size).
 
 Later steps call the compiled function directly with the same tensors in the same order.
 There is no dynamo frame in between, so no guards: ``signature`` is the complete cache key
@@ -56,6 +63,19 @@ _OPTIONS = {
     # quarter of the elements off by an ulp after a few GradientDescent steps.
     "emulate_precision_casts": True,
 }
+#: Extra inductor options for CUDA buckets only (CPU kernels never see them).  Empty by
+#: default: candidates such as ``combo_kernels`` (one Triton launch for many parameters'
+#: kernels, inductor's horizontal fusion) change the CUDA kernel and are switched on only
+#: once measured on a GPU (``benchmarks/optimizer_speed.py --fused-option``; the CUDA
+#: tests check the maths with it on).
+CUDA_OPTIONS: dict[str, Any] = {}
+#: CPU: parameters of at most this many elements run in a single-threaded kernel of their own
+#: (a 4096-element Adam update is a few microseconds of work, the order of one OpenMP
+#: barrier's cost, which each parameter's loop pays in the threaded kernel), up to
+#: ``SMALL_BUDGET`` elements in all so that many mid-sized tensors never lose the threads.
+SMALL_NUMEL = 4096
+SMALL_BUDGET = 2**20
+_SINGLE_THREAD = {"cpp.threads": 1}
 #: How many distinct signatures were compiled in this process (tests check it stays put).
 compiled_signatures = 0
 _tracing = False
@@ -142,16 +162,21 @@ def _step_function(opt, params, slots, hp, shared):
     return step
 
 
-def compile_step(opt, params, grads, slots, hp, shared):
+def compile_step(opt, params, grads, slots, hp, shared, single_thread: bool = False):
     """Trace ``opt``'s maths for this bucket and compile it; returns ``f([flat inputs])``."""
     global compiled_signatures
     flat = _inputs(params, grads, slots, hp, shared)
     step = torch.func.functionalize(
         _step_function(opt, params, slots, hp, shared), remove="mutations"
     )
+    options = _OPTIONS
+    if params[0].is_cuda:
+        options = dict(options, **CUDA_OPTIONS)
+    elif single_thread:
+        options = dict(options, **_SINGLE_THREAD)
     # The options cover tracing too: make_fx marks float16/bfloat16 results for
     # ``emulate_precision_casts`` while it traces.
-    with private.inductor_options(_OPTIONS):
+    with private.inductor_options(options):
         graph = _trace(type(opt).__name__, step, flat)
         _store_in_order(graph)
         compiled = private.compile_fx_inner(graph, flat)
@@ -191,13 +216,48 @@ def _store_in_order(graph: torch.fx.GraphModule) -> None:
     graph.recompile()
 
 
+def small_parameters(params) -> list[int]:
+    """Indices of the CPU parameters that go to the single-threaded kernel: at most
+    ``SMALL_NUMEL`` elements each, in order, while their total stays within ``SMALL_BUDGET``.
+    A bucket of small parameters only is one single-threaded kernel."""
+    if not params[0].is_cpu:
+        return []
+    small, total = [], 0
+    for j, p in enumerate(params):
+        n = p.numel()
+        if n <= SMALL_NUMEL and total + n <= SMALL_BUDGET:
+            small.append(j)
+            total += n
+    return small
+
+
 def run_fused(opt, params, grads, slots, hp, shared) -> None:
-    """Apply ``_apply_dense`` to every (param, grad) of one bucket as one compiled kernel."""
-    key = signature(opt, params, grads, slots, hp, shared)
+    """Apply ``_apply_dense`` to every (param, grad) of one bucket: one compiled kernel, two on
+    CPU when the bucket mixes small parameters with others (``small_parameters``)."""
+    small = small_parameters(params)
+    if not small or len(small) == len(params):
+        _run_kernel(opt, params, grads, slots, hp, shared, single_thread=bool(small))
+        return
+    taken = set(small)
+    for idx, single_thread in (
+        (small, True),
+        ([j for j in range(len(params)) if j not in taken], False),
+    ):
+        part = (
+            [params[j] for j in idx],
+            [grads[j] for j in idx],
+            {name: [ts[j] for j in idx] for name, ts in slots.items()},
+        )
+        _run_kernel(opt, *part, hp, shared, single_thread=single_thread)
+
+
+def _run_kernel(opt, params, grads, slots, hp, shared, single_thread: bool) -> None:
+    key = (single_thread, signature(opt, params, grads, slots, hp, shared))
     cache = _CACHE.get(opt)  # not setdefault: that builds a weakref and a dict every step
     if cache is None:
         cache = _CACHE[opt] = {}
     compiled = cache.get(key)
     if compiled is None:
-        compiled = cache[key] = compile_step(opt, params, grads, slots, hp, shared)
+        compiled = compile_step(opt, params, grads, slots, hp, shared, single_thread)
+        cache[key] = compiled
     compiled(_inputs(params, grads, slots, hp, shared))  # takes (and empties) the list

@@ -1,0 +1,114 @@
+"""Every optimizer's loop, foreach and fused paths on CUDA against the CPU reference loop.
+
+Skipped, with the reason, where CUDA is not available (CI has no GPU); run them on a GPU
+machine with ``pytest -q tests/test_cuda.py``.
+
+Dense: the schedule of ``tests/test_fast_paths.py`` (10 steps; a float32 and a float64
+group; a zero-size parameter; a group without gradients at some steps; on the loop and
+foreach paths, and for ``PARTIAL_NONE_FUSED`` on the fused path, one parameter without a
+gradient inside a bucket), with the same numbers drawn on the CPU and moved to the GPU.
+After every step each parameter, slot and non-slot value is compared with the CPU reference
+loop (``foreach=False``) run on the same numbers:
+
+* float64 group: within (rtol 1e-12, atol 1e-14), the float64 ``FUSED_TOL``: the maths is the
+  same, only the last bits of sqrt/rsqrt/division/exp differ between CPU and GPU libraries
+  (a few float64 ulps, 1.1e-16 each, over 10 steps);
+* float32 group: within (rtol 2e-6, atol 2e-7), the float32 ``FUSED_TOL``: ATen's CUDA
+  kernels and Triton round float32 division, square roots and exponentials within 1-2 ulps
+  (6e-8 each) where the CPU loop rounds correctly or within 1 ulp, a few per step, carried
+  over 10 steps: a few tens of ulps at most.
+
+Sparse: ``_apply_sparse`` on CUDA (scatter-adds with duplicate indices, whose atomics add
+in any order) against the CPU loop on the same gradients, in every path (sparse gradients
+always take ``_apply_sparse``; the dense parameter beside them takes the path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradfleet as gf
+from gradfleet.kernels import fused
+from tests.test_fast_paths import (
+    FIRST_CONFIGS,
+    FUSED_TOL,
+    PARTIAL_NONE_FUSED,
+    _build,
+    _compare,
+    _reference,
+    _run,
+)
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA is not available (no GPU or a CPU-only torch)"
+)
+PATHS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _options(cls, path: str) -> dict:
+    if path != "loop" and path not in cls.fast_paths:
+        pytest.skip(f"{cls.__name__} has no {path} path (fast_paths={cls.fast_paths})")
+    return PATHS[path]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("cls,config", FIRST_CONFIGS)
+def test_cuda_path_matches_cpu_loop(cls, config, path):
+    options = _options(cls, path)
+    partial = path != "fused" or cls.__name__ in PARTIAL_NONE_FUSED
+    ref = _reference(cls, config, partial)
+    _compare(ref, _run(cls, config, partial, device="cuda", **options), exact=False)
+
+
+@pytest.mark.parametrize("cls,config", FIRST_CONFIGS)
+def test_cuda_fused_with_combo_kernels_matches_cpu_loop(cls, config, monkeypatch):
+    """The fused path with inductor's horizontal fusion of the parameters' kernels
+    (``combo_kernels``, a CUDA-only option the benchmark can switch on): same bound."""
+    _options(cls, "fused")
+    monkeypatch.setitem(fused.CUDA_OPTIONS, "combo_kernels", True)
+    ref = _reference(cls, config, partial_none=False)
+    _compare(ref, _run(cls, config, False, device="cuda", fused=True), exact=False)
+
+
+def _sparse_specs():
+    from tests.conformance.specs import SPECS
+    from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
+
+    out = []
+    for spec in SPECS + RETURNN_SPECS:
+        if "sparse_duplicates" in spec.modes and spec.cls is not gf.BaseCustomOptimizer:
+            out.append(pytest.param(spec.cls, dict(spec.configs[0]), id=spec.name))
+    return out
+
+
+def _sparse_run(cls, config, device: str, dtype: torch.dtype, options: dict):
+    """5 steps on an embedding with sparse gradients (duplicate rows) and a dense bias."""
+    gen = torch.Generator().manual_seed(99)
+    emb = torch.nn.Parameter(torch.randn(8, 3, generator=gen, dtype=dtype).to(device))
+    bias = torch.nn.Parameter(torch.randn(3, generator=gen, dtype=dtype).to(device))
+    opt = _build(cls, [emb, bias], config, **options)
+    for _ in range(5):
+        idx = torch.tensor([[1, 4, 1, 6, 4]])
+        values = torch.randn(5, 3, generator=gen, dtype=dtype)
+        emb.grad = torch.sparse_coo_tensor(idx, values, (8, 3)).to(device)
+        bias.grad = torch.randn(3, generator=gen, dtype=dtype).to(device)
+        opt.step()
+    out = [emb.detach().cpu(), bias.detach().cpu()]
+    for p in (emb, bias):
+        state = opt.state[p]
+        out.extend(state[k].cpu() for k in sorted(state) if torch.is_tensor(state[k]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("cls,config", _sparse_specs())
+def test_cuda_sparse_gradients_match_cpu_loop(cls, config, path, dtype):
+    options = _options(cls, path)
+    ref = _sparse_run(cls, config, "cpu", dtype, PATHS["loop"])
+    got = _sparse_run(cls, config, "cuda", dtype, options)
+    rtol, atol = FUSED_TOL[dtype]
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=f"tensor {i}")
