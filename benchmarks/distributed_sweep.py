@@ -12,7 +12,10 @@ updates per second (rank 0, after ``WARM`` warm-up updates):
   straggler-free step takes; ``allreduce_straggler``: all-reduce with the same sleeper;
 * ``p2p_roundtrip``: ranks 1-3 each send the parameters to rank 0 and get them back (gloo
   send/recv), round trips per second served by rank 0; ``async_easgd``: exchanges per second
-  served by the centre (4 workers, tau=1, only the exchange and a local SGD step).
+  served by the centre (4 workers, tau=1, only the exchange and a local SGD step);
+* ``easgd_ceiling``: the same exchanges written directly on gloo send/recv with the centre's
+  and the workers' arithmetic and nothing else (rank 0 serves ranks 1-3 in turn, then its own
+  worker in memory): what asynchronous EASGD can reach on this machine with any transport.
 
 Ratios: ``sync_server / reduce_broadcast``, ``sync_sharded / allreduce``, ``sync_backup_straggler
 / sync_backup`` and ``/ allreduce_straggler``, ``async_easgd / p2p_roundtrip``.
@@ -41,6 +44,7 @@ PATHS = [
     "allreduce_straggler",
     "p2p_roundtrip",
     "async_easgd",
+    "easgd_ceiling",
 ]
 RATIOS = {
     "sync_server/reduce_broadcast": ("sync_server", "reduce_broadcast"),
@@ -48,6 +52,7 @@ RATIOS = {
     "backup_kept": ("sync_backup_straggler", "sync_backup"),
     "backup_straggler/allreduce_straggler": ("sync_backup_straggler", "allreduce_straggler"),
     "easgd/p2p": ("async_easgd", "p2p_roundtrip"),
+    "easgd/ceiling": ("async_easgd", "easgd_ceiling"),
 }
 
 
@@ -143,6 +148,65 @@ def _easgd(ctx, count: int, steps: int) -> float:
     return WORLD * steps / elapsed if ctx.rank else total / elapsed
 
 
+def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
+    """Asynchronous EASGD's exchanges with no framework: gloo send/recv of one flat buffer and
+    the maths of ``CentreServer``/``AsyncCentre`` (reply the centre read, ``c += alpha (x -
+    c)``; worker ``x -= alpha (x - c_read)``), each worker's local SGD step included.  The
+    centre overlaps all it can while keeping exchanges atomic: the next worker's parameters
+    are received and the reply sent while the centre updates."""
+    params, grads = _params(count, ctx.rank)
+    flat = torch.cat([p.detach() for p in params])
+    grad = torch.cat(grads)
+    diff = torch.empty_like(flat)
+
+    def local_step() -> None:
+        flat.sub_(grad, alpha=0.01)
+
+    def pull(read: torch.Tensor) -> None:  # the worker's half of one exchange
+        flat.sub_(torch.sub(flat, read, out=diff), alpha=alpha)
+
+    dist.barrier()
+    start = time.perf_counter()
+    if ctx.rank == 0:
+        centre = flat.clone()
+        inbox = [torch.empty_like(flat) for _ in range(2)]
+        replies = {peer: torch.empty_like(flat) for peer in range(WORLD)}
+        sending: dict[int, dist.Work] = {}
+        order = [peer for _ in range(steps) for peer in range(WORLD)]  # 0: own worker
+        remote = [peer for peer in order if peer]  # the i-th remote exchange uses inbox[i % 2]
+        receiving = {0: dist.irecv(inbox[0], remote[0])}
+        i = 0
+        for peer in order:
+            if peer == 0:
+                local_step()
+                x = flat
+            else:
+                receiving.pop(i).wait()
+                x = inbox[i % 2]
+                if i + 1 < len(remote):  # the next one arrives while this one is served
+                    receiving[i + 1] = dist.irecv(inbox[(i + 1) % 2], remote[i + 1])
+                i += 1
+            if peer in sending:
+                sending.pop(peer).wait()
+            replies[peer].copy_(centre)  # the snapshot the worker gets
+            if peer:
+                sending[peer] = dist.isend(replies[peer], peer)
+            centre.add_(torch.sub(x, centre, out=diff), alpha=alpha)
+            if peer == 0:
+                pull(replies[0])
+        for work in sending.values():
+            work.wait()
+    else:
+        read = torch.empty_like(flat)
+        for _ in range(steps):
+            local_step()
+            dist.send(flat, 0)
+            dist.recv(read, 0)
+            pull(read)
+    elapsed = time.perf_counter() - start
+    return WORLD * steps / elapsed if ctx.rank == 0 else steps / elapsed
+
+
 def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
     torch.set_num_threads(1)  # one process per worker on a shared host, as torchrun sets it
     if path in ("allreduce", "allreduce_straggler", "reduce_broadcast"):
@@ -151,6 +215,8 @@ def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
         return _p2p(ctx, count, steps)
     if path == "async_easgd":
         return _easgd(ctx, count, steps)
+    if path == "easgd_ceiling":
+        return _easgd_ceiling(ctx, count, steps)
     return _sync(ctx, path, count, steps, delay)
 
 
