@@ -13,6 +13,10 @@ updates per second (rank 0, after ``WARM`` warm-up updates):
 * ``p2p_roundtrip``: ranks 1-3 each send the parameters to rank 0 and get them back (gloo
   send/recv), round trips per second served by rank 0; ``async_easgd``: exchanges per second
   served by the centre (4 workers, tau=1, only the exchange and a local SGD step);
+* ``sync_ceiling``: SyncReplicas R=N=4 with one server written directly on gloo: rank 0
+  receives ranks 1-3's gradients at once, sums them with its own, applies the update and sends
+  the variables back (no snapshot, no staleness or finiteness checks): the most a one-server
+  transport could reach on this machine;
 * ``easgd_ceiling``: the same exchanges written directly on gloo send/recv with the centre's
   and the workers' arithmetic and nothing else (rank 0 serves ranks 1-3 in turn, then its own
   worker in memory): what asynchronous EASGD can reach on this machine with any transport.
@@ -42,6 +46,7 @@ PATHS = [
     "sync_backup",
     "sync_backup_straggler",
     "allreduce_straggler",
+    "sync_ceiling",
     "p2p_roundtrip",
     "async_easgd",
     "easgd_ceiling",
@@ -51,6 +56,7 @@ RATIOS = {
     "sync_sharded/allreduce": ("sync_sharded", "allreduce"),
     "backup_kept": ("sync_backup_straggler", "sync_backup"),
     "backup_straggler/allreduce_straggler": ("sync_backup_straggler", "allreduce_straggler"),
+    "sync_server/ceiling": ("sync_server", "sync_ceiling"),
     "easgd/p2p": ("async_easgd", "p2p_roundtrip"),
     "easgd/ceiling": ("async_easgd", "easgd_ceiling"),
 }
@@ -148,6 +154,35 @@ def _easgd(ctx, count: int, steps: int) -> float:
     return WORLD * steps / elapsed if ctx.rank else total / elapsed
 
 
+def _sync_ceiling(ctx, count: int, steps: int) -> float:
+    """One server's step with no framework: every worker's flat gradient to rank 0 (received
+    concurrently), their average applied there, the new variables sent to every worker."""
+    params, grads = _params(count, ctx.rank)
+    flat = torch.cat([p.detach() for p in params])
+    grad = torch.cat(grads)
+    if ctx.rank == 0:
+        total = torch.empty_like(flat)
+        inbox = {peer: torch.empty_like(flat) for peer in range(1, WORLD)}
+    dist.barrier()
+    start = time.perf_counter()
+    for s in range(WARM + steps):
+        if s == WARM:
+            start = time.perf_counter()
+        if ctx.rank == 0:
+            works = {peer: dist.irecv(buf, peer) for peer, buf in inbox.items()}
+            total.copy_(grad)
+            for peer, work in works.items():  # summed as they arrive, in rank order
+                work.wait()
+                total.add_(inbox[peer])
+            flat.sub_(total, alpha=0.01 / WORLD)
+            for work in [dist.isend(flat, peer) for peer in inbox]:
+                work.wait()
+        else:
+            dist.send(grad, 0)
+            dist.recv(flat, 0)
+    return steps / (time.perf_counter() - start)
+
+
 def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
     """Asynchronous EASGD's exchanges with no framework: gloo send/recv of one flat buffer and
     the maths of ``CentreServer``/``AsyncCentre`` (reply the centre read, ``c += alpha (x -
@@ -215,6 +250,8 @@ def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
         return _p2p(ctx, count, steps)
     if path == "async_easgd":
         return _easgd(ctx, count, steps)
+    if path == "sync_ceiling":
+        return _sync_ceiling(ctx, count, steps)
     if path == "easgd_ceiling":
         return _easgd_ceiling(ctx, count, steps)
     return _sync(ctx, path, count, steps, delay)

@@ -16,3 +16,10 @@ def test_sweep_runs_server_path_and_its_gloo_baseline():
     assert row["reduce_broadcast"] > 0 and row["sync_server"] > 0
     assert set(row["ratios"]) == {"sync_server/reduce_broadcast"}
     assert "straggler_delay_s" not in row
+
+
+def test_sweep_runs_the_ceilings_of_one_server_and_async_easgd():
+    paths = ["sync_server", "sync_ceiling", "async_easgd", "easgd_ceiling"]
+    [row] = distributed_sweep.sweep([900], 0.0, log=lambda _: None, paths=paths, min_steps=3)
+    assert all(row[p] > 0 for p in paths)
+    assert set(row["ratios"]) == {"sync_server/ceiling", "easgd/ceiling"}
