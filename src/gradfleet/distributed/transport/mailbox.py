@@ -2,8 +2,11 @@
 
 The server process hosts a ``torch.distributed.TCPStore`` (bound to ``host``, loopback unless
 configured: the listening socket is created here and handed to the store) and serves its request
-queue from one daemon thread, calling ``handler(request, reply)``.  A handler may answer later
-(``Reply`` objects are kept until, e.g., a token exists), so blocking waits cost no thread.
+queue with two daemon threads: one takes each request off the queue and starts receiving its
+tensors at once, the other waits for them and calls ``handler(request, reply)``, one request
+after another in arrival order (so the next worker's bytes arrive while the handler works on
+the last).  A handler may answer later (``Reply`` objects are kept until, e.g., a token
+exists), so blocking waits cost no thread.
 
 A message is split by :mod:`.wire`: its JSON part (op, client, sequence number, incarnation,
 small fields, the tensors' layout) travels through the store queues (``gf/req``, and
@@ -26,6 +29,7 @@ server turns into an immediate connection error.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
@@ -62,11 +66,19 @@ def _push(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
 
 
 class _Peer:
-    """Server-side state of one client incarnation: its pair link and buffers."""
+    """Server-side state of one client incarnation: its pair link and buffers.
+
+    Two inboxes, used in turn: a client sends its next request only after the reply to the
+    last, which the handler sends while or after handling it, so the message being received
+    never lands in the buffer the handler may still be reading."""
 
     def __init__(self, incarnation: str, link: PairLink | LocalLink) -> None:
         self.incarnation, self.link = incarnation, link
-        self.inbox, self.outbox = Packer(), Packer()
+        self.inboxes, self.turn, self.outbox = (Packer(), Packer()), 0, Packer()
+
+    def next_inbox(self) -> Packer:
+        self.turn ^= 1
+        return self.inboxes[self.turn]
 
 
 # --------------------------------------------------------------------- server
@@ -100,7 +112,7 @@ class Reply:
         if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):
             deferred.append((self.client, message))  # posted when the handler returns
             return
-        _push(self._server.store, f"gf/rep/{self.client}", message)
+        _push(self._server.reply_store, f"gf/rep/{self.client}", message)
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
@@ -110,7 +122,7 @@ class MailboxServer:
     """Host a TCPStore and call ``handler(request, reply)`` for every request, in one thread.
 
     ``tick`` (if given) runs about every ``tick_s`` seconds on the same thread, so handler
-    state needs no lock against it.  ``bytes_in`` counts received bytes (control + tensors).
+    state needs no lock against it.  ``bytes_in`` counts received tensor bytes.
     """
 
     def __init__(
@@ -136,6 +148,9 @@ class MailboxServer:
             master_listen_fd=self._sock.fileno(),
         )
         self._sock.detach()  # the store owns the descriptor now: never close it twice
+        # one store connection per thread: the receiving thread blocks in ``queue_pop`` on
+        # ``store``, the handling thread answers on its own
+        self.reply_store = self.store.clone()
         self._pair_store = self.store.clone()
         self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
         self.pair_timeout = pair_timeout
@@ -147,8 +162,14 @@ class MailboxServer:
         self._handler, self._tick, self._tick_s = handler, tick, tick_s
         self._stopping = threading.Event()
         self.bytes_in = 0
-        self._thread = threading.Thread(target=self._serve, name="gradfleet-server", daemon=True)
-        self._thread.start()
+        self._peers_lock = threading.Lock()  # the receiving thread adds, either thread drops
+        self._work: queue.SimpleQueue = queue.SimpleQueue()  # (request, peer, finish) | None
+        self._threads = [
+            threading.Thread(target=self._serve, name="gradfleet-server-recv", daemon=True),
+            threading.Thread(target=self._handle, name="gradfleet-server", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         self.pid = os.getpid()  # a forked child inherits the registry but not this thread
         _IN_PROCESS[self.address] = self
         if tick is not None:
@@ -175,7 +196,8 @@ class MailboxServer:
         self.drop(client)
         local = self._local_ends.pop((client, incarnation), None)
         if local is not None:
-            self.peers[client] = _Peer(incarnation, local)
+            with self._peers_lock:
+                self.peers[client] = _Peer(incarnation, local)
             return
         prefix = f"gf/pair/{client}/{incarnation}"
         wildcard = self.host in ("", "0.0.0.0")
@@ -184,10 +206,18 @@ class MailboxServer:
             link = PairLink(self._pair_store, prefix, SERVER, bind, self.pair_timeout)
         except Exception:
             return  # the client vanished while connecting; it gets no pair and no replies
-        self.peers[client] = _Peer(incarnation, link)
+        with self._peers_lock:
+            self.peers[client] = _Peer(incarnation, link)
 
-    def drop(self, client: str) -> None:
-        peer = self.peers.pop(client, None)
+    def drop(self, client: str, peer: _Peer | None = None) -> None:
+        """Forget ``client``'s link and close it; given ``peer``, only if the link is still
+        that one (a restarted client may have replaced it meanwhile: then only the stale
+        link is closed)."""
+        with self._peers_lock:
+            current = self.peers.get(client)
+            if current is not None and (peer is None or current is peer):
+                del self.peers[client]
+                peer = current
         if peer is not None:
             peer.link.close()
 
@@ -201,36 +231,54 @@ class MailboxServer:
             self._shared = (share, *Packer().pack(tensors, direct=True, copy=True))
         return self._shared[1], self._shared[2]
 
-    def _receive(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        """The request with its tensors (received from the client's pair), or None if lost."""
-        layout = msg.pop(LAYOUT, None)
-        if layout is None:
-            return msg
-        peer = self.peers.get(msg.get("client", ""))
-        if peer is None or peer.incarnation != msg.get("inc"):
-            return None
-        try:
-            tensors = peer.link.receive(layout, peer.inbox)
-        except Exception:
-            self.drop(msg["client"])  # died mid-message: drop its pair, serve the others
-            return None
-        self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
-        return join(msg, tensors)
-
     def _serve(self) -> None:
+        """The receiving thread: take requests off the queue and start receiving their
+        tensors; the handling thread takes them from ``_work`` in the same order."""
         while True:
             msg = loads(self.store.queue_pop(REQUESTS))
             op = msg.get("op")
             if op == "_stop":
+                self._work.put(None)
                 return
-            if op == "_tick":
-                if self._tick is not None:
-                    self._tick()
-                continue
             if op == "_pair":
                 self._pair(msg["client"], msg["inc"], msg.get("host", "127.0.0.1"))
                 continue
-            request = self._receive(msg)
+            layout = msg.pop(LAYOUT, None)
+            if layout is None:
+                self._work.put((msg, None, None))
+                continue
+            with self._peers_lock:
+                peer = self.peers.get(msg.get("client", ""))
+            if peer is None or peer.incarnation != msg.get("inc"):
+                continue  # no link to receive from: that incarnation is gone
+            try:
+                finish = peer.link.begin_receive(layout, peer.next_inbox())
+            except Exception:
+                self.drop(msg["client"], peer)  # dead client: only its own pair breaks
+                continue
+            self._work.put((msg, peer, finish))
+
+    def _request(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> dict | None:
+        """The request with its tensors once they have arrived (None: the client died)."""
+        if finish is None:
+            return msg
+        try:
+            tensors = finish()
+        except Exception:
+            self.drop(msg["client"], peer)  # died mid-message: drop its pair, serve the others
+            return None
+        self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
+        return join(msg, tensors)
+
+    def _handle(self) -> None:
+        """The handling thread: every request in arrival order, ticks between them."""
+        while (item := self._work.get()) is not None:
+            msg = item[0]
+            if msg.get("op") == "_tick":
+                if self._tick is not None:
+                    self._tick()
+                continue
+            request = self._request(*item)
             if request is None:
                 continue
             reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
@@ -242,7 +290,7 @@ class MailboxServer:
             finally:
                 deferred, self.deferred = self.deferred, None
                 for client, message in deferred:
-                    _push(self.store, f"gf/rep/{client}", message)
+                    _push(self.reply_store, f"gf/rep/{client}", message)
 
     def close(self) -> None:
         """Stop serving (pending clients get connection errors once the process exits)."""
@@ -251,7 +299,8 @@ class MailboxServer:
         self._stopping.set()
         _IN_PROCESS.pop(self.address, None)
         _push(self.store.clone(), REQUESTS, {"op": "_stop"})
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
         if self._tick is not None:
             self._ticker.join(5)
         for client in list(self.peers):

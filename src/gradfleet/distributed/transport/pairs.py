@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -87,6 +87,22 @@ class PairLink:
             work.wait()
         self.bytes_received += sum(m.numel() for m in messages)
 
+    def begin_receive(
+        self, spec: dict[str, Any], inbox: Packer
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Start receiving the peer's next message of layout ``spec`` into ``inbox``; the
+        returned function waits for it and gives its tensors (views of ``inbox``)."""
+        messages = inbox.receive(spec)
+        works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
+
+        def finish() -> list[torch.Tensor]:
+            for work in works:
+                work.wait()
+            self.bytes_received += sum(m.numel() for m in messages)
+            return inbox.unpack(spec)
+
+        return finish
+
     def receive(
         self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
     ) -> list[torch.Tensor]:
@@ -139,6 +155,12 @@ class LocalLink:
         messages = self._incoming.popleft()
         self.bytes_received += sum(m.numel() for m in messages)
         return views(spec, messages)
+
+    def begin_receive(
+        self, spec: dict[str, Any], inbox: Packer
+    ) -> Callable[[], list[torch.Tensor]]:
+        tensors = self.receive(spec, inbox)
+        return lambda: tensors
 
     def close(self) -> None:
         self._incoming.clear()
