@@ -1,14 +1,16 @@
 """How bytes travel between workers and servers (the algorithms never see this layer).
 
-* :mod:`.mailbox` -- request/reply: ``MailboxServer(handler)`` / ``MailboxClient.call(op,
-  **fields)``; control on the server's c10d ``TCPStore`` queues, tensors on a pair group.
+* :mod:`.mailbox` / :mod:`.client` -- request/reply: ``MailboxServer(handler)`` /
+  ``MailboxClient.call(op, **fields)``; control on the server's c10d ``TCPStore`` queues,
+  tensors on a pair group.
 * :mod:`.pairs` -- the data plane: a 2-rank gloo process group per (server, client
   incarnation), so a restarted worker simply builds a new pair; a client in the server's own
   process hands its tensors over in memory (``LocalLink``).
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
 """
 
-from .mailbox import MailboxClient, MailboxServer, Reply, ServerUnreachable
+from .client import MailboxClient
+from .mailbox import MailboxServer, Reply, ServerUnreachable
 from .pairs import LocalLink, PairLink, local_address_towards
 from .wire import Packer, join, split
 

@@ -1,4 +1,6 @@
-"""Request/reply between workers and a server: control on a c10d ``TCPStore``, tensors on pairs.
+"""Request/reply between workers and a server, the server's side (the client's: ``client.py``).
+
+Control travels on a c10d ``TCPStore``, tensors on pairs.
 
 The server process hosts a ``torch.distributed.TCPStore`` (bound to ``host``, loopback unless
 configured: the listening socket is created here and handed to the store) and serves its request
@@ -15,7 +17,7 @@ small fields, the tensors' layout) travels through the store queues (``gf/req``,
 are views of that buffer, valid until the next message on the same link: copy what you keep.
 
 A client in the server's own process (the worker on the server rank, found by address in
-``_IN_PROCESS``) gets a :class:`~.pairs.LocalLink`: its tensors are handed over without a
+``IN_PROCESS``) gets a :class:`~.pairs.LocalLink`: its tensors are handed over without a
 socket or a copy, as a collective treats a rank's own contribution.  So that the server never
 reads such a client's tensors after the client resumed, a reply to a local client is posted
 only once the handler that sent it has returned.
@@ -32,10 +34,8 @@ import os
 import queue
 import socket
 import threading
-import time
-import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,24 +44,24 @@ import torch.distributed as dist
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .wire import Packer, dumps, join, loads, split
 
-__all__ = ["MailboxServer", "MailboxClient", "Reply", "ServerUnreachable"]
+__all__ = ["MailboxServer", "Reply", "ServerUnreachable", "REQUESTS", "LAYOUT", "push_control"]
 
 REQUESTS = "gf/req"
 LAYOUT = "$layout"
 MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages are tiny
 # Servers of this process by address: a client of one of them talks to it in-process.
-_IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
+IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
 
 
 class ServerUnreachable(RuntimeError):
     """The server rank cannot be reached (dead, or no reply within the timeout)."""
 
 
-def _push(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
+def push_control(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
     data = dumps(message)
     if len(data) > MAX_CONTROL:
         raise ValueError(f"gradfleet transport: control message of {len(data)} bytes is too big")
-    store.queue_push(queue, data)
+    store.queuepush_control(queue, data)
     return len(data)
 
 
@@ -112,7 +112,7 @@ class Reply:
         if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):
             deferred.append((self.client, message))  # posted when the handler returns
             return
-        _push(self._server.reply_store, f"gf/rep/{self.client}", message)
+        push_control(self._server.reply_store, f"gf/rep/{self.client}", message)
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
@@ -171,7 +171,7 @@ class MailboxServer:
         for thread in self._threads:
             thread.start()
         self.pid = os.getpid()  # a forked child inherits the registry but not this thread
-        _IN_PROCESS[self.address] = self
+        IN_PROCESS[self.address] = self
         if tick is not None:
             self._ticker = threading.Thread(target=self._ticks, name="gradfleet-tick", daemon=True)
             self._ticker.start()
@@ -183,7 +183,7 @@ class MailboxServer:
     def _ticks(self) -> None:
         poke = self.store.clone()
         while not self._stopping.wait(self._tick_s):
-            _push(poke, REQUESTS, {"op": "_tick"})
+            push_control(poke, REQUESTS, {"op": "_tick"})
 
     def adopt_local(self, client: str, incarnation: str, link: LocalLink) -> None:
         """Called by an in-process client before its ``_pair`` request: the server end of its
@@ -290,154 +290,18 @@ class MailboxServer:
             finally:
                 deferred, self.deferred = self.deferred, None
                 for client, message in deferred:
-                    _push(self.reply_store, f"gf/rep/{client}", message)
+                    push_control(self.reply_store, f"gf/rep/{client}", message)
 
     def close(self) -> None:
         """Stop serving (pending clients get connection errors once the process exits)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        _IN_PROCESS.pop(self.address, None)
-        _push(self.store.clone(), REQUESTS, {"op": "_stop"})
+        IN_PROCESS.pop(self.address, None)
+        push_control(self.store.clone(), REQUESTS, {"op": "_stop"})
         for thread in self._threads:
             thread.join(5)
         if self._tick is not None:
             self._ticker.join(5)
         for client in list(self.peers):
             self.drop(client)
-
-
-# --------------------------------------------------------------------- client
-_ERRORS = {
-    "ValueError": ValueError,
-    "FloatingPointError": FloatingPointError,
-    "TimeoutError": TimeoutError,
-    "RuntimeError": RuntimeError,
-    "ServerUnreachable": ServerUnreachable,
-}
-
-
-class MailboxClient:
-    """Talk to a :class:`MailboxServer` at ``address`` (``"host:port"``) as ``client``.
-
-    ``call`` (= ``request`` then ``response``) raises :class:`ServerUnreachable` naming
-    ``server_name`` when the server is dead or silent for ``timeout`` seconds, and re-raises
-    errors the handler reported.  ``data=False``: control messages only (no pair group).
-    ``in_process=False``: a gloo pair even when the server lives in this process.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        client: str,
-        timeout: float,
-        server_name: str,
-        data: bool = True,
-        in_process: bool = True,
-    ) -> None:
-        host, port = address.rsplit(":", 1)
-        self.address, self.client, self.timeout = address, client, timeout
-        self.server_name = server_name
-        self.bytes_out = 0
-        self._seq = 0
-        self._pending: tuple[str, float, float] | None = None
-        self._broken: str | None = None
-        self.inc = uuid.uuid4().hex
-        self.link: PairLink | LocalLink | None = None
-        self._outbox, self._inbox = Packer(), Packer()
-        try:
-            self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout)
-            )
-            # a restarted client reuses its name: forget replies meant for the previous one
-            while self.store.queue_len(f"gf/rep/{client}"):
-                self.store.queue_pop(f"gf/rep/{client}", False)
-            server = _IN_PROCESS.get(address) if in_process else None
-            if data and server is not None and server.pid == os.getpid():
-                server_end, self.link = LocalLink.pair()
-                server.adopt_local(client, self.inc, server_end)
-                _push(self.store, REQUESTS, {"op": "_pair", "client": client, "inc": self.inc})
-            elif data:
-                bind = local_address_towards(host)
-                hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
-                _push(self.store, REQUESTS, hello)
-                prefix = f"gf/pair/{client}/{self.inc}"
-                self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
-        except Exception as exc:  # refused / timed out
-            raise ServerUnreachable(
-                f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"
-            ) from None
-
-    def request(self, op: str, timeout: float | None = None, **fields: Any) -> None:
-        """Send one request (tensors start travelling at once); :meth:`response` waits."""
-        if self._broken:
-            raise ServerUnreachable(self._broken)
-        self._seq += 1
-        skeleton, tensors = split(fields)
-        message = dict(skeleton, op=op, client=self.client, seq=self._seq, inc=self.inc)
-        wait = self.timeout if timeout is None else timeout
-        self._pending = (op, wait, time.monotonic())
-        try:
-            if tensors:
-                if self.link is None:
-                    raise ValueError("this MailboxClient was made with data=False")
-                self.link.wait_sent()
-                # large tensors go as they are: the caller waits for the reply, by which time
-                # the server has received them
-                message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
-                self.link.send(messages)
-                self.bytes_out += sum(m.numel() for m in messages)
-            self.bytes_out += _push(self.store, REQUESTS, message)
-        except (dist.DistError, RuntimeError) as exc:
-            self._fail(exc)
-
-    def response(self, receive_into: Sequence[Any] | None = None) -> dict[str, Any]:
-        """The reply to the last :meth:`request` (tensors are views: copy what you keep).
-
-        ``receive_into``: tensors of the caller's for the reply's tensors (in the order they
-        appear in the reply); a large one that matches in dtype and shape is received
-        straight into it, and the reply then holds a view of it (check with
-        ``data_ptr()`` before copying)."""
-        assert self._pending is not None, "response() without request()"
-        op, wait, _ = self._pending
-        try:
-            self.store.set_timeout(timedelta(seconds=wait))
-            while True:
-                reply = loads(self.store.queue_pop(f"gf/rep/{self.client}"))
-                if reply.get("inc") != self.inc:
-                    continue  # meant for an earlier incarnation (its tensors went to its pair)
-                if reply.get("seq") == self._seq:
-                    break
-                if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
-                    self.link.receive(reply[LAYOUT], self._inbox)  # drain its tensors
-            layout = reply.pop(LAYOUT, None)
-            if layout is not None:
-                assert self.link is not None
-                reply = join(reply, self.link.receive(layout, self._inbox, receive_into))
-        except (dist.DistError, RuntimeError) as exc:
-            self._fail(exc)
-        self._pending = None
-        if "error" in reply:
-            raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
-        return reply
-
-    def call(
-        self,
-        op: str,
-        timeout: float | None = None,
-        receive_into: Sequence[Any] | None = None,
-        **fields: Any,
-    ) -> dict[str, Any]:
-        self.request(op, timeout, **fields)
-        return self.response(receive_into)
-
-    def _fail(self, exc: Exception) -> None:
-        op, wait, start = self._pending or ("?", self.timeout, time.monotonic())
-        late = time.monotonic() - start
-        what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        self._broken = (
-            f"{self.server_name} at {self.address} {what} during {op!r} "
-            f"(dead or stuck): {type(exc).__name__}: {first}"
-        )
-        raise ServerUnreachable(self._broken) from None

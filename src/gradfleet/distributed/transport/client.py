@@ -1,0 +1,159 @@
+"""Request/reply between workers and a server, the client's side (see ``mailbox.py``).
+
+A :class:`MailboxClient` connects to the server's ``TCPStore`` (control: JSON requests on
+``gf/req``, replies on ``gf/rep/{client}``) and, for tensors, builds a gloo pair with the server
+(:class:`~.pairs.PairLink`), or a :class:`~.pairs.LocalLink` when the server lives in this
+process.  A dead or silent server becomes :class:`ServerUnreachable` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .mailbox import IN_PROCESS, LAYOUT, REQUESTS, ServerUnreachable, push_control
+from .pairs import SERVER, LocalLink, PairLink, local_address_towards
+from .wire import Packer, join, loads, split
+
+__all__ = ["MailboxClient"]
+
+_ERRORS = {
+    "ValueError": ValueError,
+    "FloatingPointError": FloatingPointError,
+    "TimeoutError": TimeoutError,
+    "RuntimeError": RuntimeError,
+    "ServerUnreachable": ServerUnreachable,
+}
+
+
+class MailboxClient:
+    """Talk to a :class:`MailboxServer` at ``address`` (``"host:port"``) as ``client``.
+
+    ``call`` (= ``request`` then ``response``) raises :class:`ServerUnreachable` naming
+    ``server_name`` when the server is dead or silent for ``timeout`` seconds, and re-raises
+    errors the handler reported.  ``data=False``: control messages only (no pair group).
+    ``in_process=False``: a gloo pair even when the server lives in this process.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        client: str,
+        timeout: float,
+        server_name: str,
+        data: bool = True,
+        in_process: bool = True,
+    ) -> None:
+        host, port = address.rsplit(":", 1)
+        self.address, self.client, self.timeout = address, client, timeout
+        self.server_name = server_name
+        self.bytes_out = 0
+        self._seq = 0
+        self._pending: tuple[str, float, float] | None = None
+        self._broken: str | None = None
+        self.inc = uuid.uuid4().hex
+        self.link: PairLink | LocalLink | None = None
+        self._outbox, self._inbox = Packer(), Packer()
+        try:
+            self.store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout)
+            )
+            # a restarted client reuses its name: forget replies meant for the previous one
+            while self.store.queue_len(f"gf/rep/{client}"):
+                self.store.queue_pop(f"gf/rep/{client}", False)
+            server = IN_PROCESS.get(address) if in_process else None
+            if data and server is not None and server.pid == os.getpid():
+                server_end, self.link = LocalLink.pair()
+                server.adopt_local(client, self.inc, server_end)
+                hello = {"op": "_pair", "client": client, "inc": self.inc}
+                push_control(self.store, REQUESTS, hello)
+            elif data:
+                bind = local_address_towards(host)
+                hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
+                push_control(self.store, REQUESTS, hello)
+                prefix = f"gf/pair/{client}/{self.inc}"
+                self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
+        except Exception as exc:  # refused / timed out
+            raise ServerUnreachable(
+                f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def request(self, op: str, timeout: float | None = None, **fields: Any) -> None:
+        """Send one request (tensors start travelling at once); :meth:`response` waits."""
+        if self._broken:
+            raise ServerUnreachable(self._broken)
+        self._seq += 1
+        skeleton, tensors = split(fields)
+        message = dict(skeleton, op=op, client=self.client, seq=self._seq, inc=self.inc)
+        wait = self.timeout if timeout is None else timeout
+        self._pending = (op, wait, time.monotonic())
+        try:
+            if tensors:
+                if self.link is None:
+                    raise ValueError("this MailboxClient was made with data=False")
+                self.link.wait_sent()
+                # large tensors go as they are: the caller waits for the reply, by which time
+                # the server has received them
+                message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
+                self.link.send(messages)
+                self.bytes_out += sum(m.numel() for m in messages)
+            self.bytes_out += push_control(self.store, REQUESTS, message)
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc)
+
+    def response(self, receive_into: Sequence[Any] | None = None) -> dict[str, Any]:
+        """The reply to the last :meth:`request` (tensors are views: copy what you keep).
+
+        ``receive_into``: tensors of the caller's for the reply's tensors (in the order they
+        appear in the reply); a large one that matches in dtype and shape is received
+        straight into it, and the reply then holds a view of it (check with
+        ``data_ptr()`` before copying)."""
+        assert self._pending is not None, "response() without request()"
+        op, wait, _ = self._pending
+        try:
+            self.store.set_timeout(timedelta(seconds=wait))
+            while True:
+                reply = loads(self.store.queue_pop(f"gf/rep/{self.client}"))
+                if reply.get("inc") != self.inc:
+                    continue  # meant for an earlier incarnation (its tensors went to its pair)
+                if reply.get("seq") == self._seq:
+                    break
+                if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
+                    self.link.receive(reply[LAYOUT], self._inbox)  # drain its tensors
+            layout = reply.pop(LAYOUT, None)
+            if layout is not None:
+                assert self.link is not None
+                reply = join(reply, self.link.receive(layout, self._inbox, receive_into))
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc)
+        self._pending = None
+        if "error" in reply:
+            raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
+        return reply
+
+    def call(
+        self,
+        op: str,
+        timeout: float | None = None,
+        receive_into: Sequence[Any] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        self.request(op, timeout, **fields)
+        return self.response(receive_into)
+
+    def _fail(self, exc: Exception) -> None:
+        op, wait, start = self._pending or ("?", self.timeout, time.monotonic())
+        late = time.monotonic() - start
+        what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self._broken = (
+            f"{self.server_name} at {self.address} {what} during {op!r} "
+            f"(dead or stuck): {type(exc).__name__}: {first}"
+        )
+        raise ServerUnreachable(self._broken) from None
