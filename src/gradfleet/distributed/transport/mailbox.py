@@ -57,11 +57,12 @@ class ServerUnreachable(RuntimeError):
     """The server rank cannot be reached (dead, or no reply within the timeout)."""
 
 
-def push_control(store: dist.Store, queue: str, message: dict[str, Any]) -> int:
+def push_control(store: dist.Store, name: str, message: dict[str, Any]) -> int:
+    """Append ``message`` (JSON) to the store queue ``name``; returns its size in bytes."""
     data = dumps(message)
     if len(data) > MAX_CONTROL:
         raise ValueError(f"gradfleet transport: control message of {len(data)} bytes is too big")
-    store.queuepush_control(queue, data)
+    store.queue_push(name, data)
     return len(data)
 
 
