@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ._centre import CENTRE_MODES, CentreStrategy
 from ._comm import Collective, LocalCollective, resolve_collective
-from .transport import MailboxClient, MailboxServer, Reply
+from .transport import MailboxClient, MailboxServer, Reply, copy_received
 
 __all__ = ["AsyncCentre", "CentreServer"]
 
@@ -208,8 +208,7 @@ class AsyncCentre(CentreStrategy):
         )
         with torch.no_grad():
             for p, c, r, d in zip(params, reply["centre"], self._read, self._diff, strict=True):
-                if c.data_ptr() != r.data_ptr():
-                    r.copy_(c)
+                copy_received(r, c)
                 p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
         return self._read
 

@@ -55,7 +55,7 @@ from ._allreduce_sync import AllReduceSync
 from ._server import ExponentialMovingAverage, SyncServer
 from ._shards import Shard, ShardLinks, ShardServer, assign, check_server_ranks, probe
 from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
-from .transport import MailboxClient, MailboxServer
+from .transport import MailboxClient, MailboxServer, copy_received
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -281,8 +281,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         in place already are skipped)."""
         with torch.no_grad():
             for p, v in zip(self._shard_params(k), values, strict=True):
-                if v.data_ptr() != p.data_ptr():
-                    p.copy_(v)
+                copy_received(p, v)
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -93,10 +93,9 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
 def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
     """One bucket on the fused path; DTensors run through their local shards."""
     table = {n: [s[n] for s in slots] for n in names}
-    # apply_dense's check_plain let through plain tensors and DTensors only: the type test
-    # finds a DTensor without a per-tensor call (this runs every step, for every parameter)
-    if all(type(t) in dtensor._PLAIN for t in (*ps, *gs)):
-        work = [(ps, gs, table, shared)]  # apply_dense's check_plain: plain tensors only
+    # apply_dense's check_plain let through plain tensors and DTensors only
+    if dtensor.all_plain((*ps, *gs)):
+        work = [(ps, gs, table, shared)]
     else:
         work = dtensor.local_work(opt, ps, gs, table, shared)
         for params, grads, _, _ in work:  # to_local() must leave no subclass for the kernel

@@ -25,6 +25,12 @@ import torch
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def all_plain(tensors) -> bool:
+    """True when every tensor is a plain ``torch.Tensor``/``Parameter`` (a type test per
+    tensor, cheap enough for every step)."""
+    return all(type(t) in _PLAIN for t in tensors)
+
+
 def is_dtensor(t: Any) -> bool:
     """True for a ``DTensor``; never imports torch.distributed.tensor itself (a DTensor
     can only exist once that module is loaded)."""

@@ -12,7 +12,7 @@
 from .client import MailboxClient
 from .mailbox import MailboxServer, Reply, ServerUnreachable
 from .pairs import LocalLink, PairLink, local_address_towards
-from .wire import Packer, join, split
+from .wire import Packer, copy_received, join, split
 
 __all__ = [
     "LocalLink",
@@ -22,6 +22,7 @@ __all__ = [
     "Packer",
     "Reply",
     "ServerUnreachable",
+    "copy_received",
     "join",
     "local_address_towards",
     "split",

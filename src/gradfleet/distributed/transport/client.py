@@ -68,15 +68,14 @@ class MailboxClient:
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)
             server = IN_PROCESS.get(address) if in_process else None
+            hello = {"op": "_pair", "client": client, "inc": self.inc}
             if data and server is not None and server.pid == os.getpid():
                 server_end, self.link = LocalLink.pair()
                 server.adopt_local(client, self.inc, server_end)
-                hello = {"op": "_pair", "client": client, "inc": self.inc}
                 push_control(self.store, REQUESTS, hello)
             elif data:
                 bind = local_address_towards(host)
-                hello = {"op": "_pair", "client": client, "inc": self.inc, "host": bind}
-                push_control(self.store, REQUESTS, hello)
+                push_control(self.store, REQUESTS, dict(hello, host=bind))
                 prefix = f"gf/pair/{client}/{self.inc}"
                 self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
         except Exception as exc:  # refused / timed out

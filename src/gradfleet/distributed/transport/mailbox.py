@@ -107,7 +107,7 @@ class Reply:
                 message[LAYOUT], messages = self._server.packed(tensors, share, peer.outbox)
                 peer.link.send(messages)
             except Exception:
-                self._server.drop(self.client)  # dead client: only its own pair breaks
+                self._server.drop(self.client, peer)  # dead client: only its own pair breaks
                 return
         deferred = self._server.deferred
         if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):

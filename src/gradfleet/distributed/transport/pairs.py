@@ -88,29 +88,28 @@ class PairLink:
         self.bytes_received += sum(m.numel() for m in messages)
 
     def begin_receive(
-        self, spec: dict[str, Any], inbox: Packer
+        self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
     ) -> Callable[[], list[torch.Tensor]]:
-        """Start receiving the peer's next message of layout ``spec`` into ``inbox``; the
-        returned function waits for it and gives its tensors (views of ``inbox``)."""
-        messages = inbox.receive(spec)
+        """Start receiving the peer's next message of layout ``spec`` into ``inbox`` (or,
+        for direct tensors that match them, into the ``into`` tensors: ``Packer.receive``);
+        the returned function waits for it and gives its tensors (views of those buffers,
+        valid until the next message into ``inbox``)."""
+        messages = inbox.receive(spec, into)
         works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
 
         def finish() -> list[torch.Tensor]:
             for work in works:
                 work.wait()
             self.bytes_received += sum(m.numel() for m in messages)
-            return inbox.unpack(spec)
+            return views(spec, messages)
 
         return finish
 
     def receive(
         self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
     ) -> list[torch.Tensor]:
-        """The tensors of the peer's next message of layout ``spec``, received into
-        ``inbox`` (views of it, valid until its next message) or, for direct tensors that
-        match them, into the ``into`` tensors (see ``Packer.receive``)."""
-        self.recv(inbox.receive(spec, into))
-        return inbox.unpack(spec, into)
+        """:meth:`begin_receive`, then wait for the message."""
+        return self.begin_receive(spec, inbox, into)()
 
     def close(self) -> None:
         try:
@@ -147,20 +146,21 @@ class LocalLink:
     def wait_sent(self) -> None:
         """Nothing to wait for: the messages were handed over."""
 
+    def begin_receive(
+        self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
+    ) -> Callable[[], list[torch.Tensor]]:
+        """The message has arrived already: views of the sender's messages (``inbox`` is not
+        needed; ``into`` is ignored: copying into it would cost what the caller's own copy
+        costs)."""
+        messages = self._incoming.popleft()
+        self.bytes_received += sum(m.numel() for m in messages)
+        tensors = views(spec, messages)
+        return lambda: tensors
+
     def receive(
         self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
     ) -> list[torch.Tensor]:
-        """Views of the sender's messages (``into`` is ignored: copying into it would cost
-        what the caller's own copy costs)."""
-        messages = self._incoming.popleft()
-        self.bytes_received += sum(m.numel() for m in messages)
-        return views(spec, messages)
-
-    def begin_receive(
-        self, spec: dict[str, Any], inbox: Packer
-    ) -> Callable[[], list[torch.Tensor]]:
-        tensors = self.receive(spec, inbox)
-        return lambda: tensors
+        return self.begin_receive(spec, inbox, into)()
 
     def close(self) -> None:
         self._incoming.clear()
