@@ -1,0 +1,32 @@
+"""Move a TensorFlow 1 or RETURNN training to PyTorch mid-run, and back.
+
+:func:`load_tf_checkpoint` reads a TF checkpoint (TF1 ``Saver`` V2 files) into a torch model
+and a gradfleet optimizer: parameters, every slot under TF's names and the non-slot
+variables; :func:`save_tf_checkpoint` writes one that TF's ``Saver`` restores.  TensorFlow
+is needed only while reading or writing (``pip install 'gradfleet[tf]'``); importing this
+module does not load it.
+"""
+
+from gradfleet.tf_checkpoint.bundle import CheckpointReader, TensorFlowMissing, write_checkpoint
+from gradfleet.tf_checkpoint.convert import CheckpointMismatch, LoadedCheckpoint, load_tf_checkpoint
+from gradfleet.tf_checkpoint.names import IDENTITY, TRANSPOSE, NameMap, Transform
+from gradfleet.tf_checkpoint.save import save_tf_checkpoint, tf_tensors
+from gradfleet.tf_checkpoint.slot_names import NON_SLOT_NAMES, SLOT_ORDER, slot_suffixes
+
+__all__ = [
+    "IDENTITY",
+    "NON_SLOT_NAMES",
+    "SLOT_ORDER",
+    "TRANSPOSE",
+    "CheckpointMismatch",
+    "CheckpointReader",
+    "LoadedCheckpoint",
+    "NameMap",
+    "TensorFlowMissing",
+    "Transform",
+    "load_tf_checkpoint",
+    "save_tf_checkpoint",
+    "slot_suffixes",
+    "tf_tensors",
+    "write_checkpoint",
+]

@@ -1,0 +1,273 @@
+"""Load a TF checkpoint into a torch model + gradfleet optimizer, and write one back.
+
+Everything is checked before anything changes: names the map asks for that the checkpoint
+lacks, checkpoint variables nothing claims, shape and dtype mismatches and partial slot sets
+are collected into ONE :class:`CheckpointMismatch`, and then nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gradfleet.tf_checkpoint import names as _names
+from gradfleet.tf_checkpoint import slot_names as _slots
+from gradfleet.tf_checkpoint.bundle import CheckpointReader, Progress
+
+GLOBAL_STEP = "global_step"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit the model/optimizer; ``problems`` lists every misfit."""
+
+    def __init__(self, prefix: str, problems: dict[str, list[str]]) -> None:
+        self.problems = {k: v for k, v in problems.items() if v}
+        lines = [f"TF checkpoint {prefix!r} does not fit; nothing was loaded:"]
+        for kind, items in self.problems.items():
+            lines.append(f"  {kind} ({len(items)}): " + "; ".join(items))
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_tf_checkpoint` read: the checkpoint's ``global_step`` (None if it has
+    none) and the TF names it used."""
+
+    prefix: str
+    global_step: int | None
+    used: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    reader: CheckpointReader
+    problems: dict[str, list[str]]
+    claimed: set[str] = field(default_factory=set)
+    # (tf name, transform, destination setter)
+    copies: list[tuple[str, _names.Transform, Callable[[torch.Tensor], None]]] = field(
+        default_factory=list
+    )
+
+    def claim(self, tf_name, transform, target_shape, target_dtype, what, setter) -> bool:
+        r = self.reader
+        if tf_name not in r.shapes:
+            self.problems["missing in the checkpoint"].append(f"{tf_name} (for {what})")
+            return False
+        self.claimed.add(tf_name)
+        shape = _transformed_shape(transform, r.shapes[tf_name])
+        if shape != tuple(target_shape):
+            self.problems["shape mismatch"].append(
+                f"{tf_name} {list(r.shapes[tf_name])}{_via(transform)} vs {what} "
+                f"{list(target_shape)}"
+            )
+            return False
+        dtype = _torch_dtype(r.dtypes[tf_name])
+        if dtype != target_dtype:
+            self.problems["dtype mismatch"].append(
+                f"{tf_name} {r.dtypes[tf_name]} vs {what} {target_dtype}"
+            )
+            return False
+        self.copies.append((tf_name, transform, setter))
+        return True
+
+
+def load_tf_checkpoint(
+    prefix: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    name_map: _names.NameMap = None,
+    *,
+    ignore: Iterable[str] | Callable[[str], bool] = (),
+    non_slot_names: Mapping[str, str] | None = None,
+    global_step: torch.Tensor | None = None,
+    progress: Progress | None = None,
+) -> LoadedCheckpoint:
+    """Load the TF checkpoint ``prefix`` (or a directory: its latest) into ``model`` and
+    ``optimizer``: parameters/buffers by ``name_map`` (see :mod:`.names`), each parameter's
+    slots under TF's slot names (``<var>/Adam``, ``<var>/Adam_1`` ...), the optimizer's
+    non-slot variables (``beta1_power``, AdagradDA's step from ``global_step``, ...).
+
+    ``ignore``: checkpoint names (or a predicate) that are deliberately not loaded;
+    ``non_slot_names``: gradfleet non-slot key -> TF name, where the last-component lookup is
+    ambiguous; ``global_step``: a 0-dim int64 tensor that receives the checkpoint's
+    ``global_step``.  Replaces the optimizer's whole state.
+    """
+    reader = CheckpointReader(prefix)
+    plan = _Plan(reader, {k: [] for k in _PROBLEM_KINDS})
+    tf_by_param = _plan_model(plan, model, name_map)
+    opt = _inner(optimizer)
+    if opt is not None:
+        _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names or {})
+    step_name = _find(reader, GLOBAL_STEP, (non_slot_names or {}).get(GLOBAL_STEP))
+    if step_name:
+        plan.claimed.add(step_name)
+    elif global_step is not None:
+        plan.problems["missing in the checkpoint"].append(f"{GLOBAL_STEP} (for global_step)")
+    skip = ignore if callable(ignore) else set(ignore).__contains__
+    unused = sorted(n for n in reader.names() if n not in plan.claimed and not skip(n))
+    plan.problems["unused checkpoint variables"] += unused
+    if any(plan.problems.values()):
+        raise CheckpointMismatch(reader.prefix, plan.problems)
+    values = _read(plan, progress)
+    step_value = int(reader.get(step_name)) if step_name else None
+    with torch.no_grad():
+        if opt is not None:
+            opt.state.clear()
+        for (_, transform, setter), value in zip(plan.copies, values):
+            setter(transform.to_torch(value))
+        if global_step is not None:
+            global_step.fill_(step_value)
+    return LoadedCheckpoint(reader.prefix, step_value, sorted(plan.claimed))
+
+
+_PROBLEM_KINDS = (
+    "missing in the checkpoint",
+    "unused checkpoint variables",
+    "shape mismatch",
+    "dtype mismatch",
+    "incomplete slots",
+    "not in the model",
+    "ambiguous",
+)
+
+
+def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tuple]:
+    """Plan the model's tensors; returns id(parameter) -> (tf name, transform, torch name)."""
+    out = {}
+    for torch_name, tensor in model.state_dict(keep_vars=True).items():
+        entry = _names.resolve(name_map, torch_name)
+        if entry is None:
+            continue
+        tf_name, transform = entry
+
+        def setter(value, t=tensor):
+            t.copy_(value)
+
+        if plan.claim(tf_name, transform, tensor.shape, tensor.dtype, torch_name, setter):
+            out[id(tensor)] = (tf_name, transform, torch_name)
+    return out
+
+
+def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names) -> None:
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    for group in opt.param_groups:
+        suffixes = _slots.slot_suffixes(opt, group)
+        for p in group["params"]:
+            if id(p) not in param_names:
+                plan.problems["not in the model"].append(
+                    f"optimizer parameter of shape {list(p.shape)}"
+                )
+                continue
+            if id(p) not in tf_by_param:
+                continue  # not in the checkpoint by the map, or already reported
+            tf_name, transform, torch_name = tf_by_param[id(p)]
+            if _slots.is_amsgrad(opt):
+                names = _slots.amsgrad_names(flat.index(p))
+            else:
+                names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
+            present = [s for s, n in names.items() if n in plan.reader.shapes]
+            if not present:
+                continue  # TF creates slots only for variables that got a gradient
+            if len(present) < len(names):
+                absent = [n for s, n in names.items() if s not in present]
+                plan.problems["incomplete slots"].append(f"{torch_name}: no {absent}")
+                continue
+            for slot, name in names.items():
+                plan.claim(
+                    name,
+                    transform,
+                    p.shape,
+                    p.dtype,
+                    f"{torch_name} slot {slot}",
+                    _slot_setter(opt, p, slot),
+                )
+    keys = sorted({k for group in opt.param_groups for k in group["non_slot"]})
+    for key in keys:
+        base = _slots.NON_SLOT_NAMES[key]
+        name = _find(plan.reader, base, non_slot_names.get(key), plan.problems)
+        if name is None:
+            if not plan.problems["ambiguous"]:
+                plan.problems["missing in the checkpoint"].append(f"{base} (for non-slot {key})")
+            continue
+        tensors = [g["non_slot"][key] for g in opt.param_groups if key in g["non_slot"]]
+        plan.claim(
+            name,
+            _names.IDENTITY,
+            tensors[0].shape,
+            tensors[0].dtype,
+            f"non-slot {key}",
+            _fill_all(tensors),
+        )
+
+
+def _find(reader, base: str, explicit: str | None, problems=None) -> str | None:
+    """The checkpoint name for a scalar whose last name component is ``base``."""
+    if explicit is not None:
+        return explicit if explicit in reader.shapes else None
+    if base in reader.shapes:
+        return base
+    found = [n for n in reader.names() if n.rsplit("/", 1)[-1] == base]
+    if len(found) > 1 and problems is not None:
+        problems["ambiguous"].append(f"{base}: {found} (pass non_slot_names)")
+        return None
+    return found[0] if found else None
+
+
+def _slot_setter(opt, p, slot):
+    def setter(value):
+        opt.state[p][slot] = value.to(device=p.device, dtype=p.dtype).clone()
+
+    return setter
+
+
+def _fill_all(tensors):
+    def setter(value):
+        for t in tensors:
+            t.copy_(value)
+
+    return setter
+
+
+def _read(plan: _Plan, progress: Progress | None) -> list[torch.Tensor]:
+    total = sum(_nbytes(plan.reader, n) for n, _, _ in plan.copies)
+    done, out = 0, []
+    for tf_name, _, _ in plan.copies:
+        out.append(torch.from_numpy(np.array(plan.reader.get(tf_name), copy=True)))
+        done += _nbytes(plan.reader, tf_name)
+        if progress is not None:
+            progress(done, total)
+    return out
+
+
+def _nbytes(reader, name) -> int:
+    return int(np.prod(reader.shapes[name], dtype=np.int64)) * reader.dtypes[name].itemsize
+
+
+def _transformed_shape(transform, shape) -> tuple[int, ...]:
+    try:
+        return tuple(transform.to_torch(torch.empty(shape, device="meta")).shape)
+    except Exception:  # a transform meta tensors cannot run: ask it with real zeros
+        return tuple(transform.to_torch(torch.zeros(shape)).shape)
+
+
+def _via(transform) -> str:
+    return "" if transform is _names.IDENTITY else f" after {transform!r}"
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _inner(optimizer):
+    """The gradfleet optimizer inside a distributed wrapper (which keeps its state there)."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "optimizer", None)
+    opt = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+    _slots.optimizer_class(opt)  # TypeError for optimizers without a TF layout
+    return opt

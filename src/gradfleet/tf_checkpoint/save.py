@@ -1,0 +1,107 @@
+"""Write a torch model + gradfleet optimizer as a TF checkpoint that TF's ``Saver`` restores
+into the TF graph the name map describes (same names, slots and non-slot variables as the
+TF optimizer creates; see :mod:`.slot_names`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from gradfleet.tf_checkpoint import names as _names
+from gradfleet.tf_checkpoint import slot_names as _slots
+from gradfleet.tf_checkpoint.bundle import Progress, write_checkpoint
+from gradfleet.tf_checkpoint.convert import GLOBAL_STEP, _inner
+
+
+def tf_tensors(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    name_map: _names.NameMap = None,
+    *,
+    global_step: int | torch.Tensor | None = None,
+    non_slot_names: Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """TF name -> array of everything :func:`save_tf_checkpoint` writes."""
+    out: dict[str, np.ndarray] = {}
+    owner: dict[str, str] = {}
+
+    def put(tf_name: str, what: str, value: torch.Tensor) -> None:
+        if tf_name in out:
+            raise ValueError(f"name_map: {what} and {owner[tf_name]} both map to {tf_name!r}")
+        owner[tf_name] = what
+        out[tf_name] = value.detach().cpu().numpy().copy()
+
+    by_param: dict[int, tuple[str, _names.Transform, str]] = {}
+    for torch_name, tensor in model.state_dict(keep_vars=True).items():
+        entry = _names.resolve(name_map, torch_name)
+        if entry is not None:
+            put(entry[0], torch_name, entry[1].to_tf(tensor.detach()))
+            by_param[id(tensor)] = (*entry, torch_name)
+    opt = _inner(optimizer)
+    step = None if global_step is None else int(global_step)
+    if opt is not None:
+        step = _put_optimizer(opt, by_param, put, dict(non_slot_names or {}), step)
+    if step is not None:
+        name = (non_slot_names or {}).get(GLOBAL_STEP, GLOBAL_STEP)
+        put(name, "global_step", torch.tensor(step, dtype=torch.int64))
+    return out
+
+
+def _put_optimizer(opt, by_param, put, non_slot_names, step):
+    flat = [p for group in opt.param_groups for p in group["params"]]
+    for group in opt.param_groups:
+        suffixes = _slots.slot_suffixes(opt, group)
+        for p in group["params"]:
+            if id(p) not in by_param or not opt.state.get(p):
+                continue
+            tf_name, transform, torch_name = by_param[id(p)]
+            if _slots.is_amsgrad(opt):
+                names = _slots.amsgrad_names(flat.index(p))
+            else:
+                names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
+            for slot, name in names.items():
+                put(name, f"{torch_name} slot {slot}", transform.to_tf(opt.state[p][slot]))
+    keys = sorted({k for group in opt.param_groups for k in group["non_slot"]})
+    for key in keys:
+        values = [g["non_slot"][key] for g in opt.param_groups if key in g["non_slot"]]
+        if any(not torch.equal(values[0].cpu(), v.cpu()) for v in values[1:]):
+            raise ValueError(
+                f"optimizer: param groups hold different {key!r} values; TF keeps one per optimizer"
+            )
+        if key == "step":  # AdagradDA's own step count is TF's global_step
+            if step is not None and step != int(values[0]):
+                raise ValueError(
+                    f"global_step={step} disagrees with AdagradDA's step count "
+                    f"{int(values[0])}; TF's AdagradDA reads T = global_step + 1"
+                )
+            step = int(values[0])
+            continue
+        name = non_slot_names.get(key, _slots.NON_SLOT_NAMES[key])
+        put(name, f"non-slot {key}", values[0])
+    if getattr(opt, "_global_step", None) is not None and step is None:
+        step = int(opt._global_step)  # AdagradDA given the caller's global_step tensor
+    return step
+
+
+def save_tf_checkpoint(
+    prefix: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    name_map: _names.NameMap = None,
+    *,
+    global_step: int | torch.Tensor | None = None,
+    non_slot_names: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Write ``model`` (and ``optimizer``'s slots and non-slot variables) as the TF
+    checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
+    directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
+    :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
+    (AdagradDA's step count is written there without it)."""
+    tensors = tf_tensors(
+        model, optimizer, name_map, global_step=global_step, non_slot_names=non_slot_names
+    )
+    return write_checkpoint(prefix, tensors, progress)
