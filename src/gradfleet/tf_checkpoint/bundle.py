@@ -83,7 +83,7 @@ def write_checkpoint(
     prefix = os.path.abspath(os.fspath(prefix))
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     names = sorted(tensors)
-    arrays = [np.ascontiguousarray(tensors[n]) for n in names]
+    arrays = [np.asarray(tensors[n], order="C") for n in names]  # keeps 0-d arrays 0-d
     graph = tf.Graph()
     with graph.as_default():
         holders = [v1.placeholder(tf.as_dtype(a.dtype), a.shape) for a in arrays]
