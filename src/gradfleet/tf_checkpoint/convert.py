@@ -136,7 +136,7 @@ _PROBLEM_KINDS = (
 
 
 def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tuple]:
-    """Plan the model's tensors; returns id(parameter) -> (tf name, transform, torch name)."""
+    """Plan the model's tensors; returns id(tensor) -> (tf name, transform, torch name, fits)."""
     out = {}
     for torch_name, tensor in model.state_dict(keep_vars=True).items():
         entry = _names.resolve(name_map, torch_name)
@@ -147,8 +147,9 @@ def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tupl
         def setter(value, t=tensor):
             t.copy_(value)
 
-        if plan.claim(tf_name, transform, tensor.shape, tensor.dtype, torch_name, setter):
-            out[id(tensor)] = (tf_name, transform, torch_name)
+        ok = plan.claim(tf_name, transform, tensor.shape, tensor.dtype, torch_name, setter)
+        if tf_name in plan.reader.shapes:  # its slots belong to it even when it misfits
+            out[id(tensor)] = (tf_name, transform, torch_name, ok)
     return out
 
 
@@ -165,17 +166,21 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names) -> None:
                 continue
             if id(p) not in tf_by_param:
                 continue  # not in the checkpoint by the map, or already reported
-            tf_name, transform, torch_name = tf_by_param[id(p)]
+            tf_name, transform, torch_name, ok = tf_by_param[id(p)]
             if _slots.is_amsgrad(opt):
                 names = _slots.amsgrad_names(flat.index(p))
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
             present = [s for s, n in names.items() if n in plan.reader.shapes]
+            if not ok:  # already reported; its slots are not "unused" on top
+                plan.claimed.update(names[s] for s in present)
+                continue
             if not present:
                 continue  # TF creates slots only for variables that got a gradient
             if len(present) < len(names):
                 absent = [n for s, n in names.items() if s not in present]
                 plan.problems["incomplete slots"].append(f"{torch_name}: no {absent}")
+                plan.claimed.update(names[s] for s in present)
                 continue
             for slot, name in names.items():
                 plan.claim(
