@@ -27,6 +27,7 @@ from .config import (
     parse_spec,
     parse_straggler,
 )
+from .convert import app as convert_app
 from .devices import check_device, parse_device
 from .launch import WorkerFailed, launch, run_local, under_torchrun
 from .progress import Progress
@@ -41,6 +42,7 @@ app = typer.Typer(
 )
 out_console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
+app.add_typer(convert_app, name="convert")
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
