@@ -130,6 +130,7 @@ def _torch_engine(model_dir, num_epochs):
             engine.finalize()
 
 
+@pytest.mark.slow  # two RETURNN-TF processes: ~45 s CPU, minutes on a loaded machine
 def test_returnn_tf_run_continues_in_the_torch_engine(tmp_path):
     _wait(_returnn_tf(tmp_path, "epoch1", 1))
     restart = _returnn_tf(tmp_path, "epoch2", 2)  # RETURNN-TF's own continuation, meanwhile:
