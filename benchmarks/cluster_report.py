@@ -1,0 +1,193 @@
+"""Figures of the cluster benchmark: per-run summary from the ranks' logs and the link counters,
+and the JSON / Markdown / PNG outputs."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netcluster import rate_bits
+
+LOSS_WINDOW = 4  # steps averaged before comparing host 0's loss with the target
+
+
+def machine() -> str:
+    import torch
+
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return (
+        f"{os.cpu_count()}-core {cpu} VM, Linux {platform.release()}, torch {torch.__version__}, "
+        "gloo, links shaped with tc tbf in network namespaces"
+    )
+
+
+def _rate(steps: list, start: float, first: int) -> tuple[float, float]:
+    """(updates per second, end time) over the training phase of one rank."""
+    t_end, _, last = steps[-1]
+    return (last - first) / max(t_end - start, 1e-9), t_end
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def time_to_target(steps: list, start: float, target: float) -> float | None:
+    losses = [s[1] for s in steps]
+    for i in range(LOSS_WINDOW, len(steps) + 1):
+        if sum(losses[i - LOSS_WINDOW : i]) / LOSS_WINDOW <= target:
+            return steps[i - 1][0] - start
+    return None
+
+
+def link_use(samples: list, start: float, end: float, rates: dict) -> dict[int, dict]:
+    """Each host's tx/rx bytes per second between the samples nearest ``start`` and ``end``."""
+    inside = [s for s in samples if start <= s[0] <= end] or samples
+    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    span = max(t1 - t0, 1e-9)
+    out = {}
+    for h, (tx1, rx1) in c1.items():
+        tx0, rx0 = c0[h]
+        tx, rx = (tx1 - tx0) / span, (rx1 - rx0) / span
+        cap = rate_bits(rates[h]) / 8
+        out[int(h)] = {"tx_Bps": tx, "rx_Bps": rx, "rate_Bps": cap, "use": max(tx, rx) / cap,
+                       "bytes": max(tx1 - tx0, rx1 - rx0)}  # fmt: skip
+    return out
+
+
+def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any) -> dict:
+    """Updates/s, samples/s, time to target, transfer- and compute-only times, link use."""
+    by_host = {r["host"]: r for r in ranks}
+    home = by_host[0]  # host 0 always has a fast link and normal compute
+    first = home["first_update"]
+    if row.kind == "local":  # every rank's local steps are updates: the mean rate
+        per_rank = [_rate(r["steps"], r["train_start"], first)[0] for r in ranks]
+        updates_s = sum(per_rank) / len(per_rank)
+        samples_s = sum(per_rank) * args.batch
+    else:
+        updates_s = _rate(home["steps"], home["train_start"], first)[0]
+        per_update = int(row.options.get("R", len(ranks)))
+        samples_s = updates_s * per_update * args.batch
+    end = max(_rate(r["steps"], r["train_start"], first)[1] for r in ranks)
+    links = link_use(samples, home["train_start"], end, rates)
+    busiest = max(links, key=lambda h: links[h]["use"])
+    window = [s for s in samples if home["train_start"] <= s[0] <= end]
+    span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+    transfer = home["transfer"]
+    return {
+        "updates_s": updates_s,
+        "samples_s": samples_s,
+        "step_s": 1 / updates_s if updates_s else None,
+        "time_to_target_s": time_to_target(home["steps"], home["train_start"], args.target_loss),
+        "final_loss": _mean([s[1] for s in home["steps"][-LOSS_WINDOW:]]),
+        "transfer_only_s": transfer["seconds"] / max(transfer["updates"], 1),
+        "compute_calibrated_s": {r["host"]: r["compute_s"] for r in ranks},
+        "links": links,
+        "busiest_host": busiest,
+        "busiest_use": links[busiest]["use"],
+        "busiest_bytes_per_update": links[busiest]["bytes"] / max(updates_s * span, 1e-9),
+        "train_s": end - home["train_start"],
+    }
+
+
+def line(result: dict) -> str:
+    head = f"{result['scenario']:>12}  {result['row']['key']:<11}"
+    if "error" in result:
+        tails = "\n".join(f"--- host {h}\n{t}" for h, t in result["logs"].items())
+        return f"{head} FAILED: {result['error']}\n{tails}"
+    ttt = result["time_to_target_s"]
+    return (
+        f"{head} {result['updates_s']:7.3f} upd/s {result['samples_s']:7.1f} samples/s  "
+        f"transfer {result['transfer_only_s']:6.2f} s  busiest link {result['busiest_use']:4.0%}"
+        f"  target {'-' if ttt is None else f'{ttt:.1f} s'}  loss {result['final_loss']:.3f}"
+    )
+
+
+def _ref(results: list[dict], scenario: str, key: str) -> dict | None:
+    for r in results:
+        if r["scenario"] == scenario and r["row"]["key"] == key and "error" not in r:
+            return r
+    return None
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    out = [
+        f"Machine: {report['machine']}. Shared with other jobs while measured.",
+        f"Command: `{report['command']}` ({report['wall_s'] / 60:.1f} min).",
+        f"Model: MLP of {cfg['params']:.3g} parameters, batch {cfg['batch']} per worker, Adam; "
+        f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}.",
+        "",
+        "| scenario | strategy | updates/s | x DDP | samples/s | step s | transfer-only s "
+        "| compute-only s | busiest link use | to target loss s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        label = r["row"]["label"]
+        if "error" in r:
+            out.append(f"| {r['scenario']} | {label} | failed: {r['error']} |||||||| ")
+            continue
+        ddp, comp = (
+            _ref(report["results"], r["scenario"], "ddp"),
+            _ref(report["results"], r["scenario"], "compute"),
+        )
+        rel = f"{r['updates_s'] / ddp['updates_s']:.2f}" if ddp else "-"
+        comp_s = f"{comp['step_s']:.2f}" if comp else "-"
+        ttt = r["time_to_target_s"]
+        out.append(
+            f"| {r['scenario']} | {label} | {r['updates_s']:.3f} | {rel} | {r['samples_s']:.1f} "
+            f"| {r['step_s']:.2f} | {r['transfer_only_s']:.2f} | {comp_s} "
+            f"| {r['busiest_use']:.0%} (host {r['busiest_host']}) "
+            f"| {'not reached' if ttt is None else f'{ttt:.1f}'} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["results"] if "error" not in r]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in ok))
+    keys = list(dict.fromkeys(r["row"]["key"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(scenarios), 1)
+    for j, s in enumerate(scenarios):
+        found = {r["row"]["key"]: r for r in ok if r["scenario"] == s}
+        xs = [i + j * width for i in range(len(keys))]
+        axes[0].bar(xs, [found[k]["updates_s"] if k in found else 0 for k in keys], width,
+                    label=s)  # fmt: skip
+        axes[1].bar(xs, [100 * found[k]["busiest_use"] if k in found else 0 for k in keys],
+                    width, label=s)  # fmt: skip
+    for ax, title in zip(axes, ("updates per second", "busiest link, % of shaped rate")):
+        ax.set_xticks([i + width * (len(scenarios) - 1) / 2 for i in range(len(keys))])
+        ax.set_xticklabels(keys, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['hosts']} hosts, {cfg['link']} links, MLP {cfg['params']:.3g} params")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown(report)
+    (out / f"{name}.md").write_text(table)
+    if any("error" not in r for r in report["results"]):
+        plot(report, out / f"{name}.png")
+    print(table)

@@ -1,0 +1,154 @@
+"""One worker of the cluster benchmark, started by torchrun on each emulated host.
+
+The workload is a real model: an MLP (3 hidden layers, width chosen for ``--params``) learning
+the labels of a fixed linear teacher (4 classes, Gaussian inputs), trained with Adam.  Each
+rank draws its own batches.  Phases:
+
+1. calibrate: two forward/backward passes of the bare model; the second's time is this host's
+   compute time ``c``.  A host with ``GF_CLUSTER_COMPUTE_FACTOR=f`` sleeps ``(f - 1) * c``
+   before every forward (a machine ``f`` times slower).
+2. transfer-only: ``transfer_updates`` updates of communication alone on zero gradients.
+3. training: ``--updates`` more updates; every step's wall clock, loss and update count
+   is recorded.
+
+The rows of ``--rows`` run one after the other in the same job: start-up (interpreters, torch
+imports, rendezvous) costs about a minute on the shared 2 cores, paid once per scenario.
+Writes ``<out>/rank-<r>.json`` (one record per row).  ``faulthandler`` dumps every thread's
+traceback and exits if the worker overruns ``--deadline`` seconds: a hang is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by torchrun
+
+import gradfleet.distributed as gfd  # noqa: E402
+from benchmarks.cluster_strategies import STRATEGIES, Context  # noqa: E402
+
+INPUTS, CLASSES, HIDDEN_LAYERS = 256, 4, 3
+
+
+def width_for(params: float, layers: int = HIDDEN_LAYERS) -> int:
+    """Hidden width w with D*w + (L-1)*w^2 + w*C (+ biases) closest to ``params``."""
+    a, b = layers - 1, INPUTS + CLASSES + layers
+    return max(1, round((-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)))
+
+
+def build_model(params: float, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    w = width_for(params)
+    layers: list[nn.Module] = [nn.Linear(INPUTS, w), nn.ReLU()]
+    for _ in range(HIDDEN_LAYERS - 1):
+        layers += [nn.Linear(w, w), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(w, CLASSES))
+
+
+class Teacher:
+    """Labels from a fixed random linear map: learnable, and the same on every rank."""
+
+    def __init__(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed + 7919)
+        self.weight = torch.randn(INPUTS, CLASSES, generator=gen)
+
+    def batch(self, size: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
+        x = torch.randn(size, INPUTS, generator=gen)
+        return x, (x @ self.weight).argmax(dim=1)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", required=True, help="JSON list of {key, strategy, options, "
+                   "transfer_updates}: run one after the other in this job")  # fmt: skip
+    p.add_argument("--params", type=float, default=10e6)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--updates", type=int, default=6)
+    p.add_argument("--fast-hosts", default="", help="comma-separated host indices for servers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=300.0)
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    torch.set_num_threads(1)  # four hosts share two cores: no oversubscription
+    info = gfd.init(backend="gloo", timeout=args.deadline)
+    host = int(os.environ["GF_CLUSTER_HOST"])
+    hosts: list[int] = [0] * info.world_size
+    dist.all_gather_object(hosts, host)
+    fast = [int(h) for h in args.fast_hosts.split(",") if h] or sorted(set(hosts))
+    ctx = Context(info.rank, info.world_size, host, hosts, os.environ["GF_CLUSTER_ADDR"], fast)
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for row in json.loads(args.rows):
+        records.append({"key": row["key"], **run_row(ctx, row, args)})
+        (args.out / f"rank-{info.rank}.json").write_text(json.dumps(records))
+    faulthandler.cancel_dump_traceback_later()
+    gfd.shutdown()
+
+
+def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
+    """One strategy from a fresh model: transfer-only phase, then the timed training phase."""
+    model, teacher = build_model(args.params, args.seed), Teacher(args.seed)
+    compute_s = calibrate(model, teacher, args.batch)
+    factor = float(os.environ.get("GF_CLUSTER_COMPUTE_FACTOR", "1"))
+    options = dict(row.get("options", {}))
+    scale = int(options.pop("steps_scale", 1))
+    first = int(row.get("transfer_updates", 2))
+    total = first + args.updates * scale
+    strategy = STRATEGIES[row["strategy"]](ctx, model, args.lr, last_step=total, **options)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    record = {"rank": ctx.rank, "host": ctx.host, "compute_s": compute_s, "factor": factor}
+    dist.barrier()
+    start = time.time()
+    while strategy.updates() < first:
+        strategy.transfer_step()
+    record["transfer"] = {"seconds": time.time() - start, "updates": strategy.updates()}
+    dist.barrier()
+    steps, local = [], 0
+    record["train_start"] = time.time()
+    while strategy.updates() < total:
+        if factor > 1:
+            time.sleep((factor - 1) * compute_s)
+        x, y = teacher.batch(args.batch, ctx.rank, local)
+        loss = strategy.train_step(x, y)
+        local += 1
+        steps.append((time.time(), loss, strategy.updates()))
+    record.update(steps=steps, first_update=first, last_update=total)
+    strategy.close()
+    dist.barrier()
+    return record
+
+
+def calibrate(model: nn.Module, teacher: Teacher, batch: int) -> float:
+    """Seconds of one forward+backward of the bare model (the second of two passes)."""
+    seconds = 0.0
+    for i in range(2):
+        x, y = teacher.batch(batch, -1, i)
+        start = time.perf_counter()
+        nn.functional.cross_entropy(model(x), y).backward()
+        seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+if __name__ == "__main__":
+    main()

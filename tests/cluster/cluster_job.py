@@ -1,0 +1,83 @@
+"""A job for the emulated-cluster tests, started by torchrun on each host (one worker per host).
+
+SyncReplicas, ``R = N - 1`` of ``N`` workers (one backup), the variables sharded over the
+ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload).
+
+``--kill-host H --kill-at S``: the worker on host H SIGKILLs itself after S local steps (a
+machine lost mid-run; it is not a shard host unless H is 0 or 1).  Every other worker keeps
+stepping until ``--steps`` updates or an error; it writes ``<out>/host-<h>.json`` with its
+losses, the global step reached and every error it saw (type and message), once done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cluster_worker import Teacher, build_model  # noqa: E402
+
+import gradfleet.distributed as gfd  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-host", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    info = gfd.init(backend="gloo", timeout=60)
+    host = int(os.environ["GF_CLUSTER_HOST"])
+    hosts = [0] * info.world_size
+    dist.all_gather_object(hosts, host)
+    model, teacher = build_model(2e4, 0), Teacher(0)
+    opt = gfd.SyncReplicasOptimizer(
+        torch.optim.Adam(model.parameters(), lr=3e-3),
+        replicas_to_aggregate=info.world_size - 1,
+        total_num_replicas=info.world_size,
+        timeout=args.timeout,
+        last_step=args.steps,
+        host=os.environ["GF_CLUSTER_ADDR"],
+        server_ranks=[hosts.index(0), hosts.index(1)],
+    )
+    record: dict = {"rank": info.rank, "hosts": hosts, "losses": [], "errors": []}
+    local = 0
+    try:
+        while opt.global_step < args.steps:
+            if host == args.kill_host and local == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = teacher.batch(32, info.rank, local)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            record["losses"].append(float(loss.detach()))
+            local += 1
+    except Exception as err:  # recorded: the test checks which errors every worker saw
+        record["errors"].append({"type": type(err).__name__, "message": str(err)})
+    record["global_step"] = opt.global_step
+    if record["errors"]:
+        time.sleep(3)  # a shard host that saw the error keeps serving while the others see it
+    else:
+        opt.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"host-{host}.json").write_text(json.dumps(record))  # written last: done
+    os._exit(0)  # a dead peer can leave gloo's teardown waiting: the record is written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Training across emulated hosts, launched as users launch: one torchrun per host, c10d
+rendezvous on host 0 (``cluster_job.py``: SyncReplicas with one backup worker, R = N - 1, its
+variables sharded over the ranks on hosts 0 and 1).  A job trains; a worker SIGKILLed mid-run
+leaves the others finishing; a lost shard host gives every other worker one error naming it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from benchmarks.netcluster import Cluster, stop
+
+from .netns import ROOT
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+JOB = ROOT / "tests" / "cluster" / "cluster_job.py"
+STEPS = 40
+DEADLINE = 150  # start-up alone (4 torchruns, 4 workers) is ~40 s on 2 loaded cores
+
+
+def _run(
+    cluster: Cluster, out: Path, hosts: list[int], *extra: str
+) -> tuple[list[int | None], dict]:
+    """Start the job; wait until the workers on ``hosts`` wrote their records (a failed
+    node's peers sit in torch's 300 s exit barrier, so the agents are not waited for), then
+    end every process.  Returns the agents' exit codes (None: still running) and the records."""
+    port = 29100 + int(time.time()) % 300
+    records = out / "records"
+    procs = cluster.torchrun(
+        [str(JOB), "--steps", str(STEPS), "--out", str(records), *extra],
+        cwd=ROOT, port=port, logs=out,
+    )  # fmt: skip
+    deadline = time.monotonic() + DEADLINE
+    try:
+        while time.monotonic() < deadline:
+            if all((records / f"host-{h}.json").exists() for h in hosts):
+                break
+            time.sleep(0.2)
+        time.sleep(1)  # the agents see their workers' exit
+        codes = [p.poll() for p in procs]
+    finally:
+        stop(procs)
+    logs = "\n".join(f"--- host {h}\n{p.read_text()[-3000:]}" for h, p in
+                     enumerate(sorted(out.glob("host*.log"))))  # fmt: skip
+    found = {int(p.stem.split("-")[1]): json.loads(p.read_text())
+             for p in records.glob("host-*.json")}  # fmt: skip
+    assert sorted(found) == hosts, f"records of {sorted(found)} in {DEADLINE} s\n{logs}"
+    return codes, found | {"logs": logs}
+
+
+def test_sync_replicas_with_a_backup_trains_across_hosts(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(3, "200mbit")
+    codes, found = _run(cluster, tmp_path, [0, 1, 2])
+    logs = found.pop("logs")
+    assert codes == [0, 0, 0], logs
+    for record in found.values():
+        assert sorted(record["hosts"]) == [0, 1, 2]  # one worker on each host
+        assert record["errors"] == [] and record["global_step"] == STEPS
+    losses = found[0]["losses"]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses  # it learns the teacher's labels
+
+
+def test_a_sigkilled_worker_and_the_job_goes_on(make_cluster, tmp_path: Path) -> None:
+    """R = 3 of N = 4: the worker on host 3 (not a shard host) dies after 8 steps."""
+    cluster = make_cluster(4, "200mbit")
+    codes, found = _run(cluster, tmp_path, [0, 1, 2], "--kill-host", "3", "--kill-at", "8")
+    logs = found.pop("logs")
+    assert codes[3] not in (None, 0), (codes, logs)  # host 3's agent reports its dead worker
+    for record in found.values():
+        assert record["errors"] == [] and record["global_step"] == STEPS
+
+
+def test_a_lost_shard_host_gives_every_worker_one_error_naming_it(
+    make_cluster, tmp_path: Path
+) -> None:
+    """The worker on host 1 also hosts shard 1; it dies after 8 steps.  Every other worker
+    gets one error naming that rank instead of hanging or training on half the variables."""
+    cluster = make_cluster(3, "200mbit")
+    codes, found = _run(cluster, tmp_path, [0, 2], "--kill-host", "1", "--kill-at", "8")
+    found.pop("logs")
+    lost = found[0]["hosts"].index(1)
+    for record in found.values():
+        assert len(record["errors"]) == 1, record["errors"]
+        (error,) = record["errors"]
+        assert error["type"] == "ServerUnreachable", error
+        assert f"rank {lost}" in error["message"], error
+        assert record["global_step"] < STEPS
