@@ -10,6 +10,7 @@ script documents how it was made.
 
 from __future__ import annotations
 
+import copy
 import pathlib
 
 import torch
@@ -73,7 +74,7 @@ def main() -> None:
         opt = build(name, ps)
         run(opt, ps, range(STEPS_BEFORE))
         saved = {
-            "state_dict": opt.state_dict(),
+            "state_dict": copy.deepcopy(opt.state_dict()),  # its tensors are live
             "params": [p.detach().clone() for p in ps],
         }
         used = run(opt, ps, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))

@@ -47,6 +47,7 @@ class AMSGradOptimizer(Optimizer):
         "beta2": _hyper.UNIT_OPEN_RIGHT,
         "epsilon": _hyper.NON_NEGATIVE,
     }
+    torch_names = {"betas": ("beta1", "beta2"), "eps": "epsilon"}
     slots = {"m": 0.0, "v": 0.0, "v_hat": 0.0}
     sparse = None
     flags = ("decay",)
@@ -68,7 +69,7 @@ class AMSGradOptimizer(Optimizer):
                     f"it takes no use_locking and its name is fixed"
                 )
         defaults = dict(
-            lr=learning_rate, decay=bool(decay), beta1=beta1, beta2=beta2, epsilon=epsilon
+            lr=learning_rate, decay=decay, betas=(beta1, beta2), epsilon=epsilon
         )
         super().__init__(params, defaults, "AMSGradOptimizer", **options)
 
@@ -89,8 +90,8 @@ class AMSGradOptimizer(Optimizer):
         shared["t"].add_(1.0)
 
     def _hyper_resolver(self, group):
-        betas = {k: _hyper.resolve(group[k]) for k in ("beta1", "beta2")}
-        hp_for = super()._hyper_resolver(dict(group, **betas))
+        betas = dict(zip(("beta1", "beta2"), map(_hyper.resolve, group["betas"])))
+        hp_for = super()._hyper_resolver(dict(group, betas=tuple(betas.values())))
 
         def with_complements(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
             hp = hp_for(dtype, device)
