@@ -68,9 +68,7 @@ class AMSGradOptimizer(Optimizer):
                     f"AMSGradOptimizer got an unexpected keyword argument {arg!r}; as in RETURNN "
                     f"it takes no use_locking and its name is fixed"
                 )
-        defaults = dict(
-            lr=learning_rate, decay=decay, betas=(beta1, beta2), epsilon=epsilon
-        )
+        defaults = dict(lr=learning_rate, decay=decay, betas=(beta1, beta2), epsilon=epsilon)
         super().__init__(params, defaults, "AMSGradOptimizer", **options)
 
     def _validate_gradient(self, p, g):

@@ -167,5 +167,6 @@ def _check_tf_ranges(values: dict[str, Any]) -> None:
     ]
     for key, sign, wanted in rules:
         value = values[key]
+        _hyper.check_type("FtrlOptimizer", key, value)
         if not callable(value) and sign * _hyper.as_float(value) < 0.0:
             raise ValueError(f"{key} {_hyper.as_float(value):f} needs to be {wanted}")
