@@ -151,16 +151,21 @@ def test_optimizer_without_momentum_needs_cycle_momentum_false():
 
 # ---------------------------------------------------------------- torch's argument names
 
+_ADAM_TF = {"beta1": 0.8, "beta2": 0.95, "epsilon": 1e-6}
 ALIASES = [
-    (gf.AdamOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, {"beta1": 0.8, "beta2": 0.95, "epsilon": 1e-6}),
-    (gf.AMSGradOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, {"beta1": 0.8, "beta2": 0.95, "epsilon": 1e-6}),
-    (gf.CustomAdamOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, {"beta1": 0.8, "beta2": 0.95, "epsilon": 1e-6}),
+    (gf.AdamOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, _ADAM_TF),
+    (gf.AMSGradOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, _ADAM_TF),
+    (gf.CustomAdamOptimizer, {"betas": (0.8, 0.95), "eps": 1e-6}, _ADAM_TF),
     (gf.GradVarianceScaledOptimizer, {"betas": (0.8, 0.95)}, {"beta1": 0.8, "beta2": 0.95}),
     (gf.NeuralOptimizer1, {"betas": (0.8,)}, {"beta1": 0.8}),
     (gf.AdadeltaOptimizer, {"eps": 1e-6}, {"epsilon": 1e-6}),
     (gf.RMSPropOptimizer, {"alpha": 0.8, "eps": 1e-6}, {"decay": 0.8, "epsilon": 1e-6}),
-    (gf.MomentumOptimizer, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.9, "use_nesterov": True}),
-]  # fmt: skip
+    (
+        gf.MomentumOptimizer,
+        {"momentum": 0.9, "nesterov": True},
+        {"momentum": 0.9, "use_nesterov": True},
+    ),
+]
 
 
 @pytest.mark.parametrize("cls,torch_kw,tf_kw", ALIASES, ids=lambda x: getattr(x, "__name__", ""))
