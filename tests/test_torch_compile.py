@@ -72,7 +72,9 @@ def _scheduled(compiled: bool, tensor_lr: bool, fullgraph: bool, one_cycle: bool
     if one_cycle:
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=13)
     else:
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        # The first change after a few steps: the slots made by the first step must not
+        # count as a change (dynamo runs ``_init_group`` eagerly before the graph).
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     gen = torch.Generator().manual_seed(1)
     for _ in range(12):
         for p in params:

@@ -257,6 +257,8 @@ def test_every_hyperparameter_of_a_wrong_type_is_refused(cls):
     assert "learning_rate" in names
     for name in names:
         for bad in ("0.1", None, [0.1], 1j):
+            if bad is None and (cls, name) == (gf.FtrlOptimizer, "beta"):
+                continue  # TF's beta=None means 0.0
             config = dict(_config(cls), **{name: bad})
             with pytest.raises(TypeError, match=name):
                 cls(_params(), **config)
