@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradfleet import _hyper, _torch_names, kernels
+from gradfleet import _groups, _hyper, _torch_names, kernels
 from gradfleet._hyper import Range
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -143,47 +143,13 @@ class Optimizer(torch.optim.Optimizer):
             hint = self.lr_zero_hint if key == "lr" else ""
             _hyper.check(owner, _tf_name(key), values[key], allowed, hint)
 
-    def _canonical_group(self, group: dict[str, Any]) -> dict[str, Any]:
-        """``group`` with every name as the param groups store it: TF's ``learning_rate`` as
-        ``lr``, TF names packed into their torch tuple (``beta1`` -> ``betas``), other torch
-        aliases (``eps``) as their TF name.  Two names for one value: ``ValueError``."""
-        owner = type(self).__name__
-        group = dict(group)
-
-        def clash(a: str, b: str) -> ValueError:
-            return ValueError(f"{owner}: param group has both {a} and {b}; give one")
-
-        if "learning_rate" in group:
-            if "lr" in group:
-                raise clash("lr", "learning_rate")
-            group["lr"] = group.pop("learning_rate")
-        for torch_name, tf in self.torch_names.items():
-            if isinstance(tf, str):
-                if torch_name in group:
-                    if tf in group:
-                        raise clash(torch_name, tf)
-                    group[tf] = group.pop(torch_name)
-                continue
-            loose = [name for name in tf if name in group]
-            if not loose:
-                continue
-            if torch_name in group:
-                raise clash(torch_name, " and ".join(loose))
-            base = self.defaults.get(torch_name) if hasattr(self, "defaults") else None
-            if base is None and len(loose) != len(tf):
-                raise ValueError(f"{owner}: param group needs all of {list(tf)} or {torch_name}")
-            values = dict(zip(tf, base or ()))
-            values.update((name, group.pop(name)) for name in loose)
-            group[torch_name] = tuple(values[name] for name in tf)
-        return group
-
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         owner = type(self).__name__
         if not isinstance(param_group, dict):
             raise TypeError(f"{owner}: param_group must be a dict, got {type(param_group)}")
-        param_group = self._canonical_group(param_group)  # TF and torch names both work
-        self._check_unique(param_group)
+        param_group = _groups.canonical(self, param_group)  # TF and torch names both work
+        _groups.check_unique(self, param_group)
         values = self._values({**self.defaults, **param_group})
         self._check_values({k: v for k, v in values.items()})
         super().add_param_group(param_group)
@@ -195,28 +161,6 @@ class Optimizer(torch.optim.Optimizer):
                     f"got {p.dtype}"
                 )
         group["non_slot"] = self._init_shared(group)
-
-    def _check_unique(self, param_group: dict[str, Any]) -> None:
-        """A parameter listed twice, in this group or in an earlier one, is refused (torch
-        only warns within a group): it would take two updates per step."""
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif not isinstance(params, set):  # sets: torch's own TypeError
-            params = list(params)  # a generator is read once: keep what was read
-        param_group["params"] = params
-        seen = {id(p) for group in self.param_groups for p in group["params"]}
-        mine: set[int] = set()
-        for item in params:
-            p = item[1] if isinstance(item, tuple) else item
-            where = "twice in one param group" if id(p) in mine else "in two param groups"
-            if id(p) in seen or id(p) in mine:
-                name = f"{item[0]!r} " if isinstance(item, tuple) else ""
-                raise ValueError(
-                    f"{type(self).__name__}: parameter {name}of shape {tuple(p.shape)} is "
-                    f"listed {where}; list each parameter once"
-                )
-            mine.add(id(p))
 
     # ------------------------------------------------------------------ subclass hooks
     def _init_shared(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -277,7 +221,9 @@ class Optimizer(torch.optim.Optimizer):
             for group in self.param_groups
         ]
         compiling = torch.compiler.is_compiling()
-        if not self.state and not compiling and self._is_state_initialisation(work):
+        # ``compiling`` first: under torch.compile reading ``self.state`` here would guard on
+        # its being empty, and the first step's graph would not serve the second.
+        if not compiling and not self.state and self._is_state_initialisation(work):
             for group, pairs in zip(self.param_groups, work):
                 self._slots_of([p for p, _ in pairs], group)
             return loss
@@ -609,7 +555,7 @@ class Optimizer(torch.optim.Optimizer):
                         f"{list(t.shape)}, expected {mine[gi][pi]}"
                     )
         # Param groups saved before ``betas`` was stored as torch's tuple hold TF's names.
-        groups = [self._canonical_group(g) for g in state_dict["param_groups"]]
+        groups = [_groups.canonical(self, g) for g in state_dict["param_groups"]]
         state_dict = dict(state_dict, param_groups=groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
         for group in self.param_groups:
