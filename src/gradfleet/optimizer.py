@@ -151,7 +151,7 @@ class Optimizer(torch.optim.Optimizer):
         param_group = _groups.canonical(self, param_group)  # TF and torch names both work
         _groups.check_unique(self, param_group)
         values = self._values({**self.defaults, **param_group})
-        self._check_values({k: v for k, v in values.items()})
+        self._check_values(values)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
