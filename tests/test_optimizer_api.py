@@ -298,7 +298,7 @@ def test_slot_api_and_names():
     with pytest.raises(ValueError, match="name"):
         gf.AdamOptimizer(params, name="")
     with pytest.raises(TypeError, match="unexpected keyword"):
-        gf.AdamOptimizer(params, weight_decay=0.1)
+        gf.AdamOptimizer(params, weightdecay=0.1)
     with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
         gf.AdamOptimizer([torch.zeros(2, dtype=torch.int64)])
 

@@ -250,7 +250,7 @@ def test_proximal_gradient_descent_tf_numbers():
 @pytest.mark.parametrize(
     "cls,key,value",
     [
-        (gf.ProximalAdagradOptimizer, "learning_rate", 0.0),
+        (gf.ProximalAdagradOptimizer, "learning_rate", -0.1),
         (gf.ProximalAdagradOptimizer, "l1_regularization_strength", -0.1),
         (gf.ProximalAdagradOptimizer, "l2_regularization_strength", -0.1),
         (gf.ProximalGradientDescentOptimizer, "l1_regularization_strength", -0.1),

@@ -7,13 +7,12 @@ such as ``1 - beta1`` are formed in the variable's dtype.  :func:`scalar` reprod
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 Hyper = float | torch.Tensor | Callable[[], Any]
@@ -25,7 +24,7 @@ def resolve(value: Any) -> Any:
 
 
 def as_float(value: Any) -> float:
-    """A hyperparameter value as a Python float (for validation)."""
+    """A hyperparameter value as a Python float (for validation); see :func:`check_type`."""
     value = resolve(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -34,6 +33,28 @@ def as_float(value: Any) -> float:
             )
         return float(value.detach().reshape(()).item())
     return float(value)
+
+
+def is_number(value: Any) -> bool:
+    """True for what a hyperparameter may be (besides a callable): a real Python or numpy
+    number (not a bool), or a one-element real tensor."""
+    if isinstance(value, torch.Tensor):
+        return not (value.dtype.is_complex or value.dtype == torch.bool)
+    if isinstance(value, bool | np.bool_):
+        return False
+    return isinstance(value, int | float | np.integer | np.floating)
+
+
+def check_type(owner: str, name: str, value: Any) -> None:
+    """``TypeError`` naming ``owner``'s argument ``name`` unless ``value`` is a number, a
+    one-element real tensor or a no-argument callable (whose result is checked when called)."""
+    if callable(value) and not isinstance(value, torch.Tensor):
+        return
+    if not is_number(value):
+        raise TypeError(
+            f"{owner}: {name} must be a real number, a one-element tensor or a no-argument "
+            f"callable, got {type(value).__name__} {value!r}"
+        )
 
 
 def scalar(
@@ -49,6 +70,13 @@ def scalar(
     value = resolve(value)
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         t = value.detach().reshape(())
+    elif torch.compiler.is_compiling() and not isinstance(value, torch.Tensor):
+        # Under torch.compile a Python number that changes between calls (a schedule's lr)
+        # is traced as a symbolic input; ``torch.tensor(x)`` would bake it in as a constant
+        # and recompile for every new value.  ``1 * x`` in float32 rounds x once, as the
+        # conversion does.
+        t = torch.ones((), dtype=torch.float32 if through_float32 else dtype, device=device)
+        t = t.mul(value)
     else:
         t = torch.tensor(float(value), dtype=torch.float32 if through_float32 else dtype)
     return t.to(device=device, dtype=dtype)
@@ -63,16 +91,17 @@ class Range:
     low_inclusive: bool = True
     high_inclusive: bool = True
 
-    def contains(self, x: float) -> bool:
-        if math.isnan(x):
-            return False
-        if self.low is not None and (x < self.low or (x == self.low and not self.low_inclusive)):
-            return False
-        if self.high is not None and (
-            x > self.high or (x == self.high and not self.high_inclusive)
-        ):
-            return False
-        return True
+    def contains(self, x: Any) -> bool:
+        """Whether ``x`` is finite and in the interval.  Comparisons only (NaN fails every
+        one), so under torch.compile a symbolic float is checked by guards, not baked in."""
+        low, high = -math.inf, math.inf
+        if self.low is not None:
+            low = self.low
+        if self.high is not None:
+            high = self.high
+        above = x >= low if self.low_inclusive else x > low
+        below = x <= high if self.high_inclusive else x < high
+        return bool(above and below and -math.inf < x < math.inf)
 
     def describe(self) -> str:
         if self.low is not None and self.high is not None:
@@ -94,51 +123,20 @@ UNIT_OPEN_RIGHT = Range(0.0, 1.0, high_inclusive=False)
 FINITE = Range()
 
 
-def check(owner: str, name: str, value: Any, allowed: Range) -> None:
-    """Raise ``ValueError`` naming ``owner.name`` unless ``value`` is finite and in ``allowed``.
+def check(owner: str, name: str, value: Any, allowed: Range, zero_hint: str = "") -> None:
+    """Raise ``TypeError`` (see :func:`check_type`) or ``ValueError`` naming ``owner.name``
+    unless ``value`` is a finite number in ``allowed``; ``zero_hint`` is appended to the
+    message when the refused value is 0.
 
-    Callables are checked when they are evaluated (each step), not at construction.
+    Callables are checked when they are evaluated (each step), not at construction.  A Python
+    number is checked with comparisons only (``Range.contains``), which torch.compile turns
+    into guards; only the error path reads its value (``float``).
     """
-    if callable(value):
+    check_type(owner, name, value)
+    if callable(value) and not isinstance(value, torch.Tensor):
         return
-    try:
-        x = as_float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{owner}: {name} must be a number, got {value!r}") from exc
-    if math.isinf(x) or not allowed.contains(x):
-        raise ValueError(f"{owner}: {name} must be {allowed.describe()}, got {x!r}")
-
-
-def accept_lr_alias(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an optimizer ``__init__`` taking ``learning_rate`` so that it also takes torch's
-    ``lr`` (what ``torch.optim`` code and RETURNN's torch engine pass).
-
-    ``lr=x`` becomes ``learning_rate=x``; giving both is a ``TypeError`` naming both.  Whether
-    a learning rate is required, and its default, stay those of ``init``.  The wrapper's
-    signature is ``init``'s plus a keyword-only ``lr``, so introspection (RETURNN's
-    ``collect_class_init_kwargs``, ``gradfleet.registry``) sees both names.
-    """
-    sig = inspect.signature(init)
-    names = list(sig.parameters)
-    position = names.index("learning_rate")  # counts ``self``, as ``args`` below does
-    required = sig.parameters["learning_rate"].default is inspect.Parameter.empty
-
-    @functools.wraps(init)
-    def wrapper(self, *args: Any, **kwargs: Any) -> None:
-        if "lr" in kwargs:
-            if "learning_rate" in kwargs or len(args) >= position:
-                raise TypeError(
-                    f"{type(self).__name__}: got both lr and learning_rate; pass one of them "
-                    f"(lr is torch's name for TF's learning_rate)"
-                )
-            kwargs["learning_rate"] = kwargs.pop("lr")
-        elif required and "learning_rate" not in kwargs and len(args) < position:
-            raise TypeError(f"{type(self).__name__}: missing learning_rate (or torch's lr)")
-        init(self, *args, **kwargs)
-
-    params = list(sig.parameters.values())
-    lr = inspect.Parameter("lr", inspect.Parameter.KEYWORD_ONLY, default=None)
-    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-    wrapper.__signature__ = sig.replace(parameters=[*params[:at], lr, *params[at:]])
-    wrapper._accepts_lr = True
-    return wrapper
+    x = as_float(value) if isinstance(value, torch.Tensor) else value
+    if not allowed.contains(x):
+        got = float(x)  # specialises a traced value: only on the way to an error
+        hint = zero_hint if got == 0 else ""
+        raise ValueError(f"{owner}: {name} must be {allowed.describe()}, got {got!r}{hint}")

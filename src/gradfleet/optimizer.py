@@ -2,10 +2,14 @@
 
 A subclass describes one algorithm declaratively and writes its maths once:
 
-* ``hyperparameters``: group keys that are floats in TF (cast like TF, see ``_hyper.scalar``)
-  mapped to their allowed range; ``"lr"`` holds TF's ``learning_rate`` (a constructor taking
-  ``learning_rate`` also takes torch's ``lr``, see ``__init_subclass__``); keys listed in
+* ``hyperparameters``: the floats of TF's maths (cast like TF, see ``_hyper.scalar``) mapped
+  to their allowed range; ``"lr"`` holds TF's ``learning_rate``; keys listed in
   ``unrounded`` skip TF's float32 rounding of Python floats;
+* ``torch_names``: torch's argument names for this class's TF ones (``gradfleet._torch_names``;
+  ``lr`` is implied).  A torch name mapped to a tuple of TF names (``"betas": ("beta1",
+  "beta2")``) is also how the param groups store them, because torch's momentum-cycling
+  schedulers (``OneCycleLR``, ``CyclicLR``) edit ``group["betas"]``; ``lr`` and ``momentum``
+  are stored under torch's names for the same reason, every other key under TF's;
 * ``slots``: slot name -> initial fill value (slots are created lazily, in the parameter's
   dtype, the first time the parameter gets a gradient, as TF's ``_create_slots`` does);
   override ``_slot_fills(group)`` when the set or the fills depend on the group's options
@@ -26,14 +30,13 @@ slots and counters untouched.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 
-from gradfleet import _hyper, kernels
+from gradfleet import _groups, _hyper, _torch_names, kernels
 from gradfleet._hyper import Range
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,7 +50,10 @@ class Optimizer(torch.optim.Optimizer):
     Options every subclass accepts as keyword arguments (torch-side, not in TF):
 
     * ``foreach`` / ``fused``: implementation switch, same meaning as in ``torch.optim``.
-    * ``lr``: torch's name for ``learning_rate`` (giving both is a ``TypeError``).
+    * ``lr`` and the class's ``torch_names`` (``betas``, ``eps``, ...): torch's names for TF's
+      arguments (giving both names is a ``TypeError``); torch-only arguments such as
+      ``weight_decay`` are refused with the alternative unless they have their "off" value
+      (``gradfleet._torch_names``).
     * ``check_finite``: if True, a step whose gradients hold NaN or Inf raises
       ``FloatingPointError`` naming the parameter and changes nothing.  The default (False)
       is TensorFlow's behaviour: non-finite values flow into parameters and slots.
@@ -65,6 +71,10 @@ class Optimizer(torch.optim.Optimizer):
     #: "foreach" needs elementwise maths (no branching on data), "fused" needs it traceable
     #: into one graph whose only tensors are the step's inputs (``kernels/fused.py``).
     fast_paths: ClassVar[tuple[str, ...]] = ("foreach", "fused")
+    #: torch's argument names: torch name -> TF name, or the TF names a torch tuple packs.
+    torch_names: ClassVar[dict[str, str | tuple[str, ...]]] = {}
+    #: Appended to the error for learning rate 0 by a class whose maths has no lr -> 0 limit.
+    lr_zero_hint: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -74,6 +84,8 @@ class Optimizer(torch.optim.Optimizer):
         use_locking: bool = False,
         **options: Any,
     ) -> None:
+        owner = type(self).__name__
+        _torch_names.check_torch_only(owner, options)
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise TypeError(
@@ -86,32 +98,60 @@ class Optimizer(torch.optim.Optimizer):
         self.use_locking = use_locking  # accepted for TF compatibility; torch needs no locks
         self.check_finite = bool(options.get("check_finite", False))
         defaults = dict(defaults, foreach=options.get("foreach"), fused=options.get("fused"))
-        for key, allowed in self.hyperparameters.items():
-            _hyper.check(type(self).__name__, _tf_name(key), defaults[key], allowed)
+        for key in self.flags:  # TF's Python bools; "False" (a string) would read as True
+            flag = defaults[key]
+            if not isinstance(flag, bool | int) or flag not in (0, 1):
+                raise TypeError(f"{owner}: {key} must be a bool, got {flag!r}")
+            defaults[key] = bool(flag)
+        self._check_values(self._values(defaults))
         super().__init__(params, defaults)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # torch's ``lr=`` (torch.optim code, RETURNN's torch engine) as an alias of TF's
-        # ``learning_rate`` in every subclass constructor that takes one.
+        # torch's names (``lr=`` from torch.optim code and RETURNN's torch engine, ``betas=``,
+        # ``eps=``, ...) as aliases of TF's in every subclass constructor that takes them.
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
-        if init is not None and not getattr(init, "_accepts_lr", False):
-            if "learning_rate" in inspect.signature(init).parameters:
-                cls.__init__ = _hyper.accept_lr_alias(init)
+        if init is not None and not getattr(init, "_accepts_torch_names", False):
+            cls.__init__ = _torch_names.accept_torch_names(init, cls.torch_names)
+
+    # ------------------------------------------------------------------ hyperparameter values
+    @classmethod
+    def _packed(cls) -> dict[str, tuple[str, ...]]:
+        """Group keys holding a tuple of TF hyperparameters (``betas``)."""
+        return {k: v for k, v in cls.torch_names.items() if isinstance(v, tuple)}
+
+    def _values(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The hyperparameters of ``group`` by ``hyperparameters`` key, tuples unpacked."""
+        out = {}
+        owner = type(self).__name__
+        for key, names in self._packed().items():
+            packed = group[key]
+            if not isinstance(packed, tuple | list) or len(packed) != len(names):
+                raise TypeError(
+                    f"{owner}: {key} must be a tuple ({', '.join(names)}), got {packed!r}"
+                )
+            out.update(zip(names, packed))
+        for key in self.hyperparameters:
+            if key not in out:
+                out[key] = group[key]
+        return out
+
+    def _check_values(self, values: dict[str, Any]) -> None:
+        """Type and range of every hyperparameter (callables: when called)."""
+        owner = type(self).__name__
+        for key, allowed in self.hyperparameters.items():
+            hint = self.lr_zero_hint if key == "lr" else ""
+            _hyper.check(owner, _tf_name(key), values[key], allowed, hint)
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if "learning_rate" in param_group:  # TF's name for lr is accepted in groups too
-            if "lr" in param_group:
-                raise ValueError(
-                    f"{type(self).__name__}: param group has both lr and learning_rate; give one"
-                )
-            param_group = dict(param_group)
-            param_group["lr"] = param_group.pop("learning_rate")
         owner = type(self).__name__
-        for key, allowed in self.hyperparameters.items():
-            if key in param_group:
-                _hyper.check(owner, _tf_name(key), param_group[key], allowed)
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{owner}: param_group must be a dict, got {type(param_group)}")
+        param_group = _groups.canonical(self, param_group)  # TF and torch names both work
+        _groups.check_unique(self, param_group)
+        values = self._values({**self.defaults, **param_group})
+        self._check_values(values)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
@@ -180,12 +220,28 @@ class Optimizer(torch.optim.Optimizer):
             [(p, p.grad) for p in group["params"] if p.grad is not None]
             for group in self.param_groups
         ]
-        if not self.state and self._is_state_initialisation(work):
+        compiling = torch.compiler.is_compiling()
+        # ``compiling`` first: under torch.compile reading ``self.state`` here would guard on
+        # its being empty, and the first step's graph would not serve the second.
+        if not compiling and not self.state and self._is_state_initialisation(work):
             for group, pairs in zip(self.param_groups, work):
                 self._slots_of([p for p, _ in pairs], group)
             return loss
+        if compiling:
+            # torch.compile runs ``_init_group`` eagerly while it traces (dynamo's optimizer
+            # support): the slots exist before the graph, so the first step's graph is
+            # the one every later step reuses.
+            for group in self.param_groups:
+                self._init_group(group)
         self._apply(work)
         return loss
+
+    def _init_group(self, group: dict[str, Any]) -> None:
+        """Create the missing slots of the parameters of ``group`` that have a gradient (what
+        a step would create first).  The name is the one torch.compile intercepts."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            self._slots_of(params, group)
 
     def _is_state_initialisation(self, work) -> bool:
         """A first step with learning rate 0 and all-zero gradients only creates the slots.
@@ -240,13 +296,17 @@ class Optimizer(torch.optim.Optimizer):
 
     def _hyper_resolver(self, group: dict[str, Any]) -> Callable[..., dict[str, Any]]:
         owner = type(self).__name__
+        compiling = torch.compiler.is_compiling()
         values = {}
-        for key, allowed in self.hyperparameters.items():
-            value = _hyper.resolve(group[key])
+        for key, value in self._values(group).items():
+            value = _hyper.resolve(value)
             # A tensor on an accelerator (RETURNN's device lr) is not read back each step: that
-            # would wait for the device and cannot be captured in a CUDA graph.
-            if not (isinstance(value, torch.Tensor) and not value.is_cpu):
-                _hyper.check(owner, _tf_name(key), value, allowed)
+            # would wait for the device and cannot be captured in a CUDA graph.  Nor is any
+            # tensor under torch.compile (a read-back is a graph break); a Python number is
+            # checked there by comparisons, which become guards.
+            if not (isinstance(value, torch.Tensor) and (compiling or not value.is_cpu)):
+                hint = self.lr_zero_hint if key == "lr" else ""
+                _hyper.check(owner, _tf_name(key), value, self.hyperparameters[key], hint)
             values[key] = value
         cache: dict[tuple[torch.dtype, torch.device], dict[str, Any]] = {}
 
@@ -264,7 +324,9 @@ class Optimizer(torch.optim.Optimizer):
         """``_hyper.scalar(value, dtype, device)``, reusing the tensor made for the same Python
         number before (building 0-dim tensors is a measurable share of a fused step)."""
         via_float32 = key not in self.unrounded
-        if type(value) not in (int, float):  # tensors may change in place: re-read them
+        # Tensors may change in place: re-read them.  Under torch.compile a number may be
+        # symbolic (a schedule's lr): no cache lookup, which would specialise on its value.
+        if type(value) not in (int, float) or torch.compiler.is_compiling():
             return _hyper.scalar(value, dtype, device, via_float32)
         cache = self.__dict__.setdefault("_scalar_cache", {})
         # The sign is part of the key: 0.0 == -0.0 in Python, not as tensors.
@@ -492,6 +554,9 @@ class Optimizer(torch.optim.Optimizer):
                         f"{owner}.load_state_dict: slot {slot!r} of parameter {key} has shape "
                         f"{list(t.shape)}, expected {mine[gi][pi]}"
                     )
+        # Param groups saved before ``betas`` was stored as torch's tuple hold TF's names.
+        groups = [_groups.canonical(self, g) for g in state_dict["param_groups"]]
+        state_dict = dict(state_dict, param_groups=groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
         for group in self.param_groups:
             device = group["params"][0].device if group["params"] else None

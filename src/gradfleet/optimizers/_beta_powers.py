@@ -19,6 +19,9 @@ ADAM_HYPERPARAMETERS = {
     "beta2": _hyper.UNIT_OPEN_RIGHT,
     "epsilon": _hyper.NON_NEGATIVE,
 }
+#: torch's names: Adam's ``betas`` (stored in the param groups as this tuple, which torch's
+#: momentum-cycling schedulers edit) and ``eps``.
+ADAM_TORCH_NAMES = {"betas": ("beta1", "beta2"), "eps": "epsilon"}
 
 
 class BetaPowers:
@@ -26,9 +29,10 @@ class BetaPowers:
 
     def _init_shared(self, group):
         device = group["params"][0].device if group["params"] else None
+        beta1, beta2 = group["betas"]
         return {
-            "beta1_power": _hyper.scalar(group["beta1"], torch.float32, device).clone(),
-            "beta2_power": _hyper.scalar(group["beta2"], torch.float32, device).clone(),
+            "beta1_power": _hyper.scalar(beta1, torch.float32, device).clone(),
+            "beta2_power": _hyper.scalar(beta2, torch.float32, device).clone(),
         }
 
     def _finish(self, group, shared, hp_for):

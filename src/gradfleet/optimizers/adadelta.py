@@ -30,6 +30,7 @@ class AdadeltaOptimizer(RowwiseOptimizer):
         "rho": _hyper.UNIT,
         "epsilon": _hyper.NON_NEGATIVE,
     }
+    torch_names = {"eps": "epsilon"}
     slots = {"accum": 0.0, "accum_update": 0.0}
 
     def __init__(

@@ -36,6 +36,9 @@ class AdagradOptimizer(RowwiseOptimizer):
         name: str = "Adagrad",
         **options: Any,
     ) -> None:
+        _hyper.check_type(
+            type(self).__name__, "initial_accumulator_value", initial_accumulator_value
+        )
         if initial_accumulator_value <= 0.0:
             raise ValueError(
                 f"initial_accumulator_value must be positive: {initial_accumulator_value}"

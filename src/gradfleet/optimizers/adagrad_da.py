@@ -60,6 +60,7 @@ class AdagradDAOptimizer(RowwiseOptimizer):
         name: str = "AdagradDA",
         **options: Any,
     ) -> None:
+        _hyper.check_type(type(self).__name__, _INIT, initial_gradient_squared_accumulator_value)
         if initial_gradient_squared_accumulator_value <= 0.0:
             raise ValueError(
                 f"{_INIT} must be positive: {initial_gradient_squared_accumulator_value}"

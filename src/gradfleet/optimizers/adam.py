@@ -18,16 +18,26 @@ from typing import Any
 
 from gradfleet import _hyper
 from gradfleet.optimizer import Optimizer
-from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS, BetaPowers, bias_corrected_lr
+from gradfleet.optimizers._beta_powers import (
+    ADAM_HYPERPARAMETERS,
+    ADAM_TORCH_NAMES,
+    BetaPowers,
+    bias_corrected_lr,
+)
 
 
 class AdamOptimizer(BetaPowers, Optimizer):
     """TF1 Adam.  ``AdamOptimizer(params, learning_rate=0.001, beta1=0.9, beta2=0.999,
     epsilon=1e-08, use_locking=False, name="Adam")``; every float may be a no-argument
     callable.  Slots ``m`` and ``v``; non-slot ``beta1_power``, ``beta2_power`` (float32).
+    torch's names: ``lr``, ``betas=(beta1, beta2)`` (the param groups hold ``betas``), ``eps``;
+    ``amsgrad=True`` and ``weight_decay`` are refused (see ``gradfleet._torch_names``).
+    A ``beta1`` changed between steps (``OneCycleLR``) enters the next step and multiplies
+    into ``beta1_power``, as TF's ``_finish`` does with the current ``beta1``.
     """
 
     hyperparameters = ADAM_HYPERPARAMETERS
+    torch_names = ADAM_TORCH_NAMES
     slots = {"m": 0.0, "v": 0.0}
 
     def __init__(
@@ -41,7 +51,7 @@ class AdamOptimizer(BetaPowers, Optimizer):
         name: str = "Adam",
         **options: Any,
     ) -> None:
-        defaults = dict(lr=learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon)
+        defaults = dict(lr=learning_rate, betas=(beta1, beta2), epsilon=epsilon)
         super().__init__(params, defaults, name, use_locking, **options)
 
     def _apply_dense(self, p, g, slots, hp, shared):

@@ -47,6 +47,7 @@ class AMSGradOptimizer(Optimizer):
         "beta2": _hyper.UNIT_OPEN_RIGHT,
         "epsilon": _hyper.NON_NEGATIVE,
     }
+    torch_names = {"betas": ("beta1", "beta2"), "eps": "epsilon"}
     slots = {"m": 0.0, "v": 0.0, "v_hat": 0.0}
     sparse = None
     flags = ("decay",)
@@ -67,9 +68,7 @@ class AMSGradOptimizer(Optimizer):
                     f"AMSGradOptimizer got an unexpected keyword argument {arg!r}; as in RETURNN "
                     f"it takes no use_locking and its name is fixed"
                 )
-        defaults = dict(
-            lr=learning_rate, decay=bool(decay), beta1=beta1, beta2=beta2, epsilon=epsilon
-        )
+        defaults = dict(lr=learning_rate, decay=decay, betas=(beta1, beta2), epsilon=epsilon)
         super().__init__(params, defaults, "AMSGradOptimizer", **options)
 
     def _validate_gradient(self, p, g):
@@ -89,8 +88,8 @@ class AMSGradOptimizer(Optimizer):
         shared["t"].add_(1.0)
 
     def _hyper_resolver(self, group):
-        betas = {k: _hyper.resolve(group[k]) for k in ("beta1", "beta2")}
-        hp_for = super()._hyper_resolver(dict(group, **betas))
+        betas = dict(zip(("beta1", "beta2"), map(_hyper.resolve, group["betas"])))
+        hp_for = super()._hyper_resolver(dict(group, betas=tuple(betas.values())))
 
         def with_complements(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
             hp = hp_for(dtype, device)

@@ -72,8 +72,7 @@ class BaseCustomOptimizer(Optimizer):
         **options: Any,
     ) -> None:
         own = {k: options.pop(k) for k in list(options) if self._is_own_option(k)}
-        missing = sorted(k for k in (*self.hyperparameters, *self.flags) if k not in own)
-        missing = [k for k in missing if k != "lr"]
+        missing = sorted(k for k in self._own_keys() if k not in own)
         if missing:
             raise TypeError(
                 f"{type(self).__name__}: hyperparameter(s) {missing} must be passed to "
@@ -95,8 +94,16 @@ class BaseCustomOptimizer(Optimizer):
                 f"name for RETURNN's BaseCustomOptimizer._apply; _apply drives the whole step"
             )
 
+    @classmethod
+    def _own_keys(cls) -> set[str]:
+        """The group keys a subclass passes to ``__init__``: hyperparameters (packed ones,
+        ``betas``, under their torch name) and flags, but not ``lr``."""
+        packed = cls._packed()
+        loose = {k for k in cls.hyperparameters if not any(k in t for t in packed.values())}
+        return (loose | set(packed) | set(cls.flags)) - {"lr"}
+
     def _is_own_option(self, key: str) -> bool:
-        return key != "lr" and (key in self.hyperparameters or key in self.flags)
+        return key in self._own_keys()
 
     # ------------------------------------------------------------------ the extension point
     def _apply_var(

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from gradfleet import _hyper
-from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS, BetaPowers, bias_corrected_lr
+from gradfleet.optimizers._beta_powers import (
+    ADAM_HYPERPARAMETERS,
+    ADAM_TORCH_NAMES,
+    BetaPowers,
+    bias_corrected_lr,
+)
 from gradfleet.optimizers.base_custom import BaseCustomOptimizer
 
 
@@ -34,6 +39,7 @@ class CustomAdamOptimizer(BetaPowers, BaseCustomOptimizer):
     """
 
     hyperparameters = ADAM_HYPERPARAMETERS
+    torch_names = ADAM_TORCH_NAMES
     slots = {"m": 0.0, "v": 0.0}
 
     def __init__(
@@ -52,8 +58,7 @@ class CustomAdamOptimizer(BetaPowers, BaseCustomOptimizer):
             learning_rate,
             use_locking,
             name,
-            beta1=beta1,
-            beta2=beta2,
+            betas=(beta1, beta2),
             epsilon=epsilon,
             **options,
         )

@@ -51,6 +51,13 @@ class FtrlOptimizer(RowwiseOptimizer):
         "beta": _hyper.NON_NEGATIVE,
     }
     slots = {"accum": 0.1, "linear": 0.0}
+    lr_zero_hint = (
+        ". FTRL's update divides by the learning rate, so it has no lr -> 0 limit (TF's "
+        "dense kernel turns the weights to NaN, its sparse one refuses). A learning-rate "
+        "schedule that starts at 0 is the likely cause, such as a linear warmup from 0 "
+        "(transformers' get_linear_schedule_with_warmup, LinearLR(start_factor=0)): start "
+        "the warmup at a small positive learning rate instead"
+    )
 
     def __init__(
         self,
@@ -87,11 +94,13 @@ class FtrlOptimizer(RowwiseOptimizer):
     def _update_group(self, group, params, grads, hp_for):
         # Derived values are formed here, outside the (possibly compiled) rule: l2_eff in
         # float32 as TF does, and TF's Python-level kernel choices as plain bools.
+        power, shrink = (_hyper.resolve(group[k]) for k in (_POWER, _SHRINK))
+
         def derived(dtype, device):
             hp, hp32 = dict(hp_for(dtype, device)), hp_for(torch.float32, device)
             hp["l2_eff"] = _l2_eff(hp32).to(dtype)
-            hp["fast"] = float(hp32[_POWER]) == -0.5
-            hp["v2"] = float(hp32[_SHRINK]) > 0.0
+            hp["fast"] = _float32_test(power, hp32[_POWER], lambda x: x == -0.5)
+            hp["v2"] = _float32_test(shrink, hp32[_SHRINK], lambda x: x > 0.0)
             return hp
 
         super()._update_group(group, params, grads, derived)
@@ -130,6 +139,18 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt().to(x.dtype)
 
 
+def _float32_test(value, as_float32: torch.Tensor, test) -> bool:
+    """``test`` on TF's float32 value of a hyperparameter, a Python bool as TF decides it.
+
+    Under torch.compile a Python number is tested as it is (a guard; reading the float32
+    tensor back would be a graph break): the same answer for -0.5 and 0, the values that
+    matter, and for every other value except within half a float32 ulp of them.
+    """
+    if torch.compiler.is_compiling() and not isinstance(value, torch.Tensor):
+        return bool(test(value))
+    return bool(test(float(as_float32)))
+
+
 def _l2_eff(hp32: dict[str, torch.Tensor]) -> torch.Tensor:
     """TF folds beta into l2 in float32 from the current learning rate."""
     return hp32[_L2] + hp32["beta"] / (2 * hp32["lr"].clamp_min(1e-36))
@@ -146,5 +167,6 @@ def _check_tf_ranges(values: dict[str, Any]) -> None:
     ]
     for key, sign, wanted in rules:
         value = values[key]
+        _hyper.check_type("FtrlOptimizer", key, value)
         if not callable(value) and sign * _hyper.as_float(value) < 0.0:
             raise ValueError(f"{key} {_hyper.as_float(value):f} needs to be {wanted}")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gradfleet import _hyper
-from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS
+from gradfleet.optimizers._beta_powers import ADAM_HYPERPARAMETERS, ADAM_TORCH_NAMES
 from gradfleet.optimizers.base_custom import BaseCustomOptimizer
 
 
@@ -31,6 +31,7 @@ class GradVarianceScaledOptimizer(BaseCustomOptimizer):
     """
 
     hyperparameters = ADAM_HYPERPARAMETERS
+    torch_names = ADAM_TORCH_NAMES
     slots = {"m": 0.0, "v": 0.0}
 
     def __init__(
@@ -49,8 +50,7 @@ class GradVarianceScaledOptimizer(BaseCustomOptimizer):
             learning_rate,
             use_locking,
             name,
-            beta1=beta1,
-            beta2=beta2,
+            betas=(beta1, beta2),
             epsilon=epsilon,
             **options,
         )

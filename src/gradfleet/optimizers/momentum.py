@@ -25,6 +25,7 @@ class MomentumOptimizer(RowwiseOptimizer):
     """
 
     hyperparameters = {"lr": _hyper.NON_NEGATIVE, "momentum": _hyper.NON_NEGATIVE}
+    torch_names = {"nesterov": "use_nesterov"}
     slots = {"momentum": 0.0}
     flags = ("use_nesterov",)
 
@@ -38,7 +39,7 @@ class MomentumOptimizer(RowwiseOptimizer):
         use_nesterov: bool = False,
         **options: Any,
     ) -> None:
-        defaults = dict(lr=learning_rate, momentum=momentum, use_nesterov=bool(use_nesterov))
+        defaults = dict(lr=learning_rate, momentum=momentum, use_nesterov=use_nesterov)
         super().__init__(params, defaults, name, use_locking, **options)
 
     def _rule(self, w, slots, g, hp, shared, sparse):

@@ -36,6 +36,8 @@ class NeuralOptimizer1(BaseCustomOptimizer):
         "decrease_factor": _hyper.NON_NEGATIVE,
     }
     slots = {"m": 0.0}
+    # A one-element ``betas``: torch's momentum-cycling schedulers edit betas[0].
+    torch_names = {"betas": ("beta1",)}
     # RETURNN multiplies the Python float into a tensor of the variable's dtype
     # (``ones * decrease_factor``): float64 variables see the double, not float32(df).
     unrounded = ("decrease_factor",)
@@ -55,7 +57,7 @@ class NeuralOptimizer1(BaseCustomOptimizer):
             learning_rate,
             use_locking,
             name,
-            beta1=beta1,
+            betas=(beta1,),
             decrease_factor=decrease_factor,
             **options,
         )

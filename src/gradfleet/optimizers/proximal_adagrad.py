@@ -27,12 +27,14 @@ class ProximalAdagradOptimizer(RowwiseOptimizer):
     """TF1 ProximalAdagrad.  ``ProximalAdagradOptimizer(params, learning_rate,
     initial_accumulator_value=0.1, l1_regularization_strength=0.0,
     l2_regularization_strength=0.0, use_locking=False, name="ProximalAdagrad")``.  Slot
-    ``accumulator``.  ``learning_rate`` > 0 and l1, l2 >= 0 are checked at construction
-    (TF's kernels check them when the update runs).
+    ``accumulator``.  ``learning_rate`` >= 0 and l1, l2 >= 0 are checked at construction
+    and each step.  TF's CPU kernels refuse ``learning_rate`` 0; the maths has a limit there
+    (``lr_t = 0``: the proximal step is the identity and only the accumulator grows), which
+    gradfleet computes, so a warmup from 0 works.
     """
 
     hyperparameters = {
-        "lr": _hyper.POSITIVE,
+        "lr": _hyper.NON_NEGATIVE,
         "initial_accumulator_value": _hyper.POSITIVE,
         _L1: _hyper.NON_NEGATIVE,
         _L2: _hyper.NON_NEGATIVE,
@@ -50,6 +52,9 @@ class ProximalAdagradOptimizer(RowwiseOptimizer):
         name: str = "ProximalAdagrad",
         **options: Any,
     ) -> None:
+        _hyper.check_type(
+            type(self).__name__, "initial_accumulator_value", initial_accumulator_value
+        )
         if initial_accumulator_value <= 0.0:
             raise ValueError(
                 f"initial_accumulator_value must be positive: {initial_accumulator_value}"

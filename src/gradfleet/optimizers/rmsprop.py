@@ -36,6 +36,7 @@ class RMSPropOptimizer(RowwiseOptimizer):
         "momentum": _hyper.NON_NEGATIVE,
         "epsilon": _hyper.NON_NEGATIVE,
     }
+    torch_names = {"alpha": "decay", "eps": "epsilon"}
     slots = {"rms": 1.0, "mg": 0.0, "momentum": 0.0}
     flags = ("centered",)
 
@@ -56,7 +57,7 @@ class RMSPropOptimizer(RowwiseOptimizer):
             decay=decay,
             momentum=momentum,
             epsilon=epsilon,
-            centered=bool(centered),
+            centered=centered,
         )
         super().__init__(params, defaults, name, use_locking, **options)
 
