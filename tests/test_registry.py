@@ -55,6 +55,9 @@ def test_create_optimizer_from_configs():
     assert opt.param_groups[0]["epsilon"] == 1e-16 and opt.param_groups[0]["lr"] == 0.01
     opt = gf.create_optimizer(p, "adam", returnn_defaults=True)
     assert opt.param_groups[0]["epsilon"] == 1e-16
+    # torch's name for the same setting: RETURNN's default does not collide with it
+    opt = gf.create_optimizer(p, {"class": "adam", "eps": 1e-3}, returnn_defaults=True)
+    assert opt.param_groups[0]["epsilon"] == 1e-3
     opt = gf.create_optimizer(p, {"class": "momentum", "momentum": 0.9, "learning_rate": 0.1})
     assert opt.param_groups[0]["momentum"] == 0.9
     opt = gf.create_optimizer(p, {"class": "ftrl", "learning_rate": 0.1, "fused": False})

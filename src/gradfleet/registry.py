@@ -90,8 +90,8 @@ def create_optimizer(
             raise ValueError("learning_rate given both in the config and as an argument")
         opts["learning_rate"] = learning_rate
     accepted = set(constructor_arguments(cls))
-    if returnn_defaults and "epsilon" in accepted:
-        opts.setdefault("epsilon", 1e-16)
+    if returnn_defaults and "epsilon" in accepted and "eps" not in opts:
+        opts.setdefault("epsilon", 1e-16)  # torch's `eps` in the config is the same setting
     if cls in TORCH_OPTIMIZERS.values():
         for tf_name, torch_name in (("learning_rate", "lr"), ("epsilon", "eps")):
             if tf_name in opts and torch_name in accepted:
