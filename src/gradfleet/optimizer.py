@@ -144,6 +144,11 @@ class Optimizer(torch.optim.Optimizer):
     def _apply_sparse(self, p, idx, values, slots, hp, shared) -> None:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} does not implement _apply_sparse")
 
+    def _group_hyper(self, group: dict[str, Any], hp_for: Callable[..., dict[str, Any]]):
+        """The ``hp_for`` the maths of ``group`` sees: ``hp_for`` itself, or a wrapper adding
+        values derived from the hyperparameters (FTRL's ``l2_eff``)."""
+        return hp_for
+
     def _update_group(self, group, params, grads, hp_for, record=None) -> None:
         """Apply one step to the parameters of one group.
 
@@ -153,6 +158,7 @@ class Optimizer(torch.optim.Optimizer):
         ``record`` gets the group's fused kernel calls, with a None entry for anything a
         ``kernels.plan.StepPlan`` cannot replay.
         """
+        hp_for = self._group_hyper(group, hp_for)
         shared = self._shared_state(group)
         path = kernels.resolve_path(self, group)
         if record is not None and path != "fused":

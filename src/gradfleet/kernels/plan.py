@@ -172,6 +172,7 @@ class StepPlan:
         for plan, gs, hp_for in zip(self.plans, grads, resolvers):
             if not plan.calls:
                 continue
+            hp_for = opt._group_hyper(plan.group, hp_for)
             shared = opt._shared_state(plan.group)
             for call in plan.calls:
                 hp = hp_for(call.dtype, call.device)
