@@ -223,7 +223,7 @@ def test_state_dict_load_replaces_the_plan(replays):
     assert replays == [True, True, True]  # the step after the load was a full one
 
 
-def test_overhead_benchmark_reports_per_parameter_step_cost(tmp_path, capsys, monkeypatch):
+def test_overhead_benchmark_reports_per_parameter_step_cost(tmp_path, capsys, monkeypatch, replays):
     """``--overhead N``: per-parameter figures are the step medians over N, beside torch's
     fused Adam timed on the same tensors, and the steps timed were replays."""
     import json
@@ -240,3 +240,4 @@ def test_overhead_benchmark_reports_per_parameter_step_cost(tmp_path, capsys, mo
     assert row["partner_wall_us_per_param"] == pytest.approx(row["partner_wall_s"] / 5 * 1e6)
     assert 0 < row["cpu_s"] and 0 < row["partner_cpu_s"]
     assert "GradientDescentOptimizer" in capsys.readouterr().out
+    assert replays == [True] * 4  # warm-up and timed steps after the compiling one
