@@ -30,6 +30,10 @@ the table.  Method:
 * Fused compile time: first step minus a steady step, in a fresh inductor cache directory
   (a cold compile, as a new machine sees it); inductor's one-time start-up in a process
   (CPU feature probes) is measured first and reported on its own.
+
+``--overhead N`` measures instead the per-parameter cost of a fused ``step()`` on N tiny
+parameters, beside torch's fused Adam's (``benchmarks/step_overhead.py``; writes
+``step_overhead.json``).
 """
 
 from __future__ import annotations
@@ -289,6 +293,7 @@ def run(args) -> dict[str, Any]:
         "ceilings": ceilings,
         "inductor_startup_s": startup,
         "fused_cuda_options": args.fused_options,
+        "full_steps": args.full_steps,
         "rows": rows,
     }
 
@@ -416,6 +421,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, help="blocks (overrides the preset)")
     parser.add_argument("--vocab", type=int, help="embedding rows (overrides the preset)")
     parser.add_argument(
+        "--overhead",
+        type=int,
+        metavar="N",
+        help="instead: per-parameter step() cost on N tiny parameters (step_overhead.py)",
+    )
+    parser.add_argument("--overhead-numel", type=int, default=16, metavar="ELEMENTS")
+    parser.add_argument(
+        "--full-steps",
+        action="store_true",
+        help="fused path without replayed steps (gradfleet.kernels.plan), for comparison",
+    )
+    parser.add_argument(
         "--fused-option",
         action="append",
         default=[],
@@ -428,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
         args.fused_options = speed_setup.parse_options(args.fused_option)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.overhead is not None and (args.overhead <= 0 or args.overhead_numel <= 0):
+        parser.error("--overhead N / --overhead-numel: expected positive counts")
     if args.params is not None and args.params <= 0:
         parser.error(f"--params {args.params}: expected a positive parameter count")
     if args.fused_options:
@@ -442,6 +461,21 @@ def main(argv: list[str] | None = None) -> None:
         fused.CUDA_OPTIONS.update(args.fused_options)
     # A fresh inductor cache: the reported compile time is a cold compile.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="gradfleet-bench-"))
+    if args.full_steps:
+        from gradfleet.kernels import plan
+
+        plan.build = lambda opt, record: None  # every step takes the full bookkeeping
+    if args.overhead is not None:
+        if args.device.type != "cpu":
+            parser.error("--overhead: measured on --device cpu")
+        from benchmarks import step_overhead
+
+        result = step_overhead.run(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step_overhead.json").write_text(json.dumps(result, indent=1, default=str))
+        step_overhead.print_table(result)
+        print(f"\nwrote {args.out / 'step_overhead.json'}")
+        return
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "optimizer_speed.json").write_text(json.dumps(result, indent=1, default=str))

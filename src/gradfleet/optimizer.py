@@ -184,18 +184,30 @@ class Optimizer(torch.optim.Optimizer):
     def _apply_sparse(self, p, idx, values, slots, hp, shared) -> None:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} does not implement _apply_sparse")
 
-    def _update_group(self, group, params, grads, hp_for) -> None:
+    def _group_hyper(self, group: dict[str, Any], hp_for: Callable[..., dict[str, Any]]):
+        """The ``hp_for`` the maths of ``group`` sees: ``hp_for`` itself, or a wrapper adding
+        values derived from the hyperparameters (FTRL's ``l2_eff``)."""
+        return hp_for
+
+    def _update_group(self, group, params, grads, hp_for, record=None) -> None:
         """Apply one step to the parameters of one group.
 
         ``hp_for(dtype, device)`` returns the group's hyperparameters as 0-dim tensors.
         Sparse gradients take the per-parameter reference loop; dense ones take the path
         ``group["foreach"]``/``group["fused"]`` select (``gradfleet.kernels.resolve_path``).
+        ``record`` gets the group's fused kernel calls, with a None entry for anything a
+        ``kernels.plan.StepPlan`` cannot replay.
         """
+        hp_for = self._group_hyper(group, hp_for)
         shared = self._shared_state(group)
         path = kernels.resolve_path(self, group)
+        if record is not None and path != "fused":
+            record.append(None)
         fast: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p, g in zip(params, grads):
             if g.is_sparse:  # sparse rules always take the reference path
+                if record is not None:
+                    record.append(None)
                 idx, values = sparse_rows(g, self.sparse == "sum_duplicates")
                 slots = self._slots_for(p, group)
                 self._apply_sparse(p, idx, values, slots, hp_for(p.dtype, p.device), shared)
@@ -206,7 +218,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._apply_dense(p, g, slots, hp_for(p.dtype, p.device), shared)
         if fast:
             ps, gs = zip(*fast)
-            kernels.apply_dense(self, group, list(ps), list(gs), hp_for, path)
+            kernels.apply_dense(self, group, list(ps), list(gs), hp_for, path, record)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -216,11 +228,20 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            # Fused steps replay the bookkeeping of the last full step when nothing it
+            # depended on changed (kernels/plan.py); a first step at learning rate 0 may be
+            # the slot-creating step below, so it takes the full path.
+            plan = self.__dict__.get("_step_plan")
+            if plan is not None and (self.state or not self._all_lr_zero()):
+                if plan.replay(self):
+                    return loss
+            self._step_plan = None
         work = [
             [(p, p.grad) for p in group["params"] if p.grad is not None]
             for group in self.param_groups
         ]
-        compiling = torch.compiler.is_compiling()
         # ``compiling`` first: under torch.compile reading ``self.state`` here would guard on
         # its being empty, and the first step's graph would not serve the second.
         if not compiling and not self.state and self._is_state_initialisation(work):
@@ -230,10 +251,14 @@ class Optimizer(torch.optim.Optimizer):
         if compiling:
             # torch.compile runs ``_init_group`` eagerly while it traces (dynamo's optimizer
             # support): the slots exist before the graph, so the first step's graph is
-            # the one every later step reuses.
+            # the one every later step reuses.  No plan: the compiled graph is the replay.
             for group in self.param_groups:
                 self._init_group(group)
-        self._apply(work)
+            self._apply(work)
+            return loss
+        record: list[list | None] = []
+        self._apply(work, record)
+        self._step_plan = kernels.plan.build(self, record)
         return loss
 
     def _init_group(self, group: dict[str, Any]) -> None:
@@ -243,6 +268,9 @@ class Optimizer(torch.optim.Optimizer):
         if params:
             self._slots_of(params, group)
 
+    def _all_lr_zero(self) -> bool:
+        return all(_is_zero_on_host(g["lr"]) for g in self.param_groups)
+
     def _is_state_initialisation(self, work) -> bool:
         """A first step with learning rate 0 and all-zero gradients only creates the slots.
 
@@ -251,7 +279,7 @@ class Optimizer(torch.optim.Optimizer):
         would not be harmless here (AdagradDA's and FTRL's closed forms set the weights from
         the slots; FTRL rejects learning rate 0), so it creates the slots and stops.
         """
-        if not any(work) or not all(_is_zero_on_host(g["lr"]) for g in self.param_groups):
+        if not any(work) or not self._all_lr_zero():
             return False
         for pairs in work:
             for _, g in pairs:
@@ -264,11 +292,12 @@ class Optimizer(torch.optim.Optimizer):
                     return False
         return True
 
-    def _apply(self, work: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    def _apply(self, work: list[list[tuple[torch.Tensor, torch.Tensor]]], record=None) -> None:
         """One update: ``work[i]`` holds the (parameter, gradient) pairs of param group i.
 
         Lists rather than a dict keyed by tensor: hashing a tensor is a Python call, and on
-        the fused path this bookkeeping is a visible share of a step.
+        the fused path this bookkeeping is a visible share of a step.  ``record`` (from
+        ``step``) gets one list per group of the fused kernel calls made (``kernels.plan``).
         """
         if not any(work):
             return
@@ -287,9 +316,12 @@ class Optimizer(torch.optim.Optimizer):
         # Evaluate and validate every group's hyperparameters before touching anything.
         resolvers = [self._hyper_resolver(group) for group in self.param_groups]
         for group, pairs, hp_for in zip(self.param_groups, work, resolvers):
+            calls: list | None = [] if record is not None else None
             if pairs:
                 params, grads = (list(t) for t in zip(*pairs))
-                self._update_group(group, params, grads, hp_for)
+                self._update_group(group, params, grads, hp_for, calls)
+            if record is not None:
+                record.append(calls)
         for group, hp_for in zip(self.param_groups, resolvers):
             if group["non_slot"]:
                 self._finish(group, group["non_slot"], hp_for)
@@ -558,6 +590,7 @@ class Optimizer(torch.optim.Optimizer):
         groups = [_groups.canonical(self, g) for g in state_dict["param_groups"]]
         state_dict = dict(state_dict, param_groups=groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
+        self._step_plan = None  # it holds the replaced slots; the next step records anew
         for group in self.param_groups:
             device = group["params"][0].device if group["params"] else None
             group["non_slot"] = {k: v.to(device) for k, v in group["non_slot"].items()}

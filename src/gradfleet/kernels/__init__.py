@@ -18,8 +18,8 @@ Exactness against the reference loop (checked by tests/test_fast_paths.py):
   correctly rounded too).  Differences therefore stay at a few ulps per step.
 """
 
-from gradfleet.kernels import dtensor
+from gradfleet.kernels import dtensor, plan
 from gradfleet.kernels.dispatch import PATHS, apply_dense, resolve_path
 from gradfleet.kernels.tensorlist import TensorList
 
-__all__ = ["PATHS", "TensorList", "apply_dense", "dtensor", "resolve_path"]
+__all__ = ["PATHS", "TensorList", "apply_dense", "dtensor", "plan", "resolve_path"]

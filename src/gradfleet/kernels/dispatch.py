@@ -65,8 +65,15 @@ def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
     return out
 
 
-def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: str) -> None:
-    """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``."""
+def apply_dense(
+    opt: Any, group: dict[str, Any], params, grads, hp_for, path: str, record=None
+) -> None:
+    """Run ``opt._apply_dense`` for dense ``params``/``grads`` of ``group`` on ``path``.
+
+    ``record`` (fused path only): a list that gets one ``(compiled, params, slot names,
+    constants_key, (device, dtype))`` per kernel call (``fused.run_fused``), or a None
+    entry where a bucket ran through DTensor shards (``kernels/plan.py`` cannot replay
+    such a step)."""
     shared = opt._shared_state(group)
     if path == "fused":  # before any bucket runs: a refused step changes nothing
         dtensor.check_plain(opt, params, grads, dtensors=True)
@@ -77,7 +84,10 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
         names = list(slots[0]) if slots else []
         hp = hp_for(dtype, device)
         if path == "fused":
-            _apply_fused(opt, ps, gs, slots, names, hp, shared)
+            calls = [] if record is not None else None
+            _apply_fused(opt, ps, gs, slots, names, hp, shared, calls)
+            if record is not None:
+                record.extend(c and (*c, (device, dtype)) for c in calls)
             continue
         for chunk in _chunks(ps):
             lists = {n: TensorList(slots[j][n] for j in chunk) for n in names}
@@ -90,7 +100,7 @@ def apply_dense(opt: Any, group: dict[str, Any], params, grads, hp_for, path: st
             )
 
 
-def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
+def _apply_fused(opt, ps, gs, slots, names, hp, shared, record=None) -> None:
     """One bucket on the fused path; DTensors run through their local shards."""
     table = {n: [s[n] for s in slots] for n in names}
     # apply_dense's check_plain let through plain tensors and DTensors only
@@ -98,6 +108,9 @@ def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
         work = [(ps, gs, table, shared)]
     else:
         work = dtensor.local_work(opt, ps, gs, table, shared)
+        if record is not None:
+            record.append(None)  # shards: no replay
+            record = None
         for params, grads, _, _ in work:  # to_local() must leave no subclass for the kernel
             dtensor.check_plain(opt, params, grads)
     for params, grads, slot_table, extra_shared in work:
@@ -108,7 +121,7 @@ def _apply_fused(opt, ps, gs, slots, names, hp, shared) -> None:
                 [grads[j] for j in keep],
                 {n: [ts[j] for j in keep] for n, ts in slot_table.items()},
             )
-            run_fused(opt, *args, hp, extra_shared)
+            run_fused(opt, *args, hp, extra_shared, record)
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[int]]:

@@ -117,13 +117,21 @@ def signature(opt, params, grads, slots, hp, shared) -> tuple[Any, ...]:
         tuple([p.stride() for p in params]),
         tuple([g.stride() for g in grads]),
         tuple([(name, tuple([s.stride() for s in ts])) for name, ts in slots.items()]),
-        tuple([(k, v.dtype) for k, v in shared.items()]),
-        tuple([(k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()]),
+        *constants_key(hp, shared),
     ]
     if not p0.is_cpu:
         tensors = [*params, *grads, *(s for ts in slots.values() for s in ts)]
         key.append(tuple([t.data_ptr() % 16 for t in tensors]))
     return tuple(key)
+
+
+def constants_key(hp, shared) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The part of ``signature`` that hyperparameters and shared state give: shared state's
+    names and dtypes, hyperparameter names and the values of Python-valued flags."""
+    return (
+        tuple([(k, v.dtype) for k, v in shared.items()]),
+        tuple([(k, None if isinstance(v, torch.Tensor) else v) for k, v in hp.items()]),
+    )
 
 
 def _inputs(params, grads, slots, hp, shared) -> list[torch.Tensor]:
@@ -231,12 +239,15 @@ def small_parameters(params) -> list[int]:
     return small
 
 
-def run_fused(opt, params, grads, slots, hp, shared) -> None:
+def run_fused(opt, params, grads, slots, hp, shared, record=None) -> None:
     """Apply ``_apply_dense`` to every (param, grad) of one bucket: one compiled kernel, two on
-    CPU when the bucket mixes small parameters with others (``small_parameters``)."""
+    CPU when the bucket mixes small parameters with others (``small_parameters``).
+
+    ``record``: a list that gets ``(compiled, params, slot names, constants_key)`` per
+    kernel call (``kernels/plan.py`` replays them on later steps)."""
     small = small_parameters(params)
     if not small or len(small) == len(params):
-        _run_kernel(opt, params, grads, slots, hp, shared, single_thread=bool(small))
+        _run_kernel(opt, params, grads, slots, hp, shared, bool(small), record)
         return
     taken = set(small)
     for idx, single_thread in (
@@ -248,10 +259,10 @@ def run_fused(opt, params, grads, slots, hp, shared) -> None:
             [grads[j] for j in idx],
             {name: [ts[j] for j in idx] for name, ts in slots.items()},
         )
-        _run_kernel(opt, *part, hp, shared, single_thread=single_thread)
+        _run_kernel(opt, *part, hp, shared, single_thread, record)
 
 
-def _run_kernel(opt, params, grads, slots, hp, shared, single_thread: bool) -> None:
+def _run_kernel(opt, params, grads, slots, hp, shared, single_thread: bool, record=None) -> None:
     key = (single_thread, signature(opt, params, grads, slots, hp, shared))
     cache = _CACHE.get(opt)  # not setdefault: that builds a weakref and a dict every step
     if cache is None:
@@ -260,4 +271,6 @@ def _run_kernel(opt, params, grads, slots, hp, shared, single_thread: bool) -> N
     if compiled is None:
         compiled = compile_step(opt, params, grads, slots, hp, shared, single_thread)
         cache[key] = compiled
+    if record is not None:
+        record.append((compiled, params, list(slots), constants_key(hp, shared)))
     compiled(_inputs(params, grads, slots, hp, shared))  # takes (and empties) the list

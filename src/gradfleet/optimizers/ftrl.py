@@ -91,7 +91,7 @@ class FtrlOptimizer(RowwiseOptimizer):
     def _slot_fills(self, group):
         return {"accum": _hyper.as_float(group[_INIT]), "linear": 0.0}
 
-    def _update_group(self, group, params, grads, hp_for):
+    def _group_hyper(self, group, hp_for):
         # Derived values are formed here, outside the (possibly compiled) rule: l2_eff in
         # float32 as TF does, and TF's Python-level kernel choices as plain bools.
         power, shrink = (_hyper.resolve(group[k]) for k in (_POWER, _SHRINK))
@@ -103,7 +103,7 @@ class FtrlOptimizer(RowwiseOptimizer):
             hp["v2"] = _float32_test(shrink, hp32[_SHRINK], lambda x: x > 0.0)
             return hp
 
-        super()._update_group(group, params, grads, derived)
+        return derived
 
     def _rule(self, w, slots, g, hp, shared, sparse):
         lr, l1, p, fast = hp["lr"], hp[_L1], -hp[_POWER], hp["fast"]
