@@ -38,6 +38,7 @@ LAYERS = {
     "sync.servers": HOSTING,
     "sync.links": HOSTING,
     "wrapper": WRAPPERS,
+    "sync.arguments": WRAPPERS,
     "sync.lockstep": WRAPPERS,
     "sync.optimizer": WRAPPERS,
     "sync": WRAPPERS,

@@ -48,13 +48,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
-from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
-from .aggregator import NONFINITE_POLICIES, all_finite, init_tokens
+from ..wrapper import WrapperOptimizer, check_grads_and_vars
+from .aggregator import all_finite
+from .arguments import average_indices, check_arguments, resolve_worker
 from .links import SyncLinks
 from .lockstep import AllReduceSync
 from .servers import SyncServers
@@ -125,30 +125,10 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
     ) -> None:
-        R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
-        N = check_int(
-            _OWNER, "total_num_replicas", R if total_num_replicas is None else total_num_replicas, 1
-        )
-        tokens = init_tokens(num_tokens, R, N)
-        if transport not in ("server", "allreduce"):
-            raise ValueError(
-                f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}"
-            )
-        if transport == "allreduce" and R != N:
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
-                f"total_num_replicas, got {R} vs {N}"
-            )
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"{_OWNER}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
-            )
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}"
-            )
-        if last_step is not None:
-            check_int(_OWNER, "last_step", last_step, 0)
+        R, N, tokens = check_arguments(
+            replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
+            timeout, last_step,
+        )  # fmt: skip
         super().__init__(opt, name)
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.timeout, self.transport = float(timeout), transport
@@ -157,11 +137,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
         self._index = {id(p): i for i, p in enumerate(self.params())}
-        averaged = self._average_indices(variables_to_average)
+        averaged = average_indices(self._index, variables_to_average)
         self._servers: SyncServers | None = None
         self._links: SyncLinks | None = None
         self._allreduce: AllReduceSync | None = None
-        self.worker = self._resolve_worker(worker, server_address, N)
+        self.worker = resolve_worker(worker, server_address, N)
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
             N, len(self._index), transport, server_address,
@@ -211,37 +191,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             self._load_shard(k, shard_values)
 
     # ----------------------------------------------------------------- set-up helpers
-    def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
-        if variables is None:
-            return []
-        out = []
-        for v in variables:
-            if id(v) not in self._index:
-                raise ValueError(
-                    f"{_OWNER}: variables_to_average holds a tensor of shape "
-                    f"{tuple(v.shape)} that is not a parameter of the optimizer"
-                )
-            out.append(self._index[id(v)])
-        return out
-
-    @staticmethod
-    def _resolve_worker(worker: int | None, address: str | None, N: int) -> int:
-        if worker is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                if N == 1:
-                    return 0
-                raise RuntimeError(
-                    f"{_OWNER}: N={N} workers need torch.distributed (or pass "
-                    "server_address= and worker= explicitly)"
-                )
-            worker = dist.get_rank()
-            if address is None and dist.get_world_size() != N:
-                raise ValueError(
-                    f"{_OWNER}: total_num_replicas={N} must equal the world size "
-                    f"({dist.get_world_size()}): one process per worker replica"
-                )
-        return check_int(_OWNER, "worker", worker, 0)
-
     def _shard_params(self, k: int) -> list[torch.Tensor]:
         params = self.params()
         return [params[i] for i in self._parts[k]]
