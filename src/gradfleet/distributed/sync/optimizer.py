@@ -24,16 +24,10 @@ the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by
 per round with the same numerics in lockstep, including the wasted round.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
-``k`` to rank ``server_ranks[k]``; whole parameters are assigned balancing bytes
-(``shard_assignment="bytes"``) or round-robin ``i % S`` as TF's ``replica_device_setter``
-(``"round_robin"``); each shard holds its variables, their accumulators and a copy of
-the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
-each shard's gradients to its shard, takes a token from the chief and reads every shard; an
-update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
-staleness per shard and the per-shard optimizer state (Adam's powers) are described in
-:mod:`.shards`.  Checkpoints are saved per server rank: the chief's ``state_dict`` holds shard 0,
-``global_step`` and the tokens, every other server rank's holds the shards it hosts; each rank
-loads its own (before any worker steps again).
+``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
+(``r0``) also keeps ``global_step`` and the tokens; an update is complete -- ``global_step += 1``,
+tokens -- once every shard applied it (protocol, per-shard staleness and optimizer state:
+:mod:`.shards`).  Checkpoints are per server rank (see the class docstring).
 
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
@@ -301,6 +295,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         if self._allreduce is not None:
             return self._allreduce.bytes_sent
         return self._links.bytes_out if self._links is not None else 0
+
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the chief last heard from each worker that has not left (a worker
+        that never said hello: since the chief started).  Job control can declare a worker
+        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
+        report = self._links.call(0, "members")
+        return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: Iterable[int]) -> None:
         """Count the workers ``ranks`` as having left (they died and will not come back), on
