@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfleet.distributed import _launch, init
+from gradfleet.distributed import init, process_group
 from gradfleet.distributed.testing import run_ranks
 
 from . import ranks
@@ -38,20 +38,20 @@ def test_init_from_torchrun_environment():
 
 def test_default_backend_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _launch._default_backend(4) == ("gloo", None)
+    assert process_group._default_backend(4) == ("gloo", None)
 
 
 @pytest.mark.parametrize("gpus,ranks_here", [(1, 1), (2, 2), (8, 2)])
 def test_default_backend_is_combined_with_a_gpu_per_rank(monkeypatch, gpus, ranks_here):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    assert _launch._default_backend(ranks_here) == ("cpu:gloo,cuda:nccl", None)
+    assert process_group._default_backend(ranks_here) == ("cpu:gloo,cuda:nccl", None)
 
 
 def test_default_backend_falls_back_to_gloo_when_ranks_outnumber_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    backend, why = _launch._default_backend(2)
+    backend, why = process_group._default_backend(2)
     assert backend == "gloo"
     assert "2 ranks on this machine but 1 CUDA device(s)" in why and "backend='gloo'" in why
 
@@ -59,10 +59,10 @@ def test_default_backend_falls_back_to_gloo_when_ranks_outnumber_gpus(monkeypatc
 def test_ranks_on_this_machine(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert _launch._ranks_on_this_machine(env_ok=True) == 4  # torchrun's count wins
+    assert process_group._ranks_on_this_machine(env_ok=True) == 4  # torchrun's count wins
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert _launch._ranks_on_this_machine(env_ok=True) == 8  # no launcher: one machine
-    assert _launch._ranks_on_this_machine(env_ok=False) == 1
+    assert process_group._ranks_on_this_machine(env_ok=True) == 8  # no launcher: one machine
+    assert process_group._ranks_on_this_machine(env_ok=False) == 1
 
 
 def init_with_one_fake_gpu(ctx) -> dict:
@@ -87,7 +87,7 @@ def test_init_falls_back_to_gloo_with_a_warning_when_ranks_outnumber_gpus():
 
 def disagree_on_fallback(ctx) -> str:
     try:
-        _launch._agree_on_fallback(fell_back=ctx.rank == 0)
+        process_group._agree_on_fallback(fell_back=ctx.rank == 0)
     except RuntimeError as exc:
         return f"{exc} initialized={dist.is_initialized()}"
     return "no error"

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed import SyncReplicasOptimizer
-from gradfleet.distributed._aggregator import GradientAggregator, init_tokens
-from gradfleet.distributed._server import ExponentialMovingAverage, SyncServer
+from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
+from gradfleet.distributed.replies import Answer
+from gradfleet.distributed.sync.aggregator import GradientAggregator, init_tokens
+from gradfleet.distributed.sync.chief import SyncChief
 from gradfleet.distributed.testing import run_ranks
 
 from . import sync_ranks
@@ -25,6 +26,18 @@ class FakeReply:
 
     def send(self, payload, share=None):
         self.payload = payload
+
+
+def serve(machine, msg, reply=None, perform=None):
+    """Do what the hosting code does with a state machine's outputs: send the answers to
+    their tickets (``FakeReply``), hand effects to ``perform``."""
+    reply = FakeReply() if reply is None else reply
+    for out in machine.handle(msg, reply):
+        if isinstance(out, Answer):
+            out.ticket.send(out.payload, out.share)
+        else:
+            perform(out)
+    return reply
 
 
 def tf_vars():
@@ -44,10 +57,10 @@ def tf_grads(k):
 
 
 class Sim:
-    """Workers driving a SyncServer in one process, in a scripted order."""
+    """Workers driving a SyncChief in one process, in a scripted order."""
 
     def __init__(self, R, N, num_tokens):
-        self.server = SyncServer(
+        self.server = SyncChief(
             gradfleet.GradientDescentOptimizer(tf_vars(), 2.0),
             R,
             N,
@@ -58,7 +71,8 @@ class Sim:
 
     def step(self, k):
         reply = FakeReply()
-        self.server.handle(
+        serve(
+            self.server,
             {"op": "step", "worker": k, "tag": self.local[k], "grads": tf_grads(k), "version": -1},
             reply,
         )
@@ -177,13 +191,14 @@ def test_random_schedules_match_reference(seed):
     grads = {k: [[rnd.uniform(-1, 1), rnd.uniform(-1, 1)]] for k in range(N)}
     schedule = [rnd.randrange(N) for _ in range(200)]
     x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
-    server = SyncServer(gradfleet.GradientDescentOptimizer([x], 0.3), R, N, tokens, 10)
+    server = SyncChief(gradfleet.GradientDescentOptimizer([x], 0.3), R, N, tokens, 10)
     local, pending = [0] * N, [None] * N
     for k in schedule:
         if pending[k] is None:
             pending[k] = FakeReply()
             g = torch.tensor(grads[k][0], dtype=torch.float64)
-            server.handle(
+            serve(
+                server,
                 {"op": "step", "worker": k, "tag": local[k], "grads": [g], "version": -1},
                 pending[k],
             )
@@ -223,13 +238,14 @@ def reference_fifo(R, N, num_tokens, schedule, grads, lr):
 
 def test_several_batches_per_update_when_n_below_r():
     x = torch.tensor([1.0], requires_grad=True)
-    server = SyncServer(
+    server = SyncChief(
         gradfleet.GradientDescentOptimizer([x], 1.0), 2, 1, init_tokens(-1, 2, 1), 10
     )
     local = 0
     for g in (1.0, 3.0):  # one worker, two batches, one update averaging both
         r = FakeReply()
-        server.handle(
+        serve(
+            server,
             {"op": "step", "worker": 0, "tag": local, "grads": [torch.tensor([g])], "version": -1},
             r,
         )
@@ -241,9 +257,10 @@ def test_several_batches_per_update_when_n_below_r():
 def test_moving_average_after_each_update():
     x = torch.tensor([0.0], requires_grad=True)
     ema = ExponentialMovingAverage(0.5)
-    server = SyncServer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, 1, 1, 10, ema, [0])
+    server = SyncChief(gradfleet.GradientDescentOptimizer([x], 1.0), 1, 1, 1, 10, ema, [0])
     for _ in range(2):
-        server.handle(
+        serve(
+            server,
             {
                 "op": "step",
                 "worker": 0,

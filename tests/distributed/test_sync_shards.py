@@ -18,13 +18,13 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
-from gradfleet.distributed._aggregator import init_tokens
-from gradfleet.distributed._server import SyncServer
-from gradfleet.distributed._shards import Shard, ShardServer, assign, by_bytes, round_robin
+from gradfleet.distributed.sync.aggregator import init_tokens
+from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.shards import Shard, ShardServer, assign, by_bytes, round_robin
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks
-from .test_sync_replicas import FakeReply, close, tf_grads, tf_vars
+from .test_sync_replicas import FakeReply, close, serve, tf_grads, tf_vars
 
 F64 = torch.float64
 
@@ -33,7 +33,7 @@ class Cluster:
     """Workers driving a chief + shard servers in one process (no sockets), in script order.
 
     ``shards == 0`` is the plain single server.  A worker's step pushes to shards 1.. and then
-    the chief, exactly as ``SyncReplicasOptimizer._server_step`` does."""
+    the chief, exactly as ``SyncLinks.push`` does."""
 
     def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
         opt = make_opt()
@@ -42,21 +42,20 @@ class Cluster:
         self.parts = round_robin(count, S)
         tokens = init_tokens(num_tokens, R, N)
         if shards == 0:
-            self.chief = SyncServer(opt, R, N, tokens, 10, last_step=last_step)
+            self.chief = SyncChief(opt, R, N, tokens, 10, last_step=last_step)
         else:
-            self.chief = SyncServer(
+            self.chief = SyncChief(
                 opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0], num_shards=S
             )
         self.shards = []
         for k in range(1, S):
             server = ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step), N, 10)
-            server.notify = self._applied
             self.shards.append(server)
         self.local = [0] * N
         self.count = count
 
-    def _applied(self, k, step):
-        self.chief.handle({"op": "applied", "shard": k, "step": step}, FakeReply())
+    def _applied(self, effect):
+        serve(self.chief, {"op": "applied", "shard": effect.shard, "step": effect.step})
 
     def step(self, k, grads):
         """Push worker k's gradients; returns the (possibly pending) token reply."""
@@ -64,12 +63,15 @@ class Cluster:
         for server in self.shards:
             r = FakeReply()
             part = [grads[i] for i in self.parts[server.k]]
-            server.handle({"op": "push", "worker": k, "tag": self.local[k], "grads": part}, r)
+            msg = {"op": "push", "worker": k, "tag": self.local[k], "grads": part}
+            serve(server, msg, r, perform=self._applied)
             accepted = accepted and r.payload["accepted"]
         reply = FakeReply()
         part = [grads[i] for i in self.parts[0]]
-        self.chief.handle(
-            {"op": "step", "worker": k, "tag": self.local[k], "grads": part, "version": -1}, reply
+        serve(
+            self.chief,
+            {"op": "step", "worker": k, "tag": self.local[k], "grads": part, "version": -1},
+            reply,
         )
         reply.all_accepted = accepted
         return reply

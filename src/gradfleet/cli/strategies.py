@@ -99,7 +99,7 @@ def _int(spec: str, key: str, value: Any, minimum: int) -> int:
 
 def _easgd_modes() -> dict[str, str]:
     """CLI mode name -> ElasticAverageOptimizer mode, for the modes this build has."""
-    from gradfleet.distributed._centre import CENTRE_MODES
+    from gradfleet.distributed import CENTRE_MODES
 
     modes = {"sync": "allreduce"}
     for name in CENTRE_MODES:
@@ -304,7 +304,7 @@ def _rho(value: Any) -> float | None:
 
 class Easgd(Strategy):
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from gradfleet.distributed._centre import CENTRE_MODES
+        from gradfleet.distributed import CENTRE_MODES
 
         self.period = int(self.args.get("period", 4))
         mode = _easgd_modes()[self.args.get("mode", "sync")]

@@ -2,38 +2,56 @@
 
 * :func:`init` -- bring up the process group from torchrun's environment (idempotent).
 * :class:`ModelAverageOptimizer` -- local steps, exact model averaging every ``interval_steps``.
-* :class:`ElasticAverageOptimizer` -- EASGD with an elastic penalty and a centre variable.
+* :class:`ElasticAverageOptimizer` -- EASGD with an elastic penalty and a centre variable
+  (synchronous all-reduce centre, or :class:`AsyncCentre` on a server rank).
 * :class:`TowerOptimizer` + :func:`replicate_model` -- one process, several devices.
 * :class:`SyncReplicasOptimizer` -- synchronous SGD with backup workers and stale-gradient
-  dropping on a server inside the job.
+  dropping on servers inside the job (one chief, optionally parameter shards).
 
-Layers of the server-based wrappers, from ``SyncReplicasOptimizer.step`` to the wire:
+Layers, lowest first; a module imports only from its own layer or lower ones
+(``tests/distributed/test_layering.py`` checks it from the imports):
 
-1. wrappers -- ``sync_replicas.py`` (``step`` -> ``_server_step``: push, token, read) and
-   ``elastic_average.py`` with ``_async_centre.AsyncCentre`` (``exchange``); they call
-   ``MailboxClient.call(op, **fields)`` with tensors among the fields;
-2. algorithms, no I/O -- ``_aggregator.py`` (TF's accumulators, staleness, tokens),
-   ``_server.py`` ``SyncServer`` (PS + chief sync op), ``_shards.py`` ``Shard``/``ShardServer``,
-   ``_async_centre.CentreServer`` (the centre rule); each is ``handle(msg, reply)`` on plain
-   dicts of numbers and tensors, testable in one process with a fake reply;
-3. ``transport/`` -- ``mailbox.py`` request/reply (control JSON on the server's c10d
-   ``TCPStore``), ``wire.py`` (message = JSON + packed/direct tensor buffers, no pickling),
-   ``pairs.py`` (the data plane: a 2-rank gloo process group per server and client incarnation,
-   or an in-process ``LocalLink`` for the worker that shares the server's process).
+1. algorithms, no I/O -- state machines and pure helpers: ``sync.aggregator`` (TF's
+   accumulators, staleness, tokens), ``sync.shards`` and ``sync.chief`` (the SyncReplicas
+   servers), ``easgd.centre_server`` (the asynchronous centre), ``membership`` (which workers a
+   server expects, saw leave, lost), ``replies`` (what a state machine returns: answers and
+   effects), ``apply`` (apply gradients with any optimizer), ``flat``, ``moving_average``.
+   They import neither ``torch.distributed`` nor the transport and are tested in one process.
+2. communication -- ``transport/`` (request/reply on a c10d store for control, a gloo pair per
+   client for tensors, the wire format), ``collectives`` (lists of tensors over a process
+   group), ``process_group`` (:func:`init`).
+3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
+   effects, publishing addresses, closing when every worker left), ``sync.servers`` and
+   ``sync.links`` (the SyncReplicas servers of a rank; a worker's push, token, read).
+4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``,
+   ``sync.lockstep``, ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``,
+   ``model_average``, ``towers``, ``replicate``.
+5. jobs -- ``elastic`` (the per-worker launch recipe's environment and store keys) and
+   ``testing`` (multi-process test harness).
+
+Every module logs its decisions (a dropped stale or non-finite gradient, a lost or forgotten
+worker, an unreachable server, a fallback) on ``logging.getLogger(__name__)``.
 """
 
-from ._async_centre import AsyncCentre
-from ._centre import AllReduceCentre, CentreStrategy
-from ._launch import DistInfo, init, shutdown
-from .elastic_average import ElasticAverageOptimizer
+from .easgd import (
+    CENTRE_MODES,
+    AllReduceCentre,
+    AsyncCentre,
+    CentreStrategy,
+    ElasticAverageOptimizer,
+)
 from .model_average import ModelAverageOptimizer
+from .moving_average import ExponentialMovingAverage
+from .process_group import COMBINED_BACKEND, DistInfo, init, shutdown
 from .replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
-from .sync_replicas import ExponentialMovingAverage, SyncReplicasOptimizer
-from .towers import TowerOptimizer
+from .sync import SyncReplicasOptimizer
+from .towers import TowerOptimizer, current_tower
 
 __all__ = [
     "AllReduceCentre",
     "AsyncCentre",
+    "CENTRE_MODES",
+    "COMBINED_BACKEND",
     "CentreStrategy",
     "DistInfo",
     "ElasticAverageOptimizer",
@@ -42,6 +60,7 @@ __all__ = [
     "ReplicatedModel",
     "TowerOptimizer",
     "TowerOutput",
+    "current_tower",
     "init",
     "replicate_model",
     "shutdown",

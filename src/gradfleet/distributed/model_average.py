@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._comm import resolve_collective
-from ._wrapper import WrapperOptimizer, check_int
+from .collectives import resolve_collective
+from .wrapper import WrapperOptimizer, check_int
 
 __all__ = ["ModelAverageOptimizer"]
 

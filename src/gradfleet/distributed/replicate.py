@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._wrapper import GradsAndVars
 from .towers import TowerContext, _enter_tower
+from .wrapper import GradsAndVars
 
 __all__ = ["replicate_model", "ReplicatedModel", "TowerOutput", "split_batch", "REDUCTIONS"]
 

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from ._wrapper import (
-    GradsAndVars,
+from .apply import GradsAndVars, apply_gradients
+from .wrapper import (
     WrapperOptimizer,
-    apply_with_step,
     autograd_gradients,
     check_global_step,
     check_grads_and_vars,
@@ -148,14 +147,7 @@ class TowerOptimizer(WrapperOptimizer):
         ctx.record(self, tower, [(g, back.get(id(v), v)) for g, v in pairs], global_step)
 
     def _apply_now(self, pairs: GradsAndVars, global_step: Any) -> None:
-        inner = getattr(self.optimizer, "apply_gradients", None)
-        if inner is not None:
-            inner(pairs, global_step=global_step)
-            return
-        apply_with_step(self.optimizer, pairs)
-        if global_step is not None:
-            with torch.no_grad():
-                global_step.add_(1)
+        apply_gradients(self.optimizer, pairs, global_step)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """In a tower: record this tower's ``.grad`` (scaled like ``compute_gradients``) as an

@@ -1,6 +1,7 @@
 """The pure state machine behind ``SyncReplicasOptimizer``: accumulators, staleness, tokens.
 
-No processes, no I/O: the server runs it under a lock and the tests drive it directly.
+No processes, no I/O: the chief and the shards run it on their server thread, the tests drive it
+directly.
 
 ``GradientAggregator`` is TF's ``ConditionalAccumulator`` (dense variables) and
 ``SparseConditionalAccumulator`` (row-sparse variables) for a whole list of variables that share
@@ -29,7 +30,7 @@ and uses it as its next tag.  ``init_tokens`` is ``get_init_tokens_op``'s ``num_
 from __future__ import annotations
 
 import collections
-import math
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ import torch
 __all__ = ["GradientAggregator", "TokenQueue", "init_tokens", "all_finite", "NONFINITE_POLICIES"]
 
 NONFINITE_POLICIES = ("raise", "drop", "apply")
+
+log = logging.getLogger(__name__)
 
 
 def all_finite(g: torch.Tensor) -> bool:
@@ -169,6 +172,11 @@ class GradientAggregator:
         bad = self._finite(grads) if self.nonfinite != "apply" else None
         if bad is not None:  # checked first: bad input is reported even when also stale
             self._count(worker, "nonfinite")
+            log.warning(
+                "worker rank %d: non-finite gradient for variable %d %s %s (nonfinite=%r)",
+                worker, bad, self.shapes[bad], "refused" if self.nonfinite == "raise" else
+                "dropped", self.nonfinite,
+            )  # fmt: skip
             if self.nonfinite == "raise":
                 raise FloatingPointError(
                     f"worker {worker}: non-finite gradient for variable {bad} "
@@ -177,6 +185,10 @@ class GradientAggregator:
             return False
         if step_tag < self.global_step:
             self._count(worker, "dropped")
+            log.debug(
+                "worker rank %d: stale gradient dropped (computed at step %d, accumulators at %d)",
+                worker, step_tag, self.global_step,
+            )  # fmt: skip
             return False
         with torch.no_grad():
             for i, g in enumerate(grads):
@@ -263,7 +275,3 @@ class GradientAggregator:
         ):
             dst.copy_(src)
         self.stats = {int(w): dict(v) for w, v in state["stats"].items()}
-
-
-def finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from gradfleet.kernels.dtensor import is_dtensor
 
+from .flat import flatten, unflatten_
+
 __all__ = ["Collective", "LocalCollective", "TorchCollective", "resolve_collective"]
 
 
@@ -96,19 +98,6 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]
     return groups
 
 
-def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in ts])
-
-
-def _unflat_(flat: torch.Tensor, ts: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in ts:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
-
-
 class TorchCollective(Collective):
     """Collectives on a ``torch.distributed`` process group (``None`` = the default group)."""
 
@@ -124,15 +113,15 @@ class TorchCollective(Collective):
 
     def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
         for ts in _buckets(_local_shards(tensors, self.group)).values():
-            flat = _flat(ts)
+            flat = flatten(ts)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            _unflat_(flat, ts)
+            unflatten_(flat, ts)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         for ts in _buckets(_local_shards(tensors, self.group)).values():
-            flat = _flat(ts)
+            flat = flatten(ts)
             dist.broadcast(flat, src=self._global_rank(src), group=self.group)
-            _unflat_(flat, ts)
+            unflatten_(flat, ts)
 
     def all_reduce_max_int(self, values: Sequence[int]) -> list[int]:
         device = _collective_device(self.group)

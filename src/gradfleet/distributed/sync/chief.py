@@ -1,24 +1,27 @@
-"""Server-side state of ``SyncReplicasOptimizer`` (TF's parameter server + chief sync thread).
+"""The SyncReplicas chief: TF's parameter server of shard 0 plus the chief's sync op.
 
-``SyncServer`` owns the real variables, a copy of the wrapped optimizer, the
-:class:`GradientAggregator`, the :class:`TokenQueue` and ``global_step``.  It is driven by
-:class:`MailboxServer` requests, one at a time on the server thread, so it needs no lock:
+:class:`SyncChief` owns the variables of shard 0 (every variable when unsharded), a copy of the
+wrapped optimizer, their :class:`~.aggregator.GradientAggregator`, the
+:class:`~.aggregator.TokenQueue` and ``global_step``.  It is a state machine: ``handle(request,
+ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects, one
+request at a time on the hosting server's thread, so it needs no lock and does no I/O:
 
-* ``hello``:  validate the worker's parameter count/shapes/dtypes; reply variables + step
+* ``hello``:  check the worker's parameter shapes/dtypes; answer variables + step
   (TF's ``local_step_init_op``: ``local_step := global_step``).
 * ``push``:   (sharded jobs) only the push below, answered with ``accepted``.
 * ``step``:   push the gradients (if given) with the worker's tag; if ``R`` are in, take the
-  averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables, enqueue
-  ``max(N, R)`` tokens, update the moving averages; then answer with a token (deferred while
-  the queue is empty) and the current variables.
-* ``done``:   the worker left.
+  averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables,
+  enqueue ``max(N, R)`` tokens, update the moving averages; then answer with a token (held
+  while the queue is empty) and the current variables.
+* ``applied``: a shard server finished an update (sharded jobs).
+* ``done``:   the worker left (``forgotten``: another rank reports it dead for good).
 * ``tick``:   a worker that waited ``timeout`` seconds for a token gets a ``TimeoutError``
   naming the ranks it is waiting for (silent ones), never a silent hang.
 
-With parameter shards (``_shards`` module) the server holds shard 0 only, learns the other
-shards' updates from their ``applied`` requests and sets ``global_step`` to the minimum shard
-step (tokens after every increment); it probes the shard servers every ``PROBE_S`` seconds and
-answers every waiting and later request with ``ServerUnreachable`` naming a dead one.
+With parameter shards the chief holds shard 0 only, learns the other shards' updates from their
+``applied`` reports and sets ``global_step`` to the minimum shard step (tokens after every
+increment).  The hosting code watches the shard servers; :meth:`SyncChief.unreachable` then
+answers every waiting and later request with ``ServerUnreachable`` naming the dead one.
 
 ``last_step`` (beyond TF): once ``global_step`` reaches it every token request is answered at
 once, so no worker blocks at the end of training (TF's end-of-training hangs, #7970).
@@ -26,56 +29,27 @@ once, so no worker blocks at the end of training (TF's end-of-training hangs, #7
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ._aggregator import GradientAggregator, TokenQueue
-from ._shards import Shard, server_optimizer
-from .transport import Reply
+from ..membership import Membership
+from ..moving_average import ExponentialMovingAverage
+from ..replies import Answer, error
+from .aggregator import GradientAggregator, TokenQueue
+from .shards import Shard
 
-__all__ = ["SyncServer", "ExponentialMovingAverage", "server_optimizer"]
+__all__ = ["SyncChief"]
 
-
-class ExponentialMovingAverage:
-    """TF's ``ExponentialMovingAverage(decay, num_updates)`` for ``variable_averages``.
-
-    ``shadow := decay' * shadow + (1 - decay') * var`` with ``decay' = min(decay, (1 + n) /
-    (10 + n))`` when ``use_num_updates`` (TF passes ``global_step`` as ``num_updates``; here the
-    step after the update).  Shadows start at the variable's value when first applied.
-    """
-
-    def __init__(self, decay: float, use_num_updates: bool = False) -> None:
-        if not 0.0 <= float(decay) <= 1.0:
-            raise ValueError(f"ExponentialMovingAverage: decay must be in [0, 1], got {decay!r}")
-        self.decay, self.use_num_updates = float(decay), bool(use_num_updates)
-        self.shadows: dict[int, torch.Tensor] = {}
-
-    def apply(self, variables: dict[int, torch.Tensor], num_updates: int | None = None) -> None:
-        decay = self.decay
-        if self.use_num_updates and num_updates is not None:
-            decay = min(decay, (1.0 + num_updates) / (10.0 + num_updates))
-        with torch.no_grad():
-            for i, v in variables.items():
-                if i not in self.shadows:
-                    self.shadows[i] = v.detach().clone()
-                self.shadows[i].mul_(decay).add_(v.detach(), alpha=1.0 - decay)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"shadows": {int(i): s.clone() for i, s in self.shadows.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.shadows = {int(i): s.clone() for i, s in state["shadows"].items()}
+log = logging.getLogger(__name__)
 
 
-PROBE_S = 0.5
-
-
-class SyncServer:
-    """TF's PS variables + accumulators + token queue + chief sync op (see module docstring).
+class SyncChief:
+    """TF's PS variables + accumulators + token queue + chief sync op (module docstring).
 
     ``indices`` (default: every parameter) are the parameters of shard 0 held here;
     ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports.
@@ -114,12 +88,9 @@ class SyncServer:
         self.timeout = timeout
         self.ema = variable_averages
         self.last_step = last_step
-        self.waiting: deque[tuple[int, Reply, float, bool, int]] = deque()
-        self.seen: dict[int, float] = {}
-        self.done: set[int] = set()
-        self.probes: dict[str, Callable[[], None]] = {}  # shard server name -> liveness check
+        self.waiting: deque[tuple[int, Any, float, bool, int]] = deque()
+        self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief")
         self.broken: str | None = None
-        self._probed = 0.0
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -135,45 +106,40 @@ class SyncServer:
         return self.shard.opt
 
     # ------------------------------------------------------------------ requests
-    def handle(self, msg: dict[str, Any], reply: Reply) -> None:
+    def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
         op = msg["op"]
-        if op == "applied":  # a shard server finished an update
+        if op == "applied":
             k = int(msg["shard"])
             self.applied[k] = max(self.applied[k], int(msg["step"]))
             self._advance()
-            self._serve_tokens()
-            reply.send({})
-            return
+            return [*self._serve_tokens(), Answer(ticket, {})]
         worker = int(msg["worker"])
-        self.seen[worker] = time.monotonic()
+        if op == "done":
+            self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
+            return [Answer(ticket, {"global_step": self.global_step})]
+        self.members.heard(worker)
         if self.broken is not None and op in ("hello", "push", "step"):
-            reply.send({"error": "ServerUnreachable", "message": self.broken})
-        elif op == "hello":
+            return [error(ticket, "ServerUnreachable", self.broken)]
+        if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
-            self.done.discard(worker)
-            reply.send(
-                {
-                    "global_step": self.global_step,
-                    "params": self.params,
-                    "version": self.shard.step,
-                },
-                share=self.shard.values_key,
-            )
-        elif op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
-            reply.send({"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})
-        elif op == "step":
+            self.members.hello(worker)
+            values = {"global_step": self.global_step, "params": self.params}
+            return [Answer(ticket, dict(values, version=self.shard.step), self.shard.values_key)]
+        if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
+            return [Answer(ticket, {"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})]
+        if op == "step":
             accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
-            self.waiting.append((worker, reply, time.monotonic(), accepted, int(msg["version"])))
-            self._serve_tokens()
-        elif op == "done":
-            self.done.add(worker)
-            reply.send({"global_step": self.global_step})
-        elif op == "stats":
-            reply.send({"global_step": self.global_step, "stats": self.aggregator.stats})
-        elif op == "ema":
-            reply.send({"shadows": self.shard.shadows()})
-        else:
-            raise ValueError(f"unknown request {op!r}")
+            self.waiting.append((worker, ticket, time.monotonic(), accepted, int(msg["version"])))
+            return self._serve_tokens()
+        if op == "stats":
+            return [
+                Answer(ticket, {"global_step": self.global_step, "stats": self.aggregator.stats})
+            ]
+        if op == "ema":
+            return [Answer(ticket, {"shadows": self.shard.shadows()})]
+        if op == "members":
+            return [Answer(ticket, self.members.report())]
+        raise ValueError(f"unknown request {op!r}")
 
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:
         """Offer shard 0's gradients; update when ``R`` are in.  True iff accepted."""
@@ -194,12 +160,13 @@ class SyncServer:
             return self.global_step
         return self.tokens.get()
 
-    def _serve_tokens(self) -> None:
+    def _serve_tokens(self) -> list[Answer]:
+        out = []
         while self.waiting:
             token = self.take_token()
             if token is None:
-                return
-            worker, reply, _, accepted, version = self.waiting.popleft()
+                break
+            worker, ticket, _, accepted, version = self.waiting.popleft()
             answer = {
                 "token": token,
                 "accepted": accepted,
@@ -208,47 +175,38 @@ class SyncServer:
             }
             if version != self.shard.step:
                 answer["params"] = self.params
-            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
+            out.append(
+                Answer(ticket, answer, self.shard.values_key if "params" in answer else None)
+            )
+        return out
 
     # ------------------------------------------------------------------ liveness
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self.probes and self.broken is None and now - self._probed > PROBE_S:
-            self._probed = now
-            self._probe()
+    def unreachable(self, message: str) -> list[Answer]:
+        """A shard server is gone: every waiting and later request fails with ``message``."""
+        if self.broken is None:
+            log.error("%s", message)
+        self.broken = message
+        return self.tick()
+
+    def tick(self, now: float | None = None) -> list[Answer]:
+        """Fail the requests that waited too long (or all, once a shard is unreachable)."""
+        now = time.monotonic() if now is None else now
+        out = []
         if self.broken is not None:
             while self.waiting:
-                self.waiting.popleft()[1].send(
-                    {"error": "ServerUnreachable", "message": self.broken}
-                )
+                out.append(error(self.waiting.popleft()[1], "ServerUnreachable", self.broken))
         while self.waiting and now - self.waiting[0][2] > self.timeout:
-            worker, reply, since, _, _ = self.waiting[0]
-            message = self.stall_message(worker, now - since)
+            worker, ticket, since, _, _ = self.waiting[0]
+            message = self.stall_message(worker, now - since)  # it still counts as waiting
             self.waiting.popleft()
-            reply.send({"error": "TimeoutError", "message": message})
-
-    def _probe(self) -> None:
-        for name, check in self.probes.items():
-            try:
-                check()
-            except Exception as exc:
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                self.broken = (
-                    f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "
-                    f"stops at global step {self.global_step}: {type(exc).__name__}: {first}"
-                )
-                return
+            log.error("%s", message)
+            out.append(error(ticket, "TimeoutError", message))
+        return out
 
     def silent_workers(self, now: float | None = None) -> list[int]:
-        now = time.monotonic() if now is None else now
-        waiting = {w for w, *_ in self.waiting}  # they are blocked, not silent
-        return [
-            w
-            for w in range(self.N)
-            if w not in waiting
-            and w not in self.done
-            and now - self.seen.get(w, -float("inf")) > self.timeout
-        ]
+        """Workers silent for over ``timeout`` s (those waiting for a token are blocked, not
+        silent)."""
+        return self.members.silent(now, busy=[w for w, *_ in self.waiting])
 
     def stall_message(self, worker: int, waited: float) -> str:
         silent = self.silent_workers()

@@ -24,94 +24,22 @@ every exchange fail at once with an error naming the server rank.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ._centre import CENTRE_MODES, CentreStrategy
-from ._comm import Collective, LocalCollective, resolve_collective
-from .transport import MailboxClient, MailboxServer, Reply, copy_received
+from ..collectives import Collective, LocalCollective
+from ..hosting import HostedServer, server_host, share_address
+from ..transport import MailboxClient, copy_received
+from .centre import CENTRE_MODES, CentreStrategy
+from .centre_server import CentreServer
 
-__all__ = ["AsyncCentre", "CentreServer"]
+__all__ = ["AsyncCentre", "CENTRE_MODES"]
 
-
-class CentreServer:
-    """The centre variables and the start-up barrier; driven by ``MailboxServer``."""
-
-    def __init__(self, centre: Sequence[torch.Tensor], num_worker: int, timeout: float) -> None:
-        self.centre = [c.detach().clone() for c in centre]
-        self._diff = [torch.empty_like(c) for c in self.centre]  # reused: no 2 GB of page faults
-        self.num_worker, self.timeout = num_worker, timeout
-        self.exchanges: dict[int, int] = {}
-        self.joins: dict[int, int] = {}
-        self.seen: dict[int, float] = {}
-        self.done: set[int] = set()
-        self.arrived: set[int] = set()
-        self.barrier: list[tuple[int, Reply, float]] = []
-
-    def handle(self, msg: dict[str, Any], reply: Reply) -> None:
-        worker, op = int(msg["worker"]), msg["op"]
-        self.seen[worker] = time.monotonic()
-        if op == "hello":
-            shapes = [list(c.shape) for c in self.centre]
-            if [list(s) for s in msg["shapes"]] != shapes:
-                raise ValueError(
-                    f"ElasticAverageOptimizer: worker rank {worker} has parameter "
-                    f"shapes {msg['shapes']}, the centre has {shapes}"
-                )
-            self.joins[worker] = self.joins.get(worker, 0) + 1
-            self.done.discard(worker)
-            reply.send({"centre": self.centre})
-        elif op == "exchange":
-            alpha = float(msg["alpha"])
-            reply.send({"centre": self.centre})  # the values read (sending copies them)
-            for c, x, d in zip(self.centre, msg["params"], self._diff, strict=True):
-                c.add_(torch.sub(x.to(c), c, out=d), alpha=alpha)  # c += alpha (x - c)
-            self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-        elif op == "barrier":
-            self.arrived.add(worker)
-            self.barrier.append((worker, reply, time.monotonic()))
-            if len(self.arrived) >= self.num_worker:
-                for _, r, _ in self.barrier:
-                    r.send({})
-                self.barrier = []
-        elif op == "read":
-            reply.send({"centre": self.centre, "exchanges": self.exchanges, "joins": self.joins})
-        elif op == "load":
-            for c, v in zip(self.centre, msg["centre"], strict=True):
-                c.copy_(v)
-            reply.send({})
-        elif op == "done":
-            self.done.add(worker)
-            reply.send({})
-        else:
-            raise ValueError(f"unknown request {op!r}")
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self.barrier and now - self.barrier[0][2] > self.timeout:
-            missing = sorted(set(range(self.num_worker)) - self.arrived)
-            for _, r, _ in self.barrier:
-                r.send(
-                    {
-                        "error": "TimeoutError",
-                        "message": (
-                            f"ElasticAverageOptimizer(synchronous=True): start-up barrier waited "
-                            f"{self.timeout:g}s; worker rank(s) {missing} never arrived"
-                        ),
-                    }
-                )
-            self.barrier = []
-
-    def finished(self) -> bool:
-        now = time.monotonic()
-        return all(
-            w in self.done or now - self.seen.get(w, -1e18) > self.timeout
-            for w in range(self.num_worker)
-        )
+log = logging.getLogger(__name__)
 
 
 class AsyncCentre(CentreStrategy):
@@ -120,7 +48,10 @@ class AsyncCentre(CentreStrategy):
     Args:
         server_rank: rank hosting the server (TF's PS); it also trains.
         timeout: seconds to wait for the server, the start-up barrier or the end of training.
-        host: interface the server listens on (loopback by default).
+        host: interface the server listens on.  Default: loopback while every rank is on
+            this host, else this host's address on the route to ``MASTER_ADDR``
+            (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts without such an
+            address raise ``ValueError`` naming ``host=`` on every rank.
         address / worker: for a process outside the process group (a restarted worker).
     """
 
@@ -130,7 +61,7 @@ class AsyncCentre(CentreStrategy):
         self,
         server_rank: int = 0,
         timeout: float = 60.0,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         address: str | None = None,
         worker: int | None = None,
     ) -> None:
@@ -138,7 +69,7 @@ class AsyncCentre(CentreStrategy):
         self.address, self.worker = address, worker
         self.num_worker, self.synchronous = 1, False
         self._server: CentreServer | None = None
-        self._mailbox: MailboxServer | None = None
+        self._hosted: HostedServer | None = None
         self._client: MailboxClient | None = None
         self._read: list[torch.Tensor] | None = None
         self._diff: list[torch.Tensor] = []
@@ -154,7 +85,7 @@ class AsyncCentre(CentreStrategy):
             local = LocalCollective()
             local.rank, local.world_size = int(self.worker or 0), num_worker
             return local
-        return resolve_collective(num_worker, group, owner)
+        return super().resolve_collective(num_worker, group, owner)
 
     def global_step_increment(self) -> int:
         return 1  # TF: global_step counts communications of all workers
@@ -163,22 +94,15 @@ class AsyncCentre(CentreStrategy):
         if self.worker is None:
             self.worker = comm.rank
         if self.address is None:
+            group = getattr(comm, "group", None)
+            host = server_host(self.host, "AsyncCentre", group)  # collective over the group
             if comm.rank == self.server_rank:
                 self._server = CentreServer(params, self.num_worker, self.timeout)
-                self._mailbox = MailboxServer(
-                    self._server.handle, host=self.host, tick=self._server.tick
+                self._hosted = HostedServer(
+                    self._server, self._server.members, host, "EASGD centre"
                 )
-                self.address = self._mailbox.address
-            if comm.world_size > 1:
-                group = getattr(comm, "group", None)
-                src = (
-                    self.server_rank
-                    if group is None
-                    else dist.get_global_rank(group, self.server_rank)
-                )
-                box = [self.address]
-                dist.broadcast_object_list(box, src=src, group=group)
-                self.address = box[0]
+                self.address = self._hosted.address
+            self.address = share_address(self.address, self.server_rank, group)
         self._client = MailboxClient(
             self.address,
             f"easgd{self.worker}",
@@ -222,6 +146,12 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call("read", worker=self.worker)
         return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the centre last heard from each worker that has not left."""
+        assert self._client is not None, "setup() must run first"
+        report = self._client.call("members", worker=self.worker)
+        return {int(w): float(s) for w, s in report["silence"].items()}
+
     def forget_workers(self, ranks: Sequence[int]) -> None:
         """Count the workers ``ranks`` as having left (dead for good): the server rank's
         :meth:`close` stops waiting for them at once.  A forgotten worker that comes back
@@ -233,7 +163,7 @@ class AsyncCentre(CentreStrategy):
                 f"AsyncCentre.forget_workers: ranks must be in [0, {self.num_worker}), got {bad}"
             )
         for r in ranks:
-            self._client.call("done", worker=int(r))
+            self._client.call("done", worker=int(r), forgotten=True)
 
     @property
     def bytes_sent(self) -> int:
@@ -254,20 +184,18 @@ class AsyncCentre(CentreStrategy):
             self._client.call("load", worker=self.worker, centre=values)
 
     def close(self) -> None:
-        """Leave; the server rank keeps serving until every worker left (or has been silent
-        for ``timeout`` seconds), so call it at the end of training on every worker."""
+        """Leave; the server rank keeps serving until every worker (also one that has not
+        said hello yet) left or has been silent for ``timeout`` seconds, so call it at the end
+        of training on every worker."""
         if self._client is not None:
             try:
                 self._client.call("done", worker=self.worker, timeout=5.0)
-            except Exception:
-                pass
+            except Exception as exc:  # leaving must not fail: the server may have stopped
+                log.info("worker rank %s: EASGD centre gone before its done: %s", self.worker, exc)
             self._client = None
-        if self._mailbox is not None and self._server is not None:
-            end = time.monotonic() + self.timeout
-            while time.monotonic() < end and not self._server.finished():
-                time.sleep(0.02)
-            self._mailbox.close()
-            self._mailbox = None
+        if self._hosted is not None:
+            self._hosted.close(time.monotonic() + self.timeout)
+            self._hosted = None
 
 
 CENTRE_MODES[AsyncCentre.mode] = AsyncCentre

@@ -1,9 +1,10 @@
 """Where the EASGD centre variable lives: pluggable strategies behind ``ElasticAverageOptimizer``.
 
 A strategy owns the centre ``c`` (TF's ``global_center_variable``) and performs one elastic
-exchange for the calling worker. This release ships :class:`AllReduceCentre`, the synchronous form
-of the EASGD paper with the centre replicated on every rank; an asynchronous parameter-server
-strategy can be added later under another ``mode`` name without changing the wrapper's API.
+exchange for the calling worker.  :class:`AllReduceCentre` (``mode="allreduce"``) is the
+synchronous form of the EASGD paper with the centre replicated on every rank;
+:class:`~.async_centre.AsyncCentre` (``mode="async"``) keeps it on a server, TF's form.
+``CENTRE_MODES`` maps each ``mode`` name to its class.
 """
 
 from __future__ import annotations
@@ -13,22 +14,35 @@ from typing import Any
 
 import torch
 
-from ._comm import Collective
+from ..collectives import Collective, resolve_collective
 
 __all__ = ["CentreStrategy", "AllReduceCentre", "CENTRE_MODES"]
 
 
 class CentreStrategy:
-    """Interface of a centre backend.
+    """Interface of a centre backend, called by ``ElasticAverageOptimizer`` in this order:
 
-    ``setup(params)`` is called once (collectively) by the wrapper and must leave ``params`` equal
-    to the initial centre (TF's ``get_init_op``). ``exchange(params, moving_rate)`` performs one
-    communication for this worker and returns the centre value it read *before* updating it
-    (TF's ``local_center_variable`` after the exchange).
+    1. ``resolve_collective(num_worker, group, owner)``: the collective of the workers;
+    2. ``configure(num_worker, synchronous)``: the wrapper's arguments the strategy needs;
+    3. ``setup(params, comm)``, once and collectively: leave ``params`` equal to the initial
+       centre (TF's ``get_init_op``);
+    4. ``exchange(params, moving_rate)`` every ``communication_period`` local steps: one
+       communication of this worker, returning the centre value it read *before* updating it
+       (TF's ``local_center_variable`` after the exchange);
+    5. ``close()`` at the end of training.
     """
 
     #: the name under which ``ElasticAverageOptimizer(mode=...)`` selects the strategy
     mode: str = ""
+
+    def resolve_collective(self, num_worker: int, group: Any, owner: str) -> Collective:
+        """The collective of ``num_worker`` workers in ``group`` (default: the process
+        group's, checked against ``num_worker``)."""
+        return resolve_collective(num_worker, group, owner)
+
+    def configure(self, num_worker: int, synchronous: bool) -> None:
+        """Take the wrapper's ``num_worker`` and ``synchronous`` (TF's start-up barrier flag);
+        the default needs neither."""
 
     def global_step_increment(self) -> int:
         """How much ``global_step`` advances per exchange (TF: one per worker communication)."""
@@ -111,5 +125,5 @@ class AllReduceCentre(CentreStrategy):
                 c.copy_(v)
 
 
-#: ``mode`` name -> strategy factory; part 2 registers the asynchronous server here.
+#: ``mode`` name -> strategy class (``async_centre`` adds ``"async"``).
 CENTRE_MODES: dict[str, type[CentreStrategy]] = {AllReduceCentre.mode: AllReduceCentre}

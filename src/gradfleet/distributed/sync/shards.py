@@ -6,8 +6,9 @@ bytes (:func:`by_bytes`, default) or round-robin ``i % S`` (:func:`round_robin`,
 ``replica_device_setter`` over ps tasks).  A :class:`Shard` holds its variables,
 their accumulators (one :class:`GradientAggregator`: TF's per-accumulator staleness rule and
 accepted counts, per shard) and a copy of the wrapped optimizer restricted to its variables.
-Shard 0 lives inside the chief's :class:`SyncServer`, which also keeps ``global_step`` and the
-token queue; shards 1.. are served by a :class:`ShardServer` on their own mailbox.
+Shard 0 lives inside the chief's :class:`~.chief.SyncChief`, which also keeps ``global_step`` and
+the token queue; shards 1.. are each a :class:`ShardServer` state machine, hosted on their own
+server by :mod:`.servers`.
 
 Per worker step::
 
@@ -15,8 +16,9 @@ Per worker step::
             tagged local_step; then the chief's "step": wait for a token; then "read" every
             shard 1.. at once (values come back only if the shard stepped since the last read)
     shard:  when its accumulators hold R fresh gradients: average, apply with its optimizer
-            copy, its step += 1, tell the chief "applied" (before answering the push, so the
-            chief knows before the pusher asks for its token)
+            copy, its step += 1; the effect :class:`Applied` makes the hosting code tell the
+            chief (before answering the push, so the chief knows before the pusher asks for
+            its token)
     chief:  global_step := min over shards of their step; every increment enqueues max(N, R)
             tokens (TF: global_step += 1 after all variables were updated, then tokens)
 
@@ -39,31 +41,31 @@ runs the same loop).
 from __future__ import annotations
 
 import copy
-import threading
-import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ._aggregator import GradientAggregator
-from ._wrapper import apply_with_step
-from .transport import MailboxClient, Reply, ServerUnreachable
+from ..apply import apply_gradients
+from ..membership import Membership
+from ..replies import Answer
+from .aggregator import GradientAggregator
 
 __all__ = [
+    "Applied",
     "Shard",
     "ShardServer",
-    "ShardLinks",
     "round_robin",
     "by_bytes",
     "assign",
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
-    "probe",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def check_server_ranks(
@@ -202,6 +204,7 @@ class Shard:
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> tuple[bool, bool]:
         """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in."""
         if self.last_step is not None and self.step >= self.last_step:
+            log.debug("worker rank %d: gradient after last_step=%d ignored", worker, self.last_step)
             return False, False
         accepted = self.aggregator.push(worker, tag, grads)
         if not self.aggregator.ready():
@@ -216,11 +219,7 @@ class Shard:
             mine.update({k: v for k, v in theirs.items() if k not in ("params", "non_slot")})
         pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
         if pairs:
-            inner = getattr(self.opt, "apply_gradients", None)
-            if inner is not None:
-                inner(pairs)
-            else:
-                apply_with_step(self.opt, pairs)
+            apply_gradients(self.opt, pairs)
         if self.ema is not None and self.averaged:
             self.ema.apply({i: self.params[j] for j, i in self.averaged}, num_updates=self.step)
 
@@ -259,139 +258,48 @@ class Shard:
                 self.ema.shadows[int(i)] = s.clone()
 
 
+@dataclass(frozen=True)
+class Applied:
+    """Effect: shard ``shard`` applied its update number ``step``.  The hosting code reports it
+    to the chief (``applied``) before it sends the answers that follow in the same list."""
+
+    shard: int
+    step: int
+
+
 class ShardServer:
-    """Mailbox handler of a non-chief shard: ``hello``, ``push``, ``read``, ``done``,
-    ``stats``, ``ema``.  After an update it calls ``applied`` on the chief (waiting for the
-    chief's link, set by :meth:`connect_chief`, at most ``timeout`` seconds)."""
+    """State machine of a non-chief shard: ``hello``, ``push``, ``read``, ``done``, ``stats``,
+    ``ema``; ``handle`` returns answers and, after an update, the :class:`Applied` effect."""
 
     def __init__(self, shard_id: int, shard: Shard, total_num_replicas: int, timeout: float):
         self.k, self.shard, self.N, self.timeout = shard_id, shard, total_num_replicas, timeout
-        self.seen: dict[int, float] = {}
-        self.done: set[int] = set()
-        self._chief: MailboxClient | None = None
-        self._linked = threading.Event()
-        self.notify: Callable[[int, int], None] = self._notify_chief
+        self.members = Membership(total_num_replicas, timeout, f"SyncReplicas shard {shard_id}")
 
-    def connect_chief(self, address: str, rank: int) -> None:
-        self._chief = MailboxClient(
-            address,
-            f"shard{self.k}",
-            self.timeout + 10.0,
-            f"server rank {rank} (chief)",
-            data=False,  # "applied" reports carry no tensors
-        )
-        self._linked.set()
-
-    def _notify_chief(self, shard: int, step: int) -> None:
-        if not self._linked.wait(self.timeout) or self._chief is None:
-            raise ServerUnreachable(f"shard {self.k}: no link to the chief")
-        self._chief.call("applied", worker=-1, shard=shard, step=step)
-
-    def handle(self, msg: dict[str, Any], reply: Reply) -> None:
-        worker = int(msg["worker"])
-        self.seen[worker] = time.monotonic()
-        op = msg["op"]
+    def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
+        worker, op = int(msg["worker"]), msg["op"]
+        if op == "done":
+            self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
+            return [Answer(ticket, {})]
+        self.members.heard(worker)
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
-            self.done.discard(worker)
-            reply.send(
-                {"version": self.shard.step, "params": self.shard.params},
-                share=self.shard.values_key,
-            )
-        elif op == "push":
+            self.members.hello(worker)
+            values = {"version": self.shard.step, "params": self.shard.params}
+            return [Answer(ticket, values, self.shard.values_key)]
+        if op == "push":
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
-            if updated:
-                self.notify(self.k, self.shard.step)
-            reply.send({"accepted": accepted})
-        elif op == "read":
-            answer: dict[str, Any] = {"version": self.shard.step}
+            answer = Answer(ticket, {"accepted": accepted})
+            return [Applied(self.k, self.shard.step), answer] if updated else [answer]
+        if op == "read":
+            values: dict[str, Any] = {"version": self.shard.step}
             if int(msg["version"]) != self.shard.step:
-                answer["params"] = self.shard.params
-            reply.send(answer, share=self.shard.values_key if "params" in answer else None)
-        elif op == "done":
-            self.done.add(worker)
-            reply.send({})
-        elif op == "stats":
-            reply.send({"stats": self.shard.aggregator.stats})
-        elif op == "ema":
-            reply.send({"shadows": self.shard.shadows()})
-        else:
-            raise ValueError(f"unknown request {op!r}")
+                values["params"] = self.shard.params
+            return [Answer(ticket, values, self.shard.values_key if "params" in values else None)]
+        if op == "stats":
+            return [Answer(ticket, {"stats": self.shard.aggregator.stats})]
+        if op == "ema":
+            return [Answer(ticket, {"shadows": self.shard.shadows()})]
+        raise ValueError(f"unknown request {op!r}")
 
-    def finished(self) -> bool:
-        """Every worker left or has been silent for ``timeout`` seconds."""
-        now = time.monotonic()
-        gone = self.done | {
-            w for w in range(self.N) if now - self.seen.get(w, -float("inf")) > self.timeout
-        }
-        return gone >= set(range(self.N))
-
-
-def probe(address: str, seconds: float) -> Callable[[], None]:
-    """A liveness check of the mailbox at ``address``: raises once its process is gone."""
-    host, port = address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
-
-    def check() -> None:
-        store.queue_len("gf/probe")
-
-    return check
-
-
-class ShardLinks:
-    """A worker's connections to shards 1.. (shard 0 is reached through the chief)."""
-
-    def __init__(
-        self, addresses: dict[int, str], ranks: Sequence[int], worker: int, timeout: float
-    ) -> None:
-        self.worker = worker
-        self.clients = {
-            k: MailboxClient(a, f"w{worker}", timeout + 10.0, f"server rank {ranks[k]} (shard {k})")
-            for k, a in sorted(addresses.items())
-        }
-        self.versions = {k: -1 for k in self.clients}
-
-    def hello(self, parts: Sequence[Sequence[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        out = {}
-        for k, client in self.clients.items():
-            reply = client.call(
-                "hello",
-                worker=self.worker,
-                shapes=[list(p.shape) for p in parts[k]],
-                dtypes=[str(p.dtype) for p in parts[k]],
-            )
-            self.versions[k] = int(reply["version"])
-            out[k] = reply["params"]
-        return out
-
-    def push(self, tag: int, parts: Sequence[list[torch.Tensor | None]]) -> None:
-        """Start pushing shard k's gradients to every shard k (they travel concurrently);
-        :meth:`pushed` collects the answers."""
-        for k, client in self.clients.items():
-            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
-
-    def pushed(self) -> bool:
-        """True iff every shard accepted the gradients of the last :meth:`push`."""
-        accepted = [bool(c.response()["accepted"]) for c in self.clients.values()]
-        return all(accepted)
-
-    def read(self, into: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Values of every shard that stepped since the last read (read concurrently; the
-        tensors are views of each link's buffer, or of shard k's ``into[k]`` tensors where
-        they were received in place: copy the others before the next read)."""
-        for k, client in self.clients.items():
-            client.request("read", worker=self.worker, version=self.versions[k])
-        out = {}
-        for k, client in self.clients.items():
-            reply = client.response(receive_into=into.get(k))
-            self.versions[k] = int(reply["version"])
-            if "params" in reply:
-                out[k] = reply["params"]
-        return out
-
-    def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
-        return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
-
-    @property
-    def bytes_out(self) -> int:
-        return sum(c.bytes_out for c in self.clients.values())
+    def tick(self) -> list[Answer]:
+        return []

@@ -20,17 +20,21 @@ fail after the process group's timeout.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._aggregator import TokenQueue, all_finite
-from ._server import ExponentialMovingAverage
-from ._wrapper import apply_with_step
+from ..apply import apply_gradients
+from ..flat import flatten, unflatten_
+from ..moving_average import ExponentialMovingAverage
+from .aggregator import TokenQueue, all_finite
 
 __all__ = ["AllReduceSync"]
+
+log = logging.getLogger(__name__)
 
 
 class AllReduceSync:
@@ -93,22 +97,22 @@ class AllReduceSync:
         values = [self.tokens.get() for _ in range(self.N)]
         if values[0] is None:
             raise RuntimeError("SyncReplicasOptimizer: no token left (num_tokens too small)")
-        return self.rank_token(values)
-
-    def rank_token(self, values: list[int | None]) -> int:
         return int(values[self.rank])  # type: ignore[arg-type]
 
     def step(self, local_step: int, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
         """One lockstep round; returns (accepted, new local_step, global_step)."""
         if local_step < self.global_step:  # every rank holds the same stale tag
+            log.debug(
+                "rank %d: stale round dropped on every rank (tag %d, global step %d)",
+                self.rank, local_step, self.global_step,
+            )  # fmt: skip
             for s in self.stats.values():
                 s["dropped"] += 1
             return False, self._take_tokens(), self.global_step
         averages = self._reduce(grads)
         pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
         if pairs:
-            inner = getattr(self.opt, "apply_gradients", None)
-            inner(pairs) if inner is not None else apply_with_step(self.opt, pairs)
+            apply_gradients(self.opt, pairs)
         self.global_step += 1
         self.tokens.put(self.global_step, self.N)
         if self.ema is not None:
@@ -139,9 +143,9 @@ class AllReduceSync:
             flags[2 * n + self.rank] = 1.0
         if self.world > 1:
             dtype = bufs[0].dtype if len({b.dtype for b in bufs}) == 1 else torch.float64
-            flat = torch.cat([b.reshape(-1).to(dtype) for b in bufs])
+            flat = flatten(bufs, dtype)
             self._allreduce(flat, flags)
-            self._unflatten(flat, bufs)
+            unflatten_(flat, bufs)
         bad = [r for r in range(self.world) if flags[2 * n + r] > 0]
         if bad:
             raise FloatingPointError(
@@ -173,19 +177,12 @@ class AllReduceSync:
             dist.all_reduce(flags)
             dist.all_reduce(flat)
         except Exception as exc:
+            log.error("rank %d: the lock-step all-reduce failed: %s", self.rank, exc)
             raise RuntimeError(
                 f"SyncReplicasOptimizer(transport='allreduce'): rank {self.rank}: a peer did not "
                 f"join the all-reduce (dead or stuck): {str(exc).splitlines()[0]}"
             ) from None
         self.bytes_sent += flat.numel() * flat.element_size() + flags.numel() * 8
-
-    @staticmethod
-    def _unflatten(flat: torch.Tensor, bufs: list[torch.Tensor]) -> None:
-        offset = 0
-        for b in bufs:
-            k = b.numel()
-            b.copy_(flat[offset : offset + k].view_as(b))
-            offset += k
 
     def state_dict(self) -> dict[str, Any]:
         return {

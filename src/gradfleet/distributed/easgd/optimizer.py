@@ -18,10 +18,11 @@ private ``_learning_rate`` and failed for Adam). ``step()`` after ``loss.backwar
 ``apply_gradients`` path and adds no penalty; call :meth:`add_elastic_penalty_` before it to
 get the ``minimize`` behaviour in a torch-style loop.
 
-Where the centre lives is chosen by ``mode``: ``"allreduce"`` (this release) keeps it replicated
-on every rank and exchanges synchronously, the EASGD paper's synchronous form; with one worker it
-reproduces TF's asynchronous numbers exactly. TF's ``synchronous`` flag (a start-up barrier) is
-accepted; in ``"allreduce"`` mode start-up is always synchronised by the initial broadcast.
+Where the centre lives is chosen by ``mode``: ``"allreduce"`` keeps it replicated on every rank and
+exchanges synchronously, the EASGD paper's synchronous form (with one worker it reproduces TF's
+asynchronous numbers exactly); ``"async"`` (:class:`~.async_centre.AsyncCentre`) keeps it on a
+server rank, TF's asynchronous form.  TF's ``synchronous`` flag (a start-up barrier) is accepted;
+in ``"allreduce"`` mode start-up is always synchronised by the initial broadcast.
 TF arguments without equivalent: ``ea_custom_getter``, ``use_locking``.
 """
 
@@ -34,9 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._centre import CENTRE_MODES, CentreStrategy
-from ._comm import resolve_collective
-from ._wrapper import GradsAndVars, WrapperOptimizer, check_int
+from ..apply import GradsAndVars
+from ..wrapper import WrapperOptimizer, check_int
+from .async_centre import CENTRE_MODES  # with "async" registered
+from .centre import CentreStrategy
 
 __all__ = ["ElasticAverageOptimizer"]
 
@@ -70,7 +72,8 @@ class ElasticAverageOptimizer(WrapperOptimizer):
         moving_rate: ``alpha`` in (0, 1]; default ``0.9 / (tau * num_worker)``.
         rho: elastic penalty in the loss (>= 0); default ``moving_rate / lr`` per group.
         synchronous: TF's start-up barrier flag (implied in ``"allreduce"`` mode).
-        mode: ``"allreduce"`` or a :class:`CentreStrategy` instance.
+        mode: ``"allreduce"``, ``"async"`` or a :class:`CentreStrategy` instance (e.g.
+            ``AsyncCentre(server_rank=..., timeout=...)`` for the server's options).
         process_group: group of the workers (default: the default group).
         name: returned by ``get_name()``.
     """
@@ -109,12 +112,8 @@ class ElasticAverageOptimizer(WrapperOptimizer):
                         f"{_OWNER}: rho=None means rho = moving_rate / learning_rate, but "
                         f"param_groups[{i}] has no positive 'lr'; pass rho explicitly"
                     )
-        # strategy hooks (async mode: a restarted worker outside the group, start-up barrier)
-        resolve = getattr(strategy, "resolve_collective", resolve_collective)
-        self._comm = resolve(num_worker, process_group, _OWNER)
-        getattr(strategy, "configure", lambda **kw: None)(
-            num_worker=num_worker, synchronous=synchronous
-        )
+        self._comm = strategy.resolve_collective(num_worker, process_group, _OWNER)
+        strategy.configure(num_worker, synchronous)
         self.num_worker = num_worker
         self.communication_period = communication_period
         self.moving_rate = alpha

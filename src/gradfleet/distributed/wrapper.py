@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from .apply import GradsAndVars, apply_gradients
+
 __all__ = ["WrapperOptimizer", "GradsAndVars"]
 
-GradsAndVars = list[tuple[torch.Tensor | None, torch.Tensor]]
 STATE_FORMAT = 1
 
 
@@ -207,11 +208,7 @@ class WrapperOptimizer(torch.optim.Optimizer):
 
     def _apply_inner(self, pairs: GradsAndVars) -> None:
         """Apply ``pairs`` with the wrapped optimizer, without any ``global_step``."""
-        inner = getattr(self.optimizer, "apply_gradients", None)
-        if inner is not None:
-            inner(pairs)
-        else:
-            apply_with_step(self.optimizer, pairs)
+        apply_gradients(self.optimizer, pairs)
 
     def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
         inner = getattr(self.optimizer, "get_slot", None)
@@ -285,26 +282,3 @@ def autograd_gradients(
     grads = torch.autograd.grad(value.reshape(()), trainable, allow_unused=True)
     by_id = {id(v): g for v, g in zip(trainable, grads, strict=True)}
     return [(by_id.get(id(v)), v) for v in vs]
-
-
-def apply_with_step(opt: torch.optim.Optimizer, pairs: GradsAndVars) -> None:
-    """Apply ``pairs`` with a plain torch optimizer: install them as ``.grad`` (others None),
-    ``opt.step()``, then restore every ``.grad`` as it was."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    saved = [p.grad for p in params]
-    given = {id(v): g for g, v in pairs}
-    known = {id(p) for p in params}
-    for _, v in pairs:
-        if id(v) not in known:
-            raise ValueError(
-                f"apply_gradients: a variable of shape {tuple(v.shape)} is not managed by the "
-                "wrapped optimizer"
-            )
-    try:
-        for p in params:
-            g = given.get(id(p))
-            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
-        opt.step()
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g

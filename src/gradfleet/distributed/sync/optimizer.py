@@ -24,16 +24,10 @@ the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by
 per round with the same numerics in lockstep, including the wasted round.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
-``k`` to rank ``server_ranks[k]``; whole parameters are assigned balancing bytes
-(``shard_assignment="bytes"``) or round-robin ``i % S`` as TF's ``replica_device_setter``
-(``"round_robin"``); each shard holds its variables, their accumulators and a copy of
-the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
-each shard's gradients to its shard, takes a token from the chief and reads every shard; an
-update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
-staleness per shard and the per-shard optimizer state (Adam's powers) are described in
-``_shards``.  Checkpoints are saved per server rank: the chief's ``state_dict`` holds shard 0,
-``global_step`` and the tokens, every other server rank's holds the shards it hosts; each rank
-loads its own (before any worker steps again).
+``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
+(``r0``) also keeps ``global_step`` and the tokens; an update is complete -- ``global_step += 1``,
+tokens -- once every shard applied it (protocol, per-shard staleness and optimizer state:
+:mod:`.shards`).  Checkpoints are per server rank (see the class docstring).
 
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
@@ -43,21 +37,26 @@ is a constructor argument; ``is_chief`` is ``rank == server_rank``.
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ._aggregator import NONFINITE_POLICIES, all_finite, init_tokens
-from ._allreduce_sync import AllReduceSync
-from ._server import ExponentialMovingAverage, SyncServer
-from ._shards import Shard, ShardLinks, ShardServer, assign, check_server_ranks, probe
-from ._wrapper import GradsAndVars, WrapperOptimizer, check_grads_and_vars, check_int
-from .transport import MailboxClient, MailboxServer, copy_received
+from ..hosting import gather_addresses, server_host, share_address
+from ..moving_average import ExponentialMovingAverage
+from ..transport import copy_received
+from ..wrapper import WrapperOptimizer, check_grads_and_vars
+from .aggregator import all_finite
+from .arguments import average_indices, check_arguments, resolve_worker
+from .links import SyncLinks
+from .lockstep import AllReduceSync
+from .servers import SyncServers
+from .shards import assign, check_server_ranks
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
+
+log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
 
@@ -79,7 +78,10 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         last_step: once ``global_step`` reaches it, every worker is released at once.
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
-        server_rank / host: where the server lives; it listens on ``host`` (loopback default).
+        server_rank / host: where the server lives; it listens on ``host``.  Default: loopback
+            while every rank is on this host, else this host's address on the route to
+            ``MASTER_ADDR`` (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts
+            without such an address raise ``ValueError`` naming ``host=`` on every rank.
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
             server); the first rank is the chief (``global_step``, tokens).  A rank may appear
             twice (two shards).  A dead shard rank makes every worker raise
@@ -111,53 +113,29 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         last_step: int | None = None,
         nonfinite: str = "raise",
         server_rank: int = 0,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
     ) -> None:
-        R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
-        N = check_int(
-            _OWNER, "total_num_replicas", R if total_num_replicas is None else total_num_replicas, 1
-        )
-        tokens = init_tokens(num_tokens, R, N)
-        if transport not in ("server", "allreduce"):
-            raise ValueError(
-                f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}"
-            )
-        if transport == "allreduce" and R != N:
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
-                f"total_num_replicas, got {R} vs {N}"
-            )
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"{_OWNER}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
-            )
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}"
-            )
-        if last_step is not None:
-            check_int(_OWNER, "last_step", last_step, 0)
+        R, N, tokens = check_arguments(
+            replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
+            timeout, last_step,
+        )  # fmt: skip
         super().__init__(opt, name)
         self.replicas_to_aggregate, self.total_num_replicas = R, N
-        self.tokens_per_step = max(N, R)
         self.timeout, self.transport = float(timeout), transport
         self._nonfinite = nonfinite
         self.local_step = self.global_step = 0
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
         self._index = {id(p): i for i, p in enumerate(self.params())}
-        averaged = self._average_indices(variables_to_average)
-        self._server: SyncServer | None = None
-        self._mailbox: MailboxServer | None = None
-        self._client: MailboxClient | None = None
+        averaged = average_indices(self._index, variables_to_average)
+        self._servers: SyncServers | None = None
+        self._links: SyncLinks | None = None
         self._allreduce: AllReduceSync | None = None
-        self._hosted: dict[int, tuple[ShardServer, MailboxServer]] = {}
-        self._links: ShardLinks | None = None
-        self.worker = self._resolve_worker(worker, server_address, N)
+        self.worker = resolve_worker(worker, server_address, N)
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
             N, len(self._index), transport, server_address,
@@ -172,106 +150,41 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         given = [server_address] if isinstance(server_address, str) else server_address
         self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
 
-    # ----------------------------------------------------------------- set-up helpers
+    # ----------------------------------------------------------------- set-up
     def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
-        """Start the servers this rank hosts (the chief: shard 0, global_step, tokens; shard k
-        on rank ``server_ranks[k]``), exchange their addresses, connect to all of them."""
-        ranks, R, N = self.server_ranks, self.replicas_to_aggregate, self.total_num_replicas
-        self.is_chief = given is None and self.worker == ranks[0]
-        mine: dict[int, str] = {}
-        if self.is_chief:
-            self._server = SyncServer(
-                opt, R, N, tokens, self.timeout, ema, averaged, nonfinite, last_step,
-                self._parts[0], len(ranks),
-            )  # fmt: skip
-            self._mailbox = MailboxServer(self._server.handle, host=host, tick=self._server.tick)
-            mine[0] = self._mailbox.address
-        for k in range(1, len(ranks)) if given is None else ():
-            if ranks[k] == self.worker:
-                shard = Shard(opt, self._parts[k], R, nonfinite, ema, averaged, last_step)
-                server = ShardServer(k, shard, N, self.timeout)
-                self._hosted[k] = (server, MailboxServer(server.handle, host=host))
-                mine[k] = self._hosted[k][1].address
-        addresses = dict(enumerate(given)) if given is not None else mine
-        if len(ranks) == 1:  # one server: its rank broadcasts the address
-            if not addresses:
-                box = [None]
-                dist.broadcast_object_list(box, src=ranks[0])
-                addresses = {0: box[0]}
-            elif dist.is_initialized() and ranks[0] == dist.get_rank() == self.worker:
-                dist.broadcast_object_list([addresses[0]], src=ranks[0])
-        elif given is None and dist.is_available() and dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-            addresses = {k: a for part in gathered for k, a in part.items()}
-        for server, _ in self._hosted.values():
-            server.connect_chief(addresses[0], ranks[0])
-        if self._server is not None:
-            self._server.probes = {
-                f"shard server rank {ranks[k]} (shard {k}) at {addresses[k]}": probe(
-                    addresses[k], min(self.timeout, 5.0)
-                )
-                for k in range(1, len(ranks))
-            }
-        self._hello(addresses)
+        """Start the servers this rank hosts, tell every rank their addresses, join them all.
 
-    def _hello(self, addresses: dict[int, str]) -> None:
-        """Connect to every shard; ``local_step := global_step``; load the variables."""
-        self.server_addresses = [addresses[k] for k in range(len(self.server_ranks))]
-        self.server_address: str = addresses[0]
-        self._client = MailboxClient(
-            addresses[0], f"w{self.worker}", self.timeout + 10.0, f"server rank {self.server_rank}"
-        )
+        ``given`` (a process outside the process group): the running servers' addresses."""
+        ranks = self.server_ranks
+        self.is_chief = given is None and self.worker == ranks[0]
+        if given is None:
+            host = server_host(host, _OWNER)  # collective: every rank of the group calls it
+            if self.worker in ranks:
+                self._servers = SyncServers(
+                    opt, self._parts, ranks, self.worker, host,
+                    replicas_to_aggregate=self.replicas_to_aggregate,
+                    total_num_replicas=self.total_num_replicas, num_tokens=tokens,
+                    timeout=self.timeout, ema=ema, average_indices=averaged,
+                    nonfinite=nonfinite, last_step=last_step,
+                )  # fmt: skip
+            mine = self._servers.addresses() if self._servers is not None else {}
+            if len(ranks) == 1:  # one server: its rank tells the others
+                addresses = {0: share_address(mine.get(0), ranks[0])}
+            else:
+                addresses = gather_addresses(mine)
+            if self._servers is not None:
+                self._servers.connect(addresses)
+            given = [addresses[k] for k in range(len(ranks))]
+        self.server_addresses = list(given)
+        self.server_address: str = given[0]
+        self._links = SyncLinks(given, ranks, self.worker, self.timeout)
         params = self.params()
-        parts = [[params[i] for i in idx] for idx in self._parts]
-        if len(addresses) > 1:
-            rest = {k: a for k, a in addresses.items() if k}
-            self._links = ShardLinks(rest, self.server_ranks, self.worker, self.timeout)
-        hello = self._client.call(
-            "hello",
-            worker=self.worker,
-            shapes=[list(p.shape) for p in parts[0]],
-            dtypes=[str(p.dtype) for p in parts[0]],
-        )
-        self.local_step = self.global_step = int(hello["global_step"])  # local_step_init_op
-        self._load_shard(0, hello["params"])
-        self._version = int(hello.get("version", self.global_step))
-        if self._links is not None:
-            for k, values in self._links.hello(parts).items():
-                self._load_shard(k, values)
+        step, values = self._links.hello([[params[i] for i in idx] for idx in self._parts])
+        self.local_step = self.global_step = step  # TF's local_step_init_op
+        for k, shard_values in values.items():
+            self._load_shard(k, shard_values)
 
     # ----------------------------------------------------------------- set-up helpers
-    def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
-        if variables is None:
-            return []
-        out = []
-        for v in variables:
-            if id(v) not in self._index:
-                raise ValueError(
-                    f"{_OWNER}: variables_to_average holds a tensor of shape "
-                    f"{tuple(v.shape)} that is not a parameter of the optimizer"
-                )
-            out.append(self._index[id(v)])
-        return out
-
-    @staticmethod
-    def _resolve_worker(worker: int | None, address: str | None, N: int) -> int:
-        if worker is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                if N == 1:
-                    return 0
-                raise RuntimeError(
-                    f"{_OWNER}: N={N} workers need torch.distributed (or pass "
-                    "server_address= and worker= explicitly)"
-                )
-            worker = dist.get_rank()
-            if address is None and dist.get_world_size() != N:
-                raise ValueError(
-                    f"{_OWNER}: total_num_replicas={N} must equal the world size "
-                    f"({dist.get_world_size()}): one process per worker replica"
-                )
-        return check_int(_OWNER, "worker", worker, 0)
-
     def _shard_params(self, k: int) -> list[torch.Tensor]:
         params = self.params()
         return [params[i] for i in self._parts[k]]
@@ -326,35 +239,25 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.counters["accepted" if accepted else "dropped"] += 1
 
     def _server_step(self, grads: list[torch.Tensor | None]) -> bool:
-        """Push (shards 1.. first, then shard 0 with the chief), take a token, read."""
-        assert self._client is not None, "optimizer is closed"
-        parts = [[grads[i] for i in idx] for idx in self._parts]
-        tag, accepted = self.local_step, True
-        if self._links is None:  # one server: push and wait for the token in one request
-            self._client.request(
-                "step", worker=self.worker, tag=tag, grads=parts[0], version=self._version
-            )
-        else:  # every shard (the chief's too) receives at once; then the token
-            if self._nonfinite != "apply" and not all(_finite(g) for g in grads):
-                tag = -1  # stale everywhere: no shard keeps any part (the bad shard reports it)
-            self._links.push(tag, parts)
-            if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
-                accepted = self._links.pushed()
-            self._client.request("push", worker=self.worker, tag=tag, grads=parts[0])
-            if tag >= 0:
-                accepted = self._links.pushed()
-            accepted = bool(self._client.response()["accepted"]) and accepted
-            self._client.request("step", worker=self.worker, tag=tag, version=self._version)
-        reply = self._client.response(receive_into=self._shard_params(0))
+        """TF's worker train op: push the gradients, take a token, read the variables."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}: the optimizer is closed")
+        tag = self.local_step
+        if len(self._parts) > 1 and self._nonfinite != "apply" and not _all_finite(grads):
+            log.warning(
+                "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
+                "shard holding it reports it)", self.worker,
+            )  # fmt: skip
+            tag = -1
+        accepted = self._links.push(tag, [[grads[i] for i in idx] for idx in self._parts])
+        reply = self._links.token(tag, into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
         if "params" in reply:
             self._load_shard(0, reply["params"])
-        self._version = int(reply.get("version", self.global_step))
-        if self._links is not None:
-            into = {k: self._shard_params(k) for k in self._links.clients}
-            for k, values in self._links.read(into).items():
-                self._load_shard(k, values)
+        into = {k: self._shard_params(k) for k in self._links.shards}
+        for k, values in self._links.read(into).items():
+            self._load_shard(k, values)
         return accepted
 
     # ----------------------------------------------------------------- queries / shutdown
@@ -363,27 +266,26 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         accumulators when sharded) saw them."""
         if self._allreduce is not None:
             return self._allreduce.stats
-        assert self._client is not None
-        if shard:
-            assert self._links is not None, "no such shard"
-            stats = self._links.clients[shard].call("stats", worker=self.worker)["stats"]
-        else:
-            stats = self._client.call("stats", worker=self.worker)["stats"]
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_counters: the optimizer is closed")
+        if shard not in self._links.clients:
+            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
+        stats = self._links.call(shard, "stats")["stats"]
         return {int(k): v for k, v in stats.items()}
 
     def averaged_variables(self) -> list[torch.Tensor | None]:
         """Moving averages of the variables, in parameter order (None if not averaged);
         sharded: gathered from every shard."""
-        if self._allreduce is not None or self._links is None:
+        chief = self._servers.chief if self._servers is not None else None
+        if self._allreduce is not None or len(self._parts) == 1:
             ema = self._allreduce.ema if self._allreduce is not None else None
-            ema = ema if ema is not None or self._server is None else self._server.ema
+            ema = ema if ema is not None or chief is None else chief.ema
             if ema is None:
                 raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
             return [ema.shadows.get(i) for i in range(len(self._index))]
-        assert self._client is not None
-        pairs = list(self._client.call("ema", worker=self.worker)["shadows"])
-        for reply in self._links.call_all("ema").values():
-            pairs.extend(reply["shadows"])
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.averaged_variables: the optimizer is closed")
+        pairs = [p for reply in self._links.call_all("ema").values() for p in reply["shadows"]]
         found = {int(i): s for i, s in pairs}
         return [found.get(i) for i in range(len(self._index))]
 
@@ -392,15 +294,23 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """Payload bytes this worker sent to the servers (all-reduce: bytes reduced)."""
         if self._allreduce is not None:
             return self._allreduce.bytes_sent
-        sent = self._client.bytes_out if self._client is not None else 0
-        return sent + (self._links.bytes_out if self._links is not None else 0)
+        return self._links.bytes_out if self._links is not None else 0
+
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the chief last heard from each worker that has not left (a worker
+        that never said hello: since the chief started).  Job control can declare a worker
+        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
+        report = self._links.call(0, "members")
+        return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: Iterable[int]) -> None:
         """Count the workers ``ranks`` as having left (they died and will not come back), on
         every server: a server rank's :meth:`close` then stops waiting for them at once
         instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
         forgotten worker that does come back (``hello``) is counted again."""
-        if self._client is None:
+        if self._links is None:
             raise RuntimeError(f"{_OWNER}.forget_workers: the optimizer is closed")
         ranks = [int(r) for r in ranks]
         bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
@@ -409,34 +319,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
                 f"got {bad}"
             )
-        for client in [self._client, *(self._links.clients.values() if self._links else ())]:
-            for r in ranks:
-                client.call("done", worker=r)
+        self._links.forget(ranks)
 
     def close(self) -> None:
-        """Leave: tell every server; a server rank keeps serving until every worker left or
-        has been silent for ``timeout`` seconds, then stops its servers (shards, then chief)."""
-        for client in [self._client, *(self._links.clients.values() if self._links else ())]:
-            try:
-                if client is not None:
-                    client.call("done", worker=self.worker, timeout=5.0)
-            except Exception:
-                pass
-        self._client = self._links = None
-        end = time.monotonic() + self.timeout
-        for server, mailbox in self._hosted.values():
-            while time.monotonic() < end and not server.finished():
-                time.sleep(0.02)
-            mailbox.close()
-        self._hosted = {}
-        if self._mailbox is not None and self._server is not None:
-            while time.monotonic() < end:
-                gone = self._server.done | set(self._server.silent_workers())
-                if gone >= set(range(self.total_num_replicas)):
-                    break
-                time.sleep(0.02)
-            self._mailbox.close()
-            self._mailbox = None
+        """Leave: tell every server; a server rank keeps serving until every worker (also one
+        that has not said hello yet) left or has been silent for ``timeout`` seconds, then
+        stops its servers (shards, then chief)."""
+        if self._links is not None:
+            self._links.leave()
+            self._links = None
+        if self._servers is not None:
+            self._servers.close()
 
     def __enter__(self) -> SyncReplicasOptimizer:
         return self
@@ -452,7 +345,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             "counters": dict(self.counters),
             "replicas_to_aggregate": self.replicas_to_aggregate,
             "total_num_replicas": self.total_num_replicas,
-            "server": self._server.state_dict() if self._server is not None else None,
+            "server": self._chief.state_dict() if self._chief is not None else None,
             "allreduce": self._allreduce.state_dict() if self._allreduce is not None else None,
             **self._shards_state(),
         }
@@ -464,6 +357,14 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             return {}
         return {"shards": {k: srv.shard.state_dict() for k, (srv, _) in self._hosted.items()}}
 
+    @property
+    def _chief(self) -> Any:
+        return self._servers.chief if self._servers is not None else None
+
+    @property
+    def _hosted(self) -> dict[int, Any]:
+        return self._servers.shards if self._servers is not None else {}
+
     def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
         super()._check_wrapper_state(counters)
         for key in ("replicas_to_aggregate", "total_num_replicas"):
@@ -472,7 +373,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                     f"{_OWNER}.load_state_dict: checkpoint has {key}="
                     f"{counters[key]}, this optimizer {getattr(self, key)}"
                 )
-        if (counters["server"] is None) != (self._server is None):
+        if (counters["server"] is None) != (self._chief is None):
             raise ValueError(f"{_OWNER}.load_state_dict: load the chief's checkpoint on the chief")
         if set(counters.get("shards", {})) != set(self._hosted):
             raise ValueError(
@@ -482,22 +383,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             )
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
-        if self._server is not None:
-            self._server.load_state_dict(state["server"])
+        if self._chief is not None:
+            self._chief.load_state_dict(state["server"])
         if self._allreduce is not None:
             self._allreduce.load_state_dict(state["allreduce"])
         for k, shard_state in state.get("shards", {}).items():
             self._hosted[int(k)][0].shard.load_state_dict(shard_state)
         self.local_step, self.global_step = int(state["local_step"]), int(state["global_step"])
         self.counters = dict(state["counters"])
-        self._version = -1  # the next step reloads the variables from the server(s)
-        if self._links is not None:
-            self._links.versions = dict.fromkeys(self._links.versions, -1)
-
-    def compute_gradients(self, loss: Any, var_list: Any = None) -> GradsAndVars:
-        """Pass-through to the wrapped optimizer (TF: clip per replica here)."""
-        return super().compute_gradients(loss, var_list=var_list)
+        if self._links is not None:  # the next step reloads the variables from the server(s)
+            self._links.forget_versions()
 
 
-def _finite(g: torch.Tensor | None) -> bool:
-    return g is None or all_finite(g)
+def _all_finite(grads: list[torch.Tensor | None]) -> bool:
+    return all(g is None or all_finite(g) for g in grads)

@@ -1,0 +1,249 @@
+"""Hosting the servers' state machines: where they listen, how workers learn the address, when
+they stop.
+
+* :func:`server_host` -- the interface a wrapper's server listens on when the user gives no
+  ``host=``: loopback while every rank of the job is on this host, else this host's address on
+  the route to ``MASTER_ADDR`` (the network the process group's rendezvous uses), never the
+  wildcard; if the ranks are on several hosts and no such address exists, every rank raises
+  the same error naming ``host=`` before anything waits.  :func:`env_server_host` is the part
+  that needs no collective (the CLI's launchers use it).
+* :class:`HostedServer` -- serves one state machine (``handle``/``tick`` returning
+  :class:`~.replies.Answer` objects and effects) on a :class:`~.transport.MailboxServer`,
+  sends the answers, hands effects to ``perform``, and :meth:`~HostedServer.close` waits
+  until its :class:`~.membership.Membership` says every worker left.
+* :func:`share_address` / :func:`gather_addresses` -- tell the group where the servers are.
+* :func:`probe` -- a liveness check of another server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from .membership import Membership
+from .replies import Answer
+from .transport import MailboxServer
+
+__all__ = [
+    "HostedServer",
+    "StateMachine",
+    "choose_server_host",
+    "env_server_host",
+    "gather_addresses",
+    "probe",
+    "server_host",
+    "share_address",
+]
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+# ----------------------------------------------------------------------------- where to listen
+def _is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def route_address(target: str | None, port: int = 9) -> str | None:
+    """This host's address on the route to ``target`` (loopback for a loopback target; None
+    when ``target`` is unset or cannot be resolved).  A UDP ``connect`` sends nothing: it asks
+    the kernel which local address routes there."""
+    if not target:
+        return None
+    if _is_loopback(target):
+        return LOOPBACK
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(target), port))
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        log.warning("no route to %s (%s): the server host cannot be derived from it", target, exc)
+        return None
+
+
+def _forced_host() -> str | None:
+    """``GRADFLEET_SERVER_HOST`` if set (checked: one interface, not the wildcard)."""
+    given = os.environ.get("GRADFLEET_SERVER_HOST")
+    if not given:
+        return None
+    if given in WILDCARDS:
+        raise ValueError(
+            "GRADFLEET_SERVER_HOST must be one interface's address, not the wildcard "
+            f"{given!r}: the server has no authentication"
+        )
+    return given
+
+
+def env_server_host() -> str:
+    """From the environment alone: ``GRADFLEET_SERVER_HOST`` if set, loopback for a job whose
+    ``MASTER_ADDR`` is loopback (or unset), else this host's address on the route to
+    ``MASTER_ADDR``.  Never the wildcard address."""
+    forced = _forced_host()
+    if forced is not None:
+        return forced
+    master = os.environ.get("MASTER_ADDR", LOOPBACK)
+    address = route_address(master, int(os.environ.get("MASTER_PORT", 9)))
+    if address is None:
+        raise ValueError(
+            f"no route to MASTER_ADDR={master!r}: set GRADFLEET_SERVER_HOST to this host's "
+            "address on the cluster network"
+        )
+    return address
+
+
+def choose_server_host(places: list[tuple[str, str | None]], rank: int, owner: str) -> str:
+    """The host a server on ``rank`` listens on, given every rank's ``(host name, address on
+    the route to MASTER_ADDR)``.  The same ``places`` give every rank the same decision, so a
+    failure is raised on every rank alike.
+
+    One place for all ranks: loopback.  Several: ``places[rank]``'s address, which must be a
+    non-loopback address on every rank, else ``ValueError`` naming ``host=``."""
+    if len(set(places)) <= 1:
+        return LOOPBACK
+    unusable = sorted({r for r, (_, a) in enumerate(places) if a is None or _is_loopback(a)})
+    if unusable:
+        hosts = sorted({name for name, _ in places})
+        raise ValueError(
+            f"{owner}: the job's ranks are on several hosts ({', '.join(hosts)}), but rank(s) "
+            f"{unusable} have no address towards MASTER_ADDR="
+            f"{os.environ.get('MASTER_ADDR')!r} that the other hosts can reach; pass host= "
+            "(this host's address on the cluster network) or set GRADFLEET_SERVER_HOST"
+        )
+    address = places[rank][1]
+    assert address is not None
+    return address
+
+
+def server_host(host: str | None, owner: str, group: Any = None) -> str:
+    """Where a server of ``owner`` listens: ``host`` if given, else ``GRADFLEET_SERVER_HOST``,
+    else :func:`choose_server_host` over every rank of ``group``.
+
+    Collective: every rank of the group calls it (the wrappers' construction already
+    synchronises them), and the ranks' places are gathered even where ``host`` is given, so a
+    job that passes ``host=`` on some ranks only cannot hang here."""
+    mine = (socket.gethostname(), route_address(os.environ.get("MASTER_ADDR")))
+    places: list[Any] = [mine]
+    rank = 0
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        places = [None] * dist.get_world_size(group)
+        dist.all_gather_object(places, mine, group=group)
+        places = [tuple(p) for p in places]
+        rank = dist.get_rank(group)
+    if host is not None:
+        return host
+    forced = _forced_host()
+    if forced is not None:
+        return forced
+    chosen = choose_server_host(places, rank, owner)
+    if chosen != LOOPBACK:
+        log.info("%s: ranks on several hosts, servers listen on %s", owner, chosen)
+    return chosen
+
+
+# ----------------------------------------------------------------------------- addresses
+def share_address(address: str | None, src: int, group: Any = None) -> str:
+    """Rank ``src`` (a rank of ``group``) tells every rank of the group its server address."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        assert address is not None
+        return address
+    box = [address]
+    root = src if group is None else dist.get_global_rank(group, src)
+    dist.broadcast_object_list(box, src=root, group=group)
+    return box[0]
+
+
+def gather_addresses(mine: dict[int, str]) -> dict[int, str]:
+    """Every rank's ``{server id: address}`` merged (all ranks of the default group call it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(mine)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {int(k): a for part in gathered for k, a in part.items()}
+
+
+def probe(address: str, seconds: float) -> Callable[[], None]:
+    """A liveness check of the server at ``address``: the check raises once it is gone."""
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
+
+    def check() -> None:
+        store.queue_len("gf/probe")
+
+    return check
+
+
+# ----------------------------------------------------------------------------- serving
+class StateMachine(Protocol):
+    """What :class:`HostedServer` serves: requests in, answers and effects out, no I/O."""
+
+    def handle(self, msg: dict[str, Any], ticket: Any) -> list[Any]: ...
+
+    def tick(self) -> list[Any]: ...
+
+
+class HostedServer:
+    """Serve ``machine`` on a :class:`~.transport.MailboxServer` listening on ``host``.
+
+    Answers go back to their requests; any other output is an effect passed to ``perform``
+    (on the server thread, in order).  ``watch`` (optional) runs on every tick before the
+    machine's own ``tick`` and may return answers too (e.g. after probing other servers).
+    """
+
+    def __init__(
+        self,
+        machine: StateMachine,
+        members: Membership,
+        host: str,
+        name: str,
+        perform: Callable[[Any], None] | None = None,
+        watch: Callable[[], list[Any]] | None = None,
+    ) -> None:
+        self.machine, self.members, self.name = machine, members, name
+        self._perform, self._watch = perform, watch
+        self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
+
+    @property
+    def address(self) -> str:
+        return self.mailbox.address
+
+    def _handle(self, msg: dict[str, Any], reply: Any) -> None:
+        self._emit(self.machine.handle(msg, reply))
+
+    def _tick(self) -> None:
+        if self._watch is not None:
+            self._emit(self._watch())
+        self._emit(self.machine.tick())
+
+    def _emit(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if isinstance(out, Answer):
+                out.ticket.send(out.payload, share=out.share)
+            elif self._perform is not None:
+                self._perform(out)
+            else:
+                raise TypeError(f"{self.name}: no way to perform the effect {out!r}")
+
+    def close(self, deadline: float) -> None:
+        """Serve until every expected worker left or went silent (or ``deadline``, a
+        ``time.monotonic()`` value), then stop."""
+        while time.monotonic() < deadline and not self.members.finished():
+            time.sleep(0.02)
+        if not self.members.finished():
+            staying = sorted(set(range(self.members.expected)) - self.members.left)
+            log.warning("%s: stops with worker rank(s) %s not gone yet", self.name, staying)
+        self.mailbox.close()

@@ -1,0 +1,18 @@
+"""``SyncReplicasOptimizer``: TF's synchronous replicas with a chief, parameter shards and tokens.
+
+Modules, from the algorithm to the wrapper:
+
+* :mod:`.aggregator` -- TF's conditional accumulators (staleness rule) and token queue;
+* :mod:`.shards` -- a shard's variables, their accumulators and optimizer copy; the shard
+  server's state machine; how parameters are assigned to shards;
+* :mod:`.chief` -- the chief's state machine: shard 0, ``global_step``, the tokens;
+* :mod:`.servers` -- hosting the chief and shards of one rank (reports, probes, close);
+* :mod:`.links` -- a worker's connections: push, token, read;
+* :mod:`.lockstep` -- ``transport="allreduce"``: the same numbers without a server;
+* :mod:`.optimizer` -- the ``torch.optim.Optimizer`` wrapper users construct.
+"""
+
+from ..moving_average import ExponentialMovingAverage
+from .optimizer import SyncReplicasOptimizer
+
+__all__ = ["ExponentialMovingAverage", "SyncReplicasOptimizer"]

@@ -1,0 +1,140 @@
+"""A SyncReplicas worker's connections to the servers: the chief (shard 0, tokens) and shards 1..
+
+Per step, the protocol of TF's worker train op, one method each:
+
+* :meth:`SyncLinks.push` -- shard k's gradients to shard k, all at once (with one server they
+  travel with the token request);
+* :meth:`SyncLinks.token` -- wait for a token from the chief; the answer carries shard 0's new
+  values when it stepped;
+* :meth:`SyncLinks.read` -- every other shard's values that changed since the last read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..transport import MailboxClient
+
+__all__ = ["SyncLinks"]
+
+log = logging.getLogger(__name__)
+
+Grads = list[torch.Tensor | None]
+
+
+class SyncLinks:
+    """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them)."""
+
+    def __init__(
+        self, addresses: Sequence[str], ranks: Sequence[int], worker: int, timeout: float
+    ) -> None:
+        self.worker = worker
+        self.clients = {
+            k: MailboxClient(
+                a,
+                f"w{worker}",
+                timeout + 10.0,
+                f"server rank {ranks[k]}" + (f" (shard {k})" if k else ""),
+            )
+            for k, a in enumerate(addresses)
+        }
+        self.versions = dict.fromkeys(self.clients, -1)
+        self._carried: Grads | None = None  # one server: the push travels with the token request
+
+    @property
+    def chief(self) -> MailboxClient:
+        return self.clients[0]
+
+    @property
+    def shards(self) -> dict[int, MailboxClient]:
+        return {k: c for k, c in self.clients.items() if k}
+
+    def hello(self, parts: Sequence[Sequence[torch.Tensor]]) -> tuple[int, dict[int, list]]:
+        """Join every server: ``(global_step, {shard: its current values})``."""
+        out, step = {}, 0
+        for k, client in self.clients.items():
+            reply = client.call(
+                "hello",
+                worker=self.worker,
+                shapes=[list(p.shape) for p in parts[k]],
+                dtypes=[str(p.dtype) for p in parts[k]],
+            )
+            self.versions[k] = int(reply["version"])
+            out[k] = reply["params"]
+            step = int(reply["global_step"]) if k == 0 else step
+        return step, out
+
+    def push(self, tag: int, parts: Sequence[Grads]) -> bool:
+        """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
+        everywhere; the shard that holds it reports it).  True iff every shard accepted them
+        so far (one server: decided with the token)."""
+        if not self.shards:
+            self._carried = list(parts[0])
+            return True
+        for k, client in self.shards.items():
+            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
+        if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
+            accepted = self._pushed()
+        self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0])
+        if tag >= 0:
+            accepted = self._pushed()
+        return bool(self.chief.response()["accepted"]) and accepted
+
+    def _pushed(self) -> bool:
+        return all([bool(c.response()["accepted"]) for c in self.shards.values()])
+
+    def token(self, tag: int, into: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Wait for a token (``token``, ``accepted``, ``global_step``, and shard 0's
+        ``params`` if they changed, received into ``into`` where possible)."""
+        fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
+        if self._carried is not None:
+            fields["grads"], self._carried = self._carried, None
+        reply = self.chief.call("step", receive_into=into, **fields)
+        self.versions[0] = int(reply["version"])
+        return reply
+
+    def read(self, into: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Values of every shard 1.. that stepped since the last read (read concurrently; the
+        tensors are views of each link's buffer, or of ``into[k]`` where they were received
+        in place: copy the others before the next read)."""
+        for k, client in self.shards.items():
+            client.request("read", worker=self.worker, version=self.versions[k])
+        out = {}
+        for k, client in self.shards.items():
+            reply = client.response(receive_into=into.get(k))
+            self.versions[k] = int(reply["version"])
+            if "params" in reply:
+                out[k] = reply["params"]
+        return out
+
+    def forget_versions(self) -> None:
+        """The next token and read bring every shard's values (after a checkpoint load)."""
+        self.versions = dict.fromkeys(self.versions, -1)
+
+    def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        return self.clients[shard].call(op, worker=self.worker, **fields)
+
+    def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
+        return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
+
+    def forget(self, ranks: Sequence[int]) -> None:
+        """Tell every server that the workers ``ranks`` are dead for good."""
+        for client in self.clients.values():
+            for r in ranks:
+                client.call("done", worker=r, forgotten=True)
+
+    def leave(self) -> None:
+        """Say ``done`` to every server; a server that is already gone is logged and skipped."""
+        for k, client in self.clients.items():
+            try:
+                client.call("done", worker=self.worker, timeout=5.0)
+            except Exception as exc:  # leaving must not fail: the server may have stopped
+                log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(c.bytes_out for c in self.clients.values())

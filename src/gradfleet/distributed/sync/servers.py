@@ -1,0 +1,149 @@
+"""Hosting the SyncReplicas servers of one rank: the chief and the shards ``server_ranks`` give it.
+
+:class:`SyncServers` builds the state machines (:class:`~.chief.SyncChief` on
+``server_ranks[0]``, a :class:`~.shards.ShardServer` for every other shard this rank hosts),
+serves each on its own :class:`~gradfleet.distributed.hosting.HostedServer`, and performs their
+effects: a shard's :class:`~.shards.Applied` becomes an ``applied`` report to the chief, and the
+chief probes the shard servers every ``PROBE_S`` seconds, so that a dead one makes every worker
+fail with an error naming it (:meth:`~.chief.SyncChief.unreachable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..hosting import HostedServer, probe
+from ..moving_average import ExponentialMovingAverage
+from ..replies import Answer
+from ..transport import MailboxClient, ServerUnreachable
+from .chief import SyncChief
+from .shards import Applied, Shard, ShardServer
+
+__all__ = ["SyncServers", "PROBE_S"]
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 0.5
+
+
+class SyncServers:
+    """The chief and shard servers hosted by rank ``rank`` (see module docstring)."""
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        parts: Sequence[Sequence[int]],
+        ranks: Sequence[int],
+        rank: int,
+        host: str,
+        *,
+        replicas_to_aggregate: int,
+        total_num_replicas: int,
+        num_tokens: int,
+        timeout: float,
+        ema: ExponentialMovingAverage | None,
+        average_indices: Sequence[int],
+        nonfinite: str,
+        last_step: int | None,
+    ) -> None:
+        R, N = replicas_to_aggregate, total_num_replicas
+        self.ranks, self.timeout = list(ranks), timeout
+        self.chief: SyncChief | None = None
+        self._chief_server: HostedServer | None = None
+        self.shards: dict[int, tuple[ShardServer, HostedServer]] = {}
+        self._reports: dict[int, MailboxClient] = {}  # shard k -> its link to the chief
+        self._linked = threading.Event()
+        self._probes: dict[str, Callable[[], None]] = {}
+        self._probed = 0.0
+        if rank == self.ranks[0]:
+            self.chief = SyncChief(
+                opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
+                parts[0], len(self.ranks),
+            )  # fmt: skip
+            self._chief_server = HostedServer(
+                self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch
+            )
+        for k in range(1, len(self.ranks)):
+            if self.ranks[k] == rank:
+                shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step)
+                server = ShardServer(k, shard, N, timeout)
+                hosted = HostedServer(
+                    server, server.members, host, f"SyncReplicas shard {k}", perform=self._report
+                )
+                self.shards[k] = (server, hosted)
+
+    def addresses(self) -> dict[int, str]:
+        """``{shard: address}`` of the servers hosted here (the chief is shard 0)."""
+        mine = {k: hosted.address for k, (_, hosted) in self.shards.items()}
+        if self._chief_server is not None:
+            mine[0] = self._chief_server.address
+        return mine
+
+    def connect(self, addresses: dict[int, str]) -> None:
+        """Every server's address is known: link the shards to the chief, let the chief
+        probe the shard servers."""
+        for k in self.shards:
+            self._reports[k] = MailboxClient(
+                addresses[0],
+                f"shard{k}",
+                self.timeout + 10.0,
+                f"server rank {self.ranks[0]} (chief)",
+                data=False,  # "applied" reports carry no tensors
+            )
+        self._linked.set()
+        if self.chief is not None:
+            self._probes = {
+                f"shard server rank {self.ranks[k]} (shard {k}) at {addresses[k]}": probe(
+                    addresses[k], min(self.timeout, 5.0)
+                )
+                for k in range(1, len(self.ranks))
+            }
+
+    # ------------------------------------------------------------------ effects
+    def _report(self, effect: Any) -> None:
+        """A shard's :class:`Applied`: tell the chief (on the shard's server thread, before the
+        answer to the push that caused it)."""
+        if not isinstance(effect, Applied):
+            raise TypeError(f"SyncReplicas shard: unknown effect {effect!r}")
+        if not self._linked.wait(self.timeout) or effect.shard not in self._reports:
+            raise ServerUnreachable(f"shard {effect.shard}: no link to the chief")
+        self._reports[effect.shard].call("applied", worker=-1, shard=effect.shard, step=effect.step)
+
+    def _watch(self) -> list[Answer]:
+        """The chief's tick: probe the shard servers every ``PROBE_S`` seconds."""
+        now = time.monotonic()
+        chief = self.chief
+        if chief is None or not self._probes or chief.broken is not None:
+            return []
+        if now - self._probed <= PROBE_S:
+            return []
+        self._probed = now
+        for name, check in self._probes.items():
+            try:
+                check()
+            except Exception as exc:  # any failure to reach it: the shard server is gone
+                log.warning("SyncReplicas chief: probe of %s failed: %s", name, exc)
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                return chief.unreachable(
+                    f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "
+                    f"stops at global step {chief.global_step}: {type(exc).__name__}: {first}"
+                )
+        return []
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Serve until every worker left or went silent (at most ``timeout`` seconds), then
+        stop: the shards first, then the chief."""
+        end = time.monotonic() + self.timeout
+        for _, hosted in self.shards.values():
+            hosted.close(end)
+        self.shards = {}
+        if self._chief_server is not None:
+            self._chief_server.close(end)
+            self._chief_server = None
