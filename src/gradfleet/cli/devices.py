@@ -117,7 +117,7 @@ def process_backend(device: torch.device) -> str:
     """gloo for CPU ranks; torch's combined backend for GPU ranks, so that parameter-sized CUDA
     tensors all-reduce over NCCL while the CPU tensors of the server strategies' control and
     staging paths stay on gloo."""
-    from gradfleet.distributed._launch import COMBINED_BACKEND
+    from gradfleet.distributed import COMBINED_BACKEND
 
     return COMBINED_BACKEND if device.type == "cuda" else "gloo"
 

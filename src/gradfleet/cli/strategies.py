@@ -99,7 +99,7 @@ def _int(spec: str, key: str, value: Any, minimum: int) -> int:
 
 def _easgd_modes() -> dict[str, str]:
     """CLI mode name -> ElasticAverageOptimizer mode, for the modes this build has."""
-    from gradfleet.distributed._centre import CENTRE_MODES
+    from gradfleet.distributed import CENTRE_MODES
 
     modes = {"sync": "allreduce"}
     for name in CENTRE_MODES:
@@ -304,7 +304,7 @@ def _rho(value: Any) -> float | None:
 
 class Easgd(Strategy):
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from gradfleet.distributed._centre import CENTRE_MODES
+        from gradfleet.distributed import CENTRE_MODES
 
         self.period = int(self.args.get("period", 4))
         mode = _easgd_modes()[self.args.get("mode", "sync")]
@@ -368,7 +368,7 @@ class Towers(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         def tower_fn(module: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-            from gradfleet.distributed.towers import current_tower
+            from gradfleet.distributed import current_tower
 
             if self.straggle_s and current_tower()[1] == self.straggler_tower:
                 time.sleep(self.straggle_s)

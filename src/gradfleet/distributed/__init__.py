@@ -23,16 +23,18 @@ Layers of the server-based wrappers, from ``SyncReplicasOptimizer.step`` to the 
 """
 
 from ._async_centre import AsyncCentre
-from ._centre import AllReduceCentre, CentreStrategy
-from ._launch import DistInfo, init, shutdown
+from ._centre import CENTRE_MODES, AllReduceCentre, CentreStrategy
+from ._launch import COMBINED_BACKEND, DistInfo, init, shutdown
 from .elastic_average import ElasticAverageOptimizer
 from .model_average import ModelAverageOptimizer
 from .replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
 from .sync_replicas import ExponentialMovingAverage, SyncReplicasOptimizer
-from .towers import TowerOptimizer
+from .towers import TowerOptimizer, current_tower
 
 __all__ = [
     "AllReduceCentre",
+    "CENTRE_MODES",
+    "COMBINED_BACKEND",
     "AsyncCentre",
     "CentreStrategy",
     "DistInfo",
@@ -40,6 +42,7 @@ __all__ = [
     "ExponentialMovingAverage",
     "ModelAverageOptimizer",
     "ReplicatedModel",
+    "current_tower",
     "TowerOptimizer",
     "TowerOutput",
     "init",

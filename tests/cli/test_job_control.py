@@ -1,6 +1,6 @@
-"""gradfleet.distributed.elastic: the per-worker agent recipe's environment, the server host
-(never the wildcard address) and the job store's control keys (a barrier a lost rank cannot
-block)."""
+"""gradfleet.distributed.job_control: the per-worker agent recipe's environment, the server host
+(never the wildcard address) and the job's control keys (a barrier that neither a rank the
+launcher reported lost nor a rank whose heartbeat stopped can block)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from gradfleet.distributed import elastic
+from gradfleet.distributed import job_control as elastic
+from gradfleet.distributed.job_control import JobControl
 
 RECIPE = {
     "GRADFLEET_RANK": "2",
@@ -86,15 +87,62 @@ def test_server_host_explicit_loopback_never_wildcard(env) -> None:
 def test_lost_rank_does_not_block_the_barrier() -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
-    elastic.arrive(store, "finished", 0)
-    elastic.arrive(store, "finished", 2)
+    job = JobControl(store, 3)  # no heartbeats: a silent rank is late only after 10 s
+    job.finished(0)
+    job.finished(2)
     t0 = time.monotonic()
-    assert elastic.wait_arrived(store, "finished", 3, timeout=0.3) == [1]  # rank 1: silent
+    assert job.wait_finished(timeout=0.3) == {1: "not finished in 0.3s"}  # rank 1: late
     assert time.monotonic() - t0 >= 0.3
-    elastic.mark_lost(store, 1, step=17, cause="killed by signal 9")
-    assert elastic.wait_arrived(store, "finished", 3, timeout=30) == []  # returns at once
-    assert elastic.lost_workers(store, 3) == {
-        1: {"rank": 1, "step": 17, "cause": "killed by signal 9"}
-    }
-    elastic.publish(store, "rejoined/1", [40, 1234])
-    assert elastic.lost_workers(store, 3) == {}  # it came back
+    job.mark_lost(1, step=17, cause="killed by signal 9")
+    t0 = time.monotonic()
+    assert job.wait_finished(timeout=30) == {}  # returns at once
+    assert time.monotonic() - t0 < 5
+    assert job.lost_workers() == {1: {"rank": 1, "step": 17, "cause": "killed by signal 9"}}
+    job.mark_rejoined(1, 40, 1234)
+    assert job.rejoined(1) == (40, 1234)
+    assert job.lost_workers() == {}  # it came back
+
+
+def _job(store: dist.TCPStore) -> JobControl:
+    return JobControl(store, 2, heartbeat_s=0.05, silent_after=0.5)
+
+
+def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
+    """Rank 1 dies without a launcher that reports it: rank 0 stops waiting once its heartbeat
+    has not moved for ``silent_after``, not after the whole timeout; a live but slow rank is
+    waited for until the timeout."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rank0 = _job(server)
+    rank1 = _job(dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    rank1.start_heartbeat(1)
+    try:
+        rank0.finished(0)
+        t0 = time.monotonic()
+        assert rank0.wait_finished(timeout=1.5) == {1: "not finished in 1.5s"}  # alive: late
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        rank1.close()  # its process dies: no more beats
+    t0 = time.monotonic()
+    assert rank0.wait_finished(timeout=60) == {1: "silent for 0.5s (no heartbeat)"}
+    assert 0.5 <= time.monotonic() - t0 < 10
+    rank1.finished(1)
+    assert rank0.wait_finished(timeout=60) == {}
+
+
+def test_heartbeat_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="silent_after must be >= 3 \\* heartbeat_s"):
+        JobControl(dist.HashStore(), 2, heartbeat_s=1.0, silent_after=2.0)
+
+
+def test_job_control_owns_the_store_keys() -> None:
+    """No module of the CLI reads or writes the job store itself, nor spells the keys' prefix:
+    every control key goes through JobControl."""
+    import re
+    from pathlib import Path
+
+    import gradfleet.cli
+
+    for path in Path(gradfleet.cli.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"store\.(set|get|add|check|wait|compare_set)\(", text), path.name
+        assert JobControl.PREFIX not in text, path.name
