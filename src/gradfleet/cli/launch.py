@@ -149,11 +149,13 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     continue
                 started = job.started()
                 if rank == 0 or not started or len(lost) >= tolerated:
-                    log.info(
-                        "rank %d failed (%s): fatal (%s); ending the survivors", rank, cause,
-                        "rank 0" if rank == 0 else "before training started" if not started
-                        else f"{len(lost)} of {tolerated} tolerated loss(es) already",
+                    why = (
+                        "rank 0" if rank == 0
+                        else "the strategy cannot lose a worker" if not tolerated
+                        else "before training started" if not started
+                        else f"{tolerated} tolerated loss(es) already"
                     )  # fmt: skip
+                    log.info("rank %d failed (%s): fatal (%s); ending the others", rank, cause, why)
                     raise WorkerFailed(f"worker rank {rank} failed: {cause}; {where}")
                 step = _last_step(out / "metrics.jsonl")
                 lost[rank] = cause
