@@ -20,7 +20,7 @@ from .config import ConfigError, load_config, optimizer_config, parse_spec, pars
 from .devices import check_device, parse_device
 from .workloads import load_workload
 
-__all__ = ["LOG_LEVELS", "RunSpec", "resolve", "resume_spec", "settings_table"]
+__all__ = ["LOG_LEVELS", "RunSpec", "resolve", "resume_spec", "settings_markdown", "settings_table"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -135,14 +135,24 @@ CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(RunSpec) if f.metadata["c
 """The settings a config file may give (besides ``learning_rate``)."""
 
 
-def settings_table() -> list[tuple[str, str, str, str]]:
-    """``(config key, flag, default, meaning)`` for every setting (the docs' table)."""
+def settings_table() -> list[tuple[str, bool, str, str, str]]:
+    """``(field, config-file key?, flag, default, meaning)`` for every field of
+    :class:`RunSpec` (the docs' table)."""
     rows = []
     for f in dataclasses.fields(RunSpec):
         meta = f.metadata
         default = meta["default"] or repr(f.default)
-        rows.append((f.name if meta["config"] else "", meta["flag"] or "", default, meta["help"]))
+        rows.append((f.name, meta["config"], meta["flag"] or "", default, meta["help"]))
     return rows
+
+
+def settings_markdown() -> str:
+    """:func:`settings_table` as the Markdown table of ``docs/cli.md``."""
+    lines = ["| field | config file | flag | default | meaning |", "|---|---|---|---|---|"]
+    for name, config, flag, default, meaning in settings_table():
+        cells = [f"`{name}`", "yes" if config else "no", f"`{flag}`" if flag else "-"]
+        lines.append("| " + " | ".join([*cells, f"`{default}`", meaning]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- checking values
