@@ -107,6 +107,7 @@ def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "model-average", "easgd"])
 def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, strategy) -> None:
+    from gradfleet.cli.spec import RunSpec
     from gradfleet.cli.worker import run_worker
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
@@ -114,6 +115,6 @@ def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, str
     env.update(GRADFLEET_MASTER_PORT="9", LOCAL_RANK="0", TORCHELASTIC_USE_AGENT_STORE="True")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    spec = {"strategy": strategy, "strategy_args": {}, "out": "unused"}
+    spec = RunSpec(strategy=strategy, out="unused")
     with pytest.raises(RuntimeError, match=f"strategy {strategy} cannot lose a worker"):
         run_worker(spec)  # before any process group or file
