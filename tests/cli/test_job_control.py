@@ -27,6 +27,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     # set here so that the monkeypatch restores what apply_job_env() exports
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
     monkeypatch.setenv("LOCAL_RANK", "unset")
@@ -40,7 +41,7 @@ def test_recipe_env_overrides_the_agents_one_process_job(env) -> None:
         env.setenv(k, v)  # torchrun's own single-worker job
     env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     place = elastic.apply_job_env()
-    assert place == elastic.JobPlace(rank=2, world_size=3, rejoining=False)
+    assert place == elastic.JobPlace(rank=2, world_size=3, rejoining=False, restarts_left=0)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == (
         "2",
         "3",
@@ -48,7 +49,8 @@ def test_recipe_env_overrides_the_agents_one_process_job(env) -> None:
     )
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
     env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert elastic.apply_job_env().rejoining
+    env.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert elastic.apply_job_env() == elastic.JobPlace(2, 3, rejoining=True, restarts_left=2)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +116,7 @@ def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     rank0 = _job(server)
     rank1 = _job(dist.TCPStore("127.0.0.1", server.port, is_master=False))
-    rank1.start_heartbeat(1)
+    rank1.start_heartbeat(1, restarts_left=1)  # its agent will restart it once
     try:
         rank0.finished(0)
         t0 = time.monotonic()
@@ -122,6 +124,11 @@ def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
         assert time.monotonic() - t0 >= 1.5
     finally:
         rank1.close()  # its process dies: no more beats
+    t0 = time.monotonic()  # silent, but a restart is coming: waited for until the timeout
+    assert rank0.wait_finished(timeout=1.5) == {1: "not finished in 1.5s"}
+    assert time.monotonic() - t0 >= 1.5
+    rank1.start_heartbeat(1, restarts_left=0)  # restarted: no restart left
+    rank1.close()  # and dead again
     t0 = time.monotonic()
     assert rank0.wait_finished(timeout=60) == {1: "silent for 0.5s (no heartbeat)"}
     assert 0.5 <= time.monotonic() - t0 < 10

@@ -192,7 +192,7 @@ class _Job:
         if self.tolerated and self.control is None:
             self.control = JobControl.connect(self.world, spec.timeout)
         if self.control is not None:
-            self.control.start_heartbeat(self.rank)
+            self.control.start_heartbeat(self.rank, place.restarts_left if place else 0)
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}

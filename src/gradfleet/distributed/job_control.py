@@ -54,6 +54,9 @@ class JobPlace:
     rank: int
     world_size: int
     rejoining: bool
+    restarts_left: int = 0
+    """How many more times this worker's agent restarts it (torchrun's ``--max-restarts``
+    less the restarts done): rank 0 keeps waiting for a silent rank that will come back."""
 
 
 def _int_env(name: str, minimum: int) -> int:
@@ -85,8 +88,9 @@ def apply_job_env() -> JobPlace | None:
     os.environ["LOCAL_RANK"] = "0"
     # The agent's own store serves its one-process job; gradfleet's job store is rank 0's.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-    rejoining = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return JobPlace(rank, world, rejoining)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    left = max(int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restarts, 0)
+    return JobPlace(rank, world, restarts > 0, left)
 
 
 def job_store(timeout: float = 60.0) -> dist.TCPStore:
@@ -128,9 +132,11 @@ def server_host() -> str:
 HEARTBEAT_S: Final = 1.0
 """How often a worker's heartbeat thread says it is alive."""
 SILENT_S: Final = 10.0
-"""A rank whose heartbeat has not moved for this long, at a point rank 0 waits at, is gone: its
-process died and no launcher reported it (torchrun's per-worker recipe without a restart).
-The beat comes from a thread of its own, so a worker that is merely slow keeps beating."""
+"""A rank whose heartbeat has not moved for this long, at a point rank 0 waits at, and whose
+agent has no restart left for it, is gone: its process died and no launcher reported it
+(torchrun's per-worker recipe without a restart). The beat comes from a thread of its own, so
+a worker that is merely slow keeps beating; one with restarts left is waited for until the
+timeout, as its agent brings it back."""
 
 
 class JobControl:
@@ -140,6 +146,7 @@ class JobControl:
     worker is tolerated), ``progress`` (rank 0's step), ``server`` (the wrapper server's
     address, for a rejoining worker), ``lost/R`` (the launcher saw rank R die), ``rejoined/R``
     (R was restarted and rejoined at a step), ``alive/R`` (R's heartbeat counter),
+    ``restarts/R`` (how often R's agent will still restart it),
     ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``)."""
 
     PREFIX: Final = "gradfleet/"
@@ -220,9 +227,12 @@ class JobControl:
         return out
 
     # ------------------------------------------------------------------ heartbeat
-    def start_heartbeat(self, rank: int) -> None:
+    def start_heartbeat(self, rank: int, restarts_left: int = 0) -> None:
         """Beat ``alive/rank`` every ``heartbeat_s`` seconds from a daemon thread until
-        :meth:`close` (or the process's death), on a store connection of its own."""
+        :meth:`close` (or the process's death), on a store connection of its own.
+        ``restarts_left``: how often this rank's agent will still restart it (while any are
+        left, a silent rank is waited for until the timeout: it is coming back)."""
+        self._set(f"restarts/{rank}", restarts_left)
         store = self.store
         if isinstance(store, dist.TCPStore):
             store = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
@@ -283,7 +293,7 @@ class JobControl:
                 count = self.store.add(f"{self.PREFIX}alive/{r}", 0)
                 if beats.get(r, (None,))[0] != count:
                     beats[r] = (count, now)
-                if now - beats[r][1] >= self.silent_after:
+                if now - beats[r][1] >= self.silent_after and not self._get(f"restarts/{r}"):
                     silent[r] = f"silent for {self.silent_after:g}s (no heartbeat)"
             if len(silent) == len(missing):
                 break
