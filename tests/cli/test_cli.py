@@ -197,6 +197,8 @@ BAD = [
     (["-s", "model-average:interval=0", "-n", "2"], "interval must be an integer >= 1"),
     (["--straggler", "fast"], "RANK:DELAY_MS"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+    (["--log-level", "loud"], "--log-level must be one of debug, info, warning, error"),
+    (["--checkpoint-every", "-2"], "--checkpoint-every must be an integer >= 0, got -2"),
 ]
 
 
@@ -236,3 +238,35 @@ def test_worker_failure_names_rank_and_log(tmp_path: Path) -> None:
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "worker rank" in lines[0] and "stderr.log" in lines[0], res.stderr
+
+
+def test_log_level_info_logs_the_decisions(tmp_path: Path, cli) -> None:
+    res = cli(["train", "--steps", "6", "--checkpoint-every", "3", "--out", "r", "-q"])
+    assert res.exit_code == 0, res.stderr
+    assert "INFO" not in res.stderr  # the default level is warning
+    res = cli(["train", "--resume", "r", "--steps", "9", "-q", "--log-level", "info"])
+    assert res.exit_code == 0, res.stderr
+    assert "INFO [launcher] gradfleet.cli.main: run specification: RunSpec(" in res.stderr
+    assert "INFO [rank 0] gradfleet.cli.worker: resumed from the checkpoint of step 6" in (
+        res.stderr
+    )
+    assert "resume at step 6: kept" in res.stderr
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["log_level"] == "info"
+
+
+def test_cli_imports_no_private_module() -> None:
+    """The CLI uses gradfleet's public API only: no ``_module`` in any import of its files."""
+    import ast
+
+    import gradfleet.cli
+
+    for path in Path(gradfleet.cli.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                parts = (node.module or "").split(".") + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                parts = [p for a in node.names for p in a.name.split(".")]
+            else:
+                continue
+            private = [p for p in parts if p.startswith("_")]
+            assert not private, (path.name, ast.unparse(node))

@@ -23,7 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import gradfleet.cli.main as cli_main
+import gradfleet.cli.spec as cli_spec
 from gradfleet.cli.devices import StepClock, process_backend, rank_device, tower_devices
 from gradfleet.cli.main import app
 
@@ -78,7 +78,7 @@ def test_bad_device_one_line_exit_2_before_any_data(
 ) -> None:
     fake_gpus(monkeypatch, gpus)
     built = []
-    monkeypatch.setattr(cli_main, "load_workload", lambda *a: built.append(a))
+    monkeypatch.setattr(cli_spec, "load_workload", lambda *a: built.append(a))
     res = cli(["train", *args, "--out", "r"])
     assert res.exit_code == 2, res.output
     lines = res.stderr.strip().splitlines()

@@ -75,6 +75,39 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
 
 
 @pytest.mark.slow
+def test_recipe_worker_killed_not_restarted_rank0_stops_waiting(tmp_path: Path) -> None:
+    """Rank 2's agent has no restart left: nothing tells rank 0 that rank 2 is gone, but its
+    heartbeat stops, so rank 0 ends the run without waiting the job timeout (600 s here, longer
+    than the test's deadline) and names rank 2 in the summary."""
+    world, steps, port, out = 3, 300, free_port(), tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2"]
+    train += ["-n", str(world), "--steps", str(steps), "--timeout", "600", "--out", str(out)]
+    train += ["-q"]
+    procs = [
+        popen(
+            [*AGENT, "--max-restarts=0", *train], tmp_path, recipe_env(r, world, "127.0.0.1", port)
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        kill_rank(out, 2)
+        results = finish(procs, deadline, out)  # before: rank 0 waited 600 s, a hang here
+    finally:
+        stop(procs, out)
+    for rank, (code, console) in enumerate(results[:2]):
+        assert code == 0, (rank, console)
+    assert results[2][0] != 0 and "exitcode  : -9" in results[2][1], results[2][1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_workers"] == [
+        {"rank": 2, "step": None, "cause": "silent for 10s (no heartbeat)"}
+    ]
+    assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+
+
+@pytest.mark.slow
 def test_one_agent_for_all_workers_ends_the_job_when_one_is_killed(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node N``: one agent for the N workers ends every survivor when one
     is killed (``--max-restarts 0``), even where a backup could have covered it; no summary."""

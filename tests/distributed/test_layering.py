@@ -49,7 +49,7 @@ LAYERS = {
     "model_average": WRAPPERS,
     "towers": WRAPPERS,
     "replicate": WRAPPERS,
-    "elastic": JOBS,
+    "job_control": JOBS,
     "testing": JOBS,
     "": JOBS,  # the package itself exports everything
 }

@@ -2,9 +2,8 @@
 
 A config file is Python (run in a fresh namespace, as RETURNN does) or JSON. Its entries are
 the training settings: ``optimizer = {"class": "adam", "epsilon": 1e-8}``, ``learning_rate``
-(RETURNN's top-level learning rate), ``workload``, ``strategy``, ``workers``, ``steps``,
-``seed``, ``batch_size``, ``straggler``, ``eval_every``, ``checkpoint_every``, ``timeout``,
-``device``. Command-line flags override the file.
+(RETURNN's top-level learning rate) and the keys of :class:`gradfleet.cli.spec.RunSpec`
+(``workload``, ``strategy``, ``workers``, ``steps``, ...). Command-line flags override the file.
 """
 
 from __future__ import annotations
@@ -15,23 +14,7 @@ import runpy
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "SETTINGS", "load_config", "parse_spec", "parse_straggler"]
-
-SETTINGS = (
-    "optimizer",
-    "learning_rate",
-    "workload",
-    "strategy",
-    "workers",
-    "steps",
-    "seed",
-    "batch_size",
-    "straggler",
-    "eval_every",
-    "checkpoint_every",
-    "timeout",
-    "device",
-)
+__all__ = ["ConfigError", "load_config", "optimizer_config", "parse_spec", "parse_straggler"]
 
 
 class ConfigError(ValueError):
@@ -97,8 +80,9 @@ def _from_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path_text: str) -> dict[str, Any]:
-    """The known settings of a ``.py`` / ``.json`` config file (others are ignored)."""
+def load_config(path_text: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The settings named in ``keys`` of a ``.py`` / ``.json`` config file (others are
+    ignored: a RETURNN config holds much else)."""
     path = Path(path_text)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -108,7 +92,7 @@ def load_config(path_text: str) -> dict[str, Any]:
         raw = _from_python(path)
     else:
         raise ConfigError(f"config file {path} must end in .py or .json")
-    settings = {k: raw[k] for k in SETTINGS if k in raw}
+    settings = {k: raw[k] for k in keys if k in raw}
     opt = settings.get("optimizer")
     if opt is not None and not isinstance(opt, (str, dict)):
         raise ConfigError(f"{path}: optimizer must be a dict with a 'class' entry or a name")

@@ -23,10 +23,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from gradfleet.distributed.job_control import JobControl
+
+from .spec import RunSpec
 from .strategies import tolerated_losses
 from .worker import run_worker
 
 __all__ = ["WorkerFailed", "run_local", "launch", "under_torchrun"]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerFailed(RuntimeError):
@@ -38,7 +43,7 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_local(spec: dict[str, Any]) -> dict[str, Any] | None:
+def run_local(spec: RunSpec) -> dict[str, Any] | None:
     """One process (``none``, ``towers``, or this rank under torchrun)."""
     return run_worker(spec)
 
@@ -68,17 +73,18 @@ def _last_step(metrics: Path) -> int | None:
         with open(metrics, "rb") as f:
             f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
             lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
+    except OSError as err:
+        log.debug("no step from %s: %s", metrics, err)
         return None
     for line in reversed(lines):
         try:
             return int(json.loads(line)["step"])
         except (ValueError, KeyError, TypeError):
-            continue
+            continue  # the first, cut line of the tail, a half-written last one, an event
     return None
 
 
-def _start(spec: dict[str, Any], rank: int, workers: int, port: int, run_id: str, log_dir: Path):
+def _start(spec: RunSpec, rank: int, workers: int, port: int, run_id: str, log_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     env = {
@@ -102,26 +108,26 @@ def _start(spec: dict[str, Any], rank: int, workers: int, port: int, run_id: str
     )
 
 
-def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
-    """Start ``workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
+def launch(spec: RunSpec) -> dict[str, Any] | None:
+    """Start ``spec.workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
     import torch.distributed as dist
-
-    from gradfleet.distributed import elastic
 
     # The elastic code logs each failure with a traceback; the CLI reports it as one line.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    out = Path(spec["out"])
+    workers, out = spec.workers, Path(spec.out)
     log_dir = out / "logs"
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=float(spec.get("timeout", 120))),
+        timeout=timedelta(seconds=spec.timeout),
     )  # fmt: skip
+    job = JobControl(store, workers)
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
-    tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], workers)
+    tolerated = tolerated_losses(spec.strategy, spec.strategy_args, workers)
     running = {r: _start(spec, r, workers, store.port, run_id, log_dir) for r in range(workers)}
     pids = {r: pc.pids()[0] for r, pc in running.items()}
     (out / "workers.json").write_text(json.dumps({"pids": pids, "logs": str(log_dir)}) + "\n")
+    log.info("started %d ranks: pids %s, logs under %s", workers, pids, log_dir)
     lost: dict[int, str] = {}
     summary = None
     try:
@@ -134,19 +140,26 @@ def launch(spec: dict[str, Any], workers: int) -> dict[str, Any] | None:
                 if not result.is_failed():
                     summary = result.return_values.get(0) if rank == 0 else summary
                     continue
-                log = _rank_log(log_dir, rank)
+                rank_log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
-                where = f"log: {log}" if log else f"logs under {log_dir}"
+                where = f"log: {rank_log}" if rank_log else f"logs under {log_dir}"
                 if summary is not None:  # after rank 0 saved the results: report only
                     print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip
                     continue
-                started = elastic.read_key(store, "started", False)
+                started = job.started()
                 if rank == 0 or not started or len(lost) >= tolerated:
+                    why = (
+                        "rank 0" if rank == 0
+                        else "the strategy cannot lose a worker" if not tolerated
+                        else "before training started" if not started
+                        else f"{tolerated} tolerated loss(es) already"
+                    )  # fmt: skip
+                    log.info("rank %d failed (%s): fatal (%s); ending the others", rank, cause, why)
                     raise WorkerFailed(f"worker rank {rank} failed: {cause}; {where}")
                 step = _last_step(out / "metrics.jsonl")
                 lost[rank] = cause
-                elastic.mark_lost(store, rank, step=step, cause=cause, log=str(log))
+                job.mark_lost(rank, step=step, cause=cause, log=str(rank_log))
                 print(
                     f"warning: worker rank {rank} lost at step {step}: {cause}; {where}; "
                     f"training goes on with {workers - len(lost)} of {workers} workers "

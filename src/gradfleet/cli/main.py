@@ -8,7 +8,10 @@ line naming the rank and its log, exit code 1.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -20,18 +23,15 @@ from rich.console import Console
 from rich.table import Table
 
 from . import strategies as strat
-from .config import (
-    ConfigError,
-    load_config,
-    optimizer_config,
-    parse_spec,
-    parse_straggler,
-)
+from .config import ConfigError, parse_straggler
 from .convert import app as convert_app
-from .devices import check_device, parse_device
 from .launch import WorkerFailed, launch, run_local, under_torchrun
+from .logs import configure_logging
 from .progress import Progress
-from .workloads import WORKLOADS, load_workload
+from .spec import LOG_LEVELS, RunSpec, resolve, resume_spec
+from .workloads import WORKLOADS
+
+log = logging.getLogger(__name__)
 
 app = typer.Typer(
     help="TensorFlow-exact optimizers and TF1 distribution strategies on PyTorch: train and "
@@ -50,114 +50,23 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-# ----------------------------------------------------------------------------- resolving a run
-def _settings(config: str | None, optimizer: str | None) -> dict[str, Any]:
-    """Settings from ``--config``, or from ``--optimizer FILE`` (RETURNN style)."""
-    path = config
-    if optimizer and optimizer.endswith((".py", ".json")):
-        if config:
-            raise ConfigError("give the config file either as --config or as --optimizer")
-        path = optimizer
-    return load_config(path) if path else {}
-
-
-def _check_optimizer(opts: dict[str, Any]) -> None:
-    """Build the optimizer on a dummy parameter: unknown names and bad values fail here."""
-    import torch
-
-    from gradfleet.registry import create_optimizer
-
-    try:
-        create_optimizer([torch.nn.Parameter(torch.zeros(1))], opts)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"optimizer {opts.get('class')!r}: {err}") from None
-
-
-def resolve(flags: dict[str, Any]) -> dict[str, Any]:
-    """Merge config file and flags into a checked run spec (nothing is written)."""
-    file = _settings(flags.pop("config"), flags["optimizer"])
-    if flags["optimizer"] and flags["optimizer"].endswith((".py", ".json")):
-        flags["optimizer"] = None
-    merged = {**file, **{k: v for k, v in flags.items() if v is not None}}
-    if merged.get("optimizer"):  # a bad optimizer fails before the workload's data is built
-        _check_optimizer(optimizer_config(merged["optimizer"], merged.get("learning_rate")))
-    strategy = merged.get("strategy", "none")
-    name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
-    workers = int(merged.get("workers", 1))
-    if workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {workers}")
-    strat.validate_strategy(name, args, workers)
-    device = parse_device(merged.get("device", "cpu"))  # before any data is built
-    _check_run_device(device, name, workers)
-    workload_name = merged.get("workload", "digits")
-    try:
-        workload = load_workload(workload_name, int(merged.get("seed", 0)))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    opt_spec = merged.get("optimizer") or workload.optimizer
-    opts = optimizer_config(opt_spec, merged.get("learning_rate"))
-    _check_optimizer(opts)
-    if name == "sync-replicas" and merged.get("checkpoint_every"):
-        raise ConfigError(
-            "--checkpoint-every is not supported with sync-replicas: its ranks run different "
-            "numbers of local steps, so there is no common point to checkpoint"
-        )
-    steps = int(merged.get("steps", workload.steps))
-    if steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {steps}")
-    timeout = merged.get("timeout", 120)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout!r}")
-    straggler = merged.get("straggler")
-    if straggler is not None:
-        straggler = parse_straggler(straggler)
-        if straggler[0] >= workers:
-            raise ConfigError(f"--straggler rank {straggler[0]} but only {workers} worker(s)")
-    return {
-        "workload": workload_name,
-        "optimizer": opts,
-        "strategy": name,
-        "strategy_args": args,
-        "workers": workers,
-        "device": device,
-        "steps": steps,
-        "seed": int(merged.get("seed", 0)),
-        "batch_size": merged.get("batch_size"),
-        "straggler": straggler,
-        "eval_every": merged.get("eval_every", max(steps // 5, 1)),
-        "checkpoint_every": merged.get("checkpoint_every", 0),
-        "timeout": timeout,
-        "target_accuracy": workload.target,
-    }
-
-
-def _check_run_device(device: str, strategy: str, workers: int) -> None:
-    """A GPU for each process of the run on this machine, and for each tower."""
-    if under_torchrun():
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    else:
-        processes = workers if strat.STRATEGIES[strategy].spawns else 1
-    check_device(device, processes, workers if strategy == "towers" else 1)
-
-
-def _default_out(spec: dict[str, Any]) -> Path:
+# ----------------------------------------------------------------------------- running
+def _default_out(spec: RunSpec) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return (
-        Path("runs") / f"{stamp}-{spec['workload']}-{spec['optimizer']['class']}-{spec['strategy']}"
-    )
+    assert spec.optimizer is not None
+    return Path("runs") / f"{stamp}-{spec.workload}-{spec.optimizer['class']}-{spec.strategy}"
 
 
-def execute(spec: dict[str, Any], label: str, quiet: bool) -> dict[str, Any]:
+def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
     """Run ``spec`` (its ``out`` directory exists) with live progress; rank 0's summary."""
-    out = Path(spec["out"])
-    (out / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
-    spawn = strat.STRATEGIES[spec["strategy"]].spawns and spec["workers"] > 1
+    out = Path(spec.out)
+    (out / "config.json").write_text(spec.to_json())
+    spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers > 1
     show = not under_torchrun() or _env_rank() == 0
-    progress = Progress(out / "metrics.jsonl", spec["steps"], label, quiet or not show)
+    assert spec.steps is not None
+    progress = Progress(out / "metrics.jsonl", spec.steps, label, quiet or not show)
     with progress:
-        summary = (
-            launch(spec, spec["workers"]) if spawn and not under_torchrun() else run_local(spec)
-        )
+        summary = launch(spec) if spawn and not under_torchrun() else run_local(spec)
     return summary or {}
 
 
@@ -212,6 +121,7 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 # ----------------------------------------------------------------------------- commands
 Opt = Annotated
+LOG_LEVEL_HELP = f"{', '.join(LOG_LEVELS)}: of the launcher and every worker (warning)"
 DEVICE_HELP = (
     "cpu (default), cuda (rank r, or tower t, on cuda:r / cuda:t) or cuda:N (one rank, or "
     "every tower, on GPU N)"
@@ -264,7 +174,10 @@ def train(
     ] = None,
     timeout: Opt[
         float | None,
-        typer.Option(help="seconds to wait for a silent worker or server before failing (120)"),
+        typer.Option(
+            help="seconds to wait for a silent worker or server before failing "
+            f"({RunSpec.timeout:g})"
+        ),
     ] = None,
     device: Opt[str | None, typer.Option(help=DEVICE_HELP)] = None,
     out: Opt[
@@ -275,6 +188,7 @@ def train(
         typer.Option(help="continue the run in this directory from its last checkpoint"),
     ] = None,
     quiet: Opt[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    log_level: Opt[str | None, typer.Option(help=LOG_LEVEL_HELP)] = None,
 ) -> None:
     """Train a workload with any optimizer and distribution strategy."""
     flags = dict(
@@ -292,51 +206,38 @@ def train(
         checkpoint_every=checkpoint_every,
         timeout=timeout,
         device=device,
+        log_level=log_level,
     )
     try:
         if resume and device is not None:
             raise ConfigError("--resume continues on the run's own device: leave out --device")
-        spec = _resume_spec(resume, steps) if resume else resolve(flags)
+        spec = resume_spec(resume, steps, log_level) if resume else resolve(flags)
     except (ConfigError, ValueError) as err:
         raise _fail(str(err)) from None
-    spec["out"] = str(resume or out or _default_out(spec))
-    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    if not resume:
+        spec = dataclasses.replace(spec, out=str(out or _default_out(spec)))
+    configure_logging(spec.log_level)
+    log.info("run specification: %s", spec)
+    Path(spec.out).mkdir(parents=True, exist_ok=True)
     try:
-        summary = execute(spec, spec["strategy"], quiet)
+        summary = execute(spec, spec.strategy, quiet)
     except WorkerFailed as err:
+        log.info("run failed: %s", err)
         raise _fail(str(err), code=1) from None
     if not summary:  # a non-zero rank under torchrun
         return
-    summary["label"] = Path(spec["out"]).name
-    out_console.print(summary_table([summary], f"gradfleet train: {spec['workload']}"))
-    target = spec.get("target_accuracy")
+    summary["label"] = Path(spec.out).name
+    out_console.print(summary_table([summary], f"gradfleet train: {spec.workload}"))
+    target = spec.target_accuracy
     verdict = ""
     if target is not None:
         reached = "reached" if summary["test_accuracy"] >= target else "NOT reached"
         verdict = f" (target {target:.2f}: {reached})"
     out_console.print(
         f"test accuracy {summary['test_accuracy']:.3f}{verdict}; model saved to "
-        f"{summary['model']}; metrics in {Path(spec['out']) / 'metrics.jsonl'}",
+        f"{summary['model']}; metrics in {Path(spec.out) / 'metrics.jsonl'}",
         highlight=False,
     )
-
-
-def _resume_spec(run: Path, steps: int | None) -> dict[str, Any]:
-    from .worker import latest_checkpoint
-
-    cfg = run / "config.json"
-    if not cfg.is_file():
-        raise ConfigError(f"--resume {run}: not a gradfleet run directory (no config.json)")
-    if latest_checkpoint(run) is None:
-        raise ConfigError(f"--resume {run}: no checkpoint (train with --checkpoint-every K)")
-    spec = json.loads(cfg.read_text())
-    spec["straggler"] = tuple(spec["straggler"]) if spec.get("straggler") else None
-    spec["resume"] = True
-    spec.setdefault("device", "cpu")  # a run directory from before --device
-    _check_run_device(spec["device"], spec["strategy"], spec["workers"])
-    if steps is not None:
-        spec["steps"] = steps
-    return spec
 
 
 # All-reduce against backup workers, local SGD and EASGD: the comparison gradfleet exists for.
@@ -368,11 +269,12 @@ def compare(
         "runs/compare"
     ),
     quiet: Opt[bool, typer.Option("--quiet", "-q")] = False,
+    log_level: Opt[str | None, typer.Option(help=LOG_LEVEL_HELP)] = None,
 ) -> None:
     """Run one workload under several strategies (and optimizers); plot and tabulate."""
     from .plot import plot_runs
 
-    specs: list[tuple[str, dict[str, Any]]] = []
+    specs: list[tuple[str, RunSpec]] = []
     try:
         for opt in optimizer or [None]:
             for s in strategy:
@@ -390,23 +292,28 @@ def compare(
                     eval_every=None,
                     checkpoint_every=None,
                     device=device,
+                    log_level=log_level,
                 )
                 spec = resolve(flags)
-                label = s if not optimizer else f"{spec['optimizer']['class']} / {s}"
+                assert spec.optimizer is not None
+                label = s if not optimizer else f"{spec.optimizer['class']} / {s}"
                 specs.append((label, spec))
     except (ConfigError, ValueError) as err:
         raise _fail(str(err)) from None
     out.mkdir(parents=True, exist_ok=True)
+    configure_logging(specs[0][1].log_level)
     rows, runs = [], {}
     for i, (label, spec) in enumerate(specs):
-        spec["out"] = str(out / f"run{i}-{label.replace('/', '_').replace(' ', '')}")
-        Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+        run_dir = out / f"run{i}-{label.replace('/', '_').replace(' ', '')}"
+        spec = dataclasses.replace(spec, out=str(run_dir))
+        run_dir.mkdir(parents=True, exist_ok=True)
         try:
             summary = execute(spec, label, quiet)
         except WorkerFailed as err:
+            log.info("run %s failed: %s", label, err)
             raise _fail(f"{label}: {err}", code=1) from None
         rows.append({**summary, "label": label})
-        runs[label] = Path(spec["out"]) / "metrics.jsonl"
+        runs[label] = run_dir / "metrics.jsonl"
     title = f"{workload}, {workers} workers" + (f" on {device}" if device else "")
     if straggler:
         slow, delay = parse_straggler(straggler)
@@ -471,8 +378,15 @@ def _workload_doc(name: str) -> str:
 
 
 def main() -> None:
-    """Entry point for ``python -m gradfleet``."""
-    app(prog_name="gradfleet")
+    """Entry point of the ``gradfleet`` console script and ``python -m gradfleet``."""
+    try:
+        app(prog_name="gradfleet")
+    finally:
+        # The work is done (output written, ranks ended): the interpreter's teardown would
+        # still garbage-collect every object torch, typer and rich made, which took 3-5 s of
+        # a failing run's exit on a loaded 2-core machine (and made the CLI fail slower than
+        # torchrun). Frozen objects are left to the process's exit; atexit handlers still run.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -3,11 +3,17 @@
 Tailing the file works the same whether the loop runs in this process or in spawned ranks whose
 output goes to log files. The bar (tqdm, stderr) shows only on a terminal; without one, or with
 ``--quiet``, evaluation lines are printed instead (or nothing when quiet).
+
+The file may be replaced under the reader: ``--resume`` renames a truncated copy over it. The
+reader notices (another inode, or a file shorter than what it read) and reads the new file from
+its start; a line it cannot parse is skipped with a log record, never an exception.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import threading
 import time
@@ -17,13 +23,16 @@ from tqdm import tqdm
 
 __all__ = ["Progress"]
 
+log = logging.getLogger(__name__)
+
 
 class Progress:
     def __init__(self, metrics: Path, total: int, label: str, quiet: bool) -> None:
         self.metrics, self.total, self.label, self.quiet = metrics, total, label, quiet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._offset = 0
+        self._offset, self._inode = 0, -1
+        self._said: set[int] = set()  # steps whose evaluation was printed
 
     def __enter__(self) -> Progress:
         self._thread.start()
@@ -34,18 +43,32 @@ class Progress:
         self._thread.join(timeout=5)
 
     def _records(self) -> list[dict]:
-        if not self.metrics.is_file():
+        try:
+            with open(self.metrics, "rb") as f:
+                info = os.fstat(f.fileno())
+                if info.st_ino != self._inode or info.st_size < self._offset:
+                    self._offset, self._inode = 0, info.st_ino  # a new file: read it all
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
             return []
-        with open(self.metrics) as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]  # a line may be half-written
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line may be half-written
         self._offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        records = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as err:
+                log.debug("skipped a metrics line (%s): %.80r", err, line)
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                records.append(rec)
+        return records
 
     def _say(self, bar: tqdm | None, rec: dict) -> None:
-        if "test_accuracy" not in rec or self.quiet:
+        if "test_accuracy" not in rec or self.quiet or rec["step"] in self._said:
             return
+        self._said.add(rec["step"])
         text = (
             f"[{self.label}] step {rec['step']}: test accuracy {rec['test_accuracy']:.3f}, "
             f"test loss {rec['test_loss']:.4f}"
@@ -56,6 +79,12 @@ class Progress:
             print(text, file=sys.stderr, flush=True)
 
     def _run(self) -> None:
+        try:
+            self._show()
+        except Exception as err:  # the display only: the run goes on without it
+            log.warning("progress display stopped: %s: %s", type(err).__name__, err, exc_info=True)
+
+    def _show(self) -> None:
         interactive = sys.stderr.isatty() and not self.quiet
         bar = (
             tqdm(total=self.total, desc=self.label, unit="step", dynamic_ncols=True, leave=True)

@@ -368,7 +368,7 @@ class Towers(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         def tower_fn(module: nn.Module, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-            from gradfleet.distributed.towers import current_tower
+            from gradfleet.distributed import current_tower
 
             if self.straggle_s and current_tower()[1] == self.straggler_tower:
                 time.sleep(self.straggle_s)

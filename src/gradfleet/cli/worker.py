@@ -1,14 +1,15 @@
 """The per-rank training loop: metrics (JSON lines), checkpoints, straggler delay, final model.
 
 ``run_worker(spec)`` is what every rank runs, under ``gradfleet train``'s own launcher, under
-``torchrun`` or in the CLI's process for single-process strategies. ``spec`` is the resolved run
-configuration (``config.json`` in the run directory). Rank 0 writes ``metrics.jsonl``,
-``model.pt`` and ``summary.json``; every rank writes its own checkpoint file.
+``torchrun`` or in the CLI's process for single-process strategies. ``spec`` is the resolved
+:class:`~gradfleet.cli.spec.RunSpec` (``config.json`` in the run directory). Rank 0 writes
+``metrics.jsonl``, ``model.pt`` and ``summary.json``; every rank writes its own checkpoint file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -19,14 +20,18 @@ import torch
 import torch.distributed as dist
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed import elastic
+from gradfleet.distributed.job_control import JobControl, apply_job_env, server_host
 from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
+from .logs import configure_logging
+from .spec import RunSpec
 from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
 __all__ = ["run_worker", "latest_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -57,6 +62,31 @@ def evaluate(workload: Workload, state: dict[str, torch.Tensor]) -> dict[str, fl
     return result
 
 
+def truncate_metrics(path: Path, resume_step: int) -> None:
+    """Drop what an interrupted run logged after its last checkpoint (and a line its death
+    cut short). The kept lines are written aside and renamed over the file, so that a reader
+    (the CLI's progress thread) sees the old file or the new one, never a half-truncated one."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1  # the last line a killed rank 0 was writing
+            continue
+        if rec["step"] <= resume_step and not rec.get("final"):
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    log.info(
+        "resume at step %d: kept %d metrics lines, dropped %d", resume_step, len(kept), dropped
+    )
+
+
 class _Metrics:
     """Rank 0's metrics file; other ranks write nothing."""
 
@@ -64,15 +94,9 @@ class _Metrics:
         self._f = None
         if path is None:
             return
-        kept: list[str] = []
-        if resume_step is not None and path.is_file():
-            # Drop what the interrupted run logged after its last checkpoint.
-            for line in path.read_text().splitlines():
-                rec = json.loads(line)
-                if rec["step"] <= resume_step and not rec.get("final"):
-                    kept.append(line + "\n")
-        self._f = open(path, "w")  # noqa: SIM115
-        self._f.writelines(kept)
+        if resume_step is not None:
+            truncate_metrics(path, resume_step)
+        self._f = open(path, "a" if resume_step is not None else "w")  # noqa: SIM115
 
     def write(self, **record: Any) -> None:
         if self._f:
@@ -85,7 +109,7 @@ class _Metrics:
 
 
 def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra: dict) -> None:
-    rank, timeout = job.rank, extra.pop("timeout")
+    rank = job.rank
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
@@ -98,12 +122,12 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
     _atomic_save(state, ckpt_dir / f"rank-{rank}.pt")
     # every (live) rank's file exists before the pointer moves; no collective where a
     # worker may be lost
-    if job.store is None:
+    if job.control is None:
         dist.barrier()
     else:
-        elastic.arrive(job.store, f"checkpoint-{step}", rank)
+        job.control.checkpoint_saved(step, rank)
         if rank == 0:
-            elastic.wait_arrived(job.store, f"checkpoint-{step}", job.world, timeout)
+            job.control.wait_checkpoint(step, job.timeout)
     if rank == 0:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
@@ -129,44 +153,46 @@ def _load_checkpoint(out: Path, job: _Job, strategy: Strategy) -> dict[str, Any]
 
 
 class _Job:
-    """This rank's place in the job, and (when a lost worker is tolerated) the job store that
-    carries the launcher's and rank 0's control messages (:mod:`gradfleet.distributed.elastic`).
-    """
+    """This rank's place in the job and, when a lost worker is tolerated, the job's control
+    keys (:class:`~gradfleet.distributed.job_control.JobControl`): the launcher's and rank 0's
+    messages, and this rank's heartbeat."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        place = elastic.apply_job_env()  # one launcher agent per worker (the torchrun recipe)
+    def __init__(self, spec: RunSpec) -> None:
+        place = apply_job_env()  # one launcher agent per worker (the torchrun recipe)
         if place is not None and not tolerated_losses(
-            spec["strategy"], spec["strategy_args"], place.world_size
+            spec.strategy, spec.strategy_args, place.world_size
         ):
             # Nothing would end the survivors of a lost rank but the collective timeout.
             raise RuntimeError(
-                f"strategy {spec['strategy']} cannot lose a worker (its ranks run collectives "
+                f"strategy {spec.strategy} cannot lose a worker (its ranks run collectives "
                 "in lockstep), so it does not run one agent per worker (GRADFLEET_RANK): "
                 "launch it with torchrun --nproc-per-node N, or one agent per host"
             )
         self.rejoining = place is not None and place.rejoining
+        self.timeout = spec.timeout
         # One GPU per rank (local rank r on cuda:r); the device is current before the process
         # group exists, so that NCCL and torch.cuda calls without a device use it.
-        self.device = rank_device(spec.get("device", "cpu"), int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = process_backend(self.device)
-        self.store: Any = None
+        self.control: JobControl | None = None
         if self.rejoining:
             assert place is not None
             # The others have moved on: no process group with them, only the store and server.
-            self.store = elastic.job_store(float(spec.get("timeout", 120)))
+            self.control = JobControl.connect(place.world_size, spec.timeout)
             for key in ("RANK", "WORLD_SIZE"):
                 os.environ.pop(key)
             gfd.init(backend=backend, set_device=False)
             self.rank, self.world = place.rank, place.world_size
         else:
-            timeout = float(spec.get("timeout", 120))
-            info = gfd.init(backend=backend, timeout=timeout, set_device=False)
+            info = gfd.init(backend=backend, timeout=spec.timeout, set_device=False)
             self.rank, self.world = info.rank, info.world_size
-        self.tolerated = tolerated_losses(spec["strategy"], spec["strategy_args"], self.world)
-        if self.tolerated and self.store is None:
-            self.store = elastic.job_store(float(spec.get("timeout", 120)))
+        self.tolerated = tolerated_losses(spec.strategy, spec.strategy_args, self.world)
+        if self.tolerated and self.control is None:
+            self.control = JobControl.connect(self.world, spec.timeout)
+        if self.control is not None:
+            self.control.start_heartbeat(self.rank, place.restarts_left if place else 0)
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}
@@ -174,51 +200,56 @@ class _Job:
     def poll(self, metrics: _Metrics, step: int, now: bool = False) -> None:
         """Rank 0, about twice a second: publish progress, log newly lost / rejoined workers."""
         self.step = step
-        if self.store is None or self.rank != 0 or (time.monotonic() < self._next_poll and not now):
+        control = self.control
+        if control is None or self.rank != 0 or (time.monotonic() < self._next_poll and not now):
             return
         self._next_poll = time.monotonic() + 0.5
-        elastic.publish(self.store, "progress", step)
-        for r, info in elastic.lost_workers(self.store, self.world).items():
+        control.publish_progress(step)
+        for r, info in control.lost_workers().items():
             if r not in self.lost:
                 self.lost[r] = {"step": step, **info}
+                log.info("rank %d lost at step %s, training goes on: %s", r, step, info)
                 metrics.write(event="worker_lost", **self.lost[r])
         for r in range(1, self.world):
-            at = elastic.read_key(self.store, f"rejoined/{r}")
+            at = control.rejoined(r)
             if at is not None and self._rejoins.get(r) != at:
                 self._rejoins[r] = at
                 self.lost.pop(r, None)
+                log.info("rank %d rejoined at step %d (pid %d)", r, *at)
                 metrics.write(step=step, event="worker_rejoined", rank=r, at_step=at[0])
 
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
 
-def _setup(spec: dict[str, Any], job: _Job) -> tuple[Workload, Strategy]:
-    torch.set_num_threads(int(spec.get("threads", 1)))
+
+def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
+    torch.set_num_threads(spec.threads)
     rank, world = job.rank, job.world
     # Built on the CPU from the seed, then moved: every device starts from the same model.
-    workload = workload_to(load_workload(spec["workload"], spec["seed"]), job.device)
-    opt = create_optimizer(workload.model.parameters(), spec["optimizer"])
-    name = spec["strategy"]
-    args = dict(spec["strategy_args"])
-    timeout = float(spec.get("timeout", 120))
+    workload = workload_to(load_workload(spec.workload, spec.seed), job.device)
+    opt = create_optimizer(workload.model.parameters(), spec.optimizer)
+    name = spec.strategy
+    args = dict(spec.strategy_args)
     if name == "sync-replicas":  # internal: release every worker at the last update
-        args.update(last_step=int(spec["steps"]), timeout=timeout)
+        args.update(last_step=spec.steps, timeout=spec.timeout)
     if name == "towers":
-        args["devices"] = tower_devices(spec.get("device", "cpu"), int(spec["workers"]))
+        args["devices"] = tower_devices(spec.device, spec.workers)
     if name in ("sync-replicas", "easgd"):  # where servers listen, or the running job's
-        args.update(host=elastic.server_host(), timeout=timeout)
+        args.update(host=server_host(), timeout=spec.timeout)
         if job.rejoining:
-            address = elastic.read_key(job.store, "server")
+            assert job.control is not None
+            address = job.control.server_address()
             if address is None:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
     # Towers run as threads of this one process: the "world" is the tower count.
-    strategy = make_strategy(
-        name, args, rank, world if STRATEGIES[name].spawns else spec["workers"]
-    )
+    strategy = make_strategy(name, args, rank, world if STRATEGIES[name].spawns else spec.workers)
     strategy.setup(workload.model, opt)
-    if job.store is not None and rank == 0 and strategy.server_address is not None:
-        elastic.publish(job.store, "server", strategy.server_address)
-    if spec.get("straggler"):
-        slow_rank, delay_ms = spec["straggler"]
+    if job.control is not None and rank == 0 and strategy.server_address is not None:
+        job.control.publish_server(strategy.server_address)
+    if spec.straggler:
+        slow_rank, delay_ms = spec.straggler
         strategy.straggle_s = delay_ms / 1000 if slow_rank == rank or name == "towers" else 0.0
         strategy.straggler_tower = slow_rank  # type: ignore[attr-defined]
     return workload, strategy
@@ -228,10 +259,22 @@ def _loss_fn(workload: Workload):
     return lambda model, x, y: workload.loss_fn(model(x), y)
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
+def run_worker(spec: RunSpec) -> dict[str, Any] | None:
     """Train as this rank; rank 0 returns the summary dict."""
-    out = Path(spec["out"])
+    configure_logging(spec.log_level, _env_rank())
+    out = Path(spec.out)
     job = _Job(spec)
+    try:
+        return _train(spec, job, out)
+    finally:
+        job.close()
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
+
+
+def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     workload, strategy = _setup(spec, job)
     rank, world = job.rank, job.world
     start, wall_before, samples = 0, 0.0, 0
@@ -239,25 +282,26 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     pids.mkdir(exist_ok=True)
     (pids / f"rank-{rank}.pid").write_text(str(os.getpid()))
     if job.rejoining:  # TF's restarted worker: carry on from where the job is
-        start = int(elastic.read_key(job.store, "progress", 0))
-        elastic.publish(job.store, f"rejoined/{rank}", [start, os.getpid()])
+        assert job.control is not None
+        start = job.control.progress()
+        job.control.mark_rejoined(rank, start, os.getpid())
+        log.info("rejoined the running job at step %d", start)
         print(f"worker rank {rank} rejoined the running job at step {start}", flush=True)
-    elif spec.get("resume"):
+    elif spec.resume:
         state = _load_checkpoint(out, job, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
-    metrics = _Metrics(
-        out / "metrics.jsonl" if rank == 0 else None, start if spec.get("resume") else None
-    )
+        log.info("resumed from the checkpoint of step %d", start)
+    metrics = _Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
     x_train, y_train = workload.train
-    batch = int(spec.get("batch_size") or workload.batch_size)
-    steps, eval_every = int(spec["steps"]), int(spec.get("eval_every") or 0)
-    ckpt_every = int(spec.get("checkpoint_every") or 0)
+    batch = spec.batch_size or workload.batch_size
+    assert spec.steps is not None
+    steps, eval_every, ckpt_every = spec.steps, spec.eval_every or 0, spec.checkpoint_every
     loss_fn = _loss_fn(workload)
     clock = StepClock(job.device)
     if not job.rejoining:
         dist.barrier()  # start the clock together
-    if job.store is not None and rank == 0:
-        elastic.publish(job.store, "started", True)  # from now on a lost worker is tolerated
+    if job.control is not None and rank == 0:
+        job.control.mark_started()  # from now on a lost worker is tolerated
     t0 = time.perf_counter() - wall_before
     loss = float("nan")
     step = start
@@ -266,7 +310,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     # wrapper that never reports progress.
     while strategy.updates(step) < steps and step < start + 4 * steps:
         step += 1
-        idx = batch_indices(len(y_train), batch, spec["seed"], rank, step).to(job.device)
+        idx = batch_indices(len(y_train), batch, spec.seed, rank, step).to(job.device)
         with clock.step():
             loss = strategy.train_step(x_train[idx], y_train[idx], loss_fn)
         samples += batch
@@ -284,9 +328,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
-            extra = {"wall": wall, "samples": samples, "timeout": float(spec.get("timeout", 120))}
-            _save_checkpoint(out, step, job, strategy, extra)
-    _finish(job, strategy, metrics, float(spec.get("timeout", 120)))
+            _save_checkpoint(out, step, job, strategy, {"wall": wall, "samples": samples})
+    _finish(job, strategy, metrics)
     wall = time.perf_counter() - t0
     result = None
     if rank == 0:
@@ -305,30 +348,34 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     return result
 
 
-def _finish(job: _Job, strategy: Strategy, metrics: _Metrics, timeout: float) -> None:
+def _finish(job: _Job, strategy: Strategy, metrics: _Metrics) -> None:
     """End of training on every rank. Lockstep strategies: the wrapper's collective end and a
     barrier. Tolerant ones must not touch the process group again (a dead member breaks
     gloo's collectives): workers say they finished through the store, and rank 0 waits for
-    every rank that is neither finished nor reported lost, then tells the server who is gone."""
-    if job.store is None:
+    every rank that is neither finished, nor reported lost, nor silent (its heartbeat stopped:
+    dead without a launcher that saw it), then tells the server who is gone."""
+    control = job.control
+    if control is None:
         strategy.finish()
         dist.barrier()
         return
     if job.rank != 0:
         strategy.finish()
-        elastic.arrive(job.store, "finished", job.rank)
+        control.finished(job.rank)
         return
-    elastic.arrive(job.store, "finished", 0)
-    missing = elastic.wait_arrived(job.store, "finished", job.world, timeout)
+    control.finished(0)
+    missing = control.wait_finished(job.timeout)
     job.poll(metrics, job.step, now=True)
-    for r in missing:  # dead without a launcher that saw it (torchrun), or stuck
-        job.lost.setdefault(r, {"rank": r, "step": None, "cause": f"not finished in {timeout:g}s"})
+    for r, cause in missing.items():  # dead without a launcher that saw it (torchrun), or stuck
+        job.lost.setdefault(r, {"rank": r, "step": None, "cause": cause})
+    if job.lost:
+        log.info("forgetting lost ranks %s at the server", sorted(job.lost))
     strategy.forget(sorted(job.lost))
     strategy.finish()
 
 
 def _summary(
-    spec: dict,
+    spec: RunSpec,
     workload: Workload,
     strategy: Strategy,
     loss: float,
@@ -336,14 +383,15 @@ def _summary(
     samples: int,
     world: int,
 ) -> dict[str, Any]:
-    steps = int(spec["steps"])
+    assert spec.steps is not None
+    steps = spec.steps
     return {
         "workload": workload.name,
-        "optimizer": spec["optimizer"],
-        "strategy": spec["strategy"],
-        "strategy_args": spec["strategy_args"],
-        "workers": spec["workers"],
-        "device": spec.get("device", "cpu"),
+        "optimizer": spec.optimizer,
+        "strategy": spec.strategy,
+        "strategy_args": spec.strategy_args,
+        "workers": spec.workers,
+        "device": spec.device,
         "steps": steps,
         "final_loss": loss,
         "wall_s": wall,
@@ -351,5 +399,5 @@ def _summary(
         "samples_per_s": samples * world / wall if wall > 0 else float("nan"),
         "bytes_sent": strategy.bytes_sent,
         "target_accuracy": workload.target,
-        "model": str(Path(spec["out"]) / "model.pt"),
+        "model": str(Path(spec.out) / "model.pt"),
     }

@@ -26,7 +26,7 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``,
    ``sync.lockstep``, ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``,
    ``model_average``, ``towers``, ``replicate``.
-5. jobs -- ``elastic`` (the per-worker launch recipe's environment and store keys) and
+5. jobs -- ``job_control`` (the per-worker launch recipe's environment, the job's store keys) and
    ``testing`` (multi-process test harness).
 
 Every module logs its decisions (a dropped stale or non-finite gradient, a lost or forgotten
@@ -49,6 +49,8 @@ from .towers import TowerOptimizer, current_tower
 
 __all__ = [
     "AllReduceCentre",
+    "CENTRE_MODES",
+    "COMBINED_BACKEND",
     "AsyncCentre",
     "CENTRE_MODES",
     "COMBINED_BACKEND",
@@ -58,6 +60,7 @@ __all__ = [
     "ExponentialMovingAverage",
     "ModelAverageOptimizer",
     "ReplicatedModel",
+    "current_tower",
     "TowerOptimizer",
     "TowerOutput",
     "current_tower",

@@ -1,0 +1,65 @@
+"""docs/cli.md: its settings table is the run specification's, and its code runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gradfleet.cli.spec import RunSpec, resolve, settings_markdown
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+
+
+def test_settings_table_is_the_run_specification() -> None:
+    text = DOC.read_text()
+    table = re.search(r"<!-- settings: .*? -->\n\n(.*?)\n<!-- end of settings -->", text, re.S)
+    assert table is not None, "the settings markers are missing"
+    assert table.group(1) == settings_markdown(), "regenerate with settings_markdown()"
+    assert f"| `timeout` | yes | `--timeout` | `{RunSpec.timeout!r}` |" in table.group(1)
+
+
+def test_every_python_block_runs() -> None:
+    blocks = _python_blocks()
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), {})
+
+
+def test_config_example_resolves_as_the_prose_says(tmp_path: Path, monkeypatch) -> None:
+    (config,) = [b for b in _python_blocks() if b.startswith("# my_config.py")]
+    (tmp_path / "my_config.py").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    flags = dict.fromkeys(["workload", "optimizer", "learning_rate", "strategy", "workers"])
+    flags.update(config="my_config.py", steps=None, seed=None, batch_size=None, device=None)
+    spec = resolve(flags)
+    assert spec.optimizer == {"class": "momentum", "momentum": 0.9, "learning_rate": 0.05}
+    assert (spec.strategy, spec.strategy_args) == ("model-average", {"interval": 4})
+    assert (spec.workers, spec.steps, spec.timeout) == (2, 200, 60.0)
+    assert spec.log_level == RunSpec.log_level  # not in the file: the default
+    spec = resolve({**flags, "steps": 50, "timeout": 5})  # a flag overrides the file
+    assert (spec.steps, spec.timeout) == (50, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("workers", "'two'", "--workers must be an integer >= 1, got 'two'"),
+        ("timeout", "'soon'", "--timeout must be a positive number of seconds, got 'soon'"),
+        ("log_level", "'loud'", "--log-level must be one of debug, info, warning, error"),
+        ("checkpoint_every", "-1", "--checkpoint-every must be an integer >= 0, got -1"),
+        ("learning_rate", "'0.1'", "--lr must be a number, got '0.1'"),
+    ],
+)
+def test_bad_config_value_names_the_flag(tmp_path: Path, monkeypatch, key, value, message):
+    from gradfleet.cli.config import ConfigError
+
+    (tmp_path / "cfg.py").write_text(f"{key} = {value}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve({"config": "cfg.py", "optimizer": None})

@@ -1,0 +1,155 @@
+"""gradfleet.distributed.job_control: the per-worker agent recipe's environment, the server host
+(never the wildcard address) and the job's control keys (a barrier that neither a rank the
+launcher reported lost nor a rank whose heartbeat stopped can block)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from gradfleet.distributed import job_control as elastic
+from gradfleet.distributed.job_control import JobControl
+
+RECIPE = {
+    "GRADFLEET_RANK": "2",
+    "GRADFLEET_WORLD_SIZE": "3",
+    "GRADFLEET_MASTER_ADDR": "127.0.0.1",
+    "GRADFLEET_MASTER_PORT": "29511",
+}
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    # set here so that the monkeypatch restores what apply_job_env() exports
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
+    monkeypatch.setenv("LOCAL_RANK", "unset")
+    monkeypatch.delenv("GRADFLEET_SERVER_HOST", raising=False)
+    return monkeypatch
+
+
+def test_recipe_env_overrides_the_agents_one_process_job(env) -> None:
+    assert elastic.apply_job_env() is None  # not under the recipe: nothing changes
+    for k, v in {**RECIPE, "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "40000"}.items():
+        env.setenv(k, v)  # torchrun's own single-worker job
+    env.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    place = elastic.apply_job_env()
+    assert place == elastic.JobPlace(rank=2, world_size=3, rejoining=False, restarts_left=0)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == (
+        "2",
+        "3",
+        "29511",
+    )
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
+    env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    env.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert elastic.apply_job_env() == elastic.JobPlace(2, 3, rejoining=True, restarts_left=2)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("GRADFLEET_RANK", "3", "GRADFLEET_RANK=3 must be < GRADFLEET_WORLD_SIZE=3"),
+        ("GRADFLEET_RANK", "x", "GRADFLEET_RANK must be an integer >= 0, got 'x'"),
+        ("GRADFLEET_WORLD_SIZE", "0", "GRADFLEET_WORLD_SIZE must be an integer >= 1, got 0"),
+        ("GRADFLEET_MASTER_ADDR", None, "GRADFLEET_MASTER_ADDR is not"),
+    ],
+)
+def test_recipe_env_errors_name_the_variable(env, key, value, message) -> None:
+    for k, v in RECIPE.items():
+        env.setenv(k, v)
+    if value is None:
+        env.delenv(key)
+    else:
+        env.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        elastic.apply_job_env()
+    assert "RANK" not in os.environ  # nothing was exported
+
+
+def test_server_host_explicit_loopback_never_wildcard(env) -> None:
+    assert elastic.server_host() == "127.0.0.1"  # no master: a local job
+    env.setenv("MASTER_ADDR", "localhost")
+    assert elastic.server_host() == "127.0.0.1"
+    env.setenv("GRADFLEET_SERVER_HOST", "10.231.0.7")
+    assert elastic.server_host() == "10.231.0.7"
+    for wildcard in ("0.0.0.0", "::"):
+        env.setenv("GRADFLEET_SERVER_HOST", wildcard)
+        with pytest.raises(ValueError, match="not the wildcard"):
+            elastic.server_host()
+
+
+def test_lost_rank_does_not_block_the_barrier() -> None:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    job = JobControl(store, 3)  # no heartbeats: a silent rank is late only after 10 s
+    job.finished(0)
+    job.finished(2)
+    t0 = time.monotonic()
+    assert job.wait_finished(timeout=0.3) == {1: "not finished in 0.3s"}  # rank 1: late
+    assert time.monotonic() - t0 >= 0.3
+    job.mark_lost(1, step=17, cause="killed by signal 9")
+    t0 = time.monotonic()
+    assert job.wait_finished(timeout=30) == {}  # returns at once
+    assert time.monotonic() - t0 < 5
+    assert job.lost_workers() == {1: {"rank": 1, "step": 17, "cause": "killed by signal 9"}}
+    job.mark_rejoined(1, 40, 1234)
+    assert job.rejoined(1) == (40, 1234)
+    assert job.lost_workers() == {}  # it came back
+
+
+def _job(store: dist.TCPStore) -> JobControl:
+    return JobControl(store, 2, heartbeat_s=0.05, silent_after=0.5)
+
+
+def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
+    """Rank 1 dies without a launcher that reports it: rank 0 stops waiting once its heartbeat
+    has not moved for ``silent_after``, not after the whole timeout; a live but slow rank is
+    waited for until the timeout."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rank0 = _job(server)
+    rank1 = _job(dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    rank1.start_heartbeat(1, restarts_left=1)  # its agent will restart it once
+    try:
+        rank0.finished(0)
+        t0 = time.monotonic()
+        assert rank0.wait_finished(timeout=1.5) == {1: "not finished in 1.5s"}  # alive: late
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        rank1.close()  # its process dies: no more beats
+    t0 = time.monotonic()  # silent, but a restart is coming: waited for until the timeout
+    assert rank0.wait_finished(timeout=1.5) == {1: "not finished in 1.5s"}
+    assert time.monotonic() - t0 >= 1.5
+    rank1.start_heartbeat(1, restarts_left=0)  # restarted: no restart left
+    rank1.close()  # and dead again
+    t0 = time.monotonic()
+    assert rank0.wait_finished(timeout=60) == {1: "silent for 0.5s (no heartbeat)"}
+    assert 0.5 <= time.monotonic() - t0 < 10
+    rank1.finished(1)
+    assert rank0.wait_finished(timeout=60) == {}
+
+
+def test_heartbeat_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="silent_after must be >= 3 \\* heartbeat_s"):
+        JobControl(dist.HashStore(), 2, heartbeat_s=1.0, silent_after=2.0)
+
+
+def test_job_control_owns_the_store_keys() -> None:
+    """No module of the CLI reads or writes the job store itself, nor spells the keys' prefix:
+    every control key goes through JobControl."""
+    import re
+    from pathlib import Path
+
+    import gradfleet.cli
+
+    for path in Path(gradfleet.cli.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"store\.(set|get|add|check|wait|compare_set)\(", text), path.name
+        assert JobControl.PREFIX not in text, path.name
