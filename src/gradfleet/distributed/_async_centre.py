@@ -121,7 +121,9 @@ class AsyncCentre(CentreStrategy):
         server_rank: rank hosting the server (TF's PS); it also trains.
         timeout: seconds to wait for the server, the start-up barrier or the end of training.
         host: interface the server listens on (loopback by default).
-        address / worker: for a process outside the process group (a restarted worker).
+        address: for a process outside the process group (a restarted worker): the running
+            server's ``"host:port"``.
+        worker: that process's worker id (with ``address``).
     """
 
     mode = "async"
