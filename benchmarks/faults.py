@@ -1,8 +1,8 @@
 """Fault report: K jobs per strategy and launcher, a random worker SIGKILLed at a random step.
 
-For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the README's
-recipe -- one agent per worker, ``--max-restarts=1`` -- for strategies that can lose a worker,
-``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
+For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the recipe
+of docs/failures.md -- one agent per worker, ``--max-restarts=1`` -- for strategies that can
+lose a worker, ``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
 step, SIGKILL the chosen rank (1..N-1; rank 0 hosts the servers and is always fatal), and
 classify the end: *completed* (exit 0 everywhere, the summary written), *failed fast* (a
 non-zero exit, with the seconds from the kill to the last process's end), or *hung* (nothing

@@ -9,7 +9,7 @@ import inspect  # noqa: E402
 
 import pytest  # noqa: E402
 
-# `slow` (README "Tests": the fast subset is `-m "not slow"`), found from the test's own source
+# `slow` (docs/testing.md: the fast subset is `-m "not slow"`), found from the test's own source
 # (and the same module's helpers it calls) so that new tests are classified too:
 # * a test that starts processes (ranks through run_ranks, a subprocess) pays seconds of
 #   interpreter start and torch import per process (tests/cli marks its launches explicitly);

@@ -1,4 +1,4 @@
-"""The speed benchmark runs end to end (tiny model, one rep) and writes what the README says:
+"""The speed benchmark runs end to end (tiny model, one rep) and writes what docs/speed.md says:
 a JSON result with every measured column, a printed table and a PNG.  Speed itself is
 measured by running the benchmark, never asserted here."""
 

@@ -368,7 +368,7 @@ def _half_compare(cls, config, dtype, exact: bool) -> None:
     2.13), each step may differ by one rounding of the update and one of the stored value,
     eps/2 relative each, of operands no larger than |p| + |update| <= 2|p| + 1 here (lr 0.1,
     standard normal gradients): |fused - loop| <= HALF_STEPS x eps x (2|p| + 1), the bound
-    the README states for those releases.
+    docs/releases.md states for those releases.
     """
     _, ref = _half_run(cls, dtype, config, steps=HALF_STEPS, foreach=False)
     _, got = _half_run(cls, dtype, config, steps=HALF_STEPS, fused=True)

@@ -1,4 +1,4 @@
-"""The torchrun recipe of the README: one agent per worker (``--standalone --nnodes=1
+"""The torchrun recipe of docs/failures.md: one agent per worker (``--standalone --nnodes=1
 --nproc-per-node=1``), gradfleet's rank and world in ``GRADFLEET_*``. A SIGKILLed worker is
 restarted by its own agent and rejoins the running job (``local_step := global_step``) while the
 others never stop."""

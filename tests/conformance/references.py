@@ -102,7 +102,7 @@ class ReturnnTFReference(TFReference):
     classic reference variables: there their sparse path reads each slot after its scatter
     update, the intended maths.  On resource variables (RETURNN's default under TF2) the
     ``tf.gather`` after a ``scatter_*`` has no control dependency on it, so sparse
-    NeuralOptimizer1 / GradVarianceScaled / CustomAdam read stale slots (README, catalog).
+    NeuralOptimizer1 / GradVarianceScaled / CustomAdam read stale slots (docs/optimizers.md).
 
     ``make_optimizer(config, variables)`` gets the variables too (RETURNN's AMSGrad creates
     its slots at construction from ``var_list`` and takes no ``global_step``)."""

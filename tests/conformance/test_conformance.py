@@ -112,7 +112,7 @@ def test_matches_reference(spec: Spec, config: dict, dtype: str, mode: str):
 
 
 def test_returnn_resource_variables_drop_sparse_updates():
-    """Why the RETURNN rows run on reference variables (README, catalog): on resource
+    """Why the RETURNN rows run on reference variables (docs/optimizers.md, catalog): on resource
     variables RETURNN's sparse GradVarianceScaled never updates ``v`` nor the parameter (the
     gather after its ``scatter_*`` does not depend on it), where reference variables, the
     numpy rule and gradfleet all do."""

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _documented_default(rank: int, ranks_here: int) -> tuple[str, torch.device]:
-    """init()'s documented choice on this machine (README "Distributed"): the combined
+    """init()'s documented choice on this machine (docs/distributed.md): the combined
     backend when every local rank gets a GPU of its own, gloo on the CPU otherwise."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= ranks_here:
         return "cpu:gloo,cuda:nccl", torch.device("cuda", rank)

@@ -29,7 +29,7 @@ TOL = 1e-12
 # Releases before 2.13 lack DTensor sharding rules for some pointwise ops the maths uses
 # (torch 2.8: aten.clamp_min/clamp_max, hit by AdagradDA, GradVarianceScaled, NormalizedSGD and
 # the proximal optimizers); there that exact refusal from torch is the documented outcome
-# (README, "Supported PyTorch releases"), and every optimizer that runs is still checked.
+# (docs/releases.md), and every optimizer that runs is still checked.
 _OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 _NO_SHARDING_RULE = "does not have a sharding strategy registered"
 

@@ -10,24 +10,22 @@ trains from the last checkpoint in ``model_dir`` (if any) up to ``num_epochs``, 
 from __future__ import annotations
 
 import os
-import re
 import types
-from pathlib import Path
 from typing import Any
 
 import torch
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.doc_blocks import claimed_blocks
+
+PAGE = "docs/returnn.md"
 
 
-def readme_config() -> dict[str, Any]:
-    """The RETURNN config snippet of README.md's "Using gradfleet from RETURNN" section,
+def page_config() -> dict[str, Any]:
+    """The RETURNN config snippet of docs/returnn.md ("Using gradfleet from RETURNN"),
     executed: the names it defines (``optimizer``, ``learning_rate``, ...)."""
-    text = README.read_text()
-    section = text.split("## Using gradfleet from RETURNN", 1)[1].split("\n## ", 1)[0]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (snippet,) = claimed_blocks(PAGE, __file__)
     namespace: dict[str, Any] = {}
-    exec(compile(snippet, str(README), "exec"), namespace)
+    exec(compile(snippet, PAGE, "exec"), namespace)
     return {k: v for k, v in namespace.items() if not k.startswith("__")}
 
 

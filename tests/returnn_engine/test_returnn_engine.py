@@ -9,7 +9,7 @@
   and optimizer state to an uninterrupted run.
 * RETURNN's device-tensor learning rate (``use_device_lr_tensors``) and its
   ``init_optimizer_state`` (which calls ``init_state()``) change nothing.
-* The README's RETURNN config snippet is the config of one of these runs.
+* docs/returnn.md's RETURNN config snippet is the config of one of these runs.
 """
 
 from __future__ import annotations
@@ -138,9 +138,11 @@ def test_returnn_init_optimizer_state_then_step_equals_step(cls):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_readme_config_snippet_trains(tmp_path):
-    config = harness.readme_config()
+def test_page_config_snippet_trains(tmp_path):
+    config = harness.page_config()
     assert config.pop("backend") == "torch"
     params, opt = harness.train(tmp_path, 1, **config)
-    assert type(opt).__name__ == config["optimizer"]["class"].split(".")[1]
+    options = dict(config["optimizer"])
+    assert type(opt).__name__ == options.pop("class").split(".")[1]
+    assert all(opt.param_groups[0][name] == value for name, value in options.items())
     assert all(torch.isfinite(p).all() for p in params.values())

@@ -18,7 +18,7 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
   checked the same way when a CUDA kernel compiles.
 
 Checked on: torch 2.8.0, 2.11.0, 2.12.1 and 2.13.0 (Linux x86-64, CPU wheels and CUDA wheels
-run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see README "Tests").
+run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see docs/testing.md).
 The options exist from 2.8 on (``alignment_asserts`` is the newest of them).
 
 ``torch._foreach_*`` (the foreach path, ``kernels/tensorlist.py``) are ATen operators that
@@ -51,7 +51,7 @@ INDUCTOR_OPTIONS = (
 #: the loop's bits.  In torch 2.11 and 2.12.1 the C++ backend converts to half precision and
 #: then goes on computing with the float32 value (seen in its generated code; 2.13.0 uses the
 #: rounded value), so fused float16/bfloat16 results differ from the loop there, within the
-#: bound README "Supported PyTorch releases" states (tests/test_fast_paths.py checks both).
+#: bound docs/releases.md states (tests/test_fast_paths.py checks both).
 HALF_PRECISION_EXACT = torch.__version__ >= "2.13"
 #: Up to torch 2.10 the vectorised C++ backend names the keyword the precision-cast round trip
 #: passes ``use_compute_dtypes`` (a TypeError on the first float16/bfloat16 kernel; fixed in
@@ -68,7 +68,7 @@ def _missing(what: str, cause: BaseException | None = None) -> TorchPrivateAPIEr
     return TorchPrivateAPIError(
         f"gradfleet's fused path needs {what}, which torch {torch.__version__} does not have "
         f"(checked on torch {', '.join(CHECKED_RELEASES)}). Use foreach=True or the loop "
-        f"(fused=False), or a torch release gradfleet supports (see README)."
+        f"(fused=False), or a torch release gradfleet supports (see docs/releases.md)."
         + (f" Cause: {type(cause).__name__}: {cause}" if cause is not None else "")
     )
 

@@ -52,7 +52,9 @@ class AsyncCentre(CentreStrategy):
             this host, else this host's address on the route to ``MASTER_ADDR``
             (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts without such an
             address raise ``ValueError`` naming ``host=`` on every rank.
-        address / worker: for a process outside the process group (a restarted worker).
+        address: for a process outside the process group (a restarted worker): the running
+            server's ``"host:port"``.
+        worker: that process's worker id (with ``address``).
     """
 
     mode = "async"

@@ -70,27 +70,31 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             from the hosting rank's ``opt`` before every update, so LR schedules apply).
         replicas_to_aggregate: R, gradients per update (>= 1).
         total_num_replicas: N, worker processes (default R); must equal the world size.
-        variable_averages / variables_to_average: moving averages of the server variables
+        variable_averages: an ``ExponentialMovingAverage`` of the server variables, applied
             after every update (read them with :meth:`averaged_variables` on the chief).
+        variables_to_average: the parameters of this optimizer that ``variable_averages``
+            tracks (default: none).
         num_tokens: initial tokens (TF hook's ``num_tokens``; -1 means R).
         transport: ``"server"`` (default) or ``"allreduce"`` (R == N, lockstep, no server).
         timeout: seconds a worker waits for a token / the server before failing.
         last_step: once ``global_step`` reaches it, every worker is released at once.
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
-        server_rank / host: where the server lives; it listens on ``host``.  Default: loopback
-            while every rank is on this host, else this host's address on the route to
-            ``MASTER_ADDR`` (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts
-            without such an address raise ``ValueError`` naming ``host=`` on every rank.
+        server_rank: the rank that hosts the server.
+        host: the interface the server listens on.  Default: loopback while every rank is on
+            this host, else this host's address on the route to ``MASTER_ADDR``
+            (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts without such an
+            address raise ``ValueError`` naming ``host=`` on every rank.
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
             server); the first rank is the chief (``global_step``, tokens).  A rank may appear
             twice (two shards).  A dead shard rank makes every worker raise
             ``ServerUnreachable`` naming it.
         shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
             lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
-        server_address / worker: for a process outside the process group (a restarted
-            worker): the server's ``"host:port"`` (``server_address`` property of a running
-            optimizer; sharded: the list ``server_addresses``) and this worker's id.
+        server_address: for a process outside the process group (a restarted worker): the
+            server's ``"host:port"`` (``server_address`` property of a running optimizer;
+            sharded: the list ``server_addresses``).
+        worker: that process's worker id (with ``server_address``).
 
     ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
     another server rank's the shards it hosts (``"shards"``), a plain worker's only its own

@@ -1,15 +1,13 @@
-"""The README section "With FSDP2, DDP, ZeRO and torch.compile": its code blocks run.
+"""docs/fsdp.md ("FSDP2, DDP, ZeRO and torch.compile"): its code blocks run.
 
 The first three blocks (FSDP2 + checkpoint, DDP + ZeRO, HSDP + model averaging) run in that
-order in one namespace on 4 gloo ranks, as the README's script would under torchrun; the
+order in one namespace on 4 gloo ranks, as the page's script would under torchrun; the
 torch.compile block runs in this process.
 """
 
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 
 import pytest
 import torch
@@ -17,23 +15,20 @@ import torch.distributed as dist
 
 import gradfleet as gf
 from gradfleet.distributed.testing import run_ranks
-
-README = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+from tests.doc_blocks import claimed_blocks
 
 
 def section_blocks() -> list[str]:
-    section = README.split("## With FSDP2, DDP, ZeRO and torch.compile\n", 1)[1]
-    section = section.split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return claimed_blocks("docs/fsdp.md", __file__)
 
 
-def run_readme_blocks(ctx) -> dict:
+def run_page_blocks(ctx) -> dict:
     from torch.distributed.tensor import DTensor
 
-    os.chdir(ctx.workdir)  # the README writes its checkpoint to ./checkpoint
+    os.chdir(ctx.workdir)  # the page writes its checkpoint to ./checkpoint
     namespace: dict = {}
     fsdp, zero, hsdp = section_blocks()[:3]
-    exec(fsdp, namespace)  # noqa: S102 - the README's own example
+    exec(fsdp, namespace)  # noqa: S102 - the page's own example
     out = {
         "fsdp_dtensor": all(isinstance(p, DTensor) for p in namespace["model"].parameters()),
         "fsdp_slots": sorted({k for s in namespace["opt"].state.values() for k in s}),
@@ -51,7 +46,7 @@ def run_readme_blocks(ctx) -> dict:
     return out
 
 
-def test_readme_section_has_the_four_examples():
+def test_page_has_the_four_examples():
     blocks = section_blocks()
     assert len(blocks) == 4
     assert "fully_shard" in blocks[0] and "ZeroRedundancyOptimizer" in blocks[1]
@@ -60,8 +55,8 @@ def test_readme_section_has_the_four_examples():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_readme_fsdp_zero_hsdp_examples_run_on_4_ranks():
-    for out in run_ranks(run_readme_blocks, 4, timeout=150, pg_timeout=60):
+def test_fsdp_zero_hsdp_examples_run_on_4_ranks():
+    for out in run_ranks(run_page_blocks, 4, timeout=150, pg_timeout=60):
         assert out["fsdp_dtensor"] and out["checkpoint"]
         assert out["fsdp_slots"] == ["accum", "linear"]
         assert out["zero"] == "AdamOptimizer"
@@ -70,10 +65,10 @@ def test_readme_fsdp_zero_hsdp_examples_run_on_4_ranks():
 
 @pytest.mark.skipif(
     tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason="torch.compile(opt.step, fullgraph=True) is supported from torch 2.13 (README, "
-    "'Supported PyTorch releases'): torch 2.8's dynamo stops on an unsupported method call",
+    reason="torch.compile(opt.step, fullgraph=True) is supported from torch 2.13 "
+    "(docs/releases.md): torch 2.8's dynamo stops on an unsupported method call",
 )
-def test_readme_torch_compile_example_runs():
+def test_torch_compile_example_runs():
     namespace = {"torch": torch, "gf": gf}
     exec(section_blocks()[3], namespace)  # noqa: S102
     assert namespace["opt"].state  # the compiled step created and updated the slots
