@@ -44,6 +44,7 @@ class SyncLinks:
         }
         self.versions = dict.fromkeys(self.clients, -1)
         self._carried: Grads | None = None  # one server: the push travels with the token request
+        self._carried_extra: dict[str, Any] = {}
 
     @property
     def chief(self) -> MailboxClient:
@@ -68,18 +69,21 @@ class SyncLinks:
             step = int(reply["global_step"]) if k == 0 else step
         return step, out
 
-    def push(self, tag: int, parts: Sequence[Grads]) -> bool:
+    def push(self, tag: int, parts: Sequence[Grads], hyper: list | None = None) -> bool:
         """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
         everywhere; the shard that holds it reports it).  True iff every shard accepted them
-        so far (one server: decided with the token)."""
+        so far (one server: decided with the token).  ``hyper``: the worker's changed
+        hyperparameters, for dedicated servers."""
+        extra = {} if hyper is None else {"hyper": hyper}
         if not self.shards:
             self._carried = list(parts[0])
+            self._carried_extra = extra
             return True
         for k, client in self.shards.items():
-            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
+            client.request("push", worker=self.worker, tag=tag, grads=parts[k], **extra)
         if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
             accepted = self._pushed()
-        self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0])
+        self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0], **extra)
         if tag >= 0:
             accepted = self._pushed()
         return bool(self.chief.response()["accepted"]) and accepted
@@ -93,6 +97,7 @@ class SyncLinks:
         fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
         if self._carried is not None:
             fields["grads"], self._carried = self._carried, None
+            fields.update(self._carried_extra)
         reply = self.chief.call("step", receive_into=into, **fields)
         self.versions[0] = int(reply["version"])
         return reply

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dedicated import announce, group_hyperparameters, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
@@ -162,11 +163,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self._links: SyncLinks | None = None
         self._allreduce: AllReduceSync | None = None
         self.worker = self._resolve_worker(worker, server_address, N)
+        inside = server_address is None and dist.is_available() and dist.is_initialized()
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
             N, len(self._index), transport, server_address,
+            dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
+        self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
+        self._hyper_sent: list | None = None
         if transport == "allreduce":
             self._allreduce = AllReduceSync(
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
@@ -184,6 +189,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         ranks = self.server_ranks
         self.is_chief = given is None and self.worker == ranks[0]
         if given is None:
+            if self.dedicated:  # they learn the job from rank 0 (see ..serving)
+                self._announce(opt, tokens, ema, averaged, nonfinite, last_step)
             host = server_host(host, _OWNER)  # collective: every rank of the group calls it
             if self.worker in ranks:
                 self._servers = SyncServers(
@@ -210,6 +217,21 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         for k, shard_values in values.items():
             self._load_shard(k, shard_values)
 
+    def _announce(self, opt, tokens, ema, averaged, nonfinite, last_step) -> None:
+        """Tell the dedicated server ranks the job; rank 0 sends them their variables."""
+        spec = sync_spec(
+            self, opt, R=self.replicas_to_aggregate, N=self.total_num_replicas, tokens=tokens,
+            timeout=self.timeout, ema=ema, averaged=averaged, nonfinite=nonfinite,
+            last_step=last_step, ranks=self.server_ranks, parts=self._parts,
+        )  # fmt: skip
+        params = self.params()
+        values = {
+            r: [params[i] for k, idx in enumerate(self._parts) if self.server_ranks[k] == r
+                for i in idx]
+            for r in self.dedicated
+        }  # fmt: skip
+        announce(spec, values)
+
     # ----------------------------------------------------------------- set-up helpers
     def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
         if variables is None:
@@ -235,10 +257,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                     "server_address= and worker= explicitly)"
                 )
             worker = dist.get_rank()
-            if address is None and dist.get_world_size() != N:
+            if address is None and dist.get_world_size() < N:
                 raise ValueError(
-                    f"{_OWNER}: total_num_replicas={N} must equal the world size "
+                    f"{_OWNER}: total_num_replicas={N} exceeds the world size "
                     f"({dist.get_world_size()}): one process per worker replica"
+                )
+            if address is None and worker >= N:
+                raise ValueError(
+                    f"{_OWNER}: rank {worker} is not a worker (total_num_replicas={N}: ranks "
+                    f"0..{N - 1}); a dedicated server rank calls gradfleet.distributed.serve()"
                 )
         return check_int(_OWNER, "worker", worker, 0)
 
@@ -306,7 +333,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 "shard holding it reports it)", self.worker,
             )  # fmt: skip
             tag = -1
-        accepted = self._links.push(tag, [[grads[i] for i in idx] for idx in self._parts])
+        parts = [[grads[i] for i in idx] for idx in self._parts]
+        accepted = self._links.push(tag, parts, self._changed_hyperparameters())
         reply = self._links.token(tag, into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
@@ -316,6 +344,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         for k, values in self._links.read(into).items():
             self._load_shard(k, values)
         return accepted
+
+    def _changed_hyperparameters(self) -> list | None:
+        """This worker's numeric hyperparameters if dedicated servers exist and they changed
+        since the last push (the servers apply them: LR schedules run on the workers)."""
+        if not self.dedicated:
+            return None
+        hyper = group_hyperparameters(self.optimizer)
+        if hyper == self._hyper_sent:
+            return None
+        self._hyper_sent = hyper
+        return hyper
 
     # ----------------------------------------------------------------- queries / shutdown
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
@@ -334,7 +373,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """Moving averages of the variables, in parameter order (None if not averaged);
         sharded: gathered from every shard."""
         chief = self._servers.chief if self._servers is not None else None
-        if self._allreduce is not None or len(self._parts) == 1:
+        if self._allreduce is not None or (len(self._parts) == 1 and chief is not None):
             ema = self._allreduce.ema if self._allreduce is not None else None
             ema = ema if ema is not None or chief is None else chief.ema
             if ema is None:
