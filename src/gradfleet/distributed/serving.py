@@ -86,6 +86,7 @@ class ParameterServer:
         self._sync: SyncServers | None = None
         self._centre: CentreServer | None = None
         self._hosted: HostedServer | None = None
+        self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
         try:
             tensors = self._prepare(optimizer, state)
             problem = None
@@ -169,6 +170,7 @@ class ParameterServer:
             average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
             last_step=spec["last_step"], hyperparameters_from_workers=True,
         )  # fmt: skip
+        self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:
             self._load_sync(state)
         mine = self._sync.addresses()
@@ -183,7 +185,7 @@ class ParameterServer:
         if self._sync.chief is not None:
             self._sync.chief.load_state_dict(state["server"])
         for k, shard_state in state.get("shards", {}).items():
-            self._sync.shards[int(k)][0].shard.load_state_dict(shard_state)
+            self._shards[int(k)].load_state_dict(shard_state)
 
     # ------------------------------------------------------------------ serving
     @property
@@ -212,7 +214,7 @@ class ParameterServer:
         return {
             "kind": SYNC,
             "server": chief.state_dict() if chief is not None else None,
-            "shards": {k: srv.shard.state_dict() for k, (srv, _) in self._sync.shards.items()},
+            "shards": {k: shard.state_dict() for k, shard in self._shards.items()},
         }
 
 
