@@ -26,16 +26,16 @@ bind servers to the cluster network only (:func:`server_host`).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from .hosting import env_server_host
 
 __all__ = [
     "JobPlace",
@@ -110,25 +110,7 @@ def server_host() -> str:
     """The address wrapper servers listen on: ``GRADFLEET_SERVER_HOST`` if set, loopback for a
     job on loopback, else this host's address on the route to ``MASTER_ADDR`` (the interface
     the process group's rendezvous uses). Never the wildcard address."""
-    given = os.environ.get("GRADFLEET_SERVER_HOST")
-    if given:
-        if given in ("0.0.0.0", "::", ""):
-            raise ValueError(
-                "GRADFLEET_SERVER_HOST must be one interface's address, not the wildcard "
-                f"{given!r}: the server has no authentication"
-            )
-        return given
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        if ipaddress.ip_address(master).is_loopback:
-            return "127.0.0.1"
-    except ValueError:  # a host name
-        if master == "localhost":
-            return "127.0.0.1"
-    # A UDP "connect" sends nothing: it asks the kernel which local address routes there.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(master), int(os.environ.get("MASTER_PORT", 9))))
-        return str(s.getsockname()[0])
+    return env_server_host()
 
 
 # ----------------------------------------------------------------------------- control keys

@@ -79,7 +79,7 @@ def route_address(target: str | None, port: int = 9) -> str | None:
 def _forced_host() -> str | None:
     """``GRADFLEET_SERVER_HOST`` if set (checked: one interface, not the wildcard)."""
     given = os.environ.get("GRADFLEET_SERVER_HOST")
-    if given is None:
+    if not given:
         return None
     if given in WILDCARDS:
         raise ValueError(
@@ -97,7 +97,13 @@ def env_server_host() -> str:
     if forced is not None:
         return forced
     master = os.environ.get("MASTER_ADDR", LOOPBACK)
-    return route_address(master, int(os.environ.get("MASTER_PORT", 9))) or LOOPBACK
+    address = route_address(master, int(os.environ.get("MASTER_PORT", 9)))
+    if address is None:
+        raise ValueError(
+            f"no route to MASTER_ADDR={master!r}: set GRADFLEET_SERVER_HOST to this host's "
+            "address on the cluster network"
+        )
+    return address
 
 
 def choose_server_host(places: list[tuple[str, str | None]], rank: int, owner: str) -> str:

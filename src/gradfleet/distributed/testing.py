@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RankContext", "RankKilled", "MultiProcessError", "run_ranks", "free_port"]
+
+log = logging.getLogger(__name__)
 
 ERROR_EXIT = 10
 
@@ -154,7 +157,8 @@ def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg:
             dist.barrier()
         result = fn(RankContext(rank, world_size, workdir), *args)
         _write(Path(workdir, f"result-{rank}.pkl"), ("ok", result))
-    except BaseException:
+    except BaseException:  # the traceback goes to the parent, which reports it
+        log.info("rank %d failed", rank)
         _write(Path(workdir, f"result-{rank}.pkl"), ("error", traceback.format_exc()))
         code = ERROR_EXIT
     finally:
@@ -163,8 +167,8 @@ def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as exc:  # a dead peer: the rank's result is written already
+            log.warning("rank %d: destroy_process_group failed: %s", rank, exc)
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # skip atexit handlers that could block on a dead peer
@@ -175,6 +179,7 @@ def _write(path: Path, payload: Any) -> None:
     try:
         data = pickle.dumps(payload)
     except Exception as exc:  # unpicklable result: report instead of dying silently
+        log.error("result of rank is not picklable: %r", exc)
         data = pickle.dumps(("error", f"result of rank is not picklable: {exc!r}"))
     tmp.write_bytes(data)
     tmp.rename(path)

@@ -196,8 +196,9 @@ class SyncChief:
             while self.waiting:
                 out.append(error(self.waiting.popleft()[1], "ServerUnreachable", self.broken))
         while self.waiting and now - self.waiting[0][2] > self.timeout:
-            worker, ticket, since, _, _ = self.waiting.popleft()
-            message = self.stall_message(worker, now - since)
+            worker, ticket, since, _, _ = self.waiting[0]
+            message = self.stall_message(worker, now - since)  # it still counts as waiting
+            self.waiting.popleft()
             log.error("%s", message)
             out.append(error(ticket, "TimeoutError", message))
         return out

@@ -131,6 +131,7 @@ class SyncServers:
             try:
                 check()
             except Exception as exc:  # any failure to reach it: the shard server is gone
+                log.warning("SyncReplicas chief: probe of %s failed: %s", name, exc)
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 return chief.unreachable(
                     f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "

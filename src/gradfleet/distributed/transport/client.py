@@ -8,6 +8,7 @@ process.  A dead or silent server becomes :class:`ServerUnreachable` naming it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -22,6 +23,8 @@ from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .wire import Packer, join, loads, split
 
 __all__ = ["MailboxClient"]
+
+log = logging.getLogger(__name__)
 
 _ERRORS = {
     "ValueError": ValueError,
@@ -79,6 +82,7 @@ class MailboxClient:
                 prefix = f"gf/pair/{client}/{self.inc}"
                 self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
         except Exception as exc:  # refused / timed out
+            log.warning("%s at %s is unreachable: %s", server_name, address, exc)
             raise ServerUnreachable(
                 f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"
             ) from None
@@ -155,4 +159,5 @@ class MailboxClient:
             f"{self.server_name} at {self.address} {what} during {op!r} "
             f"(dead or stuck): {type(exc).__name__}: {first}"
         )
+        log.error("%s", self._broken)
         raise ServerUnreachable(self._broken) from None

@@ -30,6 +30,7 @@ server turns into an immediate connection error.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -45,6 +46,8 @@ from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .wire import Packer, dumps, join, loads, split
 
 __all__ = ["MailboxServer", "Reply", "ServerUnreachable", "REQUESTS", "LAYOUT", "push_control"]
+
+log = logging.getLogger(__name__)
 
 REQUESTS = "gf/req"
 LAYOUT = "$layout"
@@ -106,8 +109,10 @@ class Reply:
                 peer.link.wait_sent()
                 message[LAYOUT], messages = self._server.packed(tensors, share, peer.outbox)
                 peer.link.send(messages)
-            except Exception:
-                self._server.drop(self.client, peer)  # dead client: only its own pair breaks
+            except Exception as exc:  # dead client: only its own pair breaks
+                log.warning("server %s: reply to %s failed, peer dropped: %s",
+                            self._server.address, self.client, exc)  # fmt: skip
+                self._server.drop(self.client, peer)
                 return
         deferred = self._server.deferred
         if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):
@@ -205,8 +210,9 @@ class MailboxServer:
         bind = local_address_towards(client_host) if wildcard else self.host
         try:
             link = PairLink(self._pair_store, prefix, SERVER, bind, self.pair_timeout)
-        except Exception:
-            return  # the client vanished while connecting; it gets no pair and no replies
+        except Exception as exc:  # the client vanished while connecting: no pair, no replies
+            log.warning("server %s: no data link with %s: %s", self.address, client, exc)
+            return
         with self._peers_lock:
             self.peers[client] = _Peer(incarnation, link)
 
@@ -254,8 +260,10 @@ class MailboxServer:
                 continue  # no link to receive from: that incarnation is gone
             try:
                 finish = peer.link.begin_receive(layout, peer.next_inbox())
-            except Exception:
-                self.drop(msg["client"], peer)  # dead client: only its own pair breaks
+            except Exception as exc:  # dead client: only its own pair breaks
+                log.warning("server %s: receiving from %s failed, peer dropped: %s",
+                            self.address, msg["client"], exc)  # fmt: skip
+                self.drop(msg["client"], peer)
                 continue
             self._work.put((msg, peer, finish))
 
@@ -265,8 +273,10 @@ class MailboxServer:
             return msg
         try:
             tensors = finish()
-        except Exception:
-            self.drop(msg["client"], peer)  # died mid-message: drop its pair, serve the others
+        except Exception as exc:  # died mid-message: drop its pair, serve the others
+            log.warning("server %s: %s died mid-message, peer dropped: %s",
+                        self.address, msg["client"], exc)  # fmt: skip
+            self.drop(msg["client"], peer)
             return None
         self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
         return join(msg, tensors)
@@ -287,6 +297,8 @@ class MailboxServer:
             try:
                 self._handler(request, reply)
             except Exception as exc:  # the error goes back to the caller, the server lives on
+                log.info("server %s: %r from %s failed: %s: %s", self.address, msg.get("op"),
+                         msg.get("client"), type(exc).__name__, exc)  # fmt: skip
                 reply.send({"error": type(exc).__name__, "message": str(exc)})
             finally:
                 deferred, self.deferred = self.deferred, None

@@ -23,6 +23,7 @@ that routes to the server (loopback for a loopback server), or ``$GRADFLEET_DATA
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections import deque
@@ -36,6 +37,8 @@ import torch.distributed as dist
 from .wire import Packer, views
 
 __all__ = ["PairLink", "LocalLink", "local_address_towards"]
+
+log = logging.getLogger(__name__)
 
 SERVER, CLIENT = 0, 1
 
@@ -114,8 +117,8 @@ class PairLink:
     def close(self) -> None:
         try:
             self.wait_sent()
-        except Exception:
-            pass  # the peer is gone: nothing to finish
+        except Exception as exc:  # the peer is gone: nothing to finish
+            log.debug("pair link closed with unfinished sends: %s", exc)
         self.group = None  # type: ignore[assignment]
 
 
