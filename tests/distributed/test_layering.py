@@ -37,6 +37,7 @@ LAYERS = {
     "hosting": HOSTING,
     "sync.servers": HOSTING,
     "sync.links": HOSTING,
+    "dedicated": HOSTING,
     "wrapper": WRAPPERS,
     "sync.lockstep": WRAPPERS,
     "sync.optimizer": WRAPPERS,
@@ -48,6 +49,7 @@ LAYERS = {
     "model_average": WRAPPERS,
     "towers": WRAPPERS,
     "replicate": WRAPPERS,
+    "serving": WRAPPERS,
     "elastic": JOBS,
     "testing": JOBS,
     "": JOBS,  # the package itself exports everything
