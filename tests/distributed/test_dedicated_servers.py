@@ -153,9 +153,7 @@ def test_dedicated_easgd_centre_serves_two_workers():
 
 @pytest.mark.timeout(120)
 def test_lost_dedicated_easgd_centre_is_named():
-    out = run_ranks(
-        dedicated_ranks.easgd_server_lost, 3, args=(2,), timeout=90, kill_on={2: "die"}
-    )
+    out = run_ranks(dedicated_ranks.easgd_server_lost, 3, args=(2,), timeout=90, kill_on={2: "die"})
     for w in range(2):
         (kind, message), *rest = out[w]["errors"]
         assert not rest
