@@ -327,7 +327,7 @@ class ShardServer:
         if op == "push":
             self.shard.follow(msg.get("hyper"))
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
-            answer = Answer(ticket, {"accepted": accepted})
+            answer = Answer(ticket, {"accepted": accepted, "step": self.shard.step})
             return [Applied(self.k, self.shard.step), answer] if updated else [answer]
         if op == "read":
             values: dict[str, Any] = {"version": self.shard.step}
