@@ -39,6 +39,7 @@ LAYERS = {
     "sync.links": HOSTING,
     "dedicated": HOSTING,
     "wrapper": WRAPPERS,
+    "sync.arguments": WRAPPERS,
     "sync.lockstep": WRAPPERS,
     "sync.optimizer": WRAPPERS,
     "sync": WRAPPERS,

@@ -76,3 +76,25 @@ def test_server_rank_close_waits_for_a_worker_that_has_not_said_hello(wrapper):
     assert out[0]["close_s"] >= 0.9 * delay, out  # it waited for the late worker
     assert out[0]["close_s"] < 25, out  # and not for the whole timeout (30 s)
     assert out[1]["x"] != [0.0, 0.0, 0.0], out  # rank 1 stepped through the server
+
+
+def test_worker_silence_reports_every_expected_worker():
+    import torch
+
+    import gradfleet
+    from gradfleet.distributed import SyncReplicasOptimizer
+
+    x = torch.zeros(2, requires_grad=True)
+    opt = SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, timeout=5)
+    try:
+        silence = opt.worker_silence()
+        assert list(silence) == [0] and 0 <= silence[0] < 5.0
+        x.grad = torch.ones(2)
+        opt.step()
+        assert opt.worker_silence()[0] < 1.0
+    finally:
+        opt.close()
+    members = Membership(3, timeout=60.0, clock=Clock())
+    members.hello(0)
+    members.leave(0)
+    assert members.report() == {"silence": {1: 0.0, 2: 0.0}, "left": [0]}

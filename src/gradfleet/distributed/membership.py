@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["Membership"]
 
@@ -93,6 +94,12 @@ class Membership:
                     self.server, w, seen, self.silence(w, now), self.timeout,
                 )  # fmt: skip
         return out
+
+    def report(self, now: float | None = None) -> dict[str, Any]:
+        """``{"silence": {worker: seconds}, "left": [...]}`` for the workers still expected."""
+        now = self.clock() if now is None else now
+        silence = {w: self.silence(w, now) for w in range(self.expected) if w not in self.left}
+        return {"silence": silence, "left": sorted(self.left)}
 
     def finished(self, now: float | None = None) -> bool:
         """Every expected worker left or is silent: the server may stop."""

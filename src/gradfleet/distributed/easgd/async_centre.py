@@ -181,6 +181,12 @@ class AsyncCentre(CentreStrategy):
         reply = self._client.call("read", worker=self.worker)
         return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the centre last heard from each worker that has not left."""
+        assert self._client is not None, "setup() must run first"
+        report = self._client.call("members", worker=self.worker)
+        return {int(w): float(s) for w, s in report["silence"].items()}
+
     def forget_workers(self, ranks: Sequence[int]) -> None:
         """Count the workers ``ranks`` as having left (dead for good): the server rank's
         :meth:`close` stops waiting for them at once.  A forgotten worker that comes back

@@ -85,6 +85,8 @@ class CentreServer:
         if op == "read":
             values = {"centre": self.centre, "exchanges": self.exchanges, "joins": self.joins}
             return [Answer(ticket, values)]
+        if op == "members":
+            return [Answer(ticket, self.members.report())]
         if op == "load":
             for c, v in zip(self.centre, msg["centre"], strict=True):
                 c.copy_(v)

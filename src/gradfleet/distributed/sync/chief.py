@@ -139,6 +139,8 @@ class SyncChief:
             ]
         if op == "ema":
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
+        if op == "members":
+            return [Answer(ticket, self.members.report())]
         raise ValueError(f"unknown request {op!r}")
 
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:

@@ -24,16 +24,10 @@ the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by
 per round with the same numerics in lockstep, including the wasted round.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
-``k`` to rank ``server_ranks[k]``; whole parameters are assigned balancing bytes
-(``shard_assignment="bytes"``) or round-robin ``i % S`` as TF's ``replica_device_setter``
-(``"round_robin"``); each shard holds its variables, their accumulators and a copy of
-the wrapped optimizer, the chief (``r0``) also ``global_step`` and the tokens.  A worker pushes
-each shard's gradients to its shard, takes a token from the chief and reads every shard; an
-update is complete -- ``global_step += 1``, tokens -- once every shard applied it.  Protocol,
-staleness per shard and the per-shard optimizer state (Adam's powers) are described in
-:mod:`.shards`.  Checkpoints are saved per server rank: the chief's ``state_dict`` holds shard 0,
-``global_step`` and the tokens, every other server rank's holds the shards it hosts; each rank
-loads its own (before any worker steps again).
+``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
+(``r0``) also keeps ``global_step`` and the tokens; an update is complete -- ``global_step += 1``,
+tokens -- once every shard applied it (protocol, per-shard staleness and optimizer state:
+:mod:`.shards`).  Checkpoints are per server rank (see the class docstring).
 
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
@@ -54,8 +48,9 @@ from ..dedicated import announce, group_hyperparameters, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
-from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
-from .aggregator import NONFINITE_POLICIES, all_finite, init_tokens
+from ..wrapper import WrapperOptimizer, check_grads_and_vars
+from .aggregator import all_finite
+from .arguments import average_indices, check_arguments, resolve_worker
 from .links import SyncLinks
 from .lockstep import AllReduceSync
 from .servers import SyncServers
@@ -76,7 +71,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             shard) applies the averaged gradients with a copy of it (hyperparameters are re-read
             from the hosting rank's ``opt`` before every update, so LR schedules apply).
         replicas_to_aggregate: R, gradients per update (>= 1).
-        total_num_replicas: N, worker processes (default R); must equal the world size.
+        total_num_replicas: N, worker processes (default R): ranks ``0 .. N-1``; a job of
+            more processes has dedicated server ranks ``N ..`` (they call
+            :func:`gradfleet.distributed.serve`), each listed in ``server_ranks``.
         variable_averages / variables_to_average: moving averages of the server variables
             after every update (read them with :meth:`averaged_variables` on the chief).
         num_tokens: initial tokens (TF hook's ``num_tokens``; -1 means R).
@@ -91,7 +88,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             without such an address raise ``ValueError`` naming ``host=`` on every rank.
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
             server); the first rank is the chief (``global_step``, tokens).  A rank may appear
-            twice (two shards).  A dead shard rank makes every worker raise
+            twice (two shards).  Ranks ``>= total_num_replicas`` are dedicated servers
+            (docs/servers.md).  A dead shard rank makes every worker raise
             ``ServerUnreachable`` naming it.
         shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
             lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
@@ -126,30 +124,10 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
     ) -> None:
-        R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
-        N = check_int(
-            _OWNER, "total_num_replicas", R if total_num_replicas is None else total_num_replicas, 1
-        )
-        tokens = init_tokens(num_tokens, R, N)
-        if transport not in ("server", "allreduce"):
-            raise ValueError(
-                f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}"
-            )
-        if transport == "allreduce" and R != N:
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
-                f"total_num_replicas, got {R} vs {N}"
-            )
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(
-                f"{_OWNER}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
-            )
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
-                f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}"
-            )
-        if last_step is not None:
-            check_int(_OWNER, "last_step", last_step, 0)
+        R, N, tokens = check_arguments(
+            replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
+            timeout, last_step,
+        )  # fmt: skip
         super().__init__(opt, name)
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.timeout, self.transport = float(timeout), transport
@@ -158,11 +136,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
         self._index = {id(p): i for i, p in enumerate(self.params())}
-        averaged = self._average_indices(variables_to_average)
+        averaged = average_indices(self._index, variables_to_average)
         self._servers: SyncServers | None = None
         self._links: SyncLinks | None = None
         self._allreduce: AllReduceSync | None = None
-        self.worker = self._resolve_worker(worker, server_address, N)
+        self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
@@ -233,42 +211,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         announce(spec, values)
 
     # ----------------------------------------------------------------- set-up helpers
-    def _average_indices(self, variables: Iterable[torch.Tensor] | None) -> list[int]:
-        if variables is None:
-            return []
-        out = []
-        for v in variables:
-            if id(v) not in self._index:
-                raise ValueError(
-                    f"{_OWNER}: variables_to_average holds a tensor of shape "
-                    f"{tuple(v.shape)} that is not a parameter of the optimizer"
-                )
-            out.append(self._index[id(v)])
-        return out
-
-    @staticmethod
-    def _resolve_worker(worker: int | None, address: str | None, N: int) -> int:
-        if worker is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                if N == 1:
-                    return 0
-                raise RuntimeError(
-                    f"{_OWNER}: N={N} workers need torch.distributed (or pass "
-                    "server_address= and worker= explicitly)"
-                )
-            worker = dist.get_rank()
-            if address is None and dist.get_world_size() < N:
-                raise ValueError(
-                    f"{_OWNER}: total_num_replicas={N} exceeds the world size "
-                    f"({dist.get_world_size()}): one process per worker replica"
-                )
-            if address is None and worker >= N:
-                raise ValueError(
-                    f"{_OWNER}: rank {worker} is not a worker (total_num_replicas={N}: ranks "
-                    f"0..{N - 1}); a dedicated server rank calls gradfleet.distributed.serve()"
-                )
-        return check_int(_OWNER, "worker", worker, 0)
-
     def _shard_params(self, k: int) -> list[torch.Tensor]:
         params = self.params()
         return [params[i] for i in self._parts[k]]
@@ -391,6 +333,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         if self._allreduce is not None:
             return self._allreduce.bytes_sent
         return self._links.bytes_out if self._links is not None else 0
+
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the chief last heard from each worker that has not left (a worker
+        that never said hello: since the chief started).  Job control can declare a worker
+        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
+        report = self._links.call(0, "members")
+        return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: Iterable[int]) -> None:
         """Count the workers ``ranks`` as having left (they died and will not come back), on

@@ -1,0 +1,89 @@
+"""Checks of ``SyncReplicasOptimizer``'s arguments: one clear error naming the argument and
+what is allowed, before anything is built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..wrapper import check_int
+from .aggregator import NONFINITE_POLICIES, init_tokens
+
+__all__ = ["average_indices", "check_arguments", "resolve_worker"]
+
+_OWNER = "SyncReplicasOptimizer"
+
+
+def check_arguments(
+    replicas_to_aggregate: Any,
+    total_num_replicas: Any,
+    num_tokens: Any,
+    transport: Any,
+    nonfinite: Any,
+    timeout: Any,
+    last_step: Any,
+) -> tuple[int, int, int]:
+    """``(R, N, initial tokens)`` after checking every scalar argument."""
+    R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
+    N = R if total_num_replicas is None else total_num_replicas
+    N = check_int(_OWNER, "total_num_replicas", N, 1)
+    tokens = init_tokens(num_tokens, R, N)
+    if transport not in ("server", "allreduce"):
+        raise ValueError(f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}")
+    if transport == "allreduce" and R != N:
+        raise ValueError(
+            f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
+            f"total_num_replicas, got {R} vs {N}"
+        )
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"{_OWNER}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}"
+        )
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}")
+    if last_step is not None:
+        check_int(_OWNER, "last_step", last_step, 0)
+    return R, N, tokens
+
+
+def average_indices(index: dict[int, int], variables: Iterable[torch.Tensor] | None) -> list[int]:
+    """Parameter indices of ``variables_to_average`` (``index``: ``id(param) -> index``)."""
+    if variables is None:
+        return []
+    out = []
+    for v in variables:
+        if id(v) not in index:
+            raise ValueError(
+                f"{_OWNER}: variables_to_average holds a tensor of shape "
+                f"{tuple(v.shape)} that is not a parameter of the optimizer"
+            )
+        out.append(index[id(v)])
+    return out
+
+
+def resolve_worker(worker: int | None, address: Any, N: int) -> int:
+    """This process's worker id: ``worker`` if given, else its rank (checked against N; ranks
+    from N on are dedicated servers, checked by ``check_server_ranks``)."""
+    if worker is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            if N == 1:
+                return 0
+            raise RuntimeError(
+                f"{_OWNER}: N={N} workers need torch.distributed (or pass "
+                "server_address= and worker= explicitly)"
+            )
+        worker = dist.get_rank()
+        if address is None and dist.get_world_size() < N:
+            raise ValueError(
+                f"{_OWNER}: total_num_replicas={N} exceeds the world size "
+                f"({dist.get_world_size()}): one process per worker replica"
+            )
+        if address is None and worker >= N:  # the ranks after the workers only serve
+            raise ValueError(
+                f"{_OWNER}: rank {worker} is not a worker (total_num_replicas={N}: ranks "
+                f"0..{N - 1}); a dedicated server rank calls gradfleet.distributed.serve()"
+            )
+    return check_int(_OWNER, "worker", worker, 0)
