@@ -12,13 +12,14 @@ server by :mod:`.servers`.
 
 Per worker step::
 
-    worker: push shard k's gradients to every shard k at once (the chief's with "push"),
-            tagged local_step; then the chief's "step": wait for a token; then "read" every
-            shard 1.. at once (values come back only if the shard stepped since the last read)
+    worker: push shard k's gradients to every shard k >= 1 at once, tagged local_step, and
+            shard 0's with the chief's "step" (wait for a token), collecting the shards'
+            answers meanwhile (``accepted`` and the shard's step); then "read" every shard
+            1.. at once (values come back only if the shard stepped since the last read)
     shard:  when its accumulators hold R fresh gradients: average, apply with its optimizer
             copy, its step += 1; the effect :class:`Applied` makes the hosting code tell the
-            chief (before answering the push, so the chief knows before the pusher asks for
-            its token)
+            chief before answering the push (the chief may answer the pusher's "step" first:
+            the worker takes global_step as at least the smallest step its answers showed)
     chief:  global_step := min over shards of their step; every increment enqueues max(N, R)
             tokens (TF: global_step += 1 after all variables were updated, then tokens)
 
