@@ -178,3 +178,23 @@ def test_server_ranks_of_a_job_with_dedicated_servers():
         check_server_ranks([4, 5, 6], 4, 10, "server", None, world_size=6)
     with pytest.raises(ValueError, match="dedicated server ranks \\[4\\] need transport"):
         check_server_ranks([4], 4, 10, "allreduce", None, world_size=5)
+
+
+def test_a_dedicated_shard_takes_the_workers_hyperparameters_and_a_colocated_one_does_not():
+    """``Shard.follow``: a dedicated server's optimizer copy takes the pushed numbers before its
+    next update (SGD: x -= lr * mean gradient, checked by hand); inside a worker rank the
+    shard keeps reading that rank's own optimizer."""
+    from gradfleet.distributed.sync.shards import Shard
+
+    for dedicated, lr in ((True, 0.25), (False, 1.0)):
+        x = torch.zeros(2, dtype=torch.float64)
+        source = torch.optim.SGD([x], lr=1.0)
+        shard = Shard(source, [0], 1)
+        shard.follow_workers = dedicated
+        shard.follow([{"lr": 0.25, "momentum": 0.0}])
+        accepted, updated = shard.push(0, 0, [torch.tensor([1.0, -2.0], dtype=torch.float64)])
+        assert accepted and updated
+        assert torch.equal(shard.params[0], torch.tensor([-lr, 2 * lr], dtype=torch.float64))
+    shard.follow_workers = True
+    with pytest.raises(ValueError, match="a worker has 2 param groups, the server 1"):
+        shard.follow([{"lr": 0.1}, {"lr": 0.2}])
