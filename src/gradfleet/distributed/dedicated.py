@@ -17,6 +17,7 @@ import torch.distributed as dist
 __all__ = [
     "CENTRE",
     "SYNC",
+    "HyperparameterPusher",
     "announce",
     "check_statuses",
     "group_hyperparameters",
@@ -39,16 +40,26 @@ def check_statuses(mine: str | None) -> None:
         raise RuntimeError(f"the job's dedicated servers cannot start: {text}")
 
 
-def announce(spec: dict[str, Any], values: dict[int, list[torch.Tensor]]) -> None:
-    """Worker side of steps 1-3 (every worker calls it; rank 0's ``spec`` and ``values`` --
-    ``{server rank: the tensors it hosts, in order}`` -- are the ones that count)."""
+def announce(
+    spec: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    ranks: Sequence[int],
+    parts: Sequence[Sequence[int]],
+) -> None:
+    """Worker side of steps 1-3 (every worker calls it; rank 0's arguments count): the spec,
+    the servers' statuses, then each dedicated rank (``ranks[k] >= N``) gets the variables of
+    the shards ``k`` it hosts (``parts[k]``: parameter indices), in shard order."""
     box = [spec]
     dist.broadcast_object_list(box, src=0)
     check_statuses(None)
-    if dist.get_rank() == 0:
-        for rank in sorted(values):
-            for t in values[rank]:
-                dist.send(t.detach().cpu().contiguous(), dst=rank)
+    if dist.get_rank() != 0:
+        return
+    for rank in sorted({r for r in ranks if r >= spec["N"]}):
+        for k, idx in enumerate(parts):
+            if ranks[k] != rank:
+                continue
+            for i in idx:
+                dist.send(params[i].detach().cpu().contiguous(), dst=rank)
 
 
 def receive_from_first(tensors: Sequence[torch.Tensor]) -> None:
@@ -68,13 +79,32 @@ def group_hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     ]
 
 
-def sync_spec(wrapper: Any, opt: torch.optim.Optimizer, **fields: Any) -> dict[str, Any]:
+class HyperparameterPusher:
+    """What a worker's push carries for dedicated servers: its numeric hyperparameters when
+    they changed since the last push (None otherwise, and always without dedicated servers)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, dedicated: bool) -> None:
+        self.opt, self.dedicated = opt, dedicated
+        self.sent: list[dict[str, Any]] | None = None
+
+    def changed(self) -> list[dict[str, Any]] | None:
+        if not self.dedicated:
+            return None
+        hyper = group_hyperparameters(self.opt)
+        if hyper == self.sent:
+            return None
+        self.sent = hyper
+        return hyper
+
+
+def sync_spec(
+    params: Sequence[torch.Tensor], opt: torch.optim.Optimizer, **fields: Any
+) -> dict[str, Any]:
     """Step 1's spec of a ``SyncReplicasOptimizer`` (``fields``: its arguments)."""
     groups = [
         {"count": len(g["params"]), "hyper": {k: v for k, v in g.items() if k not in _PRIVATE}}
         for g in opt.param_groups
     ]
-    params = wrapper.params()
     return {
         "kind": SYNC,
         "layout": [(list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params],

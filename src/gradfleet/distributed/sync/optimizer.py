@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dedicated import announce, group_hyperparameters, sync_spec
+from ..dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
@@ -149,7 +149,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
-        self._hyper_sent: list | None = None
+        self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
         if transport == "allreduce":
             self._allreduce = AllReduceSync(
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
@@ -168,7 +168,13 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.is_chief = given is None and self.worker == ranks[0]
         if given is None:
             if self.dedicated:  # they learn the job from rank 0 (see ..serving)
-                self._announce(opt, tokens, ema, averaged, nonfinite, last_step)
+                spec = sync_spec(
+                    self.params(), opt, R=self.replicas_to_aggregate,
+                    N=self.total_num_replicas, tokens=tokens, timeout=self.timeout, ema=ema,
+                    averaged=averaged, nonfinite=nonfinite, last_step=last_step,
+                    ranks=self.server_ranks, parts=self._parts,
+                )  # fmt: skip
+                announce(spec, self.params(), self.server_ranks, self._parts)
             host = server_host(host, _OWNER)  # collective: every rank of the group calls it
             if self.worker in ranks:
                 self._servers = SyncServers(
@@ -194,21 +200,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.local_step = self.global_step = step  # TF's local_step_init_op
         for k, shard_values in values.items():
             self._load_shard(k, shard_values)
-
-    def _announce(self, opt, tokens, ema, averaged, nonfinite, last_step) -> None:
-        """Tell the dedicated server ranks the job; rank 0 sends them their variables."""
-        spec = sync_spec(
-            self, opt, R=self.replicas_to_aggregate, N=self.total_num_replicas, tokens=tokens,
-            timeout=self.timeout, ema=ema, averaged=averaged, nonfinite=nonfinite,
-            last_step=last_step, ranks=self.server_ranks, parts=self._parts,
-        )  # fmt: skip
-        params = self.params()
-        values = {
-            r: [params[i] for k, idx in enumerate(self._parts) if self.server_ranks[k] == r
-                for i in idx]
-            for r in self.dedicated
-        }  # fmt: skip
-        announce(spec, values)
 
     # ----------------------------------------------------------------- set-up helpers
     def _shard_params(self, k: int) -> list[torch.Tensor]:
@@ -276,7 +267,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             )  # fmt: skip
             tag = -1
         parts = [[grads[i] for i in idx] for idx in self._parts]
-        accepted = self._links.push(tag, parts, self._changed_hyperparameters())
+        accepted = self._links.push(tag, parts, self._hyper.changed())
         reply = self._links.token(tag, into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
@@ -286,17 +277,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         for k, values in self._links.read(into).items():
             self._load_shard(k, values)
         return accepted
-
-    def _changed_hyperparameters(self) -> list | None:
-        """This worker's numeric hyperparameters if dedicated servers exist and they changed
-        since the last push (the servers apply them: LR schedules run on the workers)."""
-        if not self.dedicated:
-            return None
-        hyper = group_hyperparameters(self.optimizer)
-        if hyper == self._hyper_sent:
-            return None
-        self._hyper_sent = hyper
-        return hyper
 
     # ----------------------------------------------------------------- queries / shutdown
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
