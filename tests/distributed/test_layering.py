@@ -37,6 +37,7 @@ LAYERS = {
     "hosting": HOSTING,
     "sync.servers": HOSTING,
     "sync.links": HOSTING,
+    "dedicated": HOSTING,
     "wrapper": WRAPPERS,
     "sync.arguments": WRAPPERS,
     "sync.lockstep": WRAPPERS,
@@ -49,6 +50,7 @@ LAYERS = {
     "model_average": WRAPPERS,
     "towers": WRAPPERS,
     "replicate": WRAPPERS,
+    "serving": WRAPPERS,
     "job_control": JOBS,
     "testing": JOBS,
     "": JOBS,  # the package itself exports everything

@@ -295,7 +295,7 @@ def test_checkpoint_resume_with_two_shards_same_trajectory():
     ("kwargs", "match"),
     [
         ({"server_ranks": []}, "at least one rank"),
-        ({"server_ranks": [0, 1]}, "server rank 1 is not a worker rank"),
+        ({"server_ranks": [0, 1]}, "server rank 1 is neither a worker rank"),
         ({"server_ranks": [0, 0, 0]}, "3 server shards for 2 parameters"),
         ({"server_ranks": [0, 0], "server_address": "h:1", "worker": 0}, "one address per"),
     ],

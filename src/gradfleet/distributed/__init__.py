@@ -7,6 +7,8 @@
 * :class:`TowerOptimizer` + :func:`replicate_model` -- one process, several devices.
 * :class:`SyncReplicasOptimizer` -- synchronous SGD with backup workers and stale-gradient
   dropping on servers inside the job (one chief, optionally parameter shards).
+* :func:`serve` / :class:`ParameterServer` -- a rank that only serves (TF's ps task): the
+  SyncReplicas servers or the asynchronous EASGD centre on ranks outside the workers.
 
 Layers, lowest first; a module imports only from its own layer or lower ones
 (``tests/distributed/test_layering.py`` checks it from the imports):
@@ -22,10 +24,11 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    group), ``process_group`` (:func:`init`).
 3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
    effects, publishing addresses, closing when every worker left), ``sync.servers`` and
-   ``sync.links`` (the SyncReplicas servers of a rank; a worker's push, token, read).
+   ``sync.links`` (the SyncReplicas servers of a rank; a worker's push, token, read),
+   ``dedicated`` (what rank 0 tells the dedicated server ranks).
 4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``,
    ``sync.lockstep``, ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``,
-   ``model_average``, ``towers``, ``replicate``.
+   ``model_average``, ``towers``, ``replicate``, ``serving`` (a dedicated server rank).
 5. jobs -- ``job_control`` (the per-worker launch recipe's environment, the job's store keys) and
    ``testing`` (multi-process test harness).
 
@@ -44,6 +47,7 @@ from .model_average import ModelAverageOptimizer
 from .moving_average import ExponentialMovingAverage
 from .process_group import COMBINED_BACKEND, DistInfo, init, shutdown
 from .replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
+from .serving import ParameterServer, serve
 from .sync import SyncReplicasOptimizer
 from .towers import TowerOptimizer, current_tower
 
@@ -59,8 +63,10 @@ __all__ = [
     "ExponentialMovingAverage",
     "init",
     "ModelAverageOptimizer",
+    "ParameterServer",
     "replicate_model",
     "ReplicatedModel",
+    "serve",
     "shutdown",
     "split_batch",
     "SyncReplicasOptimizer",

@@ -17,7 +17,7 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
   ``fused.CUDA_OPTIONS`` (empty unless set, e.g. by the benchmark's ``--fused-option``) are
   checked the same way when a CUDA kernel compiles.
 
-Checked on: torch 2.8.0, 2.11.0, 2.12.1 and 2.13.0 (Linux x86-64, CPU wheels and CUDA wheels
+Checked on: torch 2.8.0, 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (Linux x86-64, CPU wheels and CUDA wheels
 run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see docs/testing.md).
 The options exist from 2.8 on (``alignment_asserts`` is the newest of them).
 
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 #: Releases these entry points were checked on (the fast-path tests passed there).
-CHECKED_RELEASES = ("2.8.0", "2.11.0", "2.12.1", "2.13.0")
+CHECKED_RELEASES = ("2.8.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1")
 #: Inductor config options the fused path sets; every one must exist on the running torch.
 INDUCTOR_OPTIONS = (
     "size_asserts",

@@ -30,8 +30,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..collectives import Collective, LocalCollective
+from ..collectives import Collective, LocalCollective, TorchCollective
+from ..dedicated import CENTRE, announce
 from ..hosting import HostedServer, server_host, share_address
 from ..transport import MailboxClient, copy_received
 from .centre import CENTRE_MODES, CentreStrategy
@@ -46,7 +48,9 @@ class AsyncCentre(CentreStrategy):
     """Centre on a server inside ``server_rank``; asynchronous exchanges (module docstring).
 
     Args:
-        server_rank: rank hosting the server (TF's PS); it also trains.
+        server_rank: rank hosting the server (TF's PS).  A worker rank also trains; rank
+            ``num_worker`` of a job of ``num_worker + 1`` processes only serves (it calls
+            :func:`gradfleet.distributed.serve`; the centre starts at rank 0's parameters).
         timeout: seconds to wait for the server, the start-up barrier or the end of training.
         host: interface the server listens on.  Default: loopback while every rank is on
             this host, else this host's address on the route to ``MASTER_ADDR``
@@ -70,6 +74,7 @@ class AsyncCentre(CentreStrategy):
         self.server_rank, self.timeout, self.host = server_rank, float(timeout), host
         self.address, self.worker = address, worker
         self.num_worker, self.synchronous = 1, False
+        self.dedicated = False  # the centre's rank only serves (it is not a worker)
         self._server: CentreServer | None = None
         self._hosted: HostedServer | None = None
         self._client: MailboxClient | None = None
@@ -87,7 +92,28 @@ class AsyncCentre(CentreStrategy):
             local = LocalCollective()
             local.rank, local.world_size = int(self.worker or 0), num_worker
             return local
+        if self.server_rank >= num_worker and dist.is_available() and dist.is_initialized():
+            return self._dedicated_collective(num_worker, group, owner)
         return super().resolve_collective(num_worker, group, owner)
+
+    def _dedicated_collective(self, num_worker: int, group: Any, owner: str) -> Collective:
+        """The centre on a rank that only serves: ranks ``0 .. num_worker-1`` train, rank
+        ``num_worker`` calls :func:`gradfleet.distributed.serve`."""
+        world = dist.get_world_size()
+        if group is not None or self.server_rank != num_worker or world != num_worker + 1:
+            raise ValueError(
+                f"{owner}: a dedicated centre rank must be rank num_worker={num_worker} of a "
+                f"job of num_worker + 1 processes on the default group; got server_rank="
+                f"{self.server_rank}, world size {world}"
+                + (", a process_group" if group is not None else "")
+            )
+        if dist.get_rank() >= num_worker:
+            raise ValueError(
+                f"{owner}: rank {dist.get_rank()} is the dedicated centre: it calls "
+                "gradfleet.distributed.serve() instead of building the optimizer"
+            )
+        self.dedicated = True
+        return TorchCollective(None)
 
     def global_step_increment(self) -> int:
         return 1  # TF: global_step counts communications of all workers
@@ -97,6 +123,16 @@ class AsyncCentre(CentreStrategy):
             self.worker = comm.rank
         if self.address is None:
             group = getattr(comm, "group", None)
+            if self.dedicated:  # the centre's rank learns the job from rank 0 (..serving)
+                spec = {
+                    "kind": CENTRE, "server_rank": self.server_rank, "timeout": self.timeout,
+                    "num_worker": self.num_worker,
+                    "layout": [
+                        (list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params
+                    ],
+                }  # fmt: skip
+                spec["N"] = self.num_worker
+                announce(spec, params, [self.server_rank], [list(range(len(params)))])
             host = server_host(self.host, "AsyncCentre", group)  # collective over the group
             if comm.rank == self.server_rank:
                 self._server = CentreServer(params, self.num_worker, self.timeout)

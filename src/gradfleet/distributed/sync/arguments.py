@@ -65,7 +65,8 @@ def average_indices(index: dict[int, int], variables: Iterable[torch.Tensor] | N
 
 
 def resolve_worker(worker: int | None, address: Any, N: int) -> int:
-    """This process's worker id: ``worker`` if given, else its rank (checked against N)."""
+    """This process's worker id: ``worker`` if given, else its rank (checked against N; ranks
+    from N on are dedicated servers, checked by ``check_server_ranks``)."""
     if worker is None:
         if not (dist.is_available() and dist.is_initialized()):
             if N == 1:
@@ -75,9 +76,14 @@ def resolve_worker(worker: int | None, address: Any, N: int) -> int:
                 "server_address= and worker= explicitly)"
             )
         worker = dist.get_rank()
-        if address is None and dist.get_world_size() != N:
+        if address is None and dist.get_world_size() < N:
             raise ValueError(
-                f"{_OWNER}: total_num_replicas={N} must equal the world size "
+                f"{_OWNER}: total_num_replicas={N} exceeds the world size "
                 f"({dist.get_world_size()}): one process per worker replica"
+            )
+        if address is None and worker >= N:  # the ranks after the workers only serve
+            raise ValueError(
+                f"{_OWNER}: rank {worker} is not a worker (total_num_replicas={N}: ranks "
+                f"0..{N - 1}); a dedicated server rank calls gradfleet.distributed.serve()"
             )
     return check_int(_OWNER, "worker", worker, 0)

@@ -125,6 +125,8 @@ class SyncChief:
             self.members.hello(worker)
             values = {"global_step": self.global_step, "params": self.params}
             return [Answer(ticket, dict(values, version=self.shard.step), self.shard.values_key)]
+        if op in ("push", "step"):
+            self.shard.follow(msg.get("hyper"))
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
             return [Answer(ticket, {"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})]
         if op == "step":

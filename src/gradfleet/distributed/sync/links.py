@@ -2,10 +2,11 @@
 
 Per step, the protocol of TF's worker train op, one method each:
 
-* :meth:`SyncLinks.push` -- shard k's gradients to shard k, all at once (with one server they
-  travel with the token request);
-* :meth:`SyncLinks.token` -- wait for a token from the chief; the answer carries shard 0's new
-  values when it stepped;
+* :meth:`SyncLinks.push` -- shard k's gradients to shard k, all at once; shard 0's (the
+  chief's) travel with the token request;
+* :meth:`SyncLinks.token` -- shard 0's gradients and the wait for a token in one request to the
+  chief, while the other shards' answers to the push are collected; the answer carries shard
+  0's new values when it stepped;
 * :meth:`SyncLinks.read` -- every other shard's values that changed since the last read.
 """
 
@@ -44,6 +45,9 @@ class SyncLinks:
         }
         self.versions = dict.fromkeys(self.clients, -1)
         self._carried: Grads | None = None  # one server: the push travels with the token request
+        self._carried_extra: dict[str, Any] = {}
+        self._shards_pending = False  # shard pushes sent, their answers not yet read
+        self.shard_steps: list[int] = []  # each shard's step in its last push answer
 
     @property
     def chief(self) -> MailboxClient:
@@ -68,24 +72,29 @@ class SyncLinks:
             step = int(reply["global_step"]) if k == 0 else step
         return step, out
 
-    def push(self, tag: int, parts: Sequence[Grads]) -> bool:
+    def push(self, tag: int, parts: Sequence[Grads], hyper: list | None = None) -> bool:
         """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
         everywhere; the shard that holds it reports it).  True iff every shard accepted them
-        so far (one server: decided with the token)."""
-        if not self.shards:
-            self._carried = list(parts[0])
-            return True
+        so far (one server: decided with the token).  ``hyper``: the worker's changed
+        hyperparameters, for dedicated servers."""
+        extra = {} if hyper is None else {"hyper": hyper}
         for k, client in self.shards.items():
-            client.request("push", worker=self.worker, tag=tag, grads=parts[k])
-        if tag < 0:  # bad input: the shard holding it raises before the chief hears of it
+            client.request("push", worker=self.worker, tag=tag, grads=parts[k], **extra)
+        if tag < 0 and self.shards:  # bad input: the shard holding it raises first
             accepted = self._pushed()
-        self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0])
-        if tag >= 0:
-            accepted = self._pushed()
-        return bool(self.chief.response()["accepted"]) and accepted
+            self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0], **extra)
+            return bool(self.chief.response()["accepted"]) and accepted
+        # the chief's gradients travel with the token request; the shards' answers are
+        # collected while the chief works on it
+        self._carried = list(parts[0])
+        self._carried_extra = extra
+        self._shards_pending = bool(self.shards)
+        return True
 
     def _pushed(self) -> bool:
-        return all([bool(c.response()["accepted"]) for c in self.shards.values()])
+        replies = [c.response() for c in self.shards.values()]
+        self.shard_steps = [int(r.get("step", -1)) for r in replies]
+        return all(bool(r["accepted"]) for r in replies)
 
     def token(self, tag: int, into: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Wait for a token (``token``, ``accepted``, ``global_step``, and shard 0's
@@ -93,8 +102,21 @@ class SyncLinks:
         fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
         if self._carried is not None:
             fields["grads"], self._carried = self._carried, None
-        reply = self.chief.call("step", receive_into=into, **fields)
+            fields.update(self._carried_extra)
+        self.chief.request("step", **fields)
+        if self._shards_pending:
+            self._shards_pending = False
+            shards_accepted = self._pushed()
+        else:
+            shards_accepted = True
+        reply = self.chief.response(receive_into=into)
         self.versions[0] = int(reply["version"])
+        reply["accepted"] = bool(reply["accepted"]) and shards_accepted
+        if self.shards:
+            # the chief may answer before the shards' "applied" reports reached it; every
+            # shard had applied the steps its push answer showed
+            done = min([int(reply["version"]), *self.shard_steps])
+            reply["global_step"] = max(int(reply["global_step"]), done)
         return reply
 
     def read(self, into: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:

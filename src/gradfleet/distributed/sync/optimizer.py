@@ -42,7 +42,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
@@ -69,7 +71,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             shard) applies the averaged gradients with a copy of it (hyperparameters are re-read
             from the hosting rank's ``opt`` before every update, so LR schedules apply).
         replicas_to_aggregate: R, gradients per update (>= 1).
-        total_num_replicas: N, worker processes (default R); must equal the world size.
+        total_num_replicas: N, worker processes (default R): ranks ``0 .. N-1``; a job of
+            more processes has dedicated server ranks ``N ..`` (they call
+            :func:`gradfleet.distributed.serve`), each listed in ``server_ranks``.
         variable_averages: an ``ExponentialMovingAverage`` of the server variables, applied
             after every update (read them with :meth:`averaged_variables` on the chief).
         variables_to_average: the parameters of this optimizer that ``variable_averages``
@@ -87,7 +91,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             address raise ``ValueError`` naming ``host=`` on every rank.
         server_ranks: shard the variables over these ranks (default ``[server_rank]``: one
             server); the first rank is the chief (``global_step``, tokens).  A rank may appear
-            twice (two shards).  A dead shard rank makes every worker raise
+            twice (two shards).  Ranks ``>= total_num_replicas`` are dedicated servers
+            (docs/servers.md).  A dead shard rank makes every worker raise
             ``ServerUnreachable`` naming it.
         shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
             lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
@@ -140,11 +145,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self._links: SyncLinks | None = None
         self._allreduce: AllReduceSync | None = None
         self.worker = resolve_worker(worker, server_address, N)
+        inside = server_address is None and dist.is_available() and dist.is_initialized()
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
             N, len(self._index), transport, server_address,
+            dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
+        self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
+        self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
         if transport == "allreduce":
             self._allreduce = AllReduceSync(
                 self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
@@ -162,6 +171,14 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         ranks = self.server_ranks
         self.is_chief = given is None and self.worker == ranks[0]
         if given is None:
+            if self.dedicated:  # they learn the job from rank 0 (see ..serving)
+                spec = sync_spec(
+                    self.params(), opt, R=self.replicas_to_aggregate,
+                    N=self.total_num_replicas, tokens=tokens, timeout=self.timeout, ema=ema,
+                    averaged=averaged, nonfinite=nonfinite, last_step=last_step,
+                    ranks=self.server_ranks, parts=self._parts,
+                )  # fmt: skip
+                announce(spec, self.params(), self.server_ranks, self._parts)
             host = server_host(host, _OWNER)  # collective: every rank of the group calls it
             if self.worker in ranks:
                 self._servers = SyncServers(
@@ -253,7 +270,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 "shard holding it reports it)", self.worker,
             )  # fmt: skip
             tag = -1
-        accepted = self._links.push(tag, [[grads[i] for i in idx] for idx in self._parts])
+        parts = [[grads[i] for i in idx] for idx in self._parts]
+        accepted = self._links.push(tag, parts, self._hyper.changed())
         reply = self._links.token(tag, into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
@@ -281,7 +299,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """Moving averages of the variables, in parameter order (None if not averaged);
         sharded: gathered from every shard."""
         chief = self._servers.chief if self._servers is not None else None
-        if self._allreduce is not None or len(self._parts) == 1:
+        if self._allreduce is not None or (len(self._parts) == 1 and chief is not None):
             ema = self._allreduce.ema if self._allreduce is not None else None
             ema = ema if ema is not None or chief is None else chief.ema
             if ema is None:

@@ -51,6 +51,7 @@ class SyncServers:
         average_indices: Sequence[int],
         nonfinite: str,
         last_step: int | None,
+        hyperparameters_from_workers: bool = False,
     ) -> None:
         R, N = replicas_to_aggregate, total_num_replicas
         self.ranks, self.timeout = list(ranks), timeout
@@ -66,12 +67,14 @@ class SyncServers:
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
                 parts[0], len(self.ranks),
             )  # fmt: skip
+            self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
                 self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch
             )
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
                 shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step)
+                shard.follow_workers = hyperparameters_from_workers
                 server = ShardServer(k, shard, N, timeout)
                 hosted = HostedServer(
                     server, server.members, host, f"SyncReplicas shard {k}", perform=self._report
@@ -137,10 +140,11 @@ class SyncServers:
         return []
 
     # ------------------------------------------------------------------ end
-    def close(self) -> None:
-        """Serve until every worker left or went silent (at most ``timeout`` seconds), then
-        stop: the shards first, then the chief."""
-        end = time.monotonic() + self.timeout
+    def close(self, deadline: float | None = None) -> None:
+        """Serve until every worker left or went silent (at most ``timeout`` seconds, or until
+        ``deadline``, a ``time.monotonic()`` value), then stop: the shards first, then the
+        chief."""
+        end = time.monotonic() + self.timeout if deadline is None else deadline
         for _, hosted in self.shards.values():
             hosted.close(end)
         self.shards = {}

@@ -12,13 +12,14 @@ server by :mod:`.servers`.
 
 Per worker step::
 
-    worker: push shard k's gradients to every shard k at once (the chief's with "push"),
-            tagged local_step; then the chief's "step": wait for a token; then "read" every
-            shard 1.. at once (values come back only if the shard stepped since the last read)
+    worker: push shard k's gradients to every shard k >= 1 at once, tagged local_step, and
+            shard 0's with the chief's "step" (wait for a token), collecting the shards'
+            answers meanwhile (``accepted`` and the shard's step); then "read" every shard
+            1.. at once (values come back only if the shard stepped since the last read)
     shard:  when its accumulators hold R fresh gradients: average, apply with its optimizer
             copy, its step += 1; the effect :class:`Applied` makes the hosting code tell the
-            chief (before answering the push, so the chief knows before the pusher asks for
-            its token)
+            chief before answering the push (the chief may answer the pusher's "step" first:
+            the worker takes global_step as at least the smallest step its answers showed)
     chief:  global_step := min over shards of their step; every increment enqueues max(N, R)
             tokens (TF: global_step += 1 after all variables were updated, then tokens)
 
@@ -69,18 +70,39 @@ log = logging.getLogger(__name__)
 
 
 def check_server_ranks(
-    ranks: Sequence[int], N: int, num_params: int, transport: str, address: Any
+    ranks: Sequence[int],
+    N: int,
+    num_params: int,
+    transport: str,
+    address: Any,
+    world_size: int | None = None,
 ) -> list[int]:
-    """Validate ``server_ranks`` (and ``server_address`` against it); returns a list."""
+    """Validate ``server_ranks`` (and ``server_address`` against it); returns a list.
+
+    Ranks ``0 .. N-1`` are the workers; a job of ``world_size > N`` processes has the dedicated
+    server ranks ``N .. world_size-1``, and every one of them must host a shard."""
     owner = "SyncReplicasOptimizer"
     ranks = list(ranks)
+    world = N if world_size is None else world_size
     if not ranks:
         raise ValueError(f"{owner}: server_ranks must name at least one rank")
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < N:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
             raise ValueError(
-                f"{owner}: server rank {r!r} is not a worker rank (total_num_replicas={N})"
+                f"{owner}: server rank {r!r} is neither a worker rank (total_num_replicas={N}: "
+                f"ranks 0..{N - 1}) nor a dedicated server rank (world size {world}: ranks "
+                f"{N}..{world - 1} only serve)"
             )
+    idle = sorted(set(range(N, world)) - set(ranks))
+    if idle:
+        raise ValueError(
+            f"{owner}: rank(s) {idle} of the {world} processes are neither workers "
+            f"(total_num_replicas={N}) nor in server_ranks={ranks}; every rank from "
+            f"{N} on must be a dedicated server"
+        )
+    dedicated = [r for r in ranks if r >= N]
+    if dedicated and transport == "allreduce":
+        raise ValueError(f"{owner}: dedicated server ranks {dedicated} need transport='server'")
     if len(ranks) > 1:
         if transport == "allreduce":
             raise ValueError(f"{owner}: server_ranks (sharding) needs transport='server'")
@@ -179,6 +201,9 @@ class Shard:
         chosen = set(average_indices) if average_indices else set(self.indices)
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
         self.loads = 0  # checkpoint loads: they change the variables without a step
+        # a dedicated server's ``source`` is its own copy: the workers' pushes carry the
+        # hyperparameters (LR schedules run on the workers)
+        self.follow_workers = False
 
     @property
     def values_key(self) -> tuple[int, int, int]:
@@ -200,6 +225,20 @@ class Shard:
         theirs = [str(d) for d in dtypes]
         if theirs != [str(p.dtype) for p in self.params]:
             raise ValueError(f"SyncReplicasOptimizer: worker rank {worker} has dtypes {theirs}")
+
+    def follow(self, hyper: Sequence[dict[str, Any]] | None) -> None:
+        """A worker's numeric hyperparameters per param group (sent when they changed): a
+        dedicated server takes them for its next update; a server inside a worker rank reads
+        its own rank's optimizer instead."""
+        if hyper is None or not self.follow_workers:
+            return
+        if len(hyper) != len(self.source.param_groups):
+            raise ValueError(
+                f"SyncReplicasOptimizer: a worker has {len(hyper)} param groups, the server "
+                f"{len(self.source.param_groups)}"
+            )
+        for group, values in zip(self.source.param_groups, hyper, strict=True):
+            group.update(values)
 
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> tuple[bool, bool]:
         """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in."""
@@ -287,8 +326,9 @@ class ShardServer:
             values = {"version": self.shard.step, "params": self.shard.params}
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
+            self.shard.follow(msg.get("hyper"))
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
-            answer = Answer(ticket, {"accepted": accepted})
+            answer = Answer(ticket, {"accepted": accepted, "step": self.shard.step})
             return [Applied(self.k, self.shard.step), answer] if updated else [answer]
         if op == "read":
             values: dict[str, Any] = {"version": self.shard.step}

@@ -1,0 +1,239 @@
+"""Dedicated server processes: ranks that only serve, as TF's ``ps`` tasks and BytePS's servers.
+
+A job of ``N`` workers (ranks ``0 .. N-1``) and ``K`` dedicated servers (ranks ``N .. N+K-1``):
+the workers build their wrapper as usual, naming the server ranks
+(``SyncReplicasOptimizer(..., server_ranks=[N, ...])`` or ``AsyncCentre(server_rank=N)``); a
+server rank calls :func:`serve` (or builds a :class:`ParameterServer`) instead of training.  The
+server learns everything from the first worker, during the wrappers' construction (which every
+rank of the job enters together):
+
+1. rank 0 broadcasts the job's *spec*: which wrapper, its arguments (R, N, tokens, timeout,
+   ``last_step``, ``nonfinite``, the moving averages), the variables' shapes and dtypes, the
+   shard assignment and the wrapped optimizer's parameter groups;
+2. every rank gathers every rank's status: a dedicated server that cannot serve that spec (no
+   ``optimizer`` factory for SyncReplicas, a checkpoint of another layout) makes every rank
+   raise the same error naming it, instead of a hang;
+3. rank 0 sends each dedicated server the initial values of the variables it hosts (point to
+   point on the process group's data plane; TF's chief initialises the ps variables);
+4. the usual set-up follows: where servers listen, their addresses, every worker's hello.
+
+A SyncReplicas server needs the wrapped optimizer: ``optimizer`` is a factory called with the
+workers' parameter groups (``[{"params": [...], **hyperparameters}, ...]``, in the workers'
+order) that returns the same kind of optimizer, e.g. ``lambda groups: torch.optim.Adam(groups)``.
+Variables the server does not host are zero-size placeholders there.  Workers send their
+numeric hyperparameters (``lr``, ``momentum``, ...) with a push whenever they changed, so an LR
+schedule run on the workers also drives the dedicated servers.
+
+A server serves until every worker left (``close()`` on the worker) or has been silent for the
+wrapper's ``timeout`` seconds, then returns its state: ``state=`` restores such a state at the
+start of the next job (a checkpoint per server rank, saved with ``torch.save``, loaded with
+``torch.load(..., weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
+from .easgd.centre_server import CentreServer
+from .hosting import HostedServer, gather_addresses, server_host, share_address
+from .sync.servers import SyncServers
+
+__all__ = ["ParameterServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+# ----------------------------------------------------------------------------- server side
+class ParameterServer:
+    """This rank's dedicated server: built collectively with the workers' wrappers (see the
+    module docstring), serving on background threads.  :meth:`join` waits for the workers'
+    end; :meth:`state_dict` is this server's checkpoint.
+
+    Args:
+        optimizer: factory of the wrapped optimizer (SyncReplicas; ignored for EASGD).
+        host: interface to listen on (default as the wrappers': loopback on one host, else
+            the address towards ``MASTER_ADDR``).
+        state: a :meth:`state_dict` of the same server rank to resume from.
+    """
+
+    def __init__(
+        self,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        host: str | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "serve: a dedicated server is a rank of the job: call "
+                "gradfleet.distributed.init() (or init_process_group) first"
+            )
+        self.rank = dist.get_rank()
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        self.spec = spec = box[0]
+        self.kind = spec.get("kind")
+        self._sync: SyncServers | None = None
+        self._centre: CentreServer | None = None
+        self._hosted: HostedServer | None = None
+        self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
+        try:
+            tensors = self._prepare(optimizer, state)
+            problem = None
+        except Exception as exc:  # reported to every rank, then raised here too
+            tensors = []
+            problem = f"{type(exc).__name__}: {exc}"
+            log.error("dedicated server rank %d: %s", self.rank, traceback.format_exc())
+        check_statuses(problem)
+        receive_from_first(tensors)
+        self._start(host, state)
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare(self, factory: OptimizerFactory | None, state: Any) -> list[torch.Tensor]:
+        """Check the spec against this rank's arguments; the tensors to receive into."""
+        spec = self.spec
+        if self.kind == CENTRE:
+            if spec["server_rank"] != self.rank:
+                raise ValueError(f"the EASGD centre is on rank {spec['server_rank']}")
+            self._values = [_empty(s, d) for s, d in spec["layout"]]
+            if state is not None and state.get("kind") != CENTRE:
+                raise ValueError(f"state= holds a {state.get('kind')!r} server, not {CENTRE}")
+            return self._values
+        if self.kind != SYNC:
+            raise ValueError(f"rank 0 announced {self.kind!r}: nothing a server runs")
+        if factory is None or not callable(factory):
+            raise ValueError(
+                "serve(optimizer=...) must be a factory of the wrapped optimizer for "
+                "SyncReplicasOptimizer, e.g. lambda groups: torch.optim.SGD(groups), got "
+                f"{factory!r}"
+            )
+        ranks, parts = spec["ranks"], spec["parts"]
+        hosted = {i for k, r in enumerate(ranks) if r == self.rank for i in parts[k]}
+        self._values = [
+            _empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])
+        ]
+        groups, start = [], 0
+        for g in spec["groups"]:
+            groups.append({"params": self._values[start : start + g["count"]], **g["hyper"]})
+            start += g["count"]
+        self._opt = factory(groups)
+        if not isinstance(self._opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizer factory returned {type(self._opt).__name__}")
+        mine = [p for g in self._opt.param_groups for p in g["params"]]
+        if len(mine) != len(self._values) or any(
+            a is not b for a, b in zip(mine, self._values, strict=False)
+        ):
+            raise ValueError("the optimizer factory must keep the groups' parameters in order")
+        if state is not None:
+            self._check_sync_state(state)
+        return [self._values[i] for i in sorted(hosted)]
+
+    def _check_sync_state(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != SYNC:
+            raise ValueError(f"state= holds a {state.get('kind')!r} server, not {SYNC}")
+        ranks = self.spec["ranks"]
+        want = {k for k, r in enumerate(ranks) if r == self.rank and k}
+        have = {int(k) for k in state.get("shards", {})}
+        if have != want or (state.get("server") is None) != (ranks[0] != self.rank):
+            raise ValueError(
+                f"state= holds shards {sorted(have)} (chief: {state.get('server') is not None}), "
+                f"this rank hosts {sorted(want)} (chief: {ranks[0] == self.rank}): load each "
+                "server rank's own state, same server_ranks"
+            )
+
+    def _start(self, host: str | None, state: dict[str, Any] | None) -> None:
+        spec = self.spec
+        host = server_host(host, "serve")  # collective, as on the workers
+        if self.kind == CENTRE:
+            self._centre = CentreServer(self._values, spec["num_worker"], spec["timeout"])
+            if state is not None:
+                for c, v in zip(self._centre.centre, state["centre"], strict=True):
+                    c.copy_(v)
+            self._hosted = HostedServer(self._centre, self._centre.members, host, "EASGD centre")
+            share_address(self._hosted.address, self.rank)
+            return
+        ranks = spec["ranks"]
+        self._sync = SyncServers(
+            self._opt, spec["parts"], ranks, self.rank, host,
+            replicas_to_aggregate=spec["R"], total_num_replicas=spec["N"],
+            num_tokens=spec["tokens"], timeout=spec["timeout"], ema=spec["ema"],
+            average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
+            last_step=spec["last_step"], hyperparameters_from_workers=True,
+        )  # fmt: skip
+        self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
+        if state is not None:
+            self._load_sync(state)
+        mine = self._sync.addresses()
+        if len(ranks) == 1:
+            addresses = {0: share_address(mine.get(0), ranks[0])}
+        else:
+            addresses = gather_addresses(mine)
+        self._sync.connect(addresses)
+
+    def _load_sync(self, state: dict[str, Any]) -> None:
+        assert self._sync is not None
+        if self._sync.chief is not None:
+            self._sync.chief.load_state_dict(state["server"])
+        for k, shard_state in state.get("shards", {}).items():
+            self._shards[int(k)].load_state_dict(shard_state)
+
+    # ------------------------------------------------------------------ serving
+    @property
+    def addresses(self) -> dict[int, str]:
+        """``{shard: address}`` of the servers here (EASGD: ``{0: the centre's}``)."""
+        if self._sync is not None:
+            return self._sync.addresses()
+        return {0: self._hosted.address} if self._hosted is not None else {}
+
+    def join(self) -> None:
+        """Serve until every worker left (or was silent for ``timeout`` seconds), then stop."""
+        if self._sync is not None:
+            self._sync.close(math.inf)
+        elif self._hosted is not None:
+            self._hosted.close(math.inf)
+            self._hosted = None
+        log.info("dedicated server rank %d: every worker left", self.rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This server's checkpoint: SyncReplicas' chief state (``"server"``) and the shards it
+        hosts (``"shards"``), or the EASGD centre (``"centre"``)."""
+        if self._centre is not None:
+            return {"kind": CENTRE, "centre": [c.clone() for c in self._centre.centre]}
+        assert self._sync is not None
+        chief = self._sync.chief
+        return {
+            "kind": SYNC,
+            "server": chief.state_dict() if chief is not None else None,
+            "shards": {k: shard.state_dict() for k, shard in self._shards.items()},
+        }
+
+
+def _empty(shape: Sequence[int], dtype: str) -> torch.Tensor:
+    return torch.zeros(list(shape), dtype=getattr(torch, dtype))
+
+
+def serve(
+    optimizer: OptimizerFactory | None = None,
+    *,
+    host: str | None = None,
+    state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run this rank as a dedicated server of the job until every worker left; returns its
+    final state (:meth:`ParameterServer.state_dict`, a checkpoint for ``state=``).
+
+    ``optimizer``: the wrapped optimizer's factory (SyncReplicas), called with the workers'
+    parameter groups.  See the module docstring for what the server learns from the workers.
+    """
+    server = ParameterServer(optimizer, host=host, state=state)
+    server.join()
+    return server.state_dict()
