@@ -38,7 +38,9 @@ def _run(
             if all((records / f"host-{h}.json").exists() for h in hosts):
                 break
             time.sleep(0.2)
-        time.sleep(1)  # the agents see their workers' exit
+        # the agents exit once their workers closed (a server waits for every worker to leave)
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
         codes = [p.poll() for p in procs]
     finally:
         stop(procs)
