@@ -21,11 +21,12 @@ DEADLINE = 150  # start-up alone (4 torchruns, 4 workers) is ~40 s on 2 loaded c
 
 
 def _run(
-    cluster: Cluster, out: Path, hosts: list[int], *extra: str
+    cluster: Cluster, out: Path, hosts: list[int], *extra: str, exits: tuple[int, ...] = ()
 ) -> tuple[list[int | None], dict]:
     """Start the job; wait until the workers on ``hosts`` wrote their records (a failed
     node's peers sit in torch's 300 s exit barrier, so the agents are not waited for), then
-    end every process.  Returns the agents' exit codes (None: still running) and the records."""
+    end every process; the agents of ``exits`` are given until the deadline to exit.  Returns
+    the agents' exit codes (None: still running) and the records."""
     port = 29100 + int(time.time()) % 300
     records = out / "records"
     procs = cluster.torchrun(
@@ -38,9 +39,10 @@ def _run(
             if all((records / f"host-{h}.json").exists() for h in hosts):
                 break
             time.sleep(0.2)
-        # the agents exit once their workers closed (a server waits for every worker to leave)
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        # an agent exits once its workers closed (a server waits for every worker to leave)
+        while time.monotonic() < deadline and any(procs[h].poll() is None for h in exits):
             time.sleep(0.2)
+        time.sleep(1)  # the other agents see their workers' exit
         codes = [p.poll() for p in procs]
     finally:
         stop(procs)
@@ -54,7 +56,7 @@ def _run(
 
 def test_sync_replicas_with_a_backup_trains_across_hosts(make_cluster, tmp_path: Path) -> None:
     cluster = make_cluster(3, "200mbit")
-    codes, found = _run(cluster, tmp_path, [0, 1, 2])
+    codes, found = _run(cluster, tmp_path, [0, 1, 2], exits=(0, 1, 2))
     logs = found.pop("logs")
     assert codes == [0, 0, 0], logs
     for record in found.values():
@@ -67,7 +69,9 @@ def test_sync_replicas_with_a_backup_trains_across_hosts(make_cluster, tmp_path:
 def test_a_sigkilled_worker_and_the_job_goes_on(make_cluster, tmp_path: Path) -> None:
     """R = 3 of N = 4: the worker on host 3 (not a shard host) dies after 8 steps."""
     cluster = make_cluster(4, "200mbit")
-    codes, found = _run(cluster, tmp_path, [0, 1, 2], "--kill-host", "3", "--kill-at", "8")
+    codes, found = _run(
+        cluster, tmp_path, [0, 1, 2], "--kill-host", "3", "--kill-at", "8", exits=(3,)
+    )
     logs = found.pop("logs")
     assert codes[3] not in (None, 0), (codes, logs)  # host 3's agent reports its dead worker
     for record in found.values():
