@@ -47,13 +47,17 @@ def gradients(rng: np.random.Generator, steps: int) -> list[dict[str, Any]]:
 
 
 def torch_step(model: Model, opt: torch.optim.Optimizer, grads: dict[str, Any]) -> None:
+    set_gradients(model, grads)
+    opt.step()
+
+
+def set_gradients(model: Model, grads: dict[str, Any]) -> None:
     model.dense.weight.grad = torch.from_numpy(grads["dense/kernel"].T.copy())
     model.dense.bias.grad = torch.from_numpy(grads["dense/bias"].copy())
     idx, rows = grads["emb"]
     model.emb.weight.grad = torch.sparse_coo_tensor(
         torch.from_numpy(idx).reshape(1, -1), torch.from_numpy(rows.copy()), (5, 3)
     )
-    opt.step()
 
 
 class TFRun:

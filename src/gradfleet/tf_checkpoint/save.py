@@ -12,6 +12,7 @@ import torch
 
 from gradfleet.tf_checkpoint import names as _names
 from gradfleet.tf_checkpoint import slot_names as _slots
+from gradfleet.tf_checkpoint import wrapper_state as _wrapper
 from gradfleet.tf_checkpoint.bundle import Progress, write_checkpoint
 from gradfleet.tf_checkpoint.convert import GLOBAL_STEP, _inner
 
@@ -44,6 +45,17 @@ def tf_tensors(
     step = None if global_step is None else int(global_step)
     if opt is not None:
         step = _put_optimizer(opt, by_param, put, dict(non_slot_names or {}), step)
+    centres = _wrapper.centre_wrapper(optimizer, model, name_map)
+    if centres is not None:
+        for tf_name, (what, value) in _wrapper.wrapper_tensors(centres).items():
+            put(tf_name, what, value)
+        counted = int(centres.wrapper.global_step)
+        if step is not None and step != counted:
+            raise ValueError(
+                f"global_step={step} disagrees with the {centres.kind}'s global_step {counted} "
+                f"(TF's global_step, which it advances)"
+            )
+        step = counted
     if step is not None:
         name = (non_slot_names or {}).get(GLOBAL_STEP, GLOBAL_STEP)
         put(name, "global_step", torch.tensor(step, dtype=torch.int64))
