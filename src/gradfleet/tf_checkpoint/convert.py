@@ -176,7 +176,8 @@ def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tupl
 
 def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=True) -> None:
     param_names = {id(p): n for n, p in model.named_parameters()}
-    flat = [p for group in opt.param_groups for p in group["params"]]
+    # position in RETURNN's var_list; by identity (list.index would compare tensors)
+    position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
     for group in opt.param_groups:
         suffixes = _slots.slot_suffixes(opt, group)
         for p in group["params"]:
@@ -189,7 +190,7 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=
                 continue  # not in the checkpoint by the map, or already reported
             tf_name, transform, torch_name, ok = tf_by_param[id(p)]
             if _slots.is_amsgrad(opt):
-                names = _slots.amsgrad_names(flat.index(p))
+                names = _slots.amsgrad_names(position[id(p)])
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
             present = [s for s, n in names.items() if n in plan.reader.shapes]

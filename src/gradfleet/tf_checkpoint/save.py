@@ -63,7 +63,8 @@ def tf_tensors(
 
 
 def _put_optimizer(opt, by_param, put, non_slot_names, step):
-    flat = [p for group in opt.param_groups for p in group["params"]]
+    # position in RETURNN's var_list; by identity (list.index would compare tensors)
+    position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
     for group in opt.param_groups:
         suffixes = _slots.slot_suffixes(opt, group)
         for p in group["params"]:
@@ -71,7 +72,7 @@ def _put_optimizer(opt, by_param, put, non_slot_names, step):
                 continue
             tf_name, transform, torch_name = by_param[id(p)]
             if _slots.is_amsgrad(opt):
-                names = _slots.amsgrad_names(flat.index(p))
+                names = _slots.amsgrad_names(position[id(p)])
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
             for slot, name in names.items():
