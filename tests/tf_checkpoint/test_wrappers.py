@@ -183,6 +183,7 @@ def test_wrapper_needs_its_centres_and_its_global_step(tmp_path):
     assert sorted(info.value.problems["missing in the checkpoint"]) == sorted(expected)
     after = _state(model, opt)
     assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing loaded
+    load_tf_checkpoint(plain, model, opt.optimizer, tf_run.NAME_MAP)  # the wrapped one: fine
     with pytest.raises(ValueError, match="global_step=3 disagrees with the ElasticAverage"):
         save_tf_checkpoint(tmp_path / "x", model, opt, tf_run.NAME_MAP, global_step=3)
     assert not (tmp_path / "x.index").exists()

@@ -98,6 +98,10 @@ def load_tf_checkpoint(
     slots under TF's slot names (``<var>/Adam``, ``<var>/Adam_1`` ...), the optimizer's
     non-slot variables (``beta1_power``, AdagradDA's step from ``global_step``, ...).
 
+    A TF2 object-based checkpoint is read under TF1 names (``model/dense/kernel``,
+    ``model/dense/kernel/Adam``; see :mod:`.object_graph`).  An EASGD or model-averaging
+    wrapper as ``optimizer`` also gets its centres and counters (see :mod:`.wrapper_state`).
+
     ``ignore``: checkpoint names (or a predicate) that are deliberately not loaded;
     ``non_slot_names``: gradfleet non-slot key -> TF name, where the last-component lookup is
     ambiguous; ``global_step``: a 0-dim int64 tensor that receives the checkpoint's
