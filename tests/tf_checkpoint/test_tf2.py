@@ -66,6 +66,12 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _eager():
+    with tf_run.eager():
+        yield
+
+
 class TF2Run:
     """Eager TF2: the variables in a ``tf.Module`` tree, a v1 optimizer, a ``Checkpoint``."""
 

@@ -30,6 +30,14 @@ class Model(torch.nn.Module):
         self.emb = torch.nn.Embedding(5, 3, sparse=True)
 
 
+def eager() -> Any:
+    """A context in TF2's default (eager) mode: importing RETURNN's TF backend switches eager
+    execution off for the whole process (``returnn.tf.compat``), and the tests share one."""
+    from tensorflow.python.eager import context
+
+    return context.eager_mode()
+
+
 def gradients(rng: np.random.Generator, steps: int) -> list[dict[str, Any]]:
     """Per step: dense arrays for the dense variables, (indices, rows) for ``emb``."""
     out = []
