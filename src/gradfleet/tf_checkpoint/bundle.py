@@ -58,6 +58,7 @@ class CheckpointReader:
             latest = tf.train.latest_checkpoint(prefix)
             if latest is None:
                 raise FileNotFoundError(f"no TensorFlow checkpoint in directory {prefix!r}")
+            log.info("%s: reading its latest checkpoint %s", prefix, latest)
             prefix = latest
         if not os.path.exists(prefix + ".index"):
             raise FileNotFoundError(
@@ -140,6 +141,7 @@ def write_checkpoint(
             tensors=holders,
         )
     total = sum(a.nbytes for a in arrays)
+    log.info("writing %d tensors (%d bytes) to %s", len(names), total, prefix)
     done = 0
     feed = {}
     for holder, array in zip(holders, arrays):
