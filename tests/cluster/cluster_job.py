@@ -4,7 +4,8 @@ SyncReplicas, ``R = N - 1`` of ``N`` workers (one backup), the variables sharded
 ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload).
 
 ``--kill-host H --kill-at S``: the worker on host H SIGKILLs itself after S local steps (a
-machine lost mid-run; it is not a shard host unless H is 0 or 1).  Every other worker keeps
+machine lost mid-run; it is not a shard host unless H is 0 or 1); the others wait at their
+step S + 2 until it has.  Every other worker keeps
 stepping until ``--steps`` updates or an error; it writes ``<out>/host-<h>.json`` with its
 losses, the global step reached and every error it saw (type and message), once done.
 """
@@ -59,7 +60,11 @@ def main() -> None:
     try:
         while opt.global_step < args.steps:
             if host == args.kill_host and local == args.kill_at:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"killed-{host}").touch()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.kill_host >= 0 and host != args.kill_host and local == args.kill_at + 2:
+                _wait_for(args.out / f"killed-{args.kill_host}")  # the loss is mid-run
             x, y = teacher.batch(32, info.rank, local)
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -77,6 +82,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"host-{host}.json").write_text(json.dumps(record))  # written last: done
     os._exit(0)  # a dead peer can leave gloo's teardown waiting: the record is written
+
+
+def _wait_for(marker: Path, timeout: float = 120.0) -> None:
+    """Hold this worker until the victim died: on a loaded machine a slow victim could
+    otherwise find the job finished (R = N - 1 needs none of its gradients) and never die."""
+    end = time.monotonic() + timeout
+    while not marker.exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{marker.name} did not appear in {timeout:g} s")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
