@@ -41,7 +41,7 @@ def sequenced(
     nonfinite: str,
 ) -> dict:
     """Run ``schedule`` (the worker of each step, one step at a time: step ``j`` starts once
-    step ``j - 1`` returned) four times: the linear and the MLP model, each with overlap off
+    step ``j - 1`` returned, and the first once every worker said hello) four times: the linear and the MLP model, each with overlap off
     and on.  Returns, per run, this rank's parameters, steps and counters."""
     out = {}
     for model in ("linear", "mlp"):
@@ -58,6 +58,10 @@ def sequenced(
                 overlap=overlap,
             )
             tag = f"{model}-{overlap}"
+            # every worker's hello (local_step := global_step) before the first step
+            ctx.signal(f"{tag}-hello")
+            for r in range(ctx.world_size):
+                ctx.wait_signal(r, f"{tag}-hello", timeout=30)
             mine = 0
             for j, k in enumerate(schedule):
                 if k != ctx.rank:
