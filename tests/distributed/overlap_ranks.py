@@ -41,8 +41,9 @@ def sequenced(
     nonfinite: str,
 ) -> dict:
     """Run ``schedule`` (the worker of each step, one step at a time: step ``j`` starts once
-    step ``j - 1`` returned, and the first once every worker said hello) four times: the linear and the MLP model, each with overlap off
-    and on.  Returns, per run, this rank's parameters, steps and counters."""
+    step ``j - 1`` returned, the first once every worker said hello) four times: the linear
+    and the MLP model, each with overlap off and on.  Returns, per run, this rank's
+    parameters, steps and counters."""
     out = {}
     for model in ("linear", "mlp"):
         for overlap in (False, True):

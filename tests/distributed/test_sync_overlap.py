@@ -209,6 +209,42 @@ def test_apply_gradients_without_backward_works_with_overlap():
         opt.close()
 
 
+@pytest.mark.timeout(60)
+def test_query_between_backward_and_step_raises_and_step_still_works():
+    model = _model()
+    opt = _sync(model, True, shards=2)
+    try:
+        _loss(model, 0).backward()
+        with pytest.raises(RuntimeError, match=r"'stats' while this step's pushes are in flight"):
+            opt.worker_counters(1)
+        opt.step()
+        assert opt.global_step == 1
+        assert opt.worker_counters(1) == {0: {"accepted": 1, "dropped": 0, "nonfinite": 0}}
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_server_keeps_nonfinite_raise():
+    """One server judges the whole gradient set: a NaN still raises FloatingPointError from
+    step() with nothing applied, and the next finite step is an update."""
+    model = _model()
+    opt = _sync(model, True, shards=1)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        (_loss(model, 0) * float("nan")).backward()
+        with pytest.raises(FloatingPointError, match="non-finite gradient"):
+            opt.step()
+        _equal([p.detach() for p in model.parameters()], before)
+        assert opt.global_step == 0
+        opt.zero_grad()
+        _loss(model, 1).backward()
+        opt.step()
+        assert opt.global_step == 1 and opt.last_gradient_accepted is True
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -260,7 +296,10 @@ def test_backup_worker_sequence_over_processes(server_ranks, nonfinite):
     last = out[SCHEDULE[-1]]["linear-True"]
     assert last["global_step"] == want_step == 4
     torch.testing.assert_close(
-        torch.cat(last["params"]), torch.tensor(want, dtype=F64), rtol=0, atol=1e-15,
+        torch.cat(last["params"]),
+        torch.tensor(want, dtype=F64),
+        rtol=0,
+        atol=1e-15,
         msg=lambda m: f"{m}\n{out}",
     )
     dropped = sum(out[r]["linear-True"]["counters"]["dropped"] for r in range(N))

@@ -163,10 +163,21 @@ class SyncLinks:
         self.versions = dict.fromkeys(self.versions, -1)
 
     def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        self._check_idle(op)
         return self.clients[shard].call(op, worker=self.worker, **fields)
 
     def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
+        self._check_idle(op)
         return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
+
+    def _check_idle(self, op: str) -> None:
+        """A query between backward and ``step()`` with overlap would take the place of a
+        push's answer on its link (one request at a time): refuse it."""
+        if self._pending or self._token_sent:
+            raise RuntimeError(
+                f"SyncReplicasOptimizer: {op!r} while this step's pushes are in flight "
+                "(overlap=True pushes during backward): call it after step()"
+            )
 
     def forget(self, ranks: Sequence[int]) -> None:
         """Tell every server that the workers ``ranks`` are dead for good."""
