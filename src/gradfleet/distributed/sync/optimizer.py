@@ -29,6 +29,10 @@ Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` 
 tokens -- once every shard applied it (protocol, per-shard staleness and optimizer state:
 :mod:`.shards`).  Checkpoints are per server rank (see the class docstring).
 
+Overlap (``overlap=True``, beyond TF): each shard's push starts from backward's gradient hooks
+once its gradients are all in (shard 0's with the token request), as DDP overlaps a bucket's
+all-reduce; ``step()`` pushes the rest and waits (:mod:`.overlap`).
+
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
 (parameters of this optimizer), ``use_locking`` (ignored), ``name``; the hook's ``num_tokens``
