@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 import gradfleet
@@ -48,6 +50,7 @@ def sequenced(
     for model in ("linear", "mlp"):
         for overlap in (False, True):
             params, loss = (_linear if model == "linear" else _mlp)(ctx.rank)
+            gc.collect()  # the last run's closed servers go now, not inside the constructor
             opt = SyncReplicasOptimizer(
                 gradfleet.GradientDescentOptimizer(params, LR),
                 R,
