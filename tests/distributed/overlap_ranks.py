@@ -7,7 +7,7 @@ import gc
 import torch
 
 import gradfleet
-from gradfleet.distributed import SyncReplicasOptimizer
+from gradfleet.distributed import SyncReplicasOptimizer, serve
 from gradfleet.distributed.testing import RankContext
 
 from .sync_ranks import loss_of, make_model
@@ -83,4 +83,34 @@ def sequenced(
                 "counters": dict(opt.counters),
             }
             opt.close()
+    return out
+
+
+def dedicated_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps: int) -> dict:
+    """R = N workers in lockstep on dedicated server ranks (rank >= N serves), Adam whose LR
+    drops after step 2 (the workers send it with their pushes): once without overlap, once
+    with.  Returns each run's parameters after every step."""
+    out: dict = {}
+    for overlap in (False, True):
+        gc.collect()
+        if ctx.rank >= N:
+            serve(lambda groups: gradfleet.AdamOptimizer(groups, 0.01))
+            continue
+        model = make_model(width=4)
+        inner = gradfleet.AdamOptimizer(model.parameters(), 0.01)
+        opt = SyncReplicasOptimizer(
+            inner, N, N, num_tokens=0, timeout=30, server_ranks=server_ranks,
+            nonfinite="apply", overlap=overlap,
+        )  # fmt: skip
+        trace = []
+        for count in range(steps):
+            if count == 2:
+                for group in inner.param_groups:
+                    group["lr"] = 0.003
+            opt.zero_grad()
+            loss_of(model, ctx.rank, count).backward()
+            opt.step()
+            trace.append((opt.global_step, [p.detach().clone() for p in model.parameters()]))
+        out[overlap] = trace
+        opt.close()
     return out

@@ -308,3 +308,16 @@ def test_backup_worker_sequence_over_processes(server_ranks, nonfinite):
     )
     dropped = sum(out[r]["linear-True"]["counters"]["dropped"] for r in range(N))
     assert dropped > 0  # the backup worker's stale gradients were dropped
+
+
+@pytest.mark.timeout(120)
+def test_dedicated_server_ranks_same_as_without_overlap():
+    """Two workers in lockstep, two dedicated shard servers (ranks 2, 3) taking the workers'
+    learning rate from their pushes (it drops after step 2): bit-identical with overlap, so
+    the early pushes carried the new rate too."""
+    out = run_ranks(overlap_ranks.dedicated_lockstep, 4, args=(2, [2, 3], 5), timeout=100)
+    for rank in (0, 1):
+        off, on = out[rank][False], out[rank][True]
+        assert [s for s, _ in on] == [s for s, _ in off] == [1, 2, 3, 4, 5]
+        for (_, a), (_, b) in zip(on, off, strict=True):
+            _equal(a, b)
