@@ -41,7 +41,9 @@ SLOW = 3  # the host that is slowed in the uneven scenarios
 @dataclass(frozen=True)
 class Row:
     """One strategy configuration. ``kind``: ``"sync"`` (one global update per step of every
-    replica) or ``"local"`` (every local step is an update); ``R``: gradients per update."""
+    replica) or ``"local"`` (every local step is an update); ``R``: gradients per update;
+    ``server_hosts``: extra hosts that only serve (dedicated servers, ranks after the
+    workers), at the base link rate."""
 
     key: str
     label: str
@@ -49,11 +51,16 @@ class Row:
     options: dict[str, Any] = field(default_factory=dict)
     kind: str = "sync"
     transfer_updates: int = 2
+    server_hosts: int = 0
 
 
 def rows(world: int) -> list[Row]:
-    """The strategies measured.  Dedicated server hosts (a later addition) add rows here."""
+    """The strategies measured (``world``: worker hosts; the dedicated server hosts of a row
+    come on top)."""
     n, r = world, world - 1
+    shard = {"servers": "sharded"}
+    overlap = {"overlap": True, "nonfinite": "apply"}  # sharded overlap needs "apply"
+    dedicated = {"servers": "dedicated"}
     return [
         Row("compute", "compute only (no communication)", "compute", kind="local"),
         Row("ddp", "DDP (bucketed all-reduce, overlapped)", "ddp"),
@@ -64,8 +71,21 @@ def rows(world: int) -> list[Row]:
             {"R": n, "servers": "sharded"}),
         Row("sr-shard-b", f"SyncReplicas, sharded over workers, R={r} of {n}", "sync-replicas",
             {"R": r, "servers": "sharded"}),
+        Row("sr-shard-ov", f"SyncReplicas, sharded over workers, overlap, R={n}",
+            "sync-replicas", {"R": n, **shard, **overlap}),
+        Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
+            {"R": n, **dedicated}, server_hosts=1),
+        Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
+            "sync-replicas", {"R": n, **dedicated}, server_hosts=n),
+        Row("sr-ded-b", f"SyncReplicas, sharded on {n} dedicated server hosts, R={r} of {n}",
+            "sync-replicas", {"R": r, **dedicated}, server_hosts=n),
+        Row("sr-ded-ov", f"SyncReplicas, sharded on {n} dedicated server hosts, overlap, R={n}",
+            "sync-replicas", {"R": n, **dedicated, **overlap}, server_hosts=n),
         Row("easgd", "async EASGD, centre on a worker, period 4", "easgd-async",
             {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4),
+        Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",
+            "easgd-async", {"period": 4, "steps_scale": 2, "centre": "dedicated"}, kind="local",
+            transfer_updates=4, server_hosts=1),
         Row("ma8", "ModelAverage, interval 8", "model-average",
             {"interval": 8, "steps_scale": 2}, kind="local", transfer_updates=8),
     ]  # fmt: skip
@@ -111,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--scenarios: unknown {unknown}; allowed: {sorted(SCENARIOS)}")
     started, results = time.time(), []
     args.out.mkdir(parents=True, exist_ok=True)
-    with Cluster(args.hosts, args.link) as cluster:
+    servers = max([r.server_hosts for r in chosen], default=0)
+    with Cluster(args.hosts + servers, args.link) as cluster:
         for scenario in scenarios:
             slow_rate = quarter(args.link) if scenario == "slow-link" else args.link
-            for h in range(args.hosts):
+            for h in range(args.hosts + servers):
                 cluster.shape(h, slow_rate if h == SLOW else args.link)
             for result in run_scenario(cluster, chosen, scenario, args):
                 results.append(result)
@@ -134,8 +155,22 @@ def main(argv: list[str] | None = None) -> int:
 def run_scenario(
     cluster: Cluster, chosen: list[Row], scenario: str, args: argparse.Namespace
 ) -> list[dict]:
-    """One job (one torchrun per host) running every row in turn; the links are sampled all
-    along and each row's figures come from its own time window."""
+    """One job per number of dedicated server hosts (rows without: every host trains),
+    results in the order of ``chosen``."""
+    by_key: dict[str, dict] = {}
+    for servers in sorted({r.server_hosts for r in chosen}):
+        rows_here = [r for r in chosen if r.server_hosts == servers]
+        for row, result in zip(rows_here, run_job(cluster, rows_here, scenario, args, servers)):
+            by_key[row.key] = result
+    return [by_key[r.key] for r in chosen]
+
+
+def run_job(
+    cluster: Cluster, chosen: list[Row], scenario: str, args: argparse.Namespace, servers: int
+) -> list[dict]:
+    """One job (one torchrun per worker host, and per server host) running every row in turn;
+    the links are sampled all along and each row's figures come from its own time window.
+    Server hosts come after the workers, so their ranks do too (static rendezvous)."""
     fast = [h for h in range(args.hosts) if not (scenario == "slow-link" and h == SLOW)]
     factor = {SLOW: {"GF_CLUSTER_COMPUTE_FACTOR": "2"}} if scenario == "slow-compute" else {}
     plan = [{"key": r.key, "strategy": r.strategy, "options": r.options,
@@ -144,12 +179,14 @@ def run_scenario(
         out = Path(tmp)
         script = [str(WORKER), "--rows", json.dumps(plan), "--params", str(args.params),
                   "--batch", str(args.batch), "--updates", str(args.updates),
+                  "--workers", str(args.hosts),
                   "--fast-hosts", ",".join(map(str, fast)), "--deadline", str(args.deadline),
                   "--out", str(out / "ranks")]  # fmt: skip
         port = 29500 + (os.getpid() + int(time.time())) % 400
         procs = cluster.torchrun(
-            script, cwd=ROOT, port=port, env_per_host=factor, logs=out, rdzv_id=f"gfc-{scenario}"
-        )
+            script, cwd=ROOT, port=port, env_per_host=factor, logs=out,
+            rdzv_id=f"gfc-{scenario}-{servers}", hosts=args.hosts + servers, static=servers > 0,
+        )  # fmt: skip
         samples, codes = [], None
         end = time.monotonic() + args.deadline + 30
         try:
@@ -162,18 +199,20 @@ def run_scenario(
             if codes is None:
                 dump_stacks(cluster)
             stop(procs)
-        logs = {h: (out / f"host{h}.log").read_text()[-4000:] for h in range(args.hosts)}
+        logs = {h: (out / f"host{h}.log").read_text()[-4000:]
+                for h in range(args.hosts + servers)}  # fmt: skip
         ranks = [json.loads(p.read_text()) for p in sorted((out / "ranks").glob("rank-*.json"))]
     failed = "deadline passed" if codes is None else (f"exit codes {codes}" if any(codes) else "")
     results = []
     for i, row in enumerate(chosen):
-        base = {"scenario": scenario, "row": asdict(row), "rates": dict(cluster.rates)}
+        rates = {h: cluster.rates[h] for h in range(args.hosts + servers)}
+        base = {"scenario": scenario, "row": asdict(row), "rates": rates}
         records = [r[i] for r in ranks if len(r) > i]
         if len(records) != args.hosts:
             results.append({**base, "error": failed or "missing rank records", "logs": logs})
             continue
         results.append({**base, **cluster_report.summarise(row, records, samples,
-                                                           cluster.rates, args)})  # fmt: skip
+                                                           rates, args)})  # fmt: skip
     return results
 
 

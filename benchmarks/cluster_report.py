@@ -56,8 +56,8 @@ def link_use(samples: list, start: float, end: float, rates: dict) -> dict[int, 
     (t0, c0), (t1, c1) = inside[0], inside[-1]
     span = max(t1 - t0, 1e-9)
     out = {}
-    for h, (tx1, rx1) in c1.items():
-        tx0, rx0 = c0[h]
+    for h in rates:  # the hosts of this job (an idle server host of another job is left out)
+        (tx1, rx1), (tx0, rx0) = c1[h], c0[h]
         tx, rx = (tx1 - tx0) / span, (rx1 - rx0) / span
         cap = rate_bits(rates[h]) / 8
         out[int(h)] = {"tx_Bps": tx, "rx_Bps": rx, "rate_Bps": cap, "use": max(tx, rx) / cap,

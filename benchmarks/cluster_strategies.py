@@ -10,8 +10,8 @@ Every strategy trains the same model with the same wrapped optimizer (Adam) and 
 * ``close()``.
 
 Extension point: decorate a subclass of :class:`Strategy` with ``@register("name")`` and add a
-row to ``benchmarks.cluster.ROWS``; ``Context.server_hosts`` names the hosts that only serve
-(empty today: every host trains).  Dedicated server processes plug in there.
+row to ``benchmarks.cluster.rows``.  ``Context.server_ranks`` are the ranks of the hosts that
+only serve (dedicated servers: ``cluster_worker.serve_row``), after the workers' ranks.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ class Context:
     """Where this worker sits in the emulated cluster."""
 
     rank: int
-    world: int
+    world: int  # worker ranks 0 .. world-1 (dedicated server ranks come after them)
     host: int  # this process's host index
     host_of_rank: list[int]  # host index of every rank
     address: str  # this host's address (servers listen on it)
     fast_hosts: list[int]  # hosts whose link is not slowed: where servers go
     timeout: float = 120.0
-    server_hosts: list[int] = field(default_factory=list)  # dedicated servers (none yet)
+    server_ranks: list[int] = field(default_factory=list)  # dedicated servers' ranks
 
     def rank_on(self, host: int) -> int:
         return self.host_of_rank.index(host)
@@ -145,12 +145,19 @@ class DDP(Strategy):
 
 @register("sync-replicas")
 class SyncReplicas(Strategy):
-    """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0) or ``"sharded"`` (one shard per
-    fast host, so a slow link never serves); ``R`` gradients per update of N = world."""
+    """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0), ``"sharded"`` (one shard per
+    fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
+    server rank); ``R`` gradients per update of N = world; ``overlap`` and ``nonfinite`` as
+    the optimizer's."""
 
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx, o = self.ctx, self.options
-        hosts = [ctx.fast_hosts[0]] if o.get("servers", "one") == "one" else ctx.fast_hosts
+        servers = o.get("servers", "one")
+        if servers == "dedicated":
+            ranks = list(ctx.server_ranks)
+        else:
+            hosts = [ctx.fast_hosts[0]] if servers == "one" else ctx.fast_hosts
+            ranks = [ctx.rank_on(h) for h in hosts]
         self.sync = gfd.SyncReplicasOptimizer(
             opt,
             replicas_to_aggregate=int(o.get("R", ctx.world)),
@@ -158,7 +165,9 @@ class SyncReplicas(Strategy):
             timeout=ctx.timeout,
             last_step=int(o["last_step"]),
             host=ctx.address,
-            server_ranks=[ctx.rank_on(h) for h in hosts],
+            server_ranks=ranks,
+            overlap=bool(o.get("overlap", False)),
+            nonfinite=str(o.get("nonfinite", "raise")),
         )
         return self.sync
 
@@ -182,13 +191,14 @@ class SyncReplicas(Strategy):
 
 @register("easgd-async")
 class AsyncEasgd(Strategy):
-    """Asynchronous EASGD, the centre on host 0's rank; an exchange every ``period`` steps."""
+    """Asynchronous EASGD, the centre on host 0's rank (``centre="dedicated"``: on the first
+    dedicated server rank); an exchange every ``period`` steps."""
 
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx = self.ctx
-        centre = gfd.AsyncCentre(
-            server_rank=ctx.rank_on(ctx.fast_hosts[0]), timeout=ctx.timeout, host=ctx.address
-        )
+        dedicated = self.options.get("centre") == "dedicated"
+        rank = ctx.server_ranks[0] if dedicated else ctx.rank_on(ctx.fast_hosts[0])
+        centre = gfd.AsyncCentre(server_rank=rank, timeout=ctx.timeout, host=ctx.address)
         self.period = int(self.options.get("period", 4))
         return gfd.ElasticAverageOptimizer(
             opt, ctx.world, self.period, rho=float(self.options.get("rho", 0.1)), mode=centre

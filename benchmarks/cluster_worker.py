@@ -13,8 +13,13 @@ rank draws its own batches.  Phases:
 
 The rows of ``--rows`` run one after the other in the same job: start-up (interpreters, torch
 imports, rendezvous) costs about a minute on the shared 2 cores, paid once per scenario.
-Writes ``<out>/rank-<r>.json`` (one record per row).  ``faulthandler`` dumps every thread's
-traceback and exits if the worker overruns ``--deadline`` seconds: a hang is reported.
+A host from ``--workers`` on is a dedicated server host: for each row it runs
+:class:`gradfleet.distributed.ParameterServer` (built with the workers' wrappers, serving until
+they leave), taking part in the same barriers, and writes no record.
+
+Writes ``<out>/rank-<r>.json`` (one record per row, workers only).  ``faulthandler`` dumps
+every thread's traceback and exits if the worker overruns ``--deadline`` seconds: a hang is
+reported.
 """
 
 from __future__ import annotations
@@ -78,6 +83,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--updates", type=int, default=6)
     p.add_argument("--fast-hosts", default="", help="comma-separated host indices for servers")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="hosts 0..W-1 train, the others only serve (default: every host trains)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=300.0)
     p.add_argument("--out", type=Path, required=True)
@@ -93,11 +104,17 @@ def main(argv: list[str] | None = None) -> None:
     host = int(os.environ["GF_CLUSTER_HOST"])
     hosts: list[int] = [0] * info.world_size
     dist.all_gather_object(hosts, host)
+    workers = args.workers or info.world_size
+    servers = [r for r in range(info.world_size) if hosts[r] >= workers]  # ranks N.. (static)
     fast = [int(h) for h in args.fast_hosts.split(",") if h] or sorted(set(hosts))
-    ctx = Context(info.rank, info.world_size, host, hosts, os.environ["GF_CLUSTER_ADDR"], fast)
+    ctx = Context(info.rank, workers, host, hosts, os.environ["GF_CLUSTER_ADDR"], fast,
+                  server_ranks=servers)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     records = []
     for row in json.loads(args.rows):
+        if host >= workers:
+            serve_row(ctx, args)
+            continue
         records.append({"key": row["key"], **run_row(ctx, row, args)})
         (args.out / f"rank-{info.rank}.json").write_text(json.dumps(records))
     faulthandler.cancel_dump_traceback_later()
@@ -136,6 +153,17 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     strategy.close()
     dist.barrier()
     return record
+
+
+def serve_row(ctx: Context, args: argparse.Namespace) -> None:
+    """A dedicated server host's part of one row: the server is built together with the
+    workers' wrapper; it serves until they close, through the same barriers as ``run_row``."""
+    server = gfd.ParameterServer(lambda groups: torch.optim.Adam(groups, lr=args.lr),
+                                 host=ctx.address)  # fmt: skip
+    dist.barrier()  # set up
+    dist.barrier()  # transfer-only phase done
+    server.join()  # the workers' close()
+    dist.barrier()
 
 
 def calibrate(model: nn.Module, teacher: Teacher, batch: int) -> float:

@@ -219,17 +219,29 @@ class Cluster:
 
     def torchrun(
         self, script: Sequence[str], *, cwd: Path, port: int, env_per_host: Mapping[int, dict]
-        | None = None, logs: Path | None = None, rdzv_id: str = "gfc",
+        | None = None, logs: Path | None = None, rdzv_id: str = "gfc", hosts: int | None = None,
+        static: bool = False,
     ) -> list[subprocess.Popen]:  # fmt: skip
-        """One ``torchrun`` per host, one worker each, c10d rendezvous on host 0, as users
-        launch a multi-node job.  ``GF_CLUSTER_HOST`` tells each worker its host index."""
-        first = self.hosts[0]
-        agent = [*TORCHRUN, f"--nnodes={len(self.hosts)}", "--nproc-per-node=1",
-                 "--rdzv-backend=c10d", f"--rdzv-endpoint={first.address}:{port}",
-                 f"--rdzv-id={rdzv_id}", "--monitor-interval=0.2", "--max-restarts=0"]  # fmt: skip
+        """One ``torchrun`` per host (the first ``hosts`` of them, default all), one worker
+        each, rendezvous on host 0, as users launch a multi-node job.  ``GF_CLUSTER_HOST``
+        tells each worker its host index.  c10d rendezvous numbers the ranks in no set order;
+        ``static`` makes rank == host index (a job whose last hosts must be the last ranks:
+        dedicated servers)."""
+        used = self.hosts[: len(self.hosts) if hosts is None else hosts]
+        first = used[0]
+        agent = [*TORCHRUN, f"--nnodes={len(used)}", "--nproc-per-node=1",
+                 "--monitor-interval=0.2", "--max-restarts=0"]  # fmt: skip
+        if static:
+            agent += ["--rdzv-backend=static", f"--master-addr={first.address}",
+                      f"--master-port={port}"]  # fmt: skip
+        else:
+            agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint={first.address}:{port}",
+                      f"--rdzv-id={rdzv_id}"]  # fmt: skip
         procs = []
-        for h in self.hosts:
-            cmd = [*agent, f"--rdzv-conf=is_host={int(h is first)}", f"--local-addr={h.address}"]
+        for h in used:
+            where = [f"--node-rank={h.index}"] if static else [
+                f"--rdzv-conf=is_host={int(h is first)}"]  # fmt: skip
+            cmd = [*agent, *where, f"--local-addr={h.address}"]
             env = {"GF_CLUSTER_HOST": str(h.index), "GF_CLUSTER_ADDR": h.address}
             env.update((env_per_host or {}).get(h.index, {}))
             log = None if logs is None else logs / f"host{h.index}.log"

@@ -42,6 +42,7 @@ LAYERS = {
     "sync.arguments": WRAPPERS,
     "sync.lockstep": WRAPPERS,
     "sync.optimizer": WRAPPERS,
+    "sync.overlap": WRAPPERS,
     "sync": WRAPPERS,
     "easgd.centre": WRAPPERS,
     "easgd.async_centre": WRAPPERS,

@@ -176,10 +176,15 @@ def gather_addresses(mine: dict[int, str]) -> dict[int, str]:
     return {int(k): a for part in gathered for k, a in part.items()}
 
 
-def probe(address: str, seconds: float) -> Callable[[], None]:
-    """A liveness check of the server at ``address``: the check raises once it is gone."""
+def probe(address: str, seconds: float, connect_s: float | None = None) -> Callable[[], None]:
+    """A liveness check of the server at ``address``: the check raises once it is gone (no
+    answer within ``seconds``).  Connecting may take ``connect_s`` (default ``seconds``), as
+    long as a store client's: a connect to a live server occasionally stalls for seconds on a
+    loaded machine, while a dead one refuses at once."""
     host, port = address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=seconds))
+    wait = seconds if connect_s is None else max(seconds, connect_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=wait))
+    store.set_timeout(timedelta(seconds=seconds))
 
     def check() -> None:
         store.queue_len("gf/probe")

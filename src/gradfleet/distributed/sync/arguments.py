@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..wrapper import check_int
 from .aggregator import NONFINITE_POLICIES, init_tokens
 
-__all__ = ["average_indices", "check_arguments", "resolve_worker"]
+__all__ = ["average_indices", "check_arguments", "check_overlap", "resolve_worker"]
 
 _OWNER = "SyncReplicasOptimizer"
 
@@ -87,3 +87,24 @@ def resolve_worker(worker: int | None, address: Any, N: int) -> int:
                 f"0..{N - 1}); a dedicated server rank calls gradfleet.distributed.serve()"
             )
     return check_int(_OWNER, "worker", worker, 0)
+
+
+def check_overlap(overlap: Any, transport: str, num_shards: int, nonfinite: str) -> bool:
+    """``overlap`` checked against the other arguments (ValueError naming it)."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{_OWNER}: overlap must be True or False, got {overlap!r}")
+    if overlap and transport != "server":
+        raise ValueError(f"{_OWNER}: overlap=True needs transport='server', got {transport!r}")
+    # Sharded with nonfinite "raise"/"drop", a non-finite gradient anywhere makes the worker
+    # tag every shard's push stale, so that no shard applies part of a rejected gradient set.
+    # That needs every gradient before the first push; a shard pushed during backward has
+    # been accumulated before a later shard's NaN is computed, and cannot be taken back.
+    # One shard judges all its gradients itself, and "apply" rejects none: those overlap.
+    if overlap and num_shards > 1 and nonfinite != "apply":
+        raise ValueError(
+            f"{_OWNER}: overlap=True with {num_shards} shards needs nonfinite='apply' (got "
+            f"{nonfinite!r}): a shard pushed during backward cannot be withdrawn when a later "
+            "shard's gradient turns out non-finite, so the all-or-nothing rejection of "
+            "nonfinite='raise'/'drop' needs overlap=False"
+        )
+    return overlap

@@ -3,17 +3,21 @@
 Per step, the protocol of TF's worker train op, one method each:
 
 * :meth:`SyncLinks.push` -- shard k's gradients to shard k, all at once; shard 0's (the
-  chief's) travel with the token request;
+  chief's) travel with the token request.  With overlap the optimizer sends each shard's
+  push (:meth:`SyncLinks.push_shard`) and the token request with shard 0's gradients
+  (:meth:`SyncLinks.request_token`) from gradient hooks, as soon as the shard's gradients
+  are complete, and only the answers are awaited in the step;
 * :meth:`SyncLinks.token` -- shard 0's gradients and the wait for a token in one request to the
   chief, while the other shards' answers to the push are collected; the answer carries shard
   0's new values when it stepped;
-* :meth:`SyncLinks.read` -- every other shard's values that changed since the last read.
+* :meth:`SyncLinks.read` -- every other shard's values that changed since the last read,
+  each shard's loaded as its reply arrives.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +50,8 @@ class SyncLinks:
         self.versions = dict.fromkeys(self.clients, -1)
         self._carried: Grads | None = None  # one server: the push travels with the token request
         self._carried_extra: dict[str, Any] = {}
-        self._shards_pending = False  # shard pushes sent, their answers not yet read
+        self._pending: list[int] = []  # shards whose push answers are not read yet
+        self._token_sent = False  # the token request went out early (overlap)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
 
     @property
@@ -78,37 +83,54 @@ class SyncLinks:
         so far (one server: decided with the token).  ``hyper``: the worker's changed
         hyperparameters, for dedicated servers."""
         extra = {} if hyper is None else {"hyper": hyper}
-        for k, client in self.shards.items():
-            client.request("push", worker=self.worker, tag=tag, grads=parts[k], **extra)
+        for k in self.shards:
+            self.push_shard(k, tag, parts[k], extra)
         if tag < 0 and self.shards:  # bad input: the shard holding it raises first
             accepted = self._pushed()
             self.chief.request("push", worker=self.worker, tag=tag, grads=parts[0], **extra)
             return bool(self.chief.response()["accepted"]) and accepted
-        # the chief's gradients travel with the token request; the shards' answers are
-        # collected while the chief works on it
-        self._carried = list(parts[0])
-        self._carried_extra = extra
-        self._shards_pending = bool(self.shards)
+        self.carry(parts[0], extra)
         return True
 
+    def push_shard(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
+        """Send shard ``k >= 1`` its gradients now; the answer is read with the token."""
+        self.clients[k].request("push", worker=self.worker, tag=tag, grads=grads, **extra)
+        self._pending.append(k)
+
+    def carry(self, grads: Grads, extra: dict[str, Any]) -> None:
+        """Shard 0's gradients travel with the token request (:meth:`token`)."""
+        self._carried, self._carried_extra = list(grads), extra
+
+    def request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
+        """Send the token request now (with shard 0's gradients, or the carried ones); its
+        answer is read by :meth:`token`.  Overlap sends it from a gradient hook."""
+        fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
+        if grads is None and self._carried is not None:
+            grads, self._carried = self._carried, None
+            extra = self._carried_extra
+        if grads is not None:
+            fields["grads"] = list(grads)
+            fields.update(extra)
+        self.chief.request("step", **fields)
+        self._token_sent = True
+
     def _pushed(self) -> bool:
-        replies = [c.response() for c in self.shards.values()]
+        """Read the answers to the shard pushes sent so far (in the order they were sent)."""
+        pending, self._pending = self._pending, []
+        if not pending:  # already read (a bad-input push): keep their steps
+            return True
+        replies = [self.clients[k].response() for k in pending]
         self.shard_steps = [int(r.get("step", -1)) for r in replies]
         return all(bool(r["accepted"]) for r in replies)
 
     def token(self, tag: int, into: Sequence[torch.Tensor]) -> dict[str, Any]:
         """Wait for a token (``token``, ``accepted``, ``global_step``, and shard 0's
-        ``params`` if they changed, received into ``into`` where possible)."""
-        fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
-        if self._carried is not None:
-            fields["grads"], self._carried = self._carried, None
-            fields.update(self._carried_extra)
-        self.chief.request("step", **fields)
-        if self._shards_pending:
-            self._shards_pending = False
-            shards_accepted = self._pushed()
-        else:
-            shards_accepted = True
+        ``params`` if they changed, received into ``into`` where possible); the token request
+        is sent here unless :meth:`request_token` sent it already."""
+        if not self._token_sent:
+            self.request_token(tag, None, {})
+        self._token_sent = False
+        shards_accepted = self._pushed()  # collected while the chief works on the token
         reply = self.chief.response(receive_into=into)
         self.versions[0] = int(reply["version"])
         reply["accepted"] = bool(reply["accepted"]) and shards_accepted
@@ -119,29 +141,43 @@ class SyncLinks:
             reply["global_step"] = max(int(reply["global_step"]), done)
         return reply
 
-    def read(self, into: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Values of every shard 1.. that stepped since the last read (read concurrently; the
-        tensors are views of each link's buffer, or of ``into[k]`` where they were received
-        in place: copy the others before the next read)."""
+    def read(
+        self,
+        into: dict[int, list[torch.Tensor]],
+        load: Callable[[int, list[torch.Tensor]], None],
+    ) -> None:
+        """Read every shard 1.. that stepped since the last read: the requests go out at
+        once, and ``load(k, values)`` runs on shard k's values as soon as its reply is in
+        (while the later shards' replies are still travelling).  The values are views of
+        the link's buffer, or of ``into[k]`` where they were received in place."""
         for k, client in self.shards.items():
             client.request("read", worker=self.worker, version=self.versions[k])
-        out = {}
         for k, client in self.shards.items():
             reply = client.response(receive_into=into.get(k))
             self.versions[k] = int(reply["version"])
             if "params" in reply:
-                out[k] = reply["params"]
-        return out
+                load(k, reply["params"])
 
     def forget_versions(self) -> None:
         """The next token and read bring every shard's values (after a checkpoint load)."""
         self.versions = dict.fromkeys(self.versions, -1)
 
     def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        self._check_idle(op)
         return self.clients[shard].call(op, worker=self.worker, **fields)
 
     def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
+        self._check_idle(op)
         return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
+
+    def _check_idle(self, op: str) -> None:
+        """A query between backward and ``step()`` with overlap would take the place of a
+        push's answer on its link (one request at a time): refuse it."""
+        if self._pending or self._token_sent:
+            raise RuntimeError(
+                f"SyncReplicasOptimizer: {op!r} while this step's pushes are in flight "
+                "(overlap=True pushes during backward): call it after step()"
+            )
 
     def forget(self, ranks: Sequence[int]) -> None:
         """Tell every server that the workers ``ranks`` are dead for good."""

@@ -29,6 +29,10 @@ Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` 
 tokens -- once every shard applied it (protocol, per-shard staleness and optimizer state:
 :mod:`.shards`).  Checkpoints are per server rank (see the class docstring).
 
+Overlap (``overlap=True``, beyond TF): each shard's push starts from backward's gradient hooks
+once its gradients are all in (shard 0's with the token request), as DDP overlaps a bucket's
+all-reduce; ``step()`` pushes the rest and waits (:mod:`.overlap`).
+
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
 (parameters of this optimizer), ``use_locking`` (ignored), ``name``; the hook's ``num_tokens``
@@ -50,9 +54,10 @@ from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
 from ..wrapper import WrapperOptimizer, check_grads_and_vars
 from .aggregator import all_finite
-from .arguments import average_indices, check_arguments, resolve_worker
+from .arguments import average_indices, check_arguments, check_overlap, resolve_worker
 from .links import SyncLinks
 from .lockstep import AllReduceSync
+from .overlap import ShardReadiness
 from .servers import SyncServers
 from .shards import assign, check_server_ranks
 
@@ -96,6 +101,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             ``ServerUnreachable`` naming it.
         shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
             lightest shard) or ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``).
+        overlap: push each shard's gradients from backward's gradient hooks as soon as the
+            shard's are all in, while backward goes on (DDP's overlap, per shard; see
+            :mod:`.overlap`).  Off by default: what is pushed is ``.grad`` as backward left
+            it, so clipping, ``GradScaler`` unscaling or any other change between
+            ``backward()`` and ``step()`` is not seen, and one backward per step only (a
+            second raises).  Leave ``.grad`` untouched until ``step()`` returns.  Needs
+            ``transport="server"``; sharded, it needs ``nonfinite="apply"`` (a shard
+            pushed during backward cannot be withdrawn when a later shard's gradient turns
+            out non-finite).
         server_address: for a process outside the process group (a restarted worker): the
             server's ``"host:port"`` (``server_address`` property of a running optimizer;
             sharded: the list ``server_addresses``).
@@ -127,6 +141,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
+        overlap: bool = False,
     ) -> None:
         R, N, tokens = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
@@ -152,6 +167,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
+        self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite)
+        self._readiness: ShardReadiness | None = None
+        self._step_extra: dict[str, Any] | None = None  # what this step's pushes carry
         self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
         self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
         if transport == "allreduce":
@@ -162,6 +180,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self._parts = assign(self.params(), len(ranks), shard_assignment)
         given = [server_address] if isinstance(server_address, str) else server_address
         self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
+        if self.overlap:
+            self._readiness = ShardReadiness(self.params(), self._parts, self._push_early, _OWNER)
 
     # ----------------------------------------------------------------- set-up
     def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
@@ -234,6 +254,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """TF's worker train op: push, dequeue a token, ``local_step := token``; then
         ``global_step`` (a 0-dim int tensor, required as in TF) holds the server's step."""
         pairs = check_grads_and_vars(_OWNER, grads_and_vars)
+        if self._readiness is not None and self._readiness.sent:
+            raise RuntimeError(
+                f"{_OWNER}.apply_gradients: with overlap=True backward already pushed shards "
+                f"{sorted(self._readiness.sent)} from .grad; use step(), or overlap=False to "
+                "push gradients of your own"
+            )
         if global_step is None:
             raise ValueError(f"{_OWNER}: Global step is required to check staleness")
         grads: list[torch.Tensor | None] = [None] * len(self._index)
@@ -263,6 +289,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """TF's worker train op: push the gradients, take a token, read the variables."""
         if self._links is None:
             raise RuntimeError(f"{_OWNER}: the optimizer is closed")
+        if self._readiness is not None:
+            try:
+                return self._overlapped_step(grads)
+            finally:
+                self._readiness.reset()
+                self._step_extra = None
         tag = self.local_step
         if len(self._parts) > 1 and self._nonfinite != "apply" and not _all_finite(grads):
             log.warning(
@@ -272,15 +304,57 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             tag = -1
         parts = [[grads[i] for i in idx] for idx in self._parts]
         accepted = self._links.push(tag, parts, self._hyper.changed())
+        return self._finish_step(tag, accepted)
+
+    def _finish_step(self, tag: int, accepted: bool) -> bool:
+        """Take the token (answers to the pushes meanwhile), then read the shards, each
+        loaded as its reply arrives."""
+        assert self._links is not None
         reply = self._links.token(tag, into=self._shard_params(0))
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
         if "params" in reply:
             self._load_shard(0, reply["params"])
         into = {k: self._shard_params(k) for k in self._links.shards}
-        for k, values in self._links.read(into).items():
-            self._load_shard(k, values)
+        self._links.read(into, self._load_shard)
         return accepted
+
+    # ----------------------------------------------------------------- overlap
+    def _extra(self) -> dict[str, Any]:
+        """What every push of this step carries (changed hyperparameters), decided once."""
+        if self._step_extra is None:
+            hyper = self._hyper.changed()
+            self._step_extra = {} if hyper is None else {"hyper": hyper}
+        return self._step_extra
+
+    def _push_early(self, k: int) -> None:
+        """A gradient hook found shard ``k`` complete: push it now (shard 0 with the token
+        request).  The answers are read in ``step()``."""
+        if self._links is None:
+            return  # closed: the step will say so
+        params = self._shard_params(k)
+        grads = [None if p.grad is None else p.grad.detach() for p in params]
+        if k == 0:
+            self._links.request_token(self.local_step, grads, self._extra())
+        else:
+            self._links.push_shard(k, self.local_step, grads, self._extra())
+
+    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool:
+        """Push the shards backward did not complete (``grads``), then the token and read.
+        No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
+        judges its own gradients (one shard, or ``nonfinite="apply"``)."""
+        assert self._links is not None and self._readiness is not None
+        tag, sent = self.local_step, self._readiness.sent
+        log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
+        for k, idx in enumerate(self._parts):
+            if k in sent:
+                continue
+            part = [grads[i] for i in idx]
+            if k:
+                self._links.push_shard(k, tag, part, self._extra())
+            else:
+                self._links.carry(part, self._extra())
+        return self._finish_step(tag, True)
 
     # ----------------------------------------------------------------- queries / shutdown
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
@@ -347,6 +421,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """Leave: tell every server; a server rank keeps serving until every worker (also one
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then
         stops its servers (shards, then chief)."""
+        if self._readiness is not None:
+            self._readiness.remove()
+            self._readiness = None
         if self._links is not None:
             self._links.leave()
             self._links = None

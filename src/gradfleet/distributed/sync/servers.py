@@ -103,7 +103,7 @@ class SyncServers:
         if self.chief is not None:
             self._probes = {
                 f"shard server rank {self.ranks[k]} (shard {k}) at {addresses[k]}": probe(
-                    addresses[k], min(self.timeout, 5.0)
+                    addresses[k], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
                 )
                 for k in range(1, len(self.ranks))
             }

@@ -1,0 +1,47 @@
+"""The cluster benchmark's rows with dedicated server hosts: a job of 4 worker hosts and a
+server host (static rendezvous, so the server's rank follows the workers') runs SyncReplicas
+with its one server there and async EASGD with its centre there; both train, and the server
+host's link carries the workers' traffic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from benchmarks import cluster
+from benchmarks.cluster_worker import build_model
+from benchmarks.netcluster import unavailable_reason
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+PARAMS, UPDATES, WORKERS = 2e5, 12, 4
+
+
+def test_rows_name_their_server_hosts() -> None:
+    rows = {r.key: r for r in cluster.rows(WORKERS)}
+    assert rows["sr-ded-one"].server_hosts == 1 and rows["easgd-ded"].server_hosts == 1
+    assert rows["sr-ded"].server_hosts == rows["sr-ded-b"].server_hosts == WORKERS
+    assert rows["sr-ded-b"].options["R"] == WORKERS - 1
+    assert rows["sr-shard-ov"].options["overlap"] is True
+    assert all(r.server_hosts == 0 for k, r in rows.items() if "ded" not in k)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
+def test_dedicated_server_host_rows_train(tmp_path: Path) -> None:
+    argv = ["--params", str(PARAMS), "--updates", str(UPDATES), "--scenarios", "uniform",
+            "--only", "sr-ded-one,easgd-ded", "--out", str(tmp_path), "--name", "t"]  # fmt: skip
+    assert cluster.main(argv) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    results = {r["row"]["key"]: r for r in report["results"]}
+    assert sorted(results) == ["easgd-ded", "sr-ded-one"]
+    for key, result in results.items():
+        assert "error" not in result, result.get("error")
+        assert result["updates_s"] > 0
+        assert sorted(int(h) for h in result["links"]) == list(range(WORKERS + 1)), key
+    # every update of R = N = 4 takes 4 pushes of the float32 model into the server host; the
+    # link counters are sampled every 0.25 s, so the window between the first and last sample
+    # inside the training phase may miss its ends, but over 12 updates (several seconds here)
+    # at least one update's worth must show in the server link's bytes
+    model = sum(p.numel() * 4 for p in build_model(PARAMS, 0).parameters())
+    server = {int(h): v for h, v in results["sr-ded-one"]["links"].items()}[WORKERS]
+    assert server["bytes"] >= WORKERS * model, (server, model)
