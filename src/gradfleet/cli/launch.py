@@ -84,14 +84,14 @@ def _last_step(metrics: Path) -> int | None:
     return None
 
 
-def _start(spec: RunSpec, rank: int, workers: int, port: int, run_id: str, log_dir: Path):
+def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     env = {
         "RANK": str(rank),
-        "WORLD_SIZE": str(workers),
+        "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(workers),
+        "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store below, hosted here
@@ -108,14 +108,30 @@ def _start(spec: RunSpec, rank: int, workers: int, port: int, run_id: str, log_d
     )
 
 
+SERVER_LOSS_GRACE_S = 5.0
+"""How long the workers of a lost dedicated server get to fail on their own (each step raises
+``ServerUnreachable`` naming the server, written to its log) before they are ended."""
+
+
+def _let_workers_fail(running: dict[int, Any], workers: int) -> None:
+    deadline = time.monotonic() + SERVER_LOSS_GRACE_S
+    while time.monotonic() < deadline:
+        if all(pc.wait(0) is not None for r, pc in running.items() if r < workers):
+            return
+        time.sleep(0.1)
+    log.info("workers still running %.0fs after a server loss: ending them", SERVER_LOSS_GRACE_S)
+
+
 def launch(spec: RunSpec) -> dict[str, Any] | None:
-    """Start ``spec.workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
+    """Start ``spec.workers`` ranks of :func:`run_worker` on loopback, and ``spec.servers``
+    dedicated server ranks after them; rank 0's summary."""
     import torch.distributed as dist
 
     # The elastic code logs each failure with a traceback; the CLI reports it as one line.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     workers, out = spec.workers, Path(spec.out)
+    world = workers + spec.servers
     log_dir = out / "logs"
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -124,10 +140,15 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     job = JobControl(store, workers)
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
     tolerated = tolerated_losses(spec.strategy, spec.strategy_args, workers)
-    running = {r: _start(spec, r, workers, store.port, run_id, log_dir) for r in range(workers)}
+    # servers first: each round of polling sees a dead server before the workers it failed
+    order = [*range(workers, world), *range(workers)]
+    running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}
     pids = {r: pc.pids()[0] for r, pc in running.items()}
     (out / "workers.json").write_text(json.dumps({"pids": pids, "logs": str(log_dir)}) + "\n")
-    log.info("started %d ranks: pids %s, logs under %s", workers, pids, log_dir)
+    log.info(
+        "started %d worker and %d dedicated server ranks: pids %s, logs under %s",
+        workers, spec.servers, pids, log_dir,
+    )  # fmt: skip
     lost: dict[int, str] = {}
     summary = None
     try:
@@ -143,6 +164,10 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 rank_log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
                 where = f"log: {rank_log}" if rank_log else f"logs under {log_dir}"
+                if rank >= workers:  # a dedicated server: every worker depends on it
+                    log.info("dedicated server rank %d failed (%s): fatal", rank, cause)
+                    _let_workers_fail(running, workers)
+                    raise WorkerFailed(f"dedicated server rank {rank} failed: {cause}; {where}")
                 if summary is not None:  # after rank 0 saved the results: report only
                     print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip

@@ -61,7 +61,7 @@ def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
     """Run ``spec`` (its ``out`` directory exists) with live progress; rank 0's summary."""
     out = Path(spec.out)
     (out / "config.json").write_text(spec.to_json())
-    spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers > 1
+    spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers + spec.servers > 1
     show = not under_torchrun() or _env_rank() == 0
     assert spec.steps is not None
     progress = Progress(out / "metrics.jsonl", spec.steps, label, quiet or not show)
@@ -164,6 +164,14 @@ def train(
         int | None,
         typer.Option("--workers", "-n", help="local worker processes (towers: replicas)"),
     ] = None,
+    servers: Opt[
+        int | None,
+        typer.Option(
+            "--servers",
+            help="K extra processes that only serve (ranks N..N+K-1): sync-replicas (K=1: one "
+            "server, K>1: shards) or easgd:mode=async (K=1: its centre); 0: inside the workers",
+        ),
+    ] = None,
     steps: Opt[int | None, typer.Option(help="training steps per worker")] = None,
     seed: Opt[int | None, typer.Option(help="data and initialisation seed")] = None,
     batch_size: Opt[int | None, typer.Option(help="per-worker batch size")] = None,
@@ -198,6 +206,7 @@ def train(
         config=config,
         strategy=strategy,
         workers=workers,
+        servers=servers,
         steps=steps,
         seed=seed,
         batch_size=batch_size,

@@ -73,6 +73,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
             {
                 "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
                 "total_num_replicas": "workers taking part (default: workers)",
+                "num_tokens": "initial tokens (TF's num_tokens; default -1: "
+                "replicas_to_aggregate; 0 with replicas_to_aggregate = workers: lockstep)",
             },
             min_workers=2,
         ),
@@ -148,6 +150,11 @@ def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
         if k > total:
             raise ValueError(
                 f"strategy sync-replicas: replicas_to_aggregate={k} > total_num_replicas={total}"
+            )
+        tokens = args.get("num_tokens", -1)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < -1:
+            raise ValueError(
+                f"strategy sync-replicas: num_tokens must be an integer >= -1, got {tokens!r}"
             )
 
 
@@ -311,6 +318,7 @@ class Easgd(Strategy):
         self._centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
             self._centre = CENTRE_MODES[mode](
+                server_rank=int(self.args.get("server_rank", 0)),  # rank N: --servers 1
                 timeout=float(self.args.get("timeout", 60.0)),
                 host=self.args.get("host", "127.0.0.1"),
                 address=self.args.get("server_address"),
@@ -399,9 +407,11 @@ class SyncReplicas(Strategy):
             total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
             timeout=float(self.args.get("timeout", 60.0)),
             last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
+            num_tokens=int(self.args.get("num_tokens", -1)),
             host=self.args.get("host", "127.0.0.1"),
             server_address=self.args.get("server_address"),
             worker=self.args.get("worker"),
+            server_ranks=self.args.get("server_ranks"),  # dedicated ranks (--servers)
         )
         self.server_address = wrapped.server_address
         return super().setup(model, wrapped)
