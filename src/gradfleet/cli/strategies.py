@@ -334,6 +334,8 @@ class Easgd(Strategy):
         )
         self.server_address = getattr(self._centre, "address", None)
         self._payload = sum(_nbytes(p) for p in model.parameters())
+        # exchanges cross processes with several workers, or with the centre on its own rank
+        self._remote = self.world > 1 or int(self.args.get("server_rank", 0)) >= self.world
         return super().setup(model, wrapped)
 
     def reduce_gradients(self) -> None:
@@ -342,7 +344,7 @@ class Easgd(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         loss = super().train_step(x, y, loss_fn)
-        if self.world > 1 and self.opt.local_step % self.period == 0:
+        if self._remote and self.opt.local_step % self.period == 0:
             self.bytes_sent += self._payload
         return loss
 
