@@ -113,13 +113,28 @@ SERVER_LOSS_GRACE_S = 5.0
 ``ServerUnreachable`` naming the server, written to its log) before they are ended."""
 
 
-def _let_workers_fail(running: dict[int, Any], workers: int) -> None:
+def _let_workers_fail(running: dict[int, Any], workers: int) -> str:
+    """Wait (at most the grace) for the workers to end; what the first failed one said."""
     deadline = time.monotonic() + SERVER_LOSS_GRACE_S
+    results: dict[int, Any] = {}
     while time.monotonic() < deadline:
-        if all(pc.wait(0) is not None for r, pc in running.items() if r < workers):
-            return
+        for r, pc in running.items():
+            if r < workers and r not in results:
+                result = pc.wait(0)
+                if result is not None:
+                    results[r] = result
+        if len(results) == sum(1 for r in running if r < workers):
+            break
         time.sleep(0.1)
-    log.info("workers still running %.0fs after a server loss: ending them", SERVER_LOSS_GRACE_S)
+    else:
+        log.info(
+            "workers still running %.0fs after a server loss: ending them", SERVER_LOSS_GRACE_S
+        )
+    for r, result in sorted(results.items()):
+        running.pop(r)
+        if result.is_failed():
+            return f"; worker rank {r}: {_cause(result.failures[0])}"
+    return ""
 
 
 def launch(spec: RunSpec) -> dict[str, Any] | None:
@@ -166,8 +181,10 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 where = f"log: {rank_log}" if rank_log else f"logs under {log_dir}"
                 if rank >= workers:  # a dedicated server: every worker depends on it
                     log.info("dedicated server rank %d failed (%s): fatal", rank, cause)
-                    _let_workers_fail(running, workers)
-                    raise WorkerFailed(f"dedicated server rank {rank} failed: {cause}; {where}")
+                    seen = _let_workers_fail(running, workers)
+                    raise WorkerFailed(
+                        f"dedicated server rank {rank} failed: {cause}; {where}{seen}"
+                    )
                 if summary is not None:  # after rank 0 saved the results: report only
                     print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip

@@ -33,7 +33,9 @@ __all__ = ["server_kind", "server_ranks", "validate_servers", "run_server"]
 
 log = logging.getLogger(__name__)
 
-TAKES_SERVERS = "sync-replicas (K=1: one server, K>1: shards) and easgd:mode=async (K=1: its centre)"
+TAKES_SERVERS = (
+    "sync-replicas (K=1: one server, K>1: shards) and easgd:mode=async (K=1: its centre)"
+)
 
 
 def server_kind(name: str, args: dict[str, Any]) -> str | None:
