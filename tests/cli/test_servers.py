@@ -1,0 +1,243 @@
+"""``gradfleet train --servers K``: sync-replicas' servers and asynchronous EASGD's centre on
+ranks that only serve, launched as users launch them.
+
+References: the same run with the servers inside the workers (the library's tests check that
+one against a float64 simulation, and dedicated against colocated servers bit for bit where
+the run is deterministic: sync-replicas in lockstep, R = N with no initial tokens, and EASGD
+with one worker), and the uninterrupted run for ``--resume``. Failures: a killed server ends
+the run with one ``error:`` line naming it, every worker's own error names it too; a lost
+worker with a backup left does not end it. Bad ``--servers`` values: one ``error:`` line,
+exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradfleet.cli.main import app
+
+from .launching import GRADFLEET, finish, kill_rank, metrics, popen, stop, wait_for_step
+
+LOCKSTEP = "sync-replicas:replicas_to_aggregate=2,num_tokens=0"
+EASGD = "easgd:mode=async,period=2"
+
+
+def _start(tmp_path: Path, name: str, *args: str):
+    out = tmp_path / name
+    return out, popen([*GRADFLEET, "train", *args, "--out", str(out), "-q"], tmp_path)
+
+
+def _run_all(runs: list[tuple[Path, object]], deadline: float) -> None:
+    procs = [p for _, p in runs]
+    try:
+        results = finish(procs, deadline)
+    finally:
+        stop(procs)
+    for (out, _), (code, console) in zip(runs, results, strict=True):
+        assert code == 0, (out.name, console)
+
+
+def _model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _trained(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in metrics(out) if "loss" in r]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    """Bit-equal final models and the same (step, loss) sequence."""
+    ma, mb = _model(a), _model(b)
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), (a.name, b.name, k)
+    assert _trained(a) == _trained(b), (a.name, b.name)
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("strategy", "workers", "servers"),
+    [(LOCKSTEP, 2, (1, 2)), (EASGD, 1, (1,))],
+    ids=["sync-replicas", "easgd-async"],
+)
+def test_dedicated_servers_equal_colocated_and_resume_exactly(
+    tmp_path: Path, strategy: str, workers: int, servers: tuple[int, ...]
+) -> None:
+    """The same job with its servers inside the workers, on one dedicated rank, on two (sync:
+    sharded): equal models and losses; a run checkpointed at step 10 (each server saving its
+    own state), stopped at 13 and resumed to 24 equals the uninterrupted run."""
+    common = ["-s", strategy, "-n", str(workers), "--seed", "3"]
+    deadline = time.monotonic() + 360
+    full = {
+        k: _start(tmp_path, f"full-k{k}", *common, "--steps", "24", "--servers", str(k))
+        for k in (0, *servers)
+    }
+    k = servers[-1]
+    part = _start(
+        tmp_path, "part", *common, "--steps", "13", "--checkpoint-every", "10",
+        "--servers", str(k),
+    )  # fmt: skip
+    _run_all([*full.values(), part], deadline)
+    part_out = part[0]
+    _run_all([(part_out, popen([*GRADFLEET, "train", "--resume", str(part_out), "--steps",
+                                "24", "-q"], tmp_path))], deadline)  # fmt: skip
+
+    reference = full[0][0]
+    for k_, (out, _) in full.items():
+        if k_:
+            _assert_same_run(reference, out)
+        s = _summary(out)
+        # the servers are no workers: not in the count, nor in the throughput
+        assert (s["workers"], s["servers"]) == (workers, k_)
+        samples = [r["samples"] for r in metrics(out) if "loss" in r][-1]
+        assert s["samples_per_s"] == pytest.approx(samples * workers / s["wall_s"], rel=1e-12)
+        assert s["bytes_sent"] > 0
+    _assert_same_run(reference, part_out)
+    assert [st for st, _ in _trained(part_out)] == list(range(1, 25))
+    # one checkpoint file per rank, the servers' holding their own state (step 20 now)
+    ckpt = part_out / "checkpoints" / "step-0000020"
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"rank-{r}.pt" for r in range(workers + k)]
+    states = [
+        torch.load(ckpt / f"rank-{r}.pt", weights_only=True) for r in range(workers, workers + k)
+    ]
+    if strategy == EASGD:
+        assert states[0]["kind"] == "AsyncCentre"
+        centre = states[0]["centre"]
+        assert [c.shape for c in centre] == [v.shape for v in _model(reference).values()]
+    else:
+        assert states[0]["kind"] == "SyncReplicasOptimizer"
+        assert states[0]["server"]["global_step"] == 20  # the chief: the step and tokens
+        assert states[0]["shards"] == {}
+        assert list(states[1]["shards"]) == [1] and states[1]["server"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("strategy", "servers", "victim"),
+    [("sync-replicas", 2, 3), ("easgd:mode=async", 1, 2)],
+    ids=["sync-shard", "easgd-centre"],
+)
+def test_killed_server_ends_the_run_naming_it(
+    tmp_path: Path, strategy: str, servers: int, victim: int
+) -> None:
+    out, proc = _start(
+        tmp_path, "run", "-s", strategy, "-n", "2", "--servers", str(servers),
+        "--steps", "100000", "--log-level", "info",
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    try:
+        wait_for_step(out, 20, [proc], deadline)
+        kill_rank(out, victim)
+        killed = time.monotonic()
+        ((code, console),) = finish([proc], deadline, out)
+        took = time.monotonic() - killed
+    finally:
+        stop([proc], out)
+    assert code == 1, console
+    errors = [ln for ln in console.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, console
+    head = f"error: dedicated server rank {victim} failed: killed by signal 9; log: "
+    assert errors[0].startswith(head), errors[0]
+    # what a worker saw names the server's rank and address
+    assert f"ServerUnreachable: server rank {victim}" in errors[0], errors[0]
+    assert "127.0.0.1:" in errors[0].split("; worker rank")[1], errors[0]
+    for worker in (0, 1):  # each worker failed on its own, with the same error
+        logs = " ".join(p.read_text() for p in (out / "logs" / f"rank-{worker}").rglob("*.*"))
+        assert f"ServerUnreachable: server rank {victim}" in logs, worker
+    assert took < 20, took  # grace for the workers' own errors (5 s), then the ending
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lost_worker_with_a_backup_goes_on_with_a_dedicated_server(tmp_path: Path) -> None:
+    steps = 200
+    out, proc = _start(
+        tmp_path, "run", "-s", "sync-replicas:replicas_to_aggregate=2", "-n", "3",
+        "--servers", "1", "--steps", str(steps),
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    try:
+        wait_for_step(out, 30, [proc], deadline)
+        kill_rank(out, 2)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
+    assert len(warning) == 1 and "2 of 3 workers" in warning[0], console
+    s = _summary(out)
+    ((lost),) = s["lost_workers"]
+    assert lost["rank"] == 2 and lost["cause"] == "killed by signal 9"
+    assert (s["workers"], s["servers"]) == (3, 1)
+    assert _trained(out)[-1][0] == steps  # the survivors made every update
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--servers", "-1"], "--servers must be an integer >= 0, got -1"),
+        (
+            ["-s", "allreduce", "-n", "2", "--servers", "1"],
+            "--servers 1: strategy allreduce has no server to run on a process of its own; "
+            "--servers is for sync-replicas (K=1: one server, K>1: shards) and "
+            "easgd:mode=async (K=1: its centre)",
+        ),
+        (["-s", "easgd", "-n", "2", "--servers", "1"], "strategy easgd:mode=sync has no server"),
+        (["-s", "towers", "-n", "2", "--servers", "1"], "strategy towers has no server"),
+        (["-s", "model-average", "-n", "2", "--servers", "1"], "model-average has no server"),
+        (["-s", "easgd:mode=async", "-n", "2", "--servers", "2"], "has one centre"),
+        (
+            ["-s", "sync-replicas", "-n", "2", "--servers", "5"],
+            "--servers 5: the workload's model has 4 parameter tensors, so at most 4 shards",
+        ),
+        (
+            ["-s", "sync-replicas:total_num_replicas=2", "-n", "3", "--servers", "1"],
+            "needs every worker in the job (total_num_replicas = --workers = 3)",
+        ),
+        (
+            ["-s", "sync-replicas", "-n", "2", "--servers", "1", "--checkpoint-every", "5"],
+            "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
+            "lockstep",
+        ),
+        (
+            ["-s", "sync-replicas:num_tokens=-2", "-n", "2", "--servers", "1"],
+            "num_tokens must be an integer >= -1, got -2",
+        ),
+    ],
+)
+def test_bad_servers_value_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["train", *args, "-q"])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert message in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_servers_from_a_config_file_and_back_from_config_json(tmp_path: Path) -> None:
+    from gradfleet.cli.spec import RunSpec, resolve
+
+    cfg = tmp_path / "c.py"
+    cfg.write_text("strategy = {'class': 'sync-replicas'}\nworkers = 2\nservers = 2\n")
+    spec = resolve({"config": str(cfg)})
+    assert (spec.strategy, spec.workers, spec.servers) == ("sync-replicas", 2, 2)
+    assert resolve({"config": str(cfg), "servers": 1}).servers == 1  # the flag wins
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert resolve({}).servers == 0
