@@ -244,3 +244,41 @@ def test_servers_from_a_config_file_and_back_from_config_json(tmp_path: Path) ->
     assert resolve({"config": str(cfg), "servers": 1}).servers == 1  # the flag wins
     assert RunSpec.from_json(spec.to_json()) == spec
     assert resolve({}).servers == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_runs_the_last_ranks_as_servers(tmp_path: Path) -> None:
+    """Under torchrun the last K of the job's processes serve: the same numbers as the CLI's
+    own launcher with the servers inside the workers; a process count that does not leave
+    --workers workers is refused on every rank."""
+    from .launching import TORCHRUN
+
+    common = ["-s", LOCKSTEP, "-n", "2", "--seed", "1", "--steps", "12", "-q"]
+    ref = tmp_path / "ref"
+    out = tmp_path / "torchrun"
+    wrong = tmp_path / "wrong"
+    agent = [*TORCHRUN, "--standalone", "--nnodes=1", "--monitor-interval=0.2"]
+    runs = [
+        popen([*GRADFLEET, "train", *common, "--out", str(ref)], tmp_path),
+        popen(
+            [*agent, "--nproc-per-node=4", "-m", "gradfleet", "train", *common,
+             "--servers", "2", "--out", str(out)],
+            tmp_path,
+        ),
+        popen(
+            [*agent, "--nproc-per-node=2", "-m", "gradfleet", "train", *common,
+             "--servers", "1", "--out", str(wrong)],
+            tmp_path,
+        ),
+    ]  # fmt: skip
+    try:
+        results = finish(runs, time.monotonic() + 270)
+    finally:
+        stop(runs)
+    assert results[0][0] == 0 and results[1][0] == 0, results[:2]
+    _assert_same_run(ref, out)
+    assert (_summary(out)["workers"], _summary(out)["servers"]) == (2, 2)
+    code, console = results[2]
+    assert code != 0
+    assert "--servers 1 with 2 processes leaves 1 worker(s), but --workers is 2" in console

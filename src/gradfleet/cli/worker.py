@@ -224,6 +224,12 @@ class _Job:
             raise RuntimeError(
                 f"--servers {self.servers}: the job has {self.world} process(es), no worker left"
             )
+        if self.servers and self.workers != spec.workers:  # torchrun: its process count
+            raise RuntimeError(
+                f"--servers {self.servers} with {self.world} processes leaves {self.workers} "
+                f"worker(s), but --workers is {spec.workers}: start --workers + --servers = "
+                f"{spec.workers + self.servers} processes"
+            )
         self.tolerated = tolerated_losses(spec.strategy, spec.strategy_args, self.workers)
         # Dedicated servers take their checkpoint and end-of-job cues from the store.
         if (self.tolerated or self.servers) and self.control is None:
