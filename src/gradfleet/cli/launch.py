@@ -7,8 +7,10 @@ store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R`
 strategy's (``tolerated_losses``): a worker lost while the wrapper can do without it
 (sync-replicas with a backup left, asynchronous EASGD) is reported -- console, then rank 0's
 ``metrics.jsonl`` and ``summary.json`` through the job store -- and the survivors finish the
-run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left)
-ends every survivor at once and raises :class:`WorkerFailed`.
+run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left, a
+dedicated server rank of ``--servers``) ends every survivor at once and raises
+:class:`WorkerFailed` (a lost server: after the workers had a few seconds to fail on their
+own, naming it).
 """
 
 from __future__ import annotations
@@ -179,16 +181,15 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 rank_log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
                 where = f"log: {rank_log}" if rank_log else f"logs under {log_dir}"
+                role = "dedicated server" if rank >= workers else "worker"
+                if summary is not None:  # after rank 0 saved the results: report only
+                    print(f"warning: {role} rank {rank} failed after the end: {cause}; {where}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    continue
                 if rank >= workers:  # a dedicated server: every worker depends on it
                     log.info("dedicated server rank %d failed (%s): fatal", rank, cause)
                     seen = _let_workers_fail(running, workers)
-                    raise WorkerFailed(
-                        f"dedicated server rank {rank} failed: {cause}; {where}{seen}"
-                    )
-                if summary is not None:  # after rank 0 saved the results: report only
-                    print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    continue
+                    raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
                 if rank == 0 or not started or len(lost) >= tolerated:
                     why = (

@@ -25,11 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed.job_control import JobControl
+from gradfleet.distributed.job_control import JobControl, server_host
 
-__all__ = ["server_kind", "server_ranks", "validate_servers", "run_server"]
+__all__ = [
+    "check_job_size",
+    "checkpoint_servers",
+    "is_server_rank",
+    "lockstep",
+    "run_server",
+    "server_kind",
+    "server_ranks",
+    "validate_servers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +100,42 @@ def lockstep(args: dict[str, Any], workers: int) -> bool:
     return R == workers and args.get("num_tokens", -1) == 0
 
 
+# ----------------------------------------------------------------------------- the job
+def is_server_rank(servers: int) -> bool:
+    """Whether this process (``RANK`` of ``WORLD_SIZE``) is one of the job's last ``servers``
+    ranks, which only serve."""
+    if not servers:
+        return False
+    return int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - servers
+
+
+def check_job_size(servers: int, world: int, workers: int) -> None:
+    """The job's processes are ``workers`` workers and ``servers`` servers (under torchrun the
+    process count is the launcher's: a mismatch fails on every rank alike)."""
+    if servers and world - servers != workers:
+        raise RuntimeError(
+            f"--servers {servers} with {world} processes leaves {world - servers} worker(s), "
+            f"but --workers is {workers}: start --workers + --servers = {workers + servers} "
+            "processes"
+        )
+
+
+def checkpoint_servers(
+    control: JobControl | None, rank: int, step: int, workers: int, servers: int, timeout: float
+) -> None:
+    """A worker at checkpoint ``step`` (its file saved, its arrival told): every worker waits.
+    Rank 0, once every live worker saved (no push in flight, so a server's state is one
+    step's), asks the dedicated servers to save theirs and then releases the workers."""
+    assert control is not None, "a job with dedicated servers has job control"
+    if rank != 0:
+        control.wait_checkpoint_released(step, 2 * timeout)  # rank 0 waits twice: both bounded
+        return
+    control.request_server_checkpoint(step)
+    control.wait_server_checkpoints(step, server_ranks(workers, servers), timeout)
+    log.info("checkpoint %d: every dedicated server saved its state", step)
+    control.release_checkpoint(step)
+
+
 # ----------------------------------------------------------------------------- the server rank
 def _optimizer_factory(config: dict[str, Any]):
     from gradfleet.registry import create_optimizer
@@ -105,34 +151,44 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> None:
     """This rank only serves: set up with the workers, save checkpoints on request, return
-    once every worker left."""
+    once every worker left (``spec``: the run's :class:`~gradfleet.cli.spec.RunSpec`)."""
+    assert control is not None, "a job with dedicated servers has job control"
     (out / "pids").mkdir(exist_ok=True)
     (out / "pids" / f"rank-{rank}.pid").write_text(str(os.getpid()))
     state = None
     if spec.resume:
-        from .worker import latest_checkpoint
+        from .worker import latest_checkpoint  # here: the worker module imports this one
 
         step = latest_checkpoint(out)
         path = out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt"
         state = torch.load(path, weights_only=True)
         log.info("dedicated server rank %d: resuming from %s", rank, path)
     factory = _optimizer_factory(spec.optimizer)
-    from gradfleet.distributed.job_control import server_host
-
     server = gfd.ParameterServer(factory, host=server_host(), state=state)
     log.info("dedicated server rank %d serves %s at %s", rank, server.kind, server.addresses)
-    torch.distributed.barrier()  # the workers' start barrier
-    joined = threading.Thread(target=server.join, name=f"gradfleet-serve-{rank}", daemon=True)
+    dist.barrier()  # the workers' start barrier
+    # join() blocks until every worker left; checkpoint requests come meanwhile, so it runs
+    # on a thread and this one watches the store.
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            server.join()
+        except BaseException as exc:  # raised again below, on this rank's main thread
+            failed.append(exc)
+
+    joined = threading.Thread(target=join, name=f"gradfleet-serve-{rank}", daemon=True)
     joined.start()
     saved = None  # the request key lives in this job's store: a resumed job starts afresh
     while joined.is_alive():
-        asked = control.server_checkpoint_requested() if control is not None else None
+        asked = control.server_checkpoint_requested()
         if asked is not None and asked != saved:
             _save(out, asked, rank, server)
-            assert control is not None
             control.server_checkpoint_saved(asked, rank)
             saved = asked
         joined.join(0.05)
+    if failed:
+        raise failed[0]
     log.info("dedicated server rank %d: every worker left", rank)
 
 

@@ -25,7 +25,7 @@ from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
 from .logs import configure_logging
-from .servers import run_server, server_ranks
+from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
 from .workloads import Workload, batch_indices, load_workload, workload_to
@@ -130,7 +130,7 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         if rank == 0:
             job.control.wait_checkpoint(step, job.timeout)
         if job.servers:
-            _checkpoint_servers(job, step)
+            checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
     if rank == 0:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
@@ -138,19 +138,6 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         os.replace(pointer.with_suffix(".tmp"), pointer)
         if previous is not None and previous != step:
             shutil.rmtree(out / "checkpoints" / f"step-{previous:07d}", ignore_errors=True)
-
-
-def _checkpoint_servers(job: _Job, step: int) -> None:
-    """With dedicated servers every worker waits at the checkpoint: rank 0, once every live
-    worker saved (no push in flight), asks the servers to save theirs, then releases all."""
-    assert job.control is not None
-    if job.rank != 0:
-        job.control.wait_checkpoint_released(step, 2 * job.timeout)
-        return
-    job.control.request_server_checkpoint(step)
-    job.control.wait_server_checkpoints(step, server_ranks(job.workers, job.servers), job.timeout)
-    log.info("checkpoint %d: every dedicated server saved its state", step)
-    job.control.release_checkpoint(step)
 
 
 def _load_checkpoint(out: Path, job: _Job, strategy: Strategy) -> dict[str, Any]:
@@ -186,18 +173,16 @@ class _Job:
             )
         self.rejoining = place is not None and place.rejoining
         self.servers = spec.servers
-        if self.rejoining and place is not None and place.rank >= place.world_size - self.servers:
+        self.is_server = is_server_rank(self.servers)
+        if self.rejoining and self.is_server:
             raise RuntimeError(
-                f"rank {place.rank} is a dedicated server: it cannot rejoin the running job "
-                "(its state died with it); resume the job from its last checkpoint"
+                f"rank {os.environ['RANK']} is a dedicated server: it cannot rejoin the running "
+                "job (its state died with it); resume the job from its last checkpoint"
             )
         self.timeout = spec.timeout
         # One GPU per rank (local rank r on cuda:r); the device is current before the process
         # group exists, so that NCCL and torch.cuda calls without a device use it. Dedicated
         # servers (the last ranks) hold CPU tensors on every device, in the workers' backend.
-        self.is_server = self.servers > 0 and int(os.environ["RANK"]) >= (
-            int(os.environ["WORLD_SIZE"]) - self.servers
-        )
         worker_device = torch.device("cpu" if spec.device == "cpu" else "cuda")
         self.device = (
             torch.device("cpu")
@@ -220,16 +205,7 @@ class _Job:
             info = gfd.init(backend=backend, timeout=spec.timeout, set_device=False)
             self.rank, self.world = info.rank, info.world_size
         self.workers = self.world - self.servers  # ranks 0..workers-1 train, the rest serve
-        if self.workers < 1:
-            raise RuntimeError(
-                f"--servers {self.servers}: the job has {self.world} process(es), no worker left"
-            )
-        if self.servers and self.workers != spec.workers:  # torchrun: its process count
-            raise RuntimeError(
-                f"--servers {self.servers} with {self.world} processes leaves {self.workers} "
-                f"worker(s), but --workers is {spec.workers}: start --workers + --servers = "
-                f"{spec.workers + self.servers} processes"
-            )
+        check_job_size(self.servers, self.world, spec.workers)  # torchrun: its process count
         self.tolerated = tolerated_losses(spec.strategy, spec.strategy_args, self.workers)
         # Dedicated servers take their checkpoint and end-of-job cues from the store.
         if (self.tolerated or self.servers) and self.control is None:
