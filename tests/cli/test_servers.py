@@ -282,3 +282,36 @@ def test_torchrun_runs_the_last_ranks_as_servers(tmp_path: Path) -> None:
     code, console = results[2]
     assert code != 0
     assert "--servers 1 with 2 processes leaves 1 worker(s), but --workers is 2" in console
+
+
+def test_server_checkpoint_handshake_on_the_job_store() -> None:
+    """Rank 0 asks, each server saves and says so, rank 0 releases the waiting workers; a
+    server that never saves is named after the timeout instead of a hang."""
+    import threading
+
+    import torch.distributed as dist
+
+    from gradfleet.distributed.job_control import JobControl
+
+    job = JobControl(dist.HashStore(), world_size=2)
+    assert job.server_checkpoint_requested() is None
+    job.request_server_checkpoint(10)
+    assert job.server_checkpoint_requested() == 10
+    job.server_checkpoint_saved(10, 2)
+    with pytest.raises(TimeoutError, match=r"dedicated server rank\(s\) \[3\] saved no checkpoint"):
+        job.wait_server_checkpoints(10, [2, 3], timeout=0.2)
+    job.server_checkpoint_saved(10, 3)
+    job.wait_server_checkpoints(10, [2, 3], timeout=0.2)
+    with pytest.raises(TimeoutError, match="rank 0 did not complete checkpoint 10"):
+        job.wait_checkpoint_released(10, timeout=0.2)
+    released: list[bool] = []
+
+    def worker() -> None:
+        job.wait_checkpoint_released(10, 5.0)
+        released.append(True)
+
+    waiter = threading.Thread(target=worker)
+    waiter.start()
+    job.release_checkpoint(10)
+    waiter.join(timeout=5.0)
+    assert released == [True]
