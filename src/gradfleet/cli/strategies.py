@@ -226,8 +226,9 @@ class Strategy:
         """Release the wrapper's threads and connections (every rank, after ``export``)."""
         return None
 
-    #: Where a restarted worker finds the running job's server (None: it cannot rejoin).
-    server_address: str | None = None
+    #: Where a restarted worker finds the running job's server, or its shards' addresses
+    #: (None: it cannot rejoin).
+    server_address: str | list[str] | None = None
 
     def forget(self, ranks: list[int]) -> None:
         """Rank 0: these workers are gone; the server stops waiting for them at the end."""
@@ -415,7 +416,9 @@ class SyncReplicas(Strategy):
             worker=self.args.get("worker"),
             server_ranks=self.args.get("server_ranks"),  # dedicated ranks (--servers)
         )
-        self.server_address = wrapped.server_address
+        # sharded (--servers K > 1): a rejoining worker needs every shard's address
+        addresses = wrapped.server_addresses
+        self.server_address = addresses if len(addresses) > 1 else wrapped.server_address
         return super().setup(model, wrapped)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
