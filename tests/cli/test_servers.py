@@ -315,3 +315,40 @@ def test_server_checkpoint_handshake_on_the_job_store() -> None:
     job.release_checkpoint(10)
     waiter.join(timeout=5.0)
     assert released == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> None:
+    """One torchrun agent per rank (docs/failures.md's recipe), ranks 3 and 4 serve two
+    shards: a SIGKILLed worker is restarted by its agent and rejoins both shards."""
+    from gradfleet.distributed.testing import free_port
+
+    from .test_torchrun import AGENT, recipe_env
+
+    workers, servers, steps, port = 3, 2, 1000, free_port()  # time for the restart
+    out = tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2"]
+    train += ["-n", str(workers), "--servers", str(servers), "--steps", str(steps)]
+    train += ["--out", str(out), "-q"]
+    world = workers + servers
+    procs = [
+        popen(
+            [*AGENT, "--max-restarts=1", *train], tmp_path, recipe_env(r, world, "127.0.0.1", port)
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 30, procs, deadline)
+        kill_rank(out, 2)
+        results = finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+    for rank, (code, console) in enumerate(results):
+        assert code == 0, (rank, console)
+    assert "worker rank 2 rejoined the running job" in results[2][1]
+    (event,) = [r for r in metrics(out) if r.get("event") == "worker_rejoined"]
+    assert event["rank"] == 2
+    assert _trained(out)[-1][0] == steps
+    assert (_summary(out)["workers"], _summary(out)["servers"]) == (workers, servers)
