@@ -352,3 +352,41 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
     assert event["rank"] == 2
     assert _trained(out)[-1][0] == steps
     assert (_summary(out)["workers"], _summary(out)["servers"]) == (workers, servers)
+
+
+def test_compare_refuses_servers_for_a_strategy_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["compare", "-s", "easgd:mode=async", "-s", "allreduce",
+                                   "--servers", "1", "-q"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("error: --servers 1: strategy allreduce has no server"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_compare_runs_each_strategy_with_dedicated_servers(tmp_path: Path) -> None:
+    """`compare --servers K` gives every run K dedicated servers: the lockstep run equals the
+    same `train` with its server inside rank 0."""
+    common = ["-n", "2", "--steps", "12", "--seed", "4", "-q"]
+    ref = _start(tmp_path, "ref", "-s", LOCKSTEP, *common)
+    cmp_out = tmp_path / "cmp"
+    compare = popen(
+        [*GRADFLEET, "compare", "-s", LOCKSTEP, "-s", "easgd:mode=async", "--servers", "1",
+         "--straggler", "1:1", "--out", str(cmp_out), *common],
+        tmp_path,
+    )  # fmt: skip
+    _run_all([ref, (cmp_out, compare)], time.monotonic() + 180)
+    rows = json.loads((cmp_out / "compare.json").read_text())
+    assert [(r["strategy"], r["workers"], r["servers"]) for r in rows] == [
+        ("sync-replicas", 2, 1),
+        ("easgd", 2, 1),
+    ]
+    (run0,) = cmp_out.glob("run0-*")
+    assert (_summary(run0)["final_loss"], _trained(run0)) == (
+        _summary(ref[0])["final_loss"],
+        _trained(ref[0]),
+    )

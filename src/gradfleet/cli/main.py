@@ -101,10 +101,12 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         )
     for r in rows:
         args = ",".join(f"{k}={v}" for k, v in r["strategy_args"].items())
+        k = r.get("servers", 0)
+        servers = f" +{k} server{'s' if k > 1 else ''}" if k else ""
         table.add_row(
             r["label"],
             r["optimizer"]["class"],
-            r["strategy"] + (f":{args}" if args else ""),
+            r["strategy"] + (f":{args}" if args else "") + servers,
             r["device"],
             str(r["workers"]),
             str(r["steps"]),
@@ -270,6 +272,13 @@ def compare(
     ] = None,
     workload: Opt[str, typer.Option("--workload", "-w")] = "digits",
     workers: Opt[int, typer.Option("--workers", "-n")] = 2,
+    servers: Opt[
+        int | None,
+        typer.Option(
+            "--servers",
+            help="K dedicated server processes for every run (each strategy must have servers)",
+        ),
+    ] = None,
     steps: Opt[int | None, typer.Option()] = None,
     seed: Opt[int, typer.Option()] = 0,
     straggler: Opt[str | None, typer.Option(help="RANK:DELAY_MS applied to every run")] = "1:20",
@@ -294,6 +303,7 @@ def compare(
                     config=None,
                     strategy=s,
                     workers=1 if s.split(":")[0] == "none" else workers,
+                    servers=servers,
                     steps=steps,
                     seed=seed,
                     batch_size=None,
