@@ -110,7 +110,7 @@ def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir
     )
 
 
-SERVER_LOSS_GRACE_S = 5.0
+SERVER_LOSS_GRACE_S = 10.0
 """How long the workers of a lost dedicated server get to fail on their own (each step raises
 ``ServerUnreachable`` naming the server, written to its log) before they are ended."""
 
