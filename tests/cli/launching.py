@@ -50,6 +50,68 @@ def kill_rank(out: Path, rank: int) -> int:
     return pid
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (state, ppid, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parents[int(entry.name)] = int(_stat(int(entry.name))[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def hold_until_replaced(
+    out: Path, survivors: list[int], agent: subprocess.Popen, old_pid: int, deadline: float
+) -> int:
+    """Freeze the ``survivors``' worker processes (SIGSTOP) until ``agent`` has started a
+    replacement for the killed worker ``old_pid`` and that replacement sits waiting (its CPU
+    time stalls: imports done, it waits for the frozen ranks); then let them go on.  Returns
+    the replacement's pid.  Without this a restarted worker that starts slowly (a loaded
+    machine) finds the job already finished: the survivors need no gradient of it."""
+    frozen = [int((out / "pids" / f"rank-{r}.pid").read_text()) for r in survivors]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        while time.monotonic() < deadline:
+            new = [
+                p for p in _descendants(agent.pid)
+                if p != old_pid and b"gradfleet" in _cmdline(p) and running(p)
+            ]  # fmt: skip
+            if new:
+                with contextlib.suppress(OSError, IndexError):
+                    before = _cpu_ticks(new[0])
+                    time.sleep(1.0)
+                    if _cpu_ticks(new[0]) - before <= 5:  # at most 50 ms of CPU in 1 s
+                        return new[0]
+            time.sleep(0.2)
+        raise AssertionError("no replacement worker was started and waiting in time")
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def finish(
     procs: list[subprocess.Popen], deadline: float, out: Path | None = None
 ) -> list[tuple[int, str]]:

@@ -24,6 +24,7 @@ import torch
 from .launching import (
     TORCHRUN,
     finish,
+    hold_until_replaced,
     kill_rank,
     metrics,
     popen,
@@ -156,7 +157,8 @@ def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path)
     deadline = time.monotonic() + 270
     try:
         wait_for_step(out, 40, procs, deadline)
-        kill_rank(out, 2)
+        first = kill_rank(out, 2)
+        hold_until_replaced(out, [0, 1], procs[2], first, deadline)
         results = finish(procs, deadline, out)
     finally:
         stop(procs, out)

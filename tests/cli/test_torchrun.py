@@ -17,6 +17,7 @@ from gradfleet.distributed.testing import free_port
 from .launching import (
     TORCHRUN,
     finish,
+    hold_until_replaced,
     kill_rank,
     metrics,
     popen,
@@ -58,6 +59,7 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     try:
         wait_for_step(out, 40, procs, deadline)
         first = kill_rank(out, 2)
+        hold_until_replaced(out, [0, 1], procs[2], first, deadline)
         results = finish(procs, deadline, out)
     finally:
         stop(procs, out)

@@ -73,11 +73,13 @@ def sync_train(
 
 
 def sync_server_lost(ctx: RankContext, N: int, server_ranks: list[int], victim: int) -> dict:
-    """Workers train until an error; server rank ``victim`` dies once worker 0 made 3 steps."""
+    """Workers train until an error; server rank ``victim`` dies once every worker made 3 steps
+    (a worker still connecting when it dies would fail in the constructor, not in step())."""
     if ctx.rank >= N:
         server = ParameterServer(adam)
         if ctx.rank == victim:
-            ctx.wait_signal(0, "stepped", timeout=30)
+            for worker in range(N):
+                ctx.wait_signal(worker, "stepped", timeout=60)
             _die(ctx)
         server.join()
         return {}
@@ -99,7 +101,7 @@ def sync_server_lost(ctx: RankContext, N: int, server_ranks: list[int], victim: 
             errors.append((type(exc).__name__, str(exc)))
             break
         count += 1
-        if count == 3 and ctx.rank == 0:
+        if count == 3:
             ctx.signal("stepped")
     failed_at = time.monotonic()
     opt.close()

@@ -58,8 +58,12 @@ def test_round_robin_matches_simulation(world, tau, alpha):
 
 def test_synchronous_adds_only_a_startup_barrier():
     out = run_ranks(sync_ranks.easgd_barrier, 2, args=(1.5,), timeout=60)
-    assert out[0]["waited"] > 1.2  # rank 0 waited for the late rank 1
-    assert out[1]["waited"] < 1.0
+    # the barrier held rank 0 until the late rank 1 arrived ...
+    assert out[0]["passed"] >= out[1]["arrived"]
+    assert out[0]["waited"] > 1.2
+    # ... and the late rank waited for no one: less than the early one, which waited for it
+    # (no absolute bound: on a loaded machine setting up the centre alone takes seconds)
+    assert out[1]["waited"] < out[0]["waited"]
 
 
 def test_restarted_worker_rejoins_while_others_continue():

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tf_checkpoint import tf_run
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "tf-checkpoints.md"
 
 pytest.importorskip("tensorflow")
@@ -18,6 +20,7 @@ def test_doc_examples_run():
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks
     namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(DOC), "exec"), namespace)
+    with tf_run.eager():  # as in a fresh TF2 process (another test may have imported RETURNN)
+        for block in blocks:
+            exec(compile(block, str(DOC), "exec"), namespace)
     assert (Path(namespace["workdir"]) / "back" / "model.ckpt.index").exists()

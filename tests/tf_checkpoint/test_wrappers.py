@@ -1,16 +1,31 @@
-"""Wrapper state as TF saves it: a SyncReplicasOptimizer checkpoint holds the wrapped
-optimizer's variables and ``global_step`` and nothing else (its ``sync_rep_local_step`` is
-a local variable; accumulators and token queues are not variables), so it loads into the
-wrapped gradfleet optimizer with nothing left over."""
+"""Wrapper state as TF saves it.
+
+A SyncReplicasOptimizer checkpoint holds the wrapped optimizer's variables and ``global_step``
+and nothing else (its ``sync_rep_local_step`` is a local variable; accumulators and token
+queues are not variables), so it loads into the wrapped gradfleet optimizer with nothing left
+over.  EASGD and model averaging keep their centres under TF's names; TF's side of those tests
+is the wrappers' update written in TF ops (``tf_centre.py``), trained, saved, continued.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import gradfleet as gf
-from gradfleet.tf_checkpoint import load_tf_checkpoint, tf_tensors
+from gradfleet.distributed import ElasticAverageOptimizer, ModelAverageOptimizer
+from gradfleet.tf_checkpoint import (
+    CheckpointMismatch,
+    CheckpointReader,
+    load_tf_checkpoint,
+    save_tf_checkpoint,
+    tf_tensors,
+    write_checkpoint,
+)
+from tests.conformance.test_conformance import TOLERANCE
 from tests.tf_checkpoint import tf_run
+from tests.tf_checkpoint.tf_centre import GLOBAL, LOCAL, TFCentreRun
 
 pytest.importorskip("tensorflow")
 
@@ -39,3 +54,136 @@ def test_sync_replicas_checkpoint_is_the_chiefs_variables(tmp_path):
     mine = tf_tensors(model, opt, tf_run.NAME_MAP, global_step=0)
     assert sorted(mine) == sorted(values)
     assert all(np.array_equal(mine[k], values[k]) for k in values)
+
+
+# EASGD and model averaging, one worker: TF (the wrappers' update in TF ops, tf_centre.py)
+# trains K steps; exchanges every PERIOD steps, so at K the worker is between two exchanges
+# (parameters, centre and cached centre all differ) and local_step is not a multiple of PERIOD.
+# A restarted worker continues R steps (a multiple of PERIOD: model averaging writes its
+# parameters as the centre, which is TF's only right after a round).
+K, N, R, PERIOD, ALPHA, RHO = 5, 3, 4, 2, 0.3, 0.5
+RTOL, ATOL = TOLERANCE["float32"]
+
+
+def _gradfleet(elastic: bool):
+    torch.manual_seed(0)  # any start: loading must overwrite all of it
+    model = tf_run.Model()
+    inner = gf.AdamOptimizer(model.parameters(), 0.1)
+    if elastic:
+        opt = ElasticAverageOptimizer(
+            inner, num_worker=1, communication_period=PERIOD, moving_rate=ALPHA, rho=RHO
+        )
+    else:
+        opt = ModelAverageOptimizer(inner, num_worker=1, interval_steps=PERIOD)
+    return model, opt
+
+
+def _step(model, opt, grads) -> None:
+    tf_run.set_gradients(model, grads)
+    if isinstance(opt, ElasticAverageOptimizer):
+        opt.add_elastic_penalty_()  # TF's compute_gradients adds the penalty's gradient
+    opt.step()
+
+
+def _state(model, opt) -> dict[str, np.ndarray]:
+    return tf_tensors(model, opt, tf_run.NAME_MAP)
+
+
+def _assert_same(got: dict, expected: dict, rtol: float, atol: float, where: str) -> None:
+    assert sorted(got) == sorted(expected), where
+    for name, value in expected.items():
+        np.testing.assert_allclose(
+            got[name], value, rtol=rtol, atol=atol, err_msg=f"{where}: {name}"
+        )
+
+
+@pytest.mark.parametrize("elastic", [True, False], ids=["ElasticAverage", "ModelAverage"])
+def test_wrapper_state_tf_to_gradfleet_and_back(tmp_path, elastic):
+    rng = np.random.default_rng(11 if elastic else 12)
+    init = {n: rng.standard_normal(s).astype(np.float32) for n, s in tf_run.SHAPES.items()}
+    grads = tf_run.gradients(rng, K + max(N, R))
+    run = TFCentreRun(elastic, init, PERIOD, ALPHA, RHO)
+    try:
+        for g in grads[:K]:
+            run.step(g)
+        at_k = run.values()
+        full = run.save(str(tmp_path / "full" / "model.ckpt"))  # global and local variables
+        chief = run.save_default(str(tmp_path / "chief" / "model.ckpt"))  # a default Saver
+
+        # What TF's default Saver keeps: the centres and global_step; model averaging also
+        # the wrapped optimizer's state (EASGD moved it to the local variables).
+        centres = {f"{GLOBAL}/{n}" for n in tf_run.SHAPES}
+        adam = {f"{n}/Adam{s}" for n in tf_run.SHAPES for s in ("", "_1")}
+        adam |= {"beta1_power", "beta2_power"}
+        kept = centres | {"global_step"} | (set() if elastic else adam)
+        assert set(CheckpointReader(chief).names()) == kept
+
+        # The whole worker: a copy, bit for bit, under the names TF gave every variable.
+        model, opt = _gradfleet(elastic)
+        assert load_tf_checkpoint(full, model, opt, tf_run.NAME_MAP).global_step == K // PERIOD
+        assert (opt.local_step, opt.global_step) == (K, K // PERIOD)
+        mine = _state(model, opt)
+        if not elastic:
+            # gradfleet keeps no global copy besides the parameters: it writes them as the
+            # centre (TF's next round overwrites its centre before anything reads it).
+            for n in tf_run.SHAPES:
+                np.testing.assert_array_equal(mine[f"{GLOBAL}/{n}"], mine[n])
+                assert not np.array_equal(at_k[f"{GLOBAL}/{n}"], at_k[n])
+                mine[f"{GLOBAL}/{n}"] = at_k[f"{GLOBAL}/{n}"]
+        _assert_same(mine, at_k, 0, 0, "loaded the full checkpoint")
+        b = save_tf_checkpoint(tmp_path / "b" / "model.ckpt", model, opt, tf_run.NAME_MAP)
+        written_centres = {k: v for k, v in _state(model, opt).items() if k.startswith(GLOBAL)}
+
+        # The chief's checkpoint: a restarted worker (x := centre, local_step 0, EASGD's Adam
+        # afresh), as TF restarts from it.
+        model_r, opt_r = _gradfleet(elastic)
+        assert load_tf_checkpoint(chief, model_r, opt_r, tf_run.NAME_MAP).global_step == 2
+        assert (opt_r.local_step, opt_r.global_step) == (0, K // PERIOD)
+        centre_k = {n: at_k[f"{GLOBAL}/{n}"] for n in tf_run.SHAPES}
+        np.testing.assert_array_equal(
+            model_r.dense.weight.detach().numpy().T, centre_k["dense/kernel"]
+        )
+        assert (not opt_r.state) == elastic  # Adam starts afresh only where TF kept it local
+
+        for g in grads[K : K + N]:
+            run.step(g)
+            _step(model, opt, g)
+        _assert_same(_state(model, opt), run.values(), RTOL, ATOL, "continued from the full one")
+        continued = run.values()
+        run.restart(chief)
+        for g in grads[K : K + R]:
+            run.step(g)
+            _step(model_r, opt_r, g)
+        _assert_same(_state(model_r, opt_r), run.values(), RTOL, ATOL, "restarted from the chief's")
+        assert not np.allclose(run.values()["emb"], continued["emb"])  # two different states
+
+        # gradfleet -> TF -> gradfleet: TF's full Saver restores what gradfleet wrote.
+        run.restore(b)
+        _assert_same(run.values(), {**at_k, **written_centres}, 0, 0, "TF restored it")
+        for g in grads[K : K + N]:
+            run.step(g)
+        c = run.save(str(tmp_path / "c" / "model.ckpt"))
+        model_c, opt_c = _gradfleet(elastic)
+        load_tf_checkpoint(c, model_c, opt_c, tf_run.NAME_MAP)
+        _assert_same(_state(model_c, opt_c), _state(model, opt), RTOL, ATOL, "back in gradfleet")
+    finally:
+        run.close()
+
+
+def test_wrapper_needs_its_centres_and_its_global_step(tmp_path):
+    model, opt = _gradfleet(elastic=True)
+    # the wrapped optimizer's state only: a plain TF1 run's checkpoint
+    plain = write_checkpoint(tmp_path / "plain", tf_tensors(model, opt.optimizer, tf_run.NAME_MAP))
+    before = _state(model, opt)
+    with pytest.raises(CheckpointMismatch) as info:
+        load_tf_checkpoint(plain, model, opt, tf_run.NAME_MAP)
+    pairs = [("dense.weight", "dense/kernel"), ("dense.bias", "dense/bias"), ("emb.weight", "emb")]
+    expected = [f"{GLOBAL}/{tf} (for {name} centre)" for name, tf in pairs]
+    expected += [f"{LOCAL}/{tf} (for {name} local centre)" for name, tf in pairs]
+    assert sorted(info.value.problems["missing in the checkpoint"]) == sorted(expected)
+    after = _state(model, opt)
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing loaded
+    load_tf_checkpoint(plain, model, opt.optimizer, tf_run.NAME_MAP)  # the wrapped one: fine
+    with pytest.raises(ValueError, match="global_step=3 disagrees with the ElasticAverage"):
+        save_tf_checkpoint(tmp_path / "x", model, opt, tf_run.NAME_MAP, global_step=3)
+    assert not (tmp_path / "x.index").exists()

@@ -30,6 +30,14 @@ class Model(torch.nn.Module):
         self.emb = torch.nn.Embedding(5, 3, sparse=True)
 
 
+def eager() -> Any:
+    """A context in TF2's default (eager) mode: importing RETURNN's TF backend switches eager
+    execution off for the whole process (``returnn.tf.compat``), and the tests share one."""
+    from tensorflow.python.eager import context
+
+    return context.eager_mode()
+
+
 def gradients(rng: np.random.Generator, steps: int) -> list[dict[str, Any]]:
     """Per step: dense arrays for the dense variables, (indices, rows) for ``emb``."""
     out = []
@@ -47,13 +55,17 @@ def gradients(rng: np.random.Generator, steps: int) -> list[dict[str, Any]]:
 
 
 def torch_step(model: Model, opt: torch.optim.Optimizer, grads: dict[str, Any]) -> None:
+    set_gradients(model, grads)
+    opt.step()
+
+
+def set_gradients(model: Model, grads: dict[str, Any]) -> None:
     model.dense.weight.grad = torch.from_numpy(grads["dense/kernel"].T.copy())
     model.dense.bias.grad = torch.from_numpy(grads["dense/bias"].copy())
     idx, rows = grads["emb"]
     model.emb.weight.grad = torch.sparse_coo_tensor(
         torch.from_numpy(idx).reshape(1, -1), torch.from_numpy(rows.copy()), (5, 3)
     )
-    opt.step()
 
 
 class TFRun:

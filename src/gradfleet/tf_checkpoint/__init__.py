@@ -1,10 +1,12 @@
 """Move a TensorFlow 1 or RETURNN training to PyTorch mid-run, and back.
 
-:func:`load_tf_checkpoint` reads a TF checkpoint (TF1 ``Saver`` V2 files) into a torch model
-and a gradfleet optimizer: parameters, every slot under TF's names and the non-slot
-variables; :func:`save_tf_checkpoint` writes one that TF's ``Saver`` restores.  TensorFlow
-is needed only while reading or writing (``pip install 'gradfleet[tf]'``); importing this
-module does not load it.
+:func:`load_tf_checkpoint` reads a TF checkpoint (TF1 ``Saver`` V2 files, or TF2
+``tf.train.Checkpoint`` files of ``tf.compat.v1`` optimizers, see :mod:`.object_graph`) into a
+torch model and a gradfleet optimizer: parameters, every slot under TF's names and the
+non-slot variables, and the EASGD / model-averaging wrappers' own variables (see
+:mod:`.wrapper_state`); :func:`save_tf_checkpoint` writes one that TF's ``Saver`` restores.
+TensorFlow is needed only while reading or writing (``pip install 'gradfleet[tf]'``);
+importing this module does not load it.
 """
 
 from gradfleet.tf_checkpoint.bundle import CheckpointReader, TensorFlowMissing, write_checkpoint

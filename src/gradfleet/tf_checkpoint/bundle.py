@@ -10,6 +10,8 @@ TF's ``SaveV2`` op, the op ``Saver.save`` runs, with the tensors fed through pla
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,6 +19,11 @@ from typing import Any
 import numpy as np
 
 Progress = Callable[[int, int], None]
+
+#: The serialized object graph a TF2 ``tf.train.Checkpoint`` stores next to the variables.
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+log = logging.getLogger(__name__)
 
 
 class TensorFlowMissing(ImportError):
@@ -37,7 +44,12 @@ def import_tensorflow() -> Any:
 
 class CheckpointReader:
     """The variables of one checkpoint: ``shapes`` and ``dtypes`` by name (no tensor is read
-    until ``get``), ``get(name)`` a numpy array."""
+    until ``get``), ``get(name)`` a numpy array.
+
+    The names are the checkpoint's keys, or those of a :meth:`view` (TF1-style names for a
+    TF2 object-based checkpoint, aliases for wrapper variables TF restores from others).
+    A TF2 checkpoint's serialized object graph is not a variable: it is :meth:`object_graph`.
+    """
 
     def __init__(self, prefix: str | os.PathLike) -> None:
         tf = import_tensorflow()
@@ -46,6 +58,7 @@ class CheckpointReader:
             latest = tf.train.latest_checkpoint(prefix)
             if latest is None:
                 raise FileNotFoundError(f"no TensorFlow checkpoint in directory {prefix!r}")
+            log.info("%s: reading its latest checkpoint %s", prefix, latest)
             prefix = latest
         if not os.path.exists(prefix + ".index"):
             raise FileNotFoundError(
@@ -54,19 +67,53 @@ class CheckpointReader:
             )
         self.prefix = prefix
         self._reader = tf.train.load_checkpoint(prefix)
-        self.shapes: dict[str, tuple[int, ...]] = {
-            k: tuple(v) for k, v in self._reader.get_variable_to_shape_map().items()
-        }
-        self.dtypes: dict[str, np.dtype] = {
+        keys = self._reader.get_variable_to_shape_map()
+        self._has_object_graph = OBJECT_GRAPH_KEY in keys
+        self._keys: dict[str, str] = {k: k for k in keys if k != OBJECT_GRAPH_KEY}
+        self._key_shapes: dict[str, tuple[int, ...]] = {k: tuple(v) for k, v in keys.items()}
+        self._key_dtypes: dict[str, np.dtype] = {
             k: np.dtype(v.as_numpy_dtype)
             for k, v in self._reader.get_variable_to_dtype_map().items()
+            if k != OBJECT_GRAPH_KEY
         }
+        self._index()
+
+    def _index(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {
+            n: self._key_shapes[k] for n, k in self._keys.items()
+        }
+        self.dtypes: dict[str, np.dtype] = {n: self._key_dtypes[k] for n, k in self._keys.items()}
 
     def names(self) -> list[str]:
         return sorted(self.shapes)
 
+    def key(self, name: str) -> str:
+        """The checkpoint key that ``name`` reads."""
+        return self._keys[name]
+
     def get(self, name: str) -> np.ndarray:
-        return np.asarray(self._reader.get_tensor(name))
+        return np.asarray(self._reader.get_tensor(self._keys[name]))
+
+    def view(self, keys: Mapping[str, str]) -> CheckpointReader:
+        """The same checkpoint under other names: ``keys`` maps each name of the view to a
+        name of this reader (several names may read the same variable)."""
+        unknown = sorted(set(keys.values()) - set(self._keys))
+        if unknown:
+            raise KeyError(f"view of {self.prefix!r}: no variables {unknown}")
+        out = copy.copy(self)
+        out._keys = {n: self._keys[k] for n, k in keys.items()}
+        out._index()
+        return out
+
+    def object_graph(self) -> Any:
+        """The ``TrackableObjectGraph`` proto of a TF2 object-based checkpoint, else None."""
+        if not self._has_object_graph:
+            return None
+        from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(self._reader.get_tensor(OBJECT_GRAPH_KEY))
+        return graph
 
 
 def write_checkpoint(
@@ -94,6 +141,7 @@ def write_checkpoint(
             tensors=holders,
         )
     total = sum(a.nbytes for a in arrays)
+    log.info("writing %d tensors (%d bytes) to %s", len(names), total, prefix)
     done = 0
     feed = {}
     for holder, array in zip(holders, arrays):

@@ -7,6 +7,7 @@ are collected into ONE :class:`CheckpointMismatch`, and then nothing is loaded.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,10 +16,14 @@ import numpy as np
 import torch
 
 from gradfleet.tf_checkpoint import names as _names
+from gradfleet.tf_checkpoint import object_graph as _object_graph
 from gradfleet.tf_checkpoint import slot_names as _slots
+from gradfleet.tf_checkpoint import wrapper_state as _wrapper
 from gradfleet.tf_checkpoint.bundle import CheckpointReader, Progress
 
 GLOBAL_STEP = "global_step"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatch(ValueError):
@@ -51,6 +56,8 @@ class _Plan:
     copies: list[tuple[str, _names.Transform, Callable[[torch.Tensor], None]]] = field(
         default_factory=list
     )
+    # run after the copies: non-slot variables a restarted TF worker re-initialises
+    resets: list[Callable[[], None]] = field(default_factory=list)
 
     def claim(self, tf_name, transform, target_shape, target_dtype, what, setter) -> bool:
         r = self.reader
@@ -91,23 +98,37 @@ def load_tf_checkpoint(
     slots under TF's slot names (``<var>/Adam``, ``<var>/Adam_1`` ...), the optimizer's
     non-slot variables (``beta1_power``, AdagradDA's step from ``global_step``, ...).
 
+    A TF2 object-based checkpoint is read under TF1 names (``model/dense/kernel``,
+    ``model/dense/kernel/Adam``; see :mod:`.object_graph`).  An EASGD or model-averaging
+    wrapper as ``optimizer`` also gets its centres and counters (see :mod:`.wrapper_state`).
+
     ``ignore``: checkpoint names (or a predicate) that are deliberately not loaded;
     ``non_slot_names``: gradfleet non-slot key -> TF name, where the last-component lookup is
     ambiguous; ``global_step``: a 0-dim int64 tensor that receives the checkpoint's
     ``global_step``.  Replaces the optimizer's whole state.
     """
+    opt = _inner(optimizer)
     reader = CheckpointReader(prefix)
+    object_based = reader.object_graph() is not None
+    if object_based:  # TF2 tf.train.Checkpoint: the same variables under TF1 names
+        reader = _object_graph.tf1_view(reader, opt)
+    centres = _wrapper.centre_wrapper(optimizer, model, name_map)
+    locals_saved = True
+    if centres is not None:
+        reader, locals_saved = _wrapper.restore_view(reader, centres)
     plan = _Plan(reader, {k: [] for k in _PROBLEM_KINDS})
     tf_by_param = _plan_model(plan, model, name_map)
-    opt = _inner(optimizer)
     if opt is not None:
-        _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names or {})
+        _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names or {}, locals_saved)
+    finish_wrapper = _wrapper.plan_wrapper(plan, centres) if centres is not None else None
     step_name = _find(reader, GLOBAL_STEP, (non_slot_names or {}).get(GLOBAL_STEP))
     if step_name:
         plan.claimed.add(step_name)
     elif global_step is not None:
         plan.problems["missing in the checkpoint"].append(f"{GLOBAL_STEP} (for global_step)")
     skip = ignore if callable(ignore) else set(ignore).__contains__
+    if object_based:  # tf.train.Checkpoint's count of its saves is nobody's state
+        plan.claimed.add(_object_graph.SAVE_COUNTER)
     unused = sorted(n for n in reader.names() if n not in plan.claimed and not skip(n))
     plan.problems["unused checkpoint variables"] += unused
     if any(plan.problems.values()):
@@ -119,6 +140,10 @@ def load_tf_checkpoint(
             opt.state.clear()
         for (_, transform, setter), value in zip(plan.copies, values):
             setter(transform.to_torch(value))
+        for reset in plan.resets:
+            reset()
+        if finish_wrapper is not None:
+            finish_wrapper(step_value)
         if global_step is not None:
             global_step.fill_(step_value)
     return LoadedCheckpoint(reader.prefix, step_value, sorted(plan.claimed))
@@ -153,9 +178,10 @@ def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tupl
     return out
 
 
-def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names) -> None:
+def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=True) -> None:
     param_names = {id(p): n for n, p in model.named_parameters()}
-    flat = [p for group in opt.param_groups for p in group["params"]]
+    # position in RETURNN's var_list; by identity (list.index would compare tensors)
+    position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
     for group in opt.param_groups:
         suffixes = _slots.slot_suffixes(opt, group)
         for p in group["params"]:
@@ -168,7 +194,7 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names) -> None:
                 continue  # not in the checkpoint by the map, or already reported
             tf_name, transform, torch_name, ok = tf_by_param[id(p)]
             if _slots.is_amsgrad(opt):
-                names = _slots.amsgrad_names(flat.index(p))
+                names = _slots.amsgrad_names(position[id(p)])
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
             present = [s for s, n in names.items() if n in plan.reader.shapes]
@@ -195,6 +221,10 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names) -> None:
     for key in keys:
         base = _slots.NON_SLOT_NAMES[key]
         name = _find(plan.reader, base, non_slot_names.get(key), plan.problems)
+        if name is None and not locals_saved:  # a wrapper moved them to TF's local variables
+            log.info("%s: no %s; non-slot %s starts afresh", plan.reader.prefix, base, key)
+            plan.resets.append(_reset_non_slot(opt, key))
+            continue
         if name is None:
             if not plan.problems["ambiguous"]:
                 plan.problems["missing in the checkpoint"].append(f"{base} (for non-slot {key})")
@@ -221,6 +251,17 @@ def _find(reader, base: str, explicit: str | None, problems=None) -> str | None:
         problems["ambiguous"].append(f"{base}: {found} (pass non_slot_names)")
         return None
     return found[0] if found else None
+
+
+def _reset_non_slot(opt, key):
+    """Set ``key`` of every group to the value a new optimizer starts with."""
+
+    def reset():
+        for group in opt.param_groups:
+            if key in group["non_slot"]:
+                group["non_slot"][key].copy_(opt._init_shared(group)[key])
+
+    return reset
 
 
 def _slot_setter(opt, p, slot):

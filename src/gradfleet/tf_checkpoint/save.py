@@ -12,6 +12,7 @@ import torch
 
 from gradfleet.tf_checkpoint import names as _names
 from gradfleet.tf_checkpoint import slot_names as _slots
+from gradfleet.tf_checkpoint import wrapper_state as _wrapper
 from gradfleet.tf_checkpoint.bundle import Progress, write_checkpoint
 from gradfleet.tf_checkpoint.convert import GLOBAL_STEP, _inner
 
@@ -44,6 +45,17 @@ def tf_tensors(
     step = None if global_step is None else int(global_step)
     if opt is not None:
         step = _put_optimizer(opt, by_param, put, dict(non_slot_names or {}), step)
+    centres = _wrapper.centre_wrapper(optimizer, model, name_map)
+    if centres is not None:
+        for tf_name, (what, value) in _wrapper.wrapper_tensors(centres).items():
+            put(tf_name, what, value)
+        counted = int(centres.wrapper.global_step)
+        if step is not None and step != counted:
+            raise ValueError(
+                f"global_step={step} disagrees with the {centres.kind}'s global_step {counted} "
+                f"(TF's global_step, which it advances)"
+            )
+        step = counted
     if step is not None:
         name = (non_slot_names or {}).get(GLOBAL_STEP, GLOBAL_STEP)
         put(name, "global_step", torch.tensor(step, dtype=torch.int64))
@@ -51,7 +63,8 @@ def tf_tensors(
 
 
 def _put_optimizer(opt, by_param, put, non_slot_names, step):
-    flat = [p for group in opt.param_groups for p in group["params"]]
+    # position in RETURNN's var_list; by identity (list.index would compare tensors)
+    position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
     for group in opt.param_groups:
         suffixes = _slots.slot_suffixes(opt, group)
         for p in group["params"]:
@@ -59,7 +72,7 @@ def _put_optimizer(opt, by_param, put, non_slot_names, step):
                 continue
             tf_name, transform, torch_name = by_param[id(p)]
             if _slots.is_amsgrad(opt):
-                names = _slots.amsgrad_names(flat.index(p))
+                names = _slots.amsgrad_names(position[id(p)])
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
             for slot, name in names.items():
@@ -100,7 +113,8 @@ def save_tf_checkpoint(
     checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
     directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
     :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
-    (AdagradDA's step count is written there without it)."""
+    (AdagradDA's step count, or an EASGD / model-averaging wrapper's, is written there without
+    it).  A wrapper's own variables are written under TF's names (see :mod:`.wrapper_state`)."""
     tensors = tf_tensors(
         model, optimizer, name_map, global_step=global_step, non_slot_names=non_slot_names
     )

@@ -14,6 +14,8 @@ RETURNN's ``AMSGradOptimizer`` keeps plain unnamed variables instead of slots: `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from gradfleet import optimizers as opts
@@ -64,7 +66,20 @@ def optimizer_class(opt: torch.optim.Optimizer) -> type:
 
 def slot_suffixes(opt: torch.optim.Optimizer, group: dict) -> dict[str, str]:
     """gradfleet slot name -> the TF name suffix after ``<variable>/`` for ``group``."""
-    order = [s for s in SLOT_ORDER[optimizer_class(opt)] if s in opt._slot_fills(group)]
+    return _suffixes(
+        opt, [s for s in SLOT_ORDER[optimizer_class(opt)] if s in opt._slot_fills(group)]
+    )
+
+
+def suffixes_for_slots(opt: torch.optim.Optimizer, slots: Iterable[str]) -> dict[str, str]:
+    """gradfleet slot name -> TF1 suffix for a variable that has exactly ``slots`` (TF's own
+    slot names, as a TF2 object graph records them); slots ``opt`` does not know are left out.
+    TF1 numbers a variable's slots in creation order, which ``SLOT_ORDER`` gives."""
+    present = set(slots)
+    return _suffixes(opt, [s for s in SLOT_ORDER[optimizer_class(opt)] if s in present])
+
+
+def _suffixes(opt: torch.optim.Optimizer, order: list[str]) -> dict[str, str]:
     base = {s: opt.get_name() for s in order}
     if isinstance(opt, opts.FtrlOptimizer):  # Ftrl's accum_name / linear_name
         base["accum"] = opt.accum_name or opt.get_name()
