@@ -22,7 +22,16 @@ from typer.testing import CliRunner
 
 from gradfleet.cli.main import app
 
-from .launching import GRADFLEET, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    GRADFLEET,
+    finish,
+    hold_until_replaced,
+    kill_rank,
+    metrics,
+    popen,
+    stop,
+    wait_for_step,
+)
 
 LOCKSTEP = "sync-replicas:replicas_to_aggregate=2,num_tokens=0"
 EASGD = "easgd:mode=async,period=2"
@@ -328,7 +337,7 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
 
     from .test_torchrun import AGENT, recipe_env
 
-    workers, servers, steps, port = 3, 2, 1000, free_port()  # time for the restart
+    workers, servers, steps, port = 3, 2, 300, free_port()
     out = tmp_path / "run"
     train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2"]
     train += ["-n", str(workers), "--servers", str(servers), "--steps", str(steps)]
@@ -343,7 +352,8 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
     deadline = time.monotonic() + 270
     try:
         wait_for_step(out, 30, procs, deadline)
-        kill_rank(out, 2)
+        first = kill_rank(out, 2)
+        hold_until_replaced(out, [0, 1], procs[2], first, deadline)  # the servers just wait
         results = finish(procs, deadline, out)
     finally:
         stop(procs, out)
