@@ -3,13 +3,15 @@ host with its own address (10.231.N.1 and .2/24, which exist only inside the nam
 test creates and removes). Every wrapper trains across them with one torchrun per host and a
 c10d rendezvous on the first, with a straggler; a worker on the second host is SIGKILLed under
 the per-worker recipe and rejoins across hosts; under one agent per host, a SIGKILLed worker
-takes its host's workers down and the other host finishes. Skipped where namespaces cannot be
+takes its host's workers down and the other host finishes; dedicated servers (``--servers``)
+on the second host serve the first host's workers. Skipped where namespaces cannot be
 created."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from .launching import (
     TORCHRUN,
@@ -221,3 +224,36 @@ def test_host_agent_ends_its_workers_the_other_host_finishes(
     assert all(w["cause"] == "silent for 10s (no heartbeat)" for w in lost), lost
     assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
     assert summary["test_accuracy"] >= summary["target_accuracy"]
+
+
+@pytest.mark.slow
+def test_dedicated_servers_on_the_second_host(hosts: list[Host], tmp_path: Path) -> None:
+    """``--servers 2`` under one agent per host: the workers (ranks 0-1) on the first host,
+    the two shard servers (ranks 2-3) on the second, listening on its address. Lockstep
+    sync-replicas gives the numbers of the same run on one machine with its server inside
+    rank 0."""
+    from .launching import GRADFLEET
+
+    lockstep = ["-s", "sync-replicas:replicas_to_aggregate=2,num_tokens=0", "-n", "2"]
+    lockstep += ["--steps", "12", "--seed", "2"]
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    train = ["-m", "gradfleet", "train", *lockstep, "--servers", "2", "--out", str(out)]
+    train += ["-q", "--log-level", "info"]
+    procs = _agents_per_host(hosts, 2, train, tmp_path)
+    procs.append(popen([*GRADFLEET, "train", *lockstep, "--out", str(ref), "-q"], tmp_path))
+    try:
+        results = finish(procs, time.monotonic() + 240, out)
+    finally:
+        stop(procs, out)
+    for code, console in results:
+        assert code == 0, console
+    served = re.findall(
+        r"dedicated server rank (\d) serves \S+ at \{(\d): '([\d.]+):", results[1][1]
+    )
+    assert sorted(served) == [("2", "0", hosts[1].address), ("3", "1", hosts[1].address)], served
+    a = torch.load(out / "model.pt", weights_only=True)
+    b = torch.load(ref / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in metrics(out) if "loss" in r] == [
+        r["loss"] for r in metrics(ref) if "loss" in r
+    ]

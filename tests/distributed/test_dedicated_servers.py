@@ -172,6 +172,10 @@ def test_serve_without_optimizer_fails_on_every_rank():
 def test_server_ranks_of_a_job_with_dedicated_servers():
     assert check_server_ranks([4, 5], 4, 10, "server", None, world_size=6) == [4, 5]
     assert check_server_ranks([0, 4], 4, 10, "server", None, world_size=5) == [0, 4]
+    # a restarted worker outside the group joins the running dedicated shards by address
+    assert check_server_ranks([4, 5], 4, 10, "server", ["h:1", "h:2"]) == [4, 5]
+    with pytest.raises(ValueError, match="server rank 4 is neither a worker rank"):
+        check_server_ranks([4], 4, 10, "server", None)  # inside a group of 4: no rank 4
     with pytest.raises(ValueError, match=r"rank\(s\) \[5\] of the 6 processes are neither"):
         check_server_ranks([4], 4, 10, "server", None, world_size=6)
     with pytest.raises(ValueError, match="server rank 6 is neither a worker rank"):

@@ -7,8 +7,10 @@ store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R`
 strategy's (``tolerated_losses``): a worker lost while the wrapper can do without it
 (sync-replicas with a backup left, asynchronous EASGD) is reported -- console, then rank 0's
 ``metrics.jsonl`` and ``summary.json`` through the job store -- and the survivors finish the
-run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left)
-ends every survivor at once and raises :class:`WorkerFailed`.
+run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left, a
+dedicated server rank of ``--servers``) ends every survivor at once and raises
+:class:`WorkerFailed` (a lost server: after the workers had a few seconds to fail on their
+own, naming it).
 """
 
 from __future__ import annotations
@@ -84,14 +86,14 @@ def _last_step(metrics: Path) -> int | None:
     return None
 
 
-def _start(spec: RunSpec, rank: int, workers: int, port: int, run_id: str, log_dir: Path):
+def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     env = {
         "RANK": str(rank),
-        "WORLD_SIZE": str(workers),
+        "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(workers),
+        "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store below, hosted here
@@ -108,14 +110,45 @@ def _start(spec: RunSpec, rank: int, workers: int, port: int, run_id: str, log_d
     )
 
 
+SERVER_LOSS_GRACE_S = 10.0
+"""How long the workers of a lost dedicated server get to fail on their own (each step raises
+``ServerUnreachable`` naming the server, written to its log) before they are ended."""
+
+
+def _let_workers_fail(running: dict[int, Any], workers: int) -> str:
+    """Wait (at most the grace) for the workers to end; what the first failed one said."""
+    deadline = time.monotonic() + SERVER_LOSS_GRACE_S
+    results: dict[int, Any] = {}
+    while time.monotonic() < deadline:
+        for r, pc in running.items():
+            if r < workers and r not in results:
+                result = pc.wait(0)
+                if result is not None:
+                    results[r] = result
+        if len(results) == sum(1 for r in running if r < workers):
+            break
+        time.sleep(0.1)
+    else:
+        log.info(
+            "workers still running %.0fs after a server loss: ending them", SERVER_LOSS_GRACE_S
+        )
+    for r, result in sorted(results.items()):
+        running.pop(r)
+        if result.is_failed():
+            return f"; worker rank {r}: {_cause(result.failures[0])}"
+    return ""
+
+
 def launch(spec: RunSpec) -> dict[str, Any] | None:
-    """Start ``spec.workers`` ranks of :func:`run_worker` on loopback; rank 0's summary."""
+    """Start ``spec.workers`` ranks of :func:`run_worker` on loopback, and ``spec.servers``
+    dedicated server ranks after them; rank 0's summary."""
     import torch.distributed as dist
 
     # The elastic code logs each failure with a traceback; the CLI reports it as one line.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     workers, out = spec.workers, Path(spec.out)
+    world = workers + spec.servers
     log_dir = out / "logs"
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -124,10 +157,15 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     job = JobControl(store, workers)
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
     tolerated = tolerated_losses(spec.strategy, spec.strategy_args, workers)
-    running = {r: _start(spec, r, workers, store.port, run_id, log_dir) for r in range(workers)}
+    # servers first: each round of polling sees a dead server before the workers it failed
+    order = [*range(workers, world), *range(workers)]
+    running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}
     pids = {r: pc.pids()[0] for r, pc in running.items()}
     (out / "workers.json").write_text(json.dumps({"pids": pids, "logs": str(log_dir)}) + "\n")
-    log.info("started %d ranks: pids %s, logs under %s", workers, pids, log_dir)
+    log.info(
+        "started %d worker and %d dedicated server ranks: pids %s, logs under %s",
+        workers, spec.servers, pids, log_dir,
+    )  # fmt: skip
     lost: dict[int, str] = {}
     summary = None
     try:
@@ -143,10 +181,15 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 rank_log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
                 where = f"log: {rank_log}" if rank_log else f"logs under {log_dir}"
+                role = "dedicated server" if rank >= workers else "worker"
                 if summary is not None:  # after rank 0 saved the results: report only
-                    print(f"warning: worker rank {rank} failed after the end: {cause}; {where}",
+                    print(f"warning: {role} rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip
                     continue
+                if rank >= workers:  # a dedicated server: every worker depends on it
+                    log.info("dedicated server rank %d failed (%s): fatal", rank, cause)
+                    seen = _let_workers_fail(running, workers)
+                    raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
                 if rank == 0 or not started or len(lost) >= tolerated:
                     why = (

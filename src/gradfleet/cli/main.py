@@ -61,7 +61,7 @@ def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
     """Run ``spec`` (its ``out`` directory exists) with live progress; rank 0's summary."""
     out = Path(spec.out)
     (out / "config.json").write_text(spec.to_json())
-    spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers > 1
+    spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers + spec.servers > 1
     show = not under_torchrun() or _env_rank() == 0
     assert spec.steps is not None
     progress = Progress(out / "metrics.jsonl", spec.steps, label, quiet or not show)
@@ -101,10 +101,12 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         )
     for r in rows:
         args = ",".join(f"{k}={v}" for k, v in r["strategy_args"].items())
+        k = r.get("servers", 0)
+        servers = f" +{k} server{'s' if k > 1 else ''}" if k else ""
         table.add_row(
             r["label"],
             r["optimizer"]["class"],
-            r["strategy"] + (f":{args}" if args else ""),
+            r["strategy"] + (f":{args}" if args else "") + servers,
             r["device"],
             str(r["workers"]),
             str(r["steps"]),
@@ -164,6 +166,14 @@ def train(
         int | None,
         typer.Option("--workers", "-n", help="local worker processes (towers: replicas)"),
     ] = None,
+    servers: Opt[
+        int | None,
+        typer.Option(
+            "--servers",
+            help="K extra processes that only serve (ranks N..N+K-1): sync-replicas (K=1: one "
+            "server, K>1: shards) or easgd:mode=async (K=1: its centre); 0: inside the workers",
+        ),
+    ] = None,
     steps: Opt[int | None, typer.Option(help="training steps per worker")] = None,
     seed: Opt[int | None, typer.Option(help="data and initialisation seed")] = None,
     batch_size: Opt[int | None, typer.Option(help="per-worker batch size")] = None,
@@ -198,6 +208,7 @@ def train(
         config=config,
         strategy=strategy,
         workers=workers,
+        servers=servers,
         steps=steps,
         seed=seed,
         batch_size=batch_size,
@@ -261,6 +272,13 @@ def compare(
     ] = None,
     workload: Opt[str, typer.Option("--workload", "-w")] = "digits",
     workers: Opt[int, typer.Option("--workers", "-n")] = 2,
+    servers: Opt[
+        int | None,
+        typer.Option(
+            "--servers",
+            help="K dedicated server processes for every run (each strategy must have servers)",
+        ),
+    ] = None,
     steps: Opt[int | None, typer.Option()] = None,
     seed: Opt[int, typer.Option()] = 0,
     straggler: Opt[str | None, typer.Option(help="RANK:DELAY_MS applied to every run")] = "1:20",
@@ -285,6 +303,7 @@ def compare(
                     config=None,
                     strategy=s,
                     workers=1 if s.split(":")[0] == "none" else workers,
+                    servers=servers,
                     steps=steps,
                     seed=seed,
                     batch_size=None,

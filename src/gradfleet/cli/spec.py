@@ -18,6 +18,7 @@ from typing import Any
 from . import strategies as strat
 from .config import ConfigError, load_config, optimizer_config, parse_spec, parse_straggler
 from .devices import check_device, parse_device
+from .servers import lockstep, validate_servers
 from .workloads import load_workload
 
 __all__ = ["LOG_LEVELS", "RunSpec", "resolve", "resume_spec", "settings_markdown", "settings_table"]
@@ -62,6 +63,14 @@ class RunSpec:
     )
     workers: int = field(
         default=1, metadata=_key("local worker processes (towers: replicas)", "--workers")
+    )
+    servers: int = field(
+        default=0,
+        metadata=_key(
+            "extra processes (ranks N..N+K-1) that only serve: sync-replicas (K=1: one server, "
+            "K>1: shards) or easgd:mode=async (K=1: its centre); 0: servers inside the workers",
+            "--servers",
+        ),
     )
     device: str = field(
         default="cpu", metadata=_key("cpu, cuda (rank r on cuda:r) or cuda:N", "--device")
@@ -235,13 +244,17 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         raise ConfigError(str(err)) from None
     opts = optimizer_config(merged.get("optimizer") or workload.optimizer, lr)
     _check_optimizer(opts)
+    servers = _integer("--servers", merged.get("servers", RunSpec.servers), 0)
+    num_params = sum(1 for _ in workload.model.parameters())
+    validate_servers(name, args, workers, servers, num_params)
     checkpoint_every = _integer(
         "--checkpoint-every", merged.get("checkpoint_every", RunSpec.checkpoint_every), 0
     )
-    if name == "sync-replicas" and checkpoint_every:
+    if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
         raise ConfigError(
-            "--checkpoint-every is not supported with sync-replicas: its ranks run different "
-            "numbers of local steps, so there is no common point to checkpoint"
+            "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
+            "lockstep (replicas_to_aggregate = --workers and num_tokens=0): otherwise its ranks "
+            "run different numbers of local steps, so there is no common point to checkpoint"
         )
     steps = _integer("--steps", merged.get("steps", workload.steps), 1)
     batch_size = merged.get("batch_size")
@@ -261,6 +274,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         strategy=name,
         strategy_args=args,
         workers=workers,
+        servers=servers,
         device=device,
         steps=steps,
         seed=seed,

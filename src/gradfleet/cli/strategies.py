@@ -73,6 +73,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
             {
                 "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
                 "total_num_replicas": "workers taking part (default: workers)",
+                "num_tokens": "initial tokens (TF's num_tokens; default -1: "
+                "replicas_to_aggregate; 0 with replicas_to_aggregate = workers: lockstep)",
             },
             min_workers=2,
         ),
@@ -149,6 +151,11 @@ def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
             raise ValueError(
                 f"strategy sync-replicas: replicas_to_aggregate={k} > total_num_replicas={total}"
             )
+        tokens = args.get("num_tokens", -1)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < -1:
+            raise ValueError(
+                f"strategy sync-replicas: num_tokens must be an integer >= -1, got {tokens!r}"
+            )
 
 
 def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
@@ -219,8 +226,9 @@ class Strategy:
         """Release the wrapper's threads and connections (every rank, after ``export``)."""
         return None
 
-    #: Where a restarted worker finds the running job's server (None: it cannot rejoin).
-    server_address: str | None = None
+    #: Where a restarted worker finds the running job's server, or its shards' addresses
+    #: (None: it cannot rejoin).
+    server_address: str | list[str] | None = None
 
     def forget(self, ranks: list[int]) -> None:
         """Rank 0: these workers are gone; the server stops waiting for them at the end."""
@@ -311,6 +319,7 @@ class Easgd(Strategy):
         self._centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
             self._centre = CENTRE_MODES[mode](
+                server_rank=int(self.args.get("server_rank", 0)),  # rank N: --servers 1
                 timeout=float(self.args.get("timeout", 60.0)),
                 host=self.args.get("host", "127.0.0.1"),
                 address=self.args.get("server_address"),
@@ -326,6 +335,8 @@ class Easgd(Strategy):
         )
         self.server_address = getattr(self._centre, "address", None)
         self._payload = sum(_nbytes(p) for p in model.parameters())
+        # exchanges cross processes with several workers, or with the centre on its own rank
+        self._remote = self.world > 1 or int(self.args.get("server_rank", 0)) >= self.world
         return super().setup(model, wrapped)
 
     def reduce_gradients(self) -> None:
@@ -334,7 +345,7 @@ class Easgd(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         loss = super().train_step(x, y, loss_fn)
-        if self.world > 1 and self.opt.local_step % self.period == 0:
+        if self._remote and self.opt.local_step % self.period == 0:
             self.bytes_sent += self._payload
         return loss
 
@@ -399,11 +410,15 @@ class SyncReplicas(Strategy):
             total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
             timeout=float(self.args.get("timeout", 60.0)),
             last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
+            num_tokens=int(self.args.get("num_tokens", -1)),
             host=self.args.get("host", "127.0.0.1"),
             server_address=self.args.get("server_address"),
             worker=self.args.get("worker"),
+            server_ranks=self.args.get("server_ranks"),  # dedicated ranks (--servers)
         )
-        self.server_address = wrapped.server_address
+        # sharded (--servers K > 1): a rejoining worker needs every shard's address
+        addresses = wrapped.server_addresses
+        self.server_address = addresses if len(addresses) > 1 else wrapped.server_address
         return super().setup(model, wrapped)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:

@@ -25,6 +25,7 @@ from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
 from .logs import configure_logging
+from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
 from .workloads import Workload, batch_indices, load_workload, workload_to
@@ -128,6 +129,8 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         job.control.checkpoint_saved(step, rank)
         if rank == 0:
             job.control.wait_checkpoint(step, job.timeout)
+        if job.servers:
+            checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
     if rank == 0:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
@@ -160,7 +163,7 @@ class _Job:
     def __init__(self, spec: RunSpec) -> None:
         place = apply_job_env()  # one launcher agent per worker (the torchrun recipe)
         if place is not None and not tolerated_losses(
-            spec.strategy, spec.strategy_args, place.world_size
+            spec.strategy, spec.strategy_args, place.world_size - spec.servers
         ):
             # Nothing would end the survivors of a lost rank but the collective timeout.
             raise RuntimeError(
@@ -169,18 +172,31 @@ class _Job:
                 "launch it with torchrun --nproc-per-node N, or one agent per host"
             )
         self.rejoining = place is not None and place.rejoining
+        self.servers = spec.servers
+        self.is_server = is_server_rank(self.servers)
+        if self.rejoining and self.is_server:
+            raise RuntimeError(
+                f"rank {os.environ['RANK']} is a dedicated server: it cannot rejoin the running "
+                "job (its state died with it); resume the job from its last checkpoint"
+            )
         self.timeout = spec.timeout
         # One GPU per rank (local rank r on cuda:r); the device is current before the process
-        # group exists, so that NCCL and torch.cuda calls without a device use it.
-        self.device = rank_device(spec.device, int(os.environ.get("LOCAL_RANK", 0)))
+        # group exists, so that NCCL and torch.cuda calls without a device use it. Dedicated
+        # servers (the last ranks) hold CPU tensors on every device, in the workers' backend.
+        worker_device = torch.device("cpu" if spec.device == "cpu" else "cuda")
+        self.device = (
+            torch.device("cpu")
+            if self.is_server
+            else rank_device(spec.device, int(os.environ.get("LOCAL_RANK", 0)))
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = process_backend(self.device)
+        backend = process_backend(worker_device)
         self.control: JobControl | None = None
         if self.rejoining:
             assert place is not None
             # The others have moved on: no process group with them, only the store and server.
-            self.control = JobControl.connect(place.world_size, spec.timeout)
+            self.control = JobControl.connect(place.world_size - spec.servers, spec.timeout)
             for key in ("RANK", "WORLD_SIZE"):
                 os.environ.pop(key)
             gfd.init(backend=backend, set_device=False)
@@ -188,10 +204,13 @@ class _Job:
         else:
             info = gfd.init(backend=backend, timeout=spec.timeout, set_device=False)
             self.rank, self.world = info.rank, info.world_size
-        self.tolerated = tolerated_losses(spec.strategy, spec.strategy_args, self.world)
-        if self.tolerated and self.control is None:
-            self.control = JobControl.connect(self.world, spec.timeout)
-        if self.control is not None:
+        self.workers = self.world - self.servers  # ranks 0..workers-1 train, the rest serve
+        check_job_size(self.servers, self.world, spec.workers)  # torchrun: its process count
+        self.tolerated = tolerated_losses(spec.strategy, spec.strategy_args, self.workers)
+        # Dedicated servers take their checkpoint and end-of-job cues from the store.
+        if (self.tolerated or self.servers) and self.control is None:
+            self.control = JobControl.connect(self.workers, spec.timeout)
+        if self.control is not None and not self.is_server:
             self.control.start_heartbeat(self.rank, place.restarts_left if place else 0)
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
@@ -210,7 +229,7 @@ class _Job:
                 self.lost[r] = {"step": step, **info}
                 log.info("rank %d lost at step %s, training goes on: %s", r, step, info)
                 metrics.write(event="worker_lost", **self.lost[r])
-        for r in range(1, self.world):
+        for r in range(1, self.workers):
             at = control.rejoined(r)
             if at is not None and self._rejoins.get(r) != at:
                 self._rejoins[r] = at
@@ -225,7 +244,7 @@ class _Job:
 
 def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
     torch.set_num_threads(spec.threads)
-    rank, world = job.rank, job.world
+    rank = job.rank
     # Built on the CPU from the seed, then moved: every device starts from the same model.
     workload = workload_to(load_workload(spec.workload, spec.seed), job.device)
     opt = create_optimizer(workload.model.parameters(), spec.optimizer)
@@ -237,6 +256,9 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
         args["devices"] = tower_devices(spec.device, spec.workers)
     if name in ("sync-replicas", "easgd"):  # where servers listen, or the running job's
         args.update(host=server_host(), timeout=spec.timeout)
+        if job.servers:  # the dedicated ranks after the workers
+            ranks = server_ranks(job.workers, job.servers)
+            args.update(server_ranks=ranks, server_rank=ranks[0])
         if job.rejoining:
             assert job.control is not None
             address = job.control.server_address()
@@ -244,7 +266,9 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
     # Towers run as threads of this one process: the "world" is the tower count.
-    strategy = make_strategy(name, args, rank, world if STRATEGIES[name].spawns else spec.workers)
+    strategy = make_strategy(
+        name, args, rank, job.workers if STRATEGIES[name].spawns else spec.workers
+    )
     strategy.setup(workload.model, opt)
     if job.control is not None and rank == 0 and strategy.server_address is not None:
         job.control.publish_server(strategy.server_address)
@@ -265,6 +289,10 @@ def run_worker(spec: RunSpec) -> dict[str, Any] | None:
     out = Path(spec.out)
     job = _Job(spec)
     try:
+        if job.is_server:
+            run_server(spec, job.rank, job.control, out)
+            gfd.shutdown()
+            return None
         return _train(spec, job, out)
     finally:
         job.close()
@@ -276,7 +304,7 @@ def _env_rank() -> int:
 
 def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     workload, strategy = _setup(spec, job)
-    rank, world = job.rank, job.world
+    rank, workers = job.rank, job.workers
     start, wall_before, samples = 0, 0.0, 0
     pids = out / "pids"
     pids.mkdir(exist_ok=True)
@@ -336,7 +364,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         final_state = strategy.export()
         # model.pt loads on any machine, with or without the GPU it was trained on
         _atomic_save({k: v.detach().cpu() for k, v in final_state.items()}, out / "model.pt")
-        result = _summary(spec, workload, strategy, loss, wall, samples, world)
+        result = _summary(spec, workload, strategy, loss, wall, samples, workers)
         result["median_step_ms"] = clock.median_ms()
         result["lost_workers"] = sorted(job.lost.values(), key=lambda w: w["rank"])
         result.update(evaluate(workload, final_state))
@@ -381,7 +409,7 @@ def _summary(
     loss: float,
     wall: float,
     samples: int,
-    world: int,
+    workers: int,
 ) -> dict[str, Any]:
     assert spec.steps is not None
     steps = spec.steps
@@ -391,12 +419,13 @@ def _summary(
         "strategy": spec.strategy,
         "strategy_args": spec.strategy_args,
         "workers": spec.workers,
+        "servers": spec.servers,
         "device": spec.device,
         "steps": steps,
         "final_loss": loss,
         "wall_s": wall,
         "steps_per_s": steps / wall if wall > 0 else float("nan"),
-        "samples_per_s": samples * world / wall if wall > 0 else float("nan"),
+        "samples_per_s": samples * workers / wall if wall > 0 else float("nan"),  # not servers
         "bytes_sent": strategy.bytes_sent,
         "target_accuracy": workload.target,
         "model": str(Path(spec.out) / "model.pt"),

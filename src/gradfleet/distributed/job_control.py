@@ -129,7 +129,9 @@ class JobControl:
     address, for a rejoining worker), ``lost/R`` (the launcher saw rank R die), ``rejoined/R``
     (R was restarted and rejoined at a step), ``alive/R`` (R's heartbeat counter),
     ``restarts/R`` (how often R's agent will still restart it),
-    ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``)."""
+    ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
+    server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
+    ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
 
     PREFIX: Final = "gradfleet/"
 
@@ -255,6 +257,48 @@ class JobControl:
         :meth:`wait_finished`)."""
         point = f"checkpoint-{step}"
         return self._wait_arrived(point, timeout, late=f"no checkpoint {step} in {timeout:g}s")
+
+    # ------------------------------------------------------------------ dedicated servers
+    # A dedicated server rank (one that only serves) checkpoints its own state while every
+    # worker waits: rank 0 asks once every live worker saved (nothing is in flight then),
+    # waits for each server's file, and then releases the workers.
+    def request_server_checkpoint(self, step: int) -> None:
+        self._set("servers/checkpoint", step)
+
+    def server_checkpoint_requested(self) -> int | None:
+        """The newest checkpoint step rank 0 asked the dedicated servers for (or None)."""
+        return self._get("servers/checkpoint")
+
+    def server_checkpoint_saved(self, step: int, rank: int) -> None:
+        self._arrive(f"servers/checkpoint-{step}", rank)
+
+    def wait_server_checkpoints(self, step: int, ranks: list[int], timeout: float) -> None:
+        """Rank 0: wait until every dedicated server rank in ``ranks`` saved ``step``; a server
+        that does not within ``timeout`` s raises ``TimeoutError`` naming it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = [r for r in ranks if not self._get(f"servers/checkpoint-{step}/{r}")]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"dedicated server rank(s) {missing} saved no checkpoint of step {step} in "
+                    f"{timeout:g}s"
+                )
+            time.sleep(0.05)
+
+    def release_checkpoint(self, step: int) -> None:
+        """Rank 0: every file of checkpoint ``step`` exists; the workers may go on."""
+        self._set(f"checkpoint-{step}/complete", True)
+
+    def wait_checkpoint_released(self, step: int, timeout: float) -> None:
+        """A worker other than rank 0: wait for :meth:`release_checkpoint` (``TimeoutError``
+        after ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        while not self._get(f"checkpoint-{step}/complete"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not complete checkpoint {step} in {timeout:g}s")
+            time.sleep(0.05)
 
     def _arrive(self, point: str, rank: int) -> None:
         self._set(f"{point}/{rank}", True)

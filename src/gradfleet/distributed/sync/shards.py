@@ -80,10 +80,14 @@ def check_server_ranks(
     """Validate ``server_ranks`` (and ``server_address`` against it); returns a list.
 
     Ranks ``0 .. N-1`` are the workers; a job of ``world_size > N`` processes has the dedicated
-    server ranks ``N .. world_size-1``, and every one of them must host a shard."""
+    server ranks ``N .. world_size-1``, and every one of them must host a shard.  A process
+    outside the process group (``address`` given, no ``world_size``: a restarted worker) cannot
+    know the job's size, so any rank from ``N`` on may be a dedicated server there."""
     owner = "SyncReplicasOptimizer"
     ranks = list(ranks)
     world = N if world_size is None else world_size
+    if world_size is None and address is not None:
+        world = max([N, *(r + 1 for r in ranks if isinstance(r, int))])
     if not ranks:
         raise ValueError(f"{owner}: server_ranks must name at least one rank")
     for r in ranks:

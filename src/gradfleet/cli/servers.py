@@ -1,0 +1,204 @@
+"""``--servers K``: K extra processes, ranks ``N .. N+K-1`` after the ``N`` workers, that only
+serve (TF's ``ps`` tasks; see ``docs/servers.md``).
+
+Which strategies have servers to move there:
+
+- ``sync-replicas``: ``K = 1`` puts its one server on rank ``N``; ``K > 1`` shards the variables
+  over ranks ``N .. N+K-1`` (byte-balanced, the chief on rank ``N``);
+- ``easgd:mode=async``: ``K = 1`` puts the centre on rank ``N``.
+
+A server rank builds no model and writes no metrics: it calls
+:class:`~gradfleet.distributed.ParameterServer` (the wrapped optimizer's factory from the run's
+``optimizer``), takes part in the workers' start barrier, saves its own state into each
+checkpoint directory when rank 0 asks (``rank-R.pt``, what ``serve(state=)`` resumes from), and
+returns once every worker left. A server that dies makes every worker's step fail naming it;
+the launcher reports it as ``dedicated server rank R failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gradfleet.distributed as gfd
+from gradfleet.distributed.job_control import JobControl, server_host
+
+__all__ = [
+    "check_job_size",
+    "checkpoint_servers",
+    "is_server_rank",
+    "lockstep",
+    "run_server",
+    "server_kind",
+    "server_ranks",
+    "validate_servers",
+]
+
+log = logging.getLogger(__name__)
+
+TAKES_SERVERS = (
+    "sync-replicas (K=1: one server, K>1: shards) and easgd:mode=async (K=1: its centre)"
+)
+
+
+def server_kind(name: str, args: dict[str, Any]) -> str | None:
+    """``"sync"`` or ``"centre"``: what a dedicated server rank of this strategy runs."""
+    if name == "sync-replicas":
+        return "sync"
+    if name == "easgd" and args.get("mode", "sync") == "async":
+        return "centre"
+    return None
+
+
+def server_ranks(workers: int, servers: int) -> list[int]:
+    return list(range(workers, workers + servers))
+
+
+def validate_servers(
+    name: str, args: dict[str, Any], workers: int, servers: int, num_params: int
+) -> None:
+    """Reject ``--servers`` for a strategy without servers and counts it cannot use."""
+    if not servers:
+        return
+    kind = server_kind(name, args)
+    if kind is None:
+        mode = f":mode={args.get('mode', 'sync')}" if name == "easgd" else ""
+        raise ValueError(
+            f"--servers {servers}: strategy {name}{mode} has no server to run on a process of "
+            f"its own; --servers is for {TAKES_SERVERS}"
+        )
+    if kind == "centre" and servers != 1:
+        raise ValueError(
+            f"--servers {servers}: easgd:mode=async has one centre; use --servers 1 (or 0)"
+        )
+    if kind == "sync":
+        total = args.get("total_num_replicas", workers)
+        if total != workers:
+            raise ValueError(
+                f"--servers {servers}: sync-replicas with dedicated servers needs every worker "
+                f"in the job (total_num_replicas = --workers = {workers}), got "
+                f"total_num_replicas={total}"
+            )
+        if servers > num_params:
+            raise ValueError(
+                f"--servers {servers}: the workload's model has {num_params} parameter tensors, "
+                f"so at most {num_params} shards (one server each)"
+            )
+
+
+def lockstep(args: dict[str, Any], workers: int) -> bool:
+    """Sync-replicas where every worker's local step is the global step: R = N = workers and
+    no initial tokens (each update waits for every worker's gradient of that step)."""
+    R = args.get("replicas_to_aggregate", workers - 1)
+    return R == workers and args.get("num_tokens", -1) == 0
+
+
+# ----------------------------------------------------------------------------- the job
+def is_server_rank(servers: int) -> bool:
+    """Whether this process (``RANK`` of ``WORLD_SIZE``) is one of the job's last ``servers``
+    ranks, which only serve."""
+    if not servers:
+        return False
+    return int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - servers
+
+
+def check_job_size(servers: int, world: int, workers: int) -> None:
+    """The job's processes are ``workers`` workers and ``servers`` servers (under torchrun the
+    process count is the launcher's: a mismatch fails on every rank alike)."""
+    if servers and world - servers != workers:
+        raise RuntimeError(
+            f"--servers {servers} with {world} processes leaves {world - servers} worker(s), "
+            f"but --workers is {workers}: start --workers + --servers = {workers + servers} "
+            "processes"
+        )
+
+
+def checkpoint_servers(
+    control: JobControl | None, rank: int, step: int, workers: int, servers: int, timeout: float
+) -> None:
+    """A worker at checkpoint ``step`` (its file saved, its arrival told): every worker waits.
+    Rank 0, once every live worker saved (no push in flight, so a server's state is one
+    step's), asks the dedicated servers to save theirs and then releases the workers."""
+    assert control is not None, "a job with dedicated servers has job control"
+    if rank != 0:
+        control.wait_checkpoint_released(step, 2 * timeout)  # rank 0 waits twice: both bounded
+        return
+    control.request_server_checkpoint(step)
+    control.wait_server_checkpoints(step, server_ranks(workers, servers), timeout)
+    log.info("checkpoint %d: every dedicated server saved its state", step)
+    control.release_checkpoint(step)
+
+
+# ----------------------------------------------------------------------------- the server rank
+def _optimizer_factory(config: dict[str, Any]):
+    from gradfleet.registry import create_optimizer
+
+    return lambda groups: create_optimizer(groups, config)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> None:
+    """This rank only serves: set up with the workers, save checkpoints on request, return
+    once every worker left (``spec``: the run's :class:`~gradfleet.cli.spec.RunSpec`)."""
+    assert control is not None, "a job with dedicated servers has job control"
+    (out / "pids").mkdir(exist_ok=True)
+    (out / "pids" / f"rank-{rank}.pid").write_text(str(os.getpid()))
+    state = None
+    if spec.resume:
+        from .worker import latest_checkpoint  # here: the worker module imports this one
+
+        step = latest_checkpoint(out)
+        path = out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt"
+        state = torch.load(path, weights_only=True)
+        log.info("dedicated server rank %d: resuming from %s", rank, path)
+    factory = _optimizer_factory(spec.optimizer)
+    server = gfd.ParameterServer(factory, host=server_host(), state=state)
+    log.info("dedicated server rank %d serves %s at %s", rank, server.kind, server.addresses)
+    dist.barrier()  # the workers' start barrier
+    # join() blocks until every worker left; checkpoint requests come meanwhile, so it runs
+    # on a thread and this one watches the store.
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            server.join()
+        except BaseException as exc:  # raised again below, on this rank's main thread
+            failed.append(exc)
+
+    joined = threading.Thread(target=join, name=f"gradfleet-serve-{rank}", daemon=True)
+    joined.start()
+    saved = None  # the request key lives in this job's store: a resumed job starts afresh
+    while joined.is_alive():
+        asked = control.server_checkpoint_requested()
+        if asked is not None and asked != saved:
+            _save(out, asked, rank, server)
+            control.server_checkpoint_saved(asked, rank)
+            saved = asked
+        joined.join(0.05)
+    if failed:
+        raise failed[0]
+    log.info("dedicated server rank %d: every worker left", rank)
+
+
+def _save(out: Path, step: int, rank: int, server: gfd.ParameterServer) -> None:
+    """Every worker waits at checkpoint ``step`` while this runs: nothing is in flight."""
+    ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    _atomic_save(server.state_dict(), ckpt_dir / f"rank-{rank}.pt")
+    log.info(
+        "dedicated server rank %d: checkpoint of step %d saved in %.3fs",
+        rank, step, time.perf_counter() - start,
+    )  # fmt: skip
