@@ -43,6 +43,7 @@ LAYERS = {
     "sync.lockstep": WRAPPERS,
     "sync.optimizer": WRAPPERS,
     "sync.overlap": WRAPPERS,
+    "sync.checkpoint": WRAPPERS,
     "sync": WRAPPERS,
     "easgd.centre": WRAPPERS,
     "easgd.async_centre": WRAPPERS,

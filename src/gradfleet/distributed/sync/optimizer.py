@@ -55,6 +55,7 @@ from ..transport import copy_received
 from ..wrapper import WrapperOptimizer, check_grads_and_vars
 from .aggregator import all_finite
 from .arguments import average_indices, check_arguments, check_overlap, resolve_worker
+from .checkpoint import SyncCheckpoints
 from .links import SyncLinks
 from .lockstep import AllReduceSync
 from .overlap import ShardReadiness
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 _OWNER = "SyncReplicasOptimizer"
 
 
-class SyncReplicasOptimizer(WrapperOptimizer):
+class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
     Args:
@@ -435,63 +436,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- checkpoints
-    def _wrapper_state(self) -> dict[str, Any]:
-        return {
-            "local_step": self.local_step,
-            "global_step": self.global_step,
-            "counters": dict(self.counters),
-            "replicas_to_aggregate": self.replicas_to_aggregate,
-            "total_num_replicas": self.total_num_replicas,
-            "server": self._chief.state_dict() if self._chief is not None else None,
-            "allreduce": self._allreduce.state_dict() if self._allreduce is not None else None,
-            **self._shards_state(),
-        }
-
-    def _shards_state(self) -> dict[str, Any]:
-        """Sharded: ``{"shards": {k: state}}`` for the shards hosted by this rank (shard 0 is
-        in ``"server"``); unsharded checkpoints keep their old layout."""
-        if len(self.server_ranks) == 1:
-            return {}
-        return {"shards": {k: srv.shard.state_dict() for k, (srv, _) in self._hosted.items()}}
-
-    @property
-    def _chief(self) -> Any:
-        return self._servers.chief if self._servers is not None else None
-
-    @property
-    def _hosted(self) -> dict[int, Any]:
-        return self._servers.shards if self._servers is not None else {}
-
-    def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
-        super()._check_wrapper_state(counters)
-        for key in ("replicas_to_aggregate", "total_num_replicas"):
-            if counters[key] != getattr(self, key):
-                raise ValueError(
-                    f"{_OWNER}.load_state_dict: checkpoint has {key}="
-                    f"{counters[key]}, this optimizer {getattr(self, key)}"
-                )
-        if (counters["server"] is None) != (self._chief is None):
-            raise ValueError(f"{_OWNER}.load_state_dict: load the chief's checkpoint on the chief")
-        if set(counters.get("shards", {})) != set(self._hosted):
-            raise ValueError(
-                f"{_OWNER}.load_state_dict: checkpoint holds shards "
-                f"{sorted(counters.get('shards', {}))}, this rank hosts {sorted(self._hosted)} "
-                "(load each server rank's own checkpoint, same server_ranks)"
-            )
-
-    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
-        if self._chief is not None:
-            self._chief.load_state_dict(state["server"])
-        if self._allreduce is not None:
-            self._allreduce.load_state_dict(state["allreduce"])
-        for k, shard_state in state.get("shards", {}).items():
-            self._hosted[int(k)][0].shard.load_state_dict(shard_state)
-        self.local_step, self.global_step = int(state["local_step"]), int(state["global_step"])
-        self.counters = dict(state["counters"])
-        if self._links is not None:  # the next step reloads the variables from the server(s)
-            self._links.forget_versions()
 
 
 def _all_finite(grads: list[torch.Tensor | None]) -> bool:
