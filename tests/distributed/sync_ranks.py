@@ -120,6 +120,7 @@ def sync_train(
     num_tokens: int = -1,
     adam: bool = False,
     forget_dead: bool = False,
+    assignment: str = "bytes",
 ) -> dict:
     """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
     rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token);
@@ -139,6 +140,7 @@ def sync_train(
         timeout=timeout,
         server_ranks=server_ranks,
         num_tokens=num_tokens,
+        shard_assignment=assignment,
     )
     count, start = 0, time.monotonic()
     while opt.global_step < steps:

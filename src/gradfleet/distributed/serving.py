@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .easgd.centre_server import CentreServer
 from .hosting import HostedServer, gather_addresses, server_host, share_address
+from .sync.pieces import view, whole
 from .sync.servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
@@ -118,7 +119,9 @@ class ParameterServer:
                 f"{factory!r}"
             )
         ranks, parts = spec["ranks"], spec["parts"]
-        hosted = {i for k, r in enumerate(ranks) if r == self.rank for i in parts[k]}
+        pieces = spec.get("pieces") or whole(len(spec["layout"]))  # split: parts index these
+        mine = [pieces[j] for k, r in enumerate(ranks) if r == self.rank for j in parts[k]]
+        hosted = {pc.index for pc in mine}
         self._values = [
             _empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])
         ]
@@ -136,7 +139,8 @@ class ParameterServer:
             raise ValueError("the optimizer factory must keep the groups' parameters in order")
         if state is not None:
             self._check_sync_state(state)
-        return [self._values[i] for i in sorted(hosted)]
+        # in the order rank 0 sends them (dedicated.announce): shard by shard
+        return [view(self._values[pc.index], pc) for pc in mine]
 
     def _check_sync_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != SYNC:
@@ -169,6 +173,7 @@ class ParameterServer:
             num_tokens=spec["tokens"], timeout=spec["timeout"], ema=spec["ema"],
             average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
             last_step=spec["last_step"], hyperparameters_from_workers=True,
+            pieces=spec.get("pieces"),
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:

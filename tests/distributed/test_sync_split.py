@@ -1,0 +1,265 @@
+"""``shard_assignment="split"``: large parameters cut into pieces over the SyncReplicas shards.
+
+The reference is the single server of test_sync_shards.py (itself checked against TF's oracles
+and the float64 simulation): in process, the same scripted arrival order (backup workers,
+stale drops, N < R) must give bit-identical variables, steps and counters when the pieces of
+the parameters are spread over 2-3 shards, for elementwise optimizers in float64 and float32
+and with optimizer state that existed before the split (sliced into the pieces).  Over real
+processes: split vs whole-parameter sharding (colocated and on dedicated server ranks) and a
+checkpoint round trip with split shards.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+import gradfleet
+from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
+from gradfleet.distributed.sync.aggregator import init_tokens
+from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.pieces import check_dense, check_elementwise, plan, view
+from gradfleet.distributed.sync.shards import Shard, ShardServer, assign
+from gradfleet.distributed.testing import run_ranks
+
+from . import dedicated_ranks, sync_ranks
+from .test_sync_replicas import FakeReply, serve
+from .test_sync_shards import Cluster, _drive
+
+SHAPES = [(33, 17), (3,), (2, 30), (40,), ()]  # rows, a bias, few rows (flat cut), 1-D, scalar
+
+
+def _optimizer(kind, dtype):
+    """A factory of the wrapped optimizer over fresh parameters; every factory call gives the
+    same values and the same state: one local step was taken first, so the copies' state
+    (slots, beta powers, step counts) must be sliced into the pieces."""
+
+    def make():
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in SHAPES]
+        groups = [{"params": params[:3]}, {"params": params[3:], "lr": 0.02}]
+        if kind == "adam":
+            opt = gradfleet.AdamOptimizer(groups, 0.05)
+        elif kind == "ftrl":
+            opt = gradfleet.FtrlOptimizer(groups, 0.1, l1_regularization_strength=0.01)
+        elif kind == "momentum":
+            opt = gradfleet.MomentumOptimizer(groups, 0.1, 0.9, use_nesterov=True)
+        elif kind == "rmsprop":
+            opt = gradfleet.RMSPropOptimizer(groups, 0.01, momentum=0.5, centered=True)
+        else:
+            opt = torch.optim.Adam(groups, lr=0.05)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
+        opt.step()
+        return opt
+
+    return make
+
+
+class SplitCluster(Cluster):
+    """``Cluster`` whose shards hold the pieces of :func:`plan` (parts index the pieces)."""
+
+    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
+        opt = make_opt()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self.pieces = plan(params, shards)
+        self.parts = assign([view(params[pc.index], pc) for pc in self.pieces], shards, "split")
+        tokens = init_tokens(num_tokens, R, N)
+        self.chief = SyncChief(
+            opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0],
+            num_shards=shards, pieces=self.pieces,
+        )  # fmt: skip
+        self.shards = [
+            ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step,
+                                 pieces=self.pieces), N, 10)
+            for k in range(1, shards)
+        ]  # fmt: skip
+        self.local = [0] * N
+        self.shapes = [p.shape for p in params]
+
+    def _part(self, grads, k):
+        return [view(grads[self.pieces[j].index], self.pieces[j]) for j in self.parts[k]]
+
+    def step(self, k, grads):
+        accepted = True
+        for server in self.shards:
+            r = FakeReply()
+            msg = {"op": "push", "worker": k, "tag": self.local[k],
+                   "grads": self._part(grads, server.k)}  # fmt: skip
+            serve(server, msg, r, perform=self._applied)
+            accepted = accepted and r.payload["accepted"]
+        reply = FakeReply()
+        msg = {"op": "step", "worker": k, "tag": self.local[k], "grads": self._part(grads, 0),
+               "version": -1}  # fmt: skip
+        serve(self.chief, msg, reply)
+        reply.all_accepted = accepted
+        return reply
+
+    def values(self):
+        """The whole variables, assembled from the pieces every shard holds."""
+        out = [torch.full(s, math.nan, dtype=self.chief.params[0].dtype) for s in self.shapes]
+        held = [(self.chief.shard.indices, self.chief.params)]
+        held += [(s.shard.indices, s.shard.params) for s in self.shards]
+        for indices, params in held:
+            for j, p in zip(indices, params, strict=True):
+                view(out[self.pieces[j].index], self.pieces[j]).copy_(p)
+        return out
+
+
+def test_plan_cuts_rows_or_flat_and_balances():
+    params = [torch.zeros(s) for s in SHAPES]
+    total = sum(p.numel() * 4 for p in params)
+    for S in (2, 3, 4):
+        pieces = plan(params, S)
+        covered = [torch.zeros(s) for s in SHAPES]
+        for pc in pieces:
+            v = view(covered[pc.index], pc)
+            assert v.is_contiguous() and v.numel() * 4 <= max(total / (2 * S) + 4 * 30, 4)
+            v += 1
+        assert all(bool((c == 1).all()) for c in covered)  # every element exactly once
+        loads = [0] * S
+        for k, idx in enumerate(assign([view(params[pc.index], pc) for pc in pieces], S, "split")):
+            loads[k] = sum(view(params[pieces[j].index], pieces[j]).numel() * 4 for j in idx)
+        # LPT over pieces of at most P / (2S) (+ one row): no shard above P/S + the largest piece
+        largest = max(view(params[pc.index], pc).numel() * 4 for pc in pieces)
+        assert max(loads) <= total / S + largest
+    assert {pc.flat for pc in plan(params, 3) if pc.index == 2} == {True}  # 2 rows, 3 pieces
+    assert {pc.flat for pc in plan(params, 3) if pc.index == 0} == {False}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["adam", "ftrl", "momentum", "rmsprop", "torch_adam"])
+def test_split_is_bit_identical_to_single_server(kind, dtype):
+    """Random arrival orders with backup workers (R < N) and N < R: every piece's update is
+    the slice of the whole update, so the variables are bit-identical to the single server."""
+    make = _optimizer(kind, dtype)
+    for seed in range(3):
+        rnd = random.Random(seed)
+        N, R = [(3, 2), (4, 3), (2, 3)][seed]
+        schedule = [rnd.randrange(N) for _ in range(120)]
+
+        def grads_of(k, tag):
+            gen = torch.Generator().manual_seed(100 * k + tag)
+            return [torch.randn(s, generator=gen, dtype=dtype) for s in SHAPES]
+
+        ref = Cluster(make, R, N, -1, 0)
+        ref_accepted = _drive(ref, schedule, grads_of, N)
+        assert ref.chief.global_step > 5
+        for shards in (2, 3):
+            cluster = SplitCluster(make, R, N, -1, shards)
+            assert len(cluster.pieces) > len(SHAPES)  # something was cut
+            accepted = _drive(cluster, schedule, grads_of, N)
+            assert accepted == ref_accepted and cluster.local == ref.local
+            assert cluster.chief.global_step == ref.chief.global_step
+            assert cluster.chief.aggregator.stats == ref.chief.aggregator.stats
+            for got, want in zip(cluster.values(), ref.values(), strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_split_state_dict_round_trip_in_process():
+    """A split shard's checkpoint loads into a fresh shard of the same plan and continues
+    identically; a shard of another plan refuses it."""
+    make = _optimizer("adam", torch.float64)
+    params = [p for g in make().param_groups for p in g["params"]]
+    pieces = plan(params, 2)
+    parts = assign([view(params[pc.index], pc) for pc in pieces], 2, "split")
+    a = Shard(make(), parts[1], 1, pieces=pieces)
+    grads = [torch.ones_like(a_p) for a_p in a.params]
+    a.push(0, 0, grads)
+    saved = a.state_dict()
+    b = Shard(make(), parts[1], 1, pieces=pieces)
+    b.load_state_dict(saved)
+    for shard in (a, b):
+        shard.push(0, 1, grads)
+    for x, y in zip(a.params, b.params, strict=True):
+        assert torch.equal(x, y)
+    other = Shard(make(), parts[0], 1, pieces=pieces)
+    with pytest.raises(ValueError, match="checkpoint shard holds parameters"):
+        other.load_state_dict(saved)
+
+
+class NotKnown(torch.optim.Adam):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda p: gradfleet.NormalizedSGD(p, 0.1), "NormalizedSGD"),
+        (lambda p: NotKnown(p), "NotKnown"),
+        (lambda p: torch.optim.LBFGS(p), "LBFGS"),
+    ],
+)
+def test_split_refuses_non_elementwise_optimizers(make, name):
+    params = [torch.zeros(8, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    with pytest.raises(ValueError, match=f"shard_assignment='split'.*{name}"):
+        SyncReplicasOptimizer(make(params), 1, server_ranks=[0, 0], shard_assignment="split")
+
+
+def test_split_accepts_the_known_elementwise_ones():
+    p = [torch.zeros(2, requires_grad=True)]
+    for opt in (
+        gradfleet.AdamOptimizer(p, 0.1),
+        gradfleet.GradVarianceScaledOptimizer(p, 0.1),
+        gradfleet.NeuralOptimizer1(p, 0.1),
+        torch.optim.AdamW(p),
+        torch.optim.SGD(p, lr=0.1),
+    ):
+        check_elementwise(opt)
+
+
+def test_split_refuses_moving_averages_and_sparse_gradients():
+    params = [torch.zeros(8, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    with pytest.raises(ValueError, match="shard_assignment='split' does not support variable_av"):
+        SyncReplicasOptimizer(
+            gradfleet.AdamOptimizer(params, 0.1), 1, server_ranks=[0, 0],
+            shard_assignment="split", variable_averages=ExponentialMovingAverage(0.9),
+        )  # fmt: skip
+    pieces = plan(params, 2)
+    sparse = torch.sparse_coo_tensor([[1]], torch.ones(1, 4), (8, 4))
+    with pytest.raises(ValueError, match="parameter 0 of shape \\(8, 4\\) got a torch.sparse_coo"):
+        check_dense([sparse, None], pieces)
+    check_dense([sparse.to_dense(), None], pieces)
+
+
+# --------------------------------------------------------------------- real processes
+@pytest.mark.timeout(120)
+def test_split_over_processes_equals_whole_parameter_shards():
+    """R = N = 3 in lockstep (no initial tokens, so every update holds one gradient of each
+    worker), Adam, shards on ranks 0 and 1: whole-parameter and split shards end on
+    bit-identical variables on every rank."""
+    args = (3, 3, 8, "server", None, 0.0, 16, None, 20.0, [0, 1], 0, True, False)
+    whole = run_ranks(sync_ranks.sync_train, 3, args=args, timeout=90)
+    split = run_ranks(sync_ranks.sync_train, 3, args=(*args, "split"), timeout=90)
+    for r in range(3):
+        assert whole[r]["global_step"] == split[r]["global_step"] == 8
+        for a, b in zip(whole[r]["params"], split[r]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(240)
+def test_split_on_dedicated_servers_and_checkpoint_resume():
+    """Two workers, two dedicated server ranks, split shards: the same trajectory as whole
+    parameters on the same servers; each server's checkpoint resumes it."""
+    steps, path = 6, tempfile.mkdtemp()
+    try:
+        run = dedicated_ranks.sync_train
+        whole = run_ranks(run, 4, args=(2, [2, 3], steps), timeout=120)
+        full = run_ranks(run, 4, args=(2, [2, 3], steps, 0, None, "split"), timeout=120)
+        first = run_ranks(run, 4, args=(2, [2, 3], 3, 0, path, "split"), timeout=120)
+        second = run_ranks(run, 4, args=(2, [2, 3], steps, 3, path, "split"), timeout=120)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    for w in range(2):
+        resumed = first[w]["trace"] + second[w]["trace"]
+        for trace in (full[w]["trace"], resumed):
+            assert [s for s, _ in trace] == [s for s, _ in whole[w]["trace"]]
+            for (_, got), (_, want) in zip(trace, whole[w]["trace"], strict=True):
+                for g, x in zip(got, want, strict=True):
+                    assert torch.equal(g, x)
