@@ -209,7 +209,10 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
 
     def _piece_views(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Each piece's view of ``tensors`` (per parameter: values or gradients)."""
-        return [None if tensors[pc.index] is None else view(tensors[pc.index], pc) for pc in self._pieces]
+        return [
+            None if tensors[pc.index] is None else view(tensors[pc.index], pc)
+            for pc in self._pieces
+        ]
 
     def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
         """Start the servers this rank hosts, tell every rank their addresses, join them all.

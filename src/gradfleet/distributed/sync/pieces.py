@@ -178,7 +178,9 @@ def split_optimizer(
         original = originals[pc.index]
         clone.param_groups[group_of[id(original)]]["params"].append(value)
         if original in opt.state:
-            state[value] = {k: _slice_state(v, original, pc) for k, v in opt.state[original].items()}
+            state[value] = {
+                k: _slice_state(v, original, pc) for k, v in opt.state[original].items()
+            }
     clone.state = state
     return clone, values
 
