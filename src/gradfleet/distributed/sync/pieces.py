@@ -166,8 +166,10 @@ def split_optimizer(
     values = [view(originals[pc.index], pc).detach().clone() for pc in pieces]
     memo: dict[int, Any] = {id(o): o for o in originals}  # not copied: replaced below
     clone = object.__new__(type(opt))
+    # not the state (sliced below) nor a recorded fused-step plan (it holds the originals)
+    skip = ("state", "_step_plan")
     clone.__dict__.update(
-        {k: copy.deepcopy(v, memo) for k, v in opt.__dict__.items() if k != "state"}
+        {k: copy.deepcopy(v, memo) for k, v in opt.__dict__.items() if k not in skip}
     )
     group_of = {id(p): j for j, g in enumerate(opt.param_groups) for p in g["params"]}
     for group in clone.param_groups:
