@@ -35,7 +35,7 @@ from gradfleet.distributed.sync.pieces import (
 from gradfleet.distributed.sync.shards import Shard, ShardServer, assign
 from gradfleet.distributed.testing import run_ranks
 
-from . import dedicated_ranks, sync_ranks
+from . import dedicated_ranks, overlap_ranks, sync_ranks
 from .test_sync_replicas import FakeReply, serve
 from .test_sync_shards import Cluster, _drive
 
@@ -340,3 +340,20 @@ def test_every_class_the_rule_accepts_updates_pieces_as_slices(cls):
         assert cls is gradfleet.NormalizedSGD and not same
     else:
         assert same
+
+
+@pytest.mark.timeout(240)
+def test_split_with_overlap_on_dedicated_servers():
+    """Overlap pushes a shard once every parameter with a piece in it has its gradient (a cut
+    parameter feeds several shards): with and without overlap, split shards on dedicated
+    ranks give the whole-parameter trajectory bit for bit (two workers in lockstep)."""
+    whole = run_ranks(overlap_ranks.dedicated_lockstep, 4, args=(2, [2, 3], 5), timeout=100)
+    split = run_ranks(
+        overlap_ranks.dedicated_lockstep, 4, args=(2, [2, 3], 5, "split"), timeout=100
+    )
+    for rank in (0, 1):
+        want = whole[rank][False]
+        for got in (split[rank][False], split[rank][True]):
+            assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5]
+            for (_, a), (_, b) in zip(got, want, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
