@@ -197,7 +197,10 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
     # ----------------------------------------------------------------- set-up
     def _plan_split(self, how: str, ema: Any, num_shards: int) -> list[Piece] | None:
         """``shard_assignment="split"`` over several shards: the pieces (:mod:`.pieces`)."""
-        if how != "split" or num_shards == 1:
+        if how != "split":
+            return None
+        if num_shards == 1:
+            log.info("%s: shard_assignment='split' with one server: nothing to split", _OWNER)
             return None
         check_elementwise(self.optimizer)
         if ema is not None:
