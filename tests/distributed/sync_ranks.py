@@ -335,6 +335,7 @@ def sync_checkpoint(
     steps: int,
     path: str,
     server_ranks: list[int] | None = None,
+    assignment: str = "bytes",
 ) -> list:
     """Run ``steps`` updates, checkpointing after ``split`` (phase "a") or resuming from it
     (phase "b" when ``path`` exists): returns the parameters after every update."""
@@ -350,6 +351,7 @@ def sync_checkpoint(
         last_step=steps,
         timeout=10,
         server_ranks=server_ranks,
+        shard_assignment=assignment,
     )
     count = 0
     if resume:

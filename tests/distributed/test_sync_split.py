@@ -357,3 +357,25 @@ def test_split_with_overlap_on_dedicated_servers():
             assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5]
             for (_, a), (_, b) in zip(got, want, strict=True):
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_split_checkpoint_resume_on_worker_ranks():
+    """One worker hosting two split shards (rank 0 twice), Adam: the optimizer's state_dict
+    after 4 updates, saved and loaded in fresh processes, continues the uninterrupted split
+    run and the whole-parameter run bit for bit."""
+    path = tempfile.mkdtemp()
+    run = sync_ranks.sync_checkpoint
+    try:
+        plain = run_ranks(run, 1, args=("server", 99, 8, path + "/p", [0, 0]))
+        full = run_ranks(run, 1, args=("server", 99, 8, path + "/x", [0, 0], "split"))
+        first = run_ranks(run, 1, args=("server", 4, 8, path, [0, 0], "split"))
+        resumed = run_ranks(run, 1, args=("server", 4, 8, path, [0, 0], "split"))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    steps = first[0] + resumed[0]
+    assert [s for s, _ in steps] == [s for s, _ in full[0]] == [s for s, _ in plain[0]]
+    assert steps[-1][0] == 8
+    for (_, got), (_, want), (_, ref) in zip(steps, full[0], plain[0], strict=True):
+        for g, w, p in zip(got, want, ref, strict=True):
+            assert torch.equal(g, w) and torch.equal(g, p)
