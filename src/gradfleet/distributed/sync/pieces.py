@@ -160,8 +160,9 @@ def split_optimizer(
     opt: torch.optim.Optimizer, pieces: Sequence[Piece]
 ) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     """A deep copy of ``opt`` over copies of the ``pieces`` (in order; each group holds the
-    pieces of its parameters), with each parameter's state sliced like it: a state tensor of
-    the parameter's shape is cut as the parameter, anything else (step counts) copied."""
+    pieces of its parameters, and every group is kept, possibly empty, with its shared state
+    such as beta powers), with each parameter's state sliced like it: a state tensor of the
+    parameter's shape is cut as the parameter, anything else (step counts) copied."""
     originals = [p for g in opt.param_groups for p in g["params"]]
     values = [view(originals[pc.index], pc).detach().clone() for pc in pieces]
     memo: dict[int, Any] = {id(o): o for o in originals}  # not copied: replaced below

@@ -177,7 +177,9 @@ def shard_optimizer(
     kept, possibly empty, so per-group shared state such as beta powers is kept too).
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces, and the copy
     holds the pieces with their state sliced (:func:`.pieces.split_optimizer`)."""
-    clone, params = server_optimizer(opt) if pieces is None else split_optimizer(opt, pieces)
+    if pieces is not None:  # copies of this shard's pieces only
+        return split_optimizer(opt, [pieces[i] for i in indices])
+    clone, params = server_optimizer(opt)
     mine = [params[i] for i in indices]
     keep = {id(p) for p in mine}
     if len(mine) != len(params):
