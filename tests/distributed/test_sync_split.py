@@ -363,12 +363,14 @@ def test_split_with_overlap_on_dedicated_servers():
 def test_split_checkpoint_resume_on_worker_ranks():
     """One worker hosting two split shards (rank 0 twice), Adam: the optimizer's state_dict
     after 4 updates, saved and loaded in fresh processes, continues the uninterrupted split
-    run and the whole-parameter run bit for bit."""
+    run and the whole-parameter run bit for bit; so do 6 split shards for 4 parameters."""
     path = tempfile.mkdtemp()
     run = sync_ranks.sync_checkpoint
     try:
         plain = run_ranks(run, 1, args=("server", 99, 8, path + "/p", [0, 0]))
         full = run_ranks(run, 1, args=("server", 99, 8, path + "/x", [0, 0], "split"))
+        # 6 shards for the model's 4 parameters: the pieces serve them all
+        six = run_ranks(run, 1, args=("server", 99, 8, path + "/6", [0] * 6, "split"))
         first = run_ranks(run, 1, args=("server", 4, 8, path, [0, 0], "split"))
         resumed = run_ranks(run, 1, args=("server", 4, 8, path, [0, 0], "split"))
     finally:
@@ -376,6 +378,7 @@ def test_split_checkpoint_resume_on_worker_ranks():
     steps = first[0] + resumed[0]
     assert [s for s, _ in steps] == [s for s, _ in full[0]] == [s for s, _ in plain[0]]
     assert steps[-1][0] == 8
-    for (_, got), (_, want), (_, ref) in zip(steps, full[0], plain[0], strict=True):
-        for g, w, p in zip(got, want, ref, strict=True):
-            assert torch.equal(g, w) and torch.equal(g, p)
+    assert [s for s, _ in six[0]] == [s for s, _ in plain[0]]
+    for run_ in (steps, full[0], six[0]):
+        for (_, got), (_, ref) in zip(run_, plain[0], strict=True):
+            assert all(torch.equal(g, p) for g, p in zip(got, ref, strict=True))

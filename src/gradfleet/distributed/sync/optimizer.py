@@ -169,9 +169,13 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
         self._allreduce: AllReduceSync | None = None
         self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
+        # split: a shard per piece at most, and pieces may outnumber the parameters
+        units = len(self._index)
+        if shard_assignment == "split":
+            units = sum(p.numel() for p in self.params())
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
-            N, len(self._index), transport, server_address,
+            N, units, transport, server_address,
             dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]

@@ -97,7 +97,10 @@ def _cuts(length: int, count: int) -> list[tuple[int, int]]:
 
 def plan(params: Sequence[torch.Tensor], num_shards: int) -> list[Piece]:
     """The pieces of ``params`` (in parameter order) for ``num_shards`` shards; see the
-    module docstring for the cut size and the kind of cut."""
+    module docstring for the cut size and the kind of cut.  There are at least
+    ``min(2 * num_shards, elements)`` pieces (each parameter of ``b`` bytes gives
+    ``ceil(b / limit)`` of them unless it has fewer elements), so more shards than
+    parameters can be served as long as there are as many elements."""
     sizes = [p.numel() * p.element_size() for p in params]
     limit = max(1, math.ceil(sum(sizes) / (2 * num_shards)))
     pieces: list[Piece] = []
