@@ -61,6 +61,7 @@ def rows(world: int) -> list[Row]:
     shard = {"servers": "sharded"}
     overlap = {"overlap": True, "nonfinite": "apply"}  # sharded overlap needs "apply"
     dedicated = {"servers": "dedicated"}
+    split = {"assignment": "split"}  # large parameters cut into pieces over the shards
     return [
         Row("compute", "compute only (no communication)", "compute", kind="local"),
         Row("ddp", "DDP (bucketed all-reduce, overlapped)", "ddp"),
@@ -73,10 +74,14 @@ def rows(world: int) -> list[Row]:
             {"R": r, "servers": "sharded"}),
         Row("sr-shard-ov", f"SyncReplicas, sharded over workers, overlap, R={n}",
             "sync-replicas", {"R": n, **shard, **overlap}),
+        Row("sr-shard-split", f"SyncReplicas, split shards over workers, R={n}",
+            "sync-replicas", {"R": n, **shard, **split}),
         Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
             {"R": n, **dedicated}, server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
             "sync-replicas", {"R": n, **dedicated}, server_hosts=n),
+        Row("sr-ded-split", f"SyncReplicas, split shards on {n} dedicated server hosts, R={n}",
+            "sync-replicas", {"R": n, **dedicated, **split}, server_hosts=n),
         Row("sr-ded-b", f"SyncReplicas, sharded on {n} dedicated server hosts, R={r} of {n}",
             "sync-replicas", {"R": r, **dedicated}, server_hosts=n),
         Row("sr-ded-ov", f"SyncReplicas, sharded on {n} dedicated server hosts, overlap, R={n}",

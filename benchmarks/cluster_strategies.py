@@ -147,8 +147,8 @@ class DDP(Strategy):
 class SyncReplicas(Strategy):
     """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0), ``"sharded"`` (one shard per
     fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
-    server rank); ``R`` gradients per update of N = world; ``overlap`` and ``nonfinite`` as
-    the optimizer's."""
+    server rank); ``R`` gradients per update of N = world; ``overlap``, ``nonfinite`` and
+    ``assignment`` (``shard_assignment``) as the optimizer's."""
 
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx, o = self.ctx, self.options
@@ -168,6 +168,7 @@ class SyncReplicas(Strategy):
             server_ranks=ranks,
             overlap=bool(o.get("overlap", False)),
             nonfinite=str(o.get("nonfinite", "raise")),
+            shard_assignment=str(o.get("assignment", "bytes")),
         )
         return self.sync
 

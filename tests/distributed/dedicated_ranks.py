@@ -39,6 +39,7 @@ def sync_train(
     steps: int,
     start: int = 0,
     state_dir: str | None = None,
+    assignment: str = "bytes",
 ) -> dict:
     """R = N = ``N`` workers in lockstep (no initial tokens), Adam whose LR drops after the
     worker's step ``LR_DROP_AT``; rank >= N serves (resuming from ``state_dir`` when
@@ -55,7 +56,10 @@ def sync_train(
     inner = gradfleet.AdamOptimizer(model.parameters(), LR)
     # lockstep: every worker stops at ``steps`` with no token left over (no last_step, whose
     # early release would leave the last update's tokens in a checkpoint)
-    opt = SyncReplicasOptimizer(inner, N, N, num_tokens=0, timeout=30, server_ranks=server_ranks)
+    opt = SyncReplicasOptimizer(
+        inner, N, N, num_tokens=0, timeout=30, server_ranks=server_ranks,
+        shard_assignment=assignment,
+    )  # fmt: skip
     trace = []
     count = start
     while opt.global_step < steps:
@@ -68,6 +72,7 @@ def sync_train(
         count += 1
         trace.append((opt.global_step, [p.detach().clone() for p in model.parameters()]))
     out = {"trace": trace, "counters": dict(opt.counters), "dedicated": opt.dedicated}
+    out["pieces"] = len(opt._pieces)  # the variables the shards hold (split: more)
     opt.close()
     return out
 

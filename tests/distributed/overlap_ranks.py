@@ -86,7 +86,9 @@ def sequenced(
     return out
 
 
-def dedicated_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps: int) -> dict:
+def dedicated_lockstep(
+    ctx: RankContext, N: int, server_ranks: list[int], steps: int, assignment: str = "bytes"
+) -> dict:
     """R = N workers in lockstep on dedicated server ranks (rank >= N serves), Adam whose LR
     drops after step 2 (the workers send it with their pushes): once without overlap, once
     with.  Returns each run's parameters after every step."""
@@ -100,7 +102,7 @@ def dedicated_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps:
         inner = gradfleet.AdamOptimizer(model.parameters(), 0.01)
         opt = SyncReplicasOptimizer(
             inner, N, N, num_tokens=0, timeout=30, server_ranks=server_ranks,
-            nonfinite="apply", overlap=overlap,
+            nonfinite="apply", overlap=overlap, shard_assignment=assignment,
         )  # fmt: skip
         trace = []
         for count in range(steps):

@@ -120,6 +120,7 @@ def sync_train(
     num_tokens: int = -1,
     adam: bool = False,
     forget_dead: bool = False,
+    assignment: str = "bytes",
 ) -> dict:
     """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
     rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token);
@@ -139,6 +140,7 @@ def sync_train(
         timeout=timeout,
         server_ranks=server_ranks,
         num_tokens=num_tokens,
+        shard_assignment=assignment,
     )
     count, start = 0, time.monotonic()
     while opt.global_step < steps:
@@ -333,6 +335,7 @@ def sync_checkpoint(
     steps: int,
     path: str,
     server_ranks: list[int] | None = None,
+    assignment: str = "bytes",
 ) -> list:
     """Run ``steps`` updates, checkpointing after ``split`` (phase "a") or resuming from it
     (phase "b" when ``path`` exists): returns the parameters after every update."""
@@ -348,6 +351,7 @@ def sync_checkpoint(
         last_step=steps,
         timeout=10,
         server_ranks=server_ranks,
+        shard_assignment=assignment,
     )
     count = 0
     if resume:

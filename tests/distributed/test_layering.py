@@ -25,6 +25,7 @@ LAYERS = {
     "replies": ALGORITHMS,
     "sync.aggregator": ALGORITHMS,
     "sync.shards": ALGORITHMS,
+    "sync.pieces": ALGORITHMS,
     "sync.chief": ALGORITHMS,
     "easgd.centre_server": ALGORITHMS,
     "transport": COMMUNICATION,

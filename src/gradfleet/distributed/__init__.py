@@ -14,10 +14,11 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 (``tests/distributed/test_layering.py`` checks it from the imports):
 
 1. algorithms, no I/O -- state machines and pure helpers: ``sync.aggregator`` (TF's
-   accumulators, staleness, tokens), ``sync.shards`` and ``sync.chief`` (the SyncReplicas
-   servers), ``easgd.centre_server`` (the asynchronous centre), ``membership`` (which workers a
-   server expects, saw leave, lost), ``replies`` (what a state machine returns: answers and
-   effects), ``apply`` (apply gradients with any optimizer), ``flat``, ``moving_average``.
+   accumulators, staleness, tokens), ``sync.shards``, ``sync.pieces`` and ``sync.chief`` (the
+   SyncReplicas servers), ``easgd.centre_server`` (the asynchronous centre), ``membership``
+   (which workers a server expects, saw leave, lost), ``replies`` (what a state machine
+   returns: answers and effects), ``apply`` (apply gradients with any optimizer), ``flat``,
+   ``moving_average``.
    They import neither ``torch.distributed`` nor the transport and are tested in one process.
 2. communication -- ``transport/`` (request/reply on a c10d store for control, a gloo pair per
    client for tensors, the wire format), ``collectives`` (lists of tensors over a process

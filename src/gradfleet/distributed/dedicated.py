@@ -48,7 +48,8 @@ def announce(
 ) -> None:
     """Worker side of steps 1-3 (every worker calls it; rank 0's arguments count): the spec,
     the servers' statuses, then each dedicated rank (``ranks[k] >= N``) gets the variables of
-    the shards ``k`` it hosts (``parts[k]``: parameter indices), in shard order."""
+    the shards ``k`` it hosts (``parts[k]``: indices of ``params``, which are the pieces'
+    views with ``shard_assignment="split"``), in shard order."""
     box = [spec]
     dist.broadcast_object_list(box, src=0)
     check_statuses(None)

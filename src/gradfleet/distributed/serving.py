@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .easgd.centre_server import CentreServer
 from .hosting import HostedServer, gather_addresses, server_host, share_address
+from .sync.pieces import Piece, view, whole
 from .sync.servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
@@ -87,6 +88,7 @@ class ParameterServer:
         self._centre: CentreServer | None = None
         self._hosted: HostedServer | None = None
         self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
+        self._pieces: list[Piece] | None = None  # shard_assignment="split"
         try:
             tensors = self._prepare(optimizer, state)
             problem = None
@@ -118,7 +120,11 @@ class ParameterServer:
                 f"{factory!r}"
             )
         ranks, parts = spec["ranks"], spec["parts"]
-        hosted = {i for k, r in enumerate(ranks) if r == self.rank for i in parts[k]}
+        # split: parts index the pieces (made Pieces again in case they came as sequences)
+        self._pieces = [Piece(*pc) for pc in spec["pieces"]] if spec.get("pieces") else None
+        pieces = self._pieces or whole(len(spec["layout"]))
+        here = [pieces[j] for k, r in enumerate(ranks) if r == self.rank for j in parts[k]]
+        hosted = {pc.index for pc in here}
         self._values = [
             _empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])
         ]
@@ -136,7 +142,8 @@ class ParameterServer:
             raise ValueError("the optimizer factory must keep the groups' parameters in order")
         if state is not None:
             self._check_sync_state(state)
-        return [self._values[i] for i in sorted(hosted)]
+        # in the order rank 0 sends them (dedicated.announce): shard by shard
+        return [view(self._values[pc.index], pc) for pc in here]
 
     def _check_sync_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != SYNC:
@@ -169,6 +176,7 @@ class ParameterServer:
             num_tokens=spec["tokens"], timeout=spec["timeout"], ema=spec["ema"],
             average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
             last_step=spec["last_step"], hyperparameters_from_workers=True,
+            pieces=self._pieces,
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:

@@ -5,6 +5,8 @@ Modules, from the algorithm to the wrapper:
 * :mod:`.aggregator` -- TF's conditional accumulators (staleness rule) and token queue;
 * :mod:`.shards` -- a shard's variables, their accumulators and optimizer copy; the shard
   server's state machine; how parameters are assigned to shards;
+* :mod:`.pieces` -- ``shard_assignment="split"``: large parameters cut into contiguous
+  pieces, the elementwise rule for the wrapped optimizer, its copy over the pieces;
 * :mod:`.chief` -- the chief's state machine: shard 0, ``global_step``, the tokens;
 * :mod:`.servers` -- hosting the chief and shards of one rank (reports, probes, close);
 * :mod:`.links` -- a worker's connections: push, token, read;

@@ -41,6 +41,7 @@ from ..membership import Membership
 from ..moving_average import ExponentialMovingAverage
 from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
+from .pieces import Piece
 from .shards import Shard
 
 __all__ = ["SyncChief"]
@@ -52,7 +53,8 @@ class SyncChief:
     """TF's PS variables + accumulators + token queue + chief sync op (module docstring).
 
     ``indices`` (default: every parameter) are the parameters of shard 0 held here;
-    ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports.
+    ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports;
+    ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
     """
 
     def __init__(
@@ -68,8 +70,9 @@ class SyncChief:
         last_step: int | None = None,
         indices: Sequence[int] | None = None,
         num_shards: int = 1,
+        pieces: Sequence[Piece] | None = None,
     ) -> None:
-        count = sum(len(g["params"]) for g in opt.param_groups)
+        count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
         self.shard = Shard(
             opt,
             range(count) if indices is None else indices,
@@ -78,6 +81,7 @@ class SyncChief:
             variable_averages,
             average_indices,
             last_step,
+            pieces,
         )
         self.R, self.N = replicas_to_aggregate, total_num_replicas
         self.tokens_per_step = max(total_num_replicas, replicas_to_aggregate)

@@ -35,7 +35,8 @@ class ShardReadiness:
     """Which shards' gradients are complete in this step; calls ``on_ready(k)`` once per step
     for every shard whose trainable parameters all accumulated their gradient.
 
-    ``params``: the optimizer's parameters in order; ``parts``: parameter indices per shard.
+    ``params``: the optimizer's parameters in order; ``parts``: parameter indices per shard
+    (``shard_assignment="split"``: a parameter cut into pieces appears in several shards).
     """
 
     def __init__(
@@ -47,7 +48,10 @@ class ShardReadiness:
     ) -> None:
         self.params, self.parts, self.owner = list(params), [list(p) for p in parts], owner
         self._on_ready = on_ready
-        self._shard_of = {i: k for k, idx in enumerate(self.parts) for i in idx}
+        self._shards_of: dict[int, list[int]] = {}  # split: a parameter feeds several shards
+        for k, idx in enumerate(self.parts):
+            for i in set(idx):
+                self._shards_of.setdefault(i, []).append(k)
         self._handles: dict[int, Any] = {}
         self.sent: set[int] = set()  # shards pushed from a hook in this step
         self._seen: set[int] = set()  # parameters whose gradient accumulated in this step
@@ -73,13 +77,13 @@ class ShardReadiness:
                 "(gradient accumulation) need overlap=False"
             )
         self._seen.add(i)
-        k = self._shard_of[i]
-        left = self._left[k]
-        left.discard(i)
-        if not left and k not in self.sent:
-            self.sent.add(k)
-            log.debug("%s: shard %d's gradients are complete, pushing it now", self.owner, k)
-            self._on_ready(k)
+        for k in self._shards_of[i]:
+            left = self._left[k]
+            left.discard(i)
+            if not left and k not in self.sent:
+                self.sent.add(k)
+                log.debug("%s: shard %d's gradients are complete, pushing it now", self.owner, k)
+                self._on_ready(k)
 
     @property
     def started(self) -> bool:

@@ -23,6 +23,7 @@ from ..moving_average import ExponentialMovingAverage
 from ..replies import Answer
 from ..transport import MailboxClient, ServerUnreachable
 from .chief import SyncChief
+from .pieces import Piece
 from .shards import Applied, Shard, ShardServer
 
 __all__ = ["SyncServers", "PROBE_S"]
@@ -33,7 +34,8 @@ PROBE_S = 0.5
 
 
 class SyncServers:
-    """The chief and shard servers hosted by rank ``rank`` (see module docstring)."""
+    """The chief and shard servers hosted by rank ``rank`` (see module docstring); ``parts``
+    index the parameters, or ``pieces`` when given (``shard_assignment="split"``)."""
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class SyncServers:
         nonfinite: str,
         last_step: int | None,
         hyperparameters_from_workers: bool = False,
+        pieces: Sequence[Piece] | None = None,
     ) -> None:
         R, N = replicas_to_aggregate, total_num_replicas
         self.ranks, self.timeout = list(ranks), timeout
@@ -65,7 +68,7 @@ class SyncServers:
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
-                parts[0], len(self.ranks),
+                parts[0], len(self.ranks), pieces,
             )  # fmt: skip
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
@@ -73,7 +76,7 @@ class SyncServers:
             )
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
-                shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step)
+                shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step, pieces)
                 shard.follow_workers = hyperparameters_from_workers
                 server = ShardServer(k, shard, N, timeout)
                 hosted = HostedServer(

@@ -53,6 +53,7 @@ from ..apply import apply_gradients
 from ..membership import Membership
 from ..replies import Answer
 from .aggregator import GradientAggregator
+from .pieces import Piece, split_optimizer
 
 __all__ = [
     "Applied",
@@ -138,11 +139,13 @@ def by_bytes(nbytes: Sequence[int], num_shards: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-ASSIGNMENTS = ("bytes", "round_robin")
+ASSIGNMENTS = ("bytes", "round_robin", "split")
 
 
 def assign(params: Sequence[torch.Tensor], num_shards: int, how: str) -> list[list[int]]:
-    """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter)."""
+    """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter).  The
+    indices are of ``params``; for ``"split"`` pass the pieces' tensors
+    (:func:`.pieces.plan`): their bytes are balanced as whole parameters' are."""
     if how not in ASSIGNMENTS:
         raise ValueError(
             f"SyncReplicasOptimizer: shard_assignment must be one of {ASSIGNMENTS}, got {how!r}"
@@ -168,10 +171,14 @@ def server_optimizer(
 
 
 def shard_optimizer(
-    opt: torch.optim.Optimizer, indices: Sequence[int]
+    opt: torch.optim.Optimizer, indices: Sequence[int], pieces: Sequence[Piece] | None = None
 ) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
     """:func:`server_optimizer` keeping only the parameters ``indices`` (every param group is
-    kept, possibly empty, so per-group shared state such as beta powers is kept too)."""
+    kept, possibly empty, so per-group shared state such as beta powers is kept too).
+    ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces, and the copy
+    holds the pieces with their state sliced (:func:`.pieces.split_optimizer`)."""
+    if pieces is not None:  # copies of this shard's pieces only
+        return split_optimizer(opt, [pieces[i] for i in indices])
     clone, params = server_optimizer(opt)
     mine = [params[i] for i in indices]
     keep = {id(p) for p in mine}
@@ -185,7 +192,9 @@ def shard_optimizer(
 
 
 class Shard:
-    """Variables ``indices`` of the model, their accumulators and an optimizer copy."""
+    """Variables ``indices`` of the model (of ``pieces`` when split: then the variables are
+    the pieces, and moving averages are not supported), their accumulators and an optimizer
+    copy."""
 
     def __init__(
         self,
@@ -196,10 +205,11 @@ class Shard:
         ema: Any = None,
         average_indices: Sequence[int] = (),
         last_step: int | None = None,
+        pieces: Sequence[Piece] | None = None,
     ) -> None:
         self.source = opt  # hyperparameters (LR schedules) are re-read from here
-        self.indices = list(indices)
-        self.opt, self.params = shard_optimizer(opt, self.indices)
+        self.indices = list(indices)  # of the parameters, or of ``pieces`` when split
+        self.opt, self.params = shard_optimizer(opt, self.indices, pieces)
         self.aggregator = GradientAggregator(self.params, replicas_to_aggregate, nonfinite)
         self.ema, self.last_step = ema, last_step
         chosen = set(average_indices) if average_indices else set(self.indices)
