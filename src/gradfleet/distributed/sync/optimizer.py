@@ -344,11 +344,15 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
         return self._finish_step(tag, accepted)
 
     def _grad_parts(self, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
-        """Each shard's gradients (views of pieces when split; sparse ones refused there)."""
+        """Each shard's gradients (all checked before the caller pushes any)."""
+        return [self._shard_grads(k, grads) for k in range(len(self._parts))]
+
+    def _shard_grads(self, k: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Shard ``k``'s gradients: views of its pieces when split (sparse ones refused)."""
+        pieces = [self._pieces[j] for j in self._parts[k]]
         if self._split is not None:
-            check_dense(grads, self._split)
-        pieces = self._piece_views(grads)
-        return [[pieces[j] for j in idx] for idx in self._parts]
+            check_dense(grads, pieces)
+        return [None if grads[pc.index] is None else view(grads[pc.index], pc) for pc in pieces]
 
     def _finish_step(self, tag: int, accepted: bool) -> bool:
         """Take the token (answers to the pushes meanwhile), then read the shards, each
@@ -376,8 +380,12 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
         request).  The answers are read in ``step()``."""
         if self._links is None:
             return  # closed: the step will say so
-        whole_grads = [None if p.grad is None else p.grad.detach() for p in self.params()]
-        grads = self._grad_parts(whole_grads)[k]
+        params = self.params()
+        whole: list[torch.Tensor | None] = [None] * len(params)
+        for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
+            g = params[self._pieces[j].index].grad
+            whole[self._pieces[j].index] = None if g is None else g.detach()
+        grads = self._shard_grads(k, whole)
         if k == 0:
             self._links.request_token(self.local_step, grads, self._extra())
         else:
