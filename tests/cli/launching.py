@@ -112,6 +112,29 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def kill_midway(
+    procs: list[subprocess.Popen],
+    out: Path,
+    *,
+    at_step: int,
+    rank: int,
+    deadline: float,
+    rejoin: list[int] | None = None,
+) -> tuple[int, list[tuple[int, str]]]:
+    """Once rank 0 logged ``at_step``, SIGKILL ``rank``'s worker and wait for every launcher
+    (``finish``); with ``rejoin`` (the survivors' ranks), freeze them until ``procs[rank]``'s
+    agent has a replacement waiting (``hold_until_replaced``).  The launchers are stopped
+    whatever happens.  Returns the killed pid and each launcher's ``(code, console)``."""
+    try:
+        wait_for_step(out, at_step, procs, deadline)
+        first = kill_rank(out, rank)
+        if rejoin is not None:
+            hold_until_replaced(out, rejoin, procs[rank], first, deadline)
+        return first, finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+
+
 def finish(
     procs: list[subprocess.Popen], deadline: float, out: Path | None = None
 ) -> list[tuple[int, str]]:

@@ -17,7 +17,16 @@ import pytest
 
 from gradfleet.cli.strategies import tolerated_losses
 
-from .launching import GRADFLEET, finish, kill_rank, metrics, popen, stop, wait_for_step
+from .launching import (
+    GRADFLEET,
+    finish,
+    kill_midway,
+    kill_rank,
+    metrics,
+    popen,
+    stop,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,12 +61,7 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
     steps = 400
     out, proc = _train(tmp_path, strategy, 3, steps)
     deadline = time.monotonic() + 200
-    try:
-        wait_for_step(out, 40, [proc], deadline)
-        kill_rank(out, 2)
-        ((code, console),) = finish([proc], deadline, out)
-    finally:
-        stop([proc], out)
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=2, deadline=deadline)
     assert code == 0, console
     warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
     assert len(warning) == 1 and "killed by signal 9" in warning[0], console

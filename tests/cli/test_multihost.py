@@ -24,7 +24,7 @@ import torch
 from .launching import (
     TORCHRUN,
     finish,
-    hold_until_replaced,
+    kill_midway,
     kill_rank,
     metrics,
     popen,
@@ -155,13 +155,7 @@ def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path)
         for r in range(world)
     ]
     deadline = time.monotonic() + 270
-    try:
-        wait_for_step(out, 40, procs, deadline)
-        first = kill_rank(out, 2)
-        hold_until_replaced(out, [0, 1], procs[2], first, deadline)
-        results = finish(procs, deadline, out)
-    finally:
-        stop(procs, out)
+    _, results = kill_midway(procs, out, at_step=40, rank=2, deadline=deadline, rejoin=[0, 1])
     for code, console in results:
         assert code == 0, console
     assert "worker rank 2 rejoined the running job at step" in results[2][1]

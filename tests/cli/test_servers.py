@@ -25,7 +25,7 @@ from gradfleet.cli.main import app
 from .launching import (
     GRADFLEET,
     finish,
-    hold_until_replaced,
+    kill_midway,
     kill_rank,
     metrics,
     popen,
@@ -183,12 +183,7 @@ def test_lost_worker_with_a_backup_goes_on_with_a_dedicated_server(tmp_path: Pat
         "--servers", "1", "--steps", str(steps),
     )  # fmt: skip
     deadline = time.monotonic() + 200
-    try:
-        wait_for_step(out, 30, [proc], deadline)
-        kill_rank(out, 2)
-        ((code, console),) = finish([proc], deadline, out)
-    finally:
-        stop([proc], out)
+    _, ((code, console),) = kill_midway([proc], out, at_step=30, rank=2, deadline=deadline)
     assert code == 0, console
     warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
     assert len(warning) == 1 and "2 of 3 workers" in warning[0], console
@@ -350,13 +345,8 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
         for r in range(world)
     ]
     deadline = time.monotonic() + 270
-    try:
-        wait_for_step(out, 30, procs, deadline)
-        first = kill_rank(out, 2)
-        hold_until_replaced(out, [0, 1], procs[2], first, deadline)  # the servers just wait
-        results = finish(procs, deadline, out)
-    finally:
-        stop(procs, out)
+    # the servers just wait while workers 0 and 1 are frozen
+    _, results = kill_midway(procs, out, at_step=30, rank=2, deadline=deadline, rejoin=[0, 1])
     for rank, (code, console) in enumerate(results):
         assert code == 0, (rank, console)
     assert "worker rank 2 rejoined the running job" in results[2][1]

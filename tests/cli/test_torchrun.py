@@ -17,7 +17,7 @@ from gradfleet.distributed.testing import free_port
 from .launching import (
     TORCHRUN,
     finish,
-    hold_until_replaced,
+    kill_midway,
     kill_rank,
     metrics,
     popen,
@@ -56,13 +56,7 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
         for r in range(world)
     ]
     deadline = time.monotonic() + 270
-    try:
-        wait_for_step(out, 40, procs, deadline)
-        first = kill_rank(out, 2)
-        hold_until_replaced(out, [0, 1], procs[2], first, deadline)
-        results = finish(procs, deadline, out)
-    finally:
-        stop(procs, out)
+    first, results = kill_midway(procs, out, at_step=40, rank=2, deadline=deadline, rejoin=[0, 1])
     for rank, (code, console) in enumerate(results):
         assert code == 0, (rank, console)
     said = re.findall(r"worker rank 2 rejoined the running job at step (\d+)", results[2][1])
@@ -92,12 +86,8 @@ def test_recipe_worker_killed_not_restarted_rank0_stops_waiting(tmp_path: Path) 
         for r in range(world)
     ]
     deadline = time.monotonic() + 270
-    try:
-        wait_for_step(out, 40, procs, deadline)
-        kill_rank(out, 2)
-        results = finish(procs, deadline, out)  # before: rank 0 waited 600 s, a hang here
-    finally:
-        stop(procs, out)
+    # before the heartbeat, rank 0 waited 600 s here: a hang
+    _, results = kill_midway(procs, out, at_step=40, rank=2, deadline=deadline)
     for rank, (code, console) in enumerate(results[:2]):
         assert code == 0, (rank, console)
     assert results[2][0] != 0 and "exitcode  : -9" in results[2][1], results[2][1]
