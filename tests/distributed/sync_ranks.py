@@ -273,7 +273,15 @@ def sync_error(
             if ctx.rank == victim and count == die_at:
                 _die(ctx)
     except Exception as exc:
-        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+        said = f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    # A rank that serves takes its servers with it when it exits: a survivor still waiting on
+    # this rank's server would then be told of this rank's loss, not the victim's. So each
+    # survivor keeps serving until every survivor has had its own error.
+    ctx.signal("erred")
+    for r in range(ctx.world_size):
+        if r not in (ctx.rank, victim):
+            ctx.wait_signal(r, "erred", timeout=30.0)
+    return said
 
 
 def sync_bad_shapes(ctx: RankContext) -> str:
