@@ -3,9 +3,10 @@
 SyncReplicas, ``R = N - 1`` of ``N`` workers (one backup), the variables sharded over the
 ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload).
 
-``--kill-host H --kill-at S``: the worker on host H SIGKILLs itself after S local steps (a
-machine lost mid-run; it is not a shard host unless H is 0 or 1); the others wait at their
-step S + 2 until it has.  Every other worker keeps
+``--kill-host H --kill-at S``: the worker on host H is SIGKILLed once the other workers made S
+local steps (a machine lost mid-run; it is not a shard host unless H is 0 or 1): at their step
+S the others ask for it (a marker file), a thread of the victim kills its process wherever
+it is, even blocked in a step, and the others go on once it has.  Every other worker keeps
 stepping until ``--steps`` updates or an error; it writes ``<out>/host-<h>.json`` with its
 losses, the global step reached and every error it saw (type and message), once done.
 """
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,13 +59,13 @@ def main() -> None:
     )
     record: dict = {"rank": info.rank, "hosts": hosts, "losses": [], "errors": []}
     local = 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    if host == args.kill_host:
+        threading.Thread(target=_die_when_asked, args=(args.out, host), daemon=True).start()
     try:
         while opt.global_step < args.steps:
-            if host == args.kill_host and local == args.kill_at:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"killed-{host}").touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.kill_host >= 0 and host != args.kill_host and local == args.kill_at + 2:
+            if args.kill_host >= 0 and host != args.kill_host and local == args.kill_at:
+                (args.out / f"die-{args.kill_host}").touch()
                 _wait_for(args.out / f"killed-{args.kill_host}")  # the loss is mid-run
             x, y = teacher.batch(32, info.rank, local)
             loss = nn.functional.cross_entropy(model(x), y)
@@ -84,9 +86,16 @@ def main() -> None:
     os._exit(0)  # a dead peer can leave gloo's teardown waiting: the record is written
 
 
+def _die_when_asked(out: Path, host: int) -> None:
+    """The victim's own killer: a slow victim, blocked in a step the others' hold stops, could
+    never reach a step count of its own (R = N - 1 needs none of its gradients)."""
+    _wait_for(out / f"die-{host}", timeout=600.0)
+    (out / f"killed-{host}").touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _wait_for(marker: Path, timeout: float = 120.0) -> None:
-    """Hold this worker until the victim died: on a loaded machine a slow victim could
-    otherwise find the job finished (R = N - 1 needs none of its gradients) and never die."""
+    """Hold this worker until ``marker`` exists (the victim died, or is asked to)."""
     end = time.monotonic() + timeout
     while not marker.exists():
         if time.monotonic() > end:
