@@ -45,6 +45,7 @@ LAYERS = {
     "sync.optimizer": WRAPPERS,
     "sync.overlap": WRAPPERS,
     "sync.checkpoint": WRAPPERS,
+    "sync.queries": WRAPPERS,
     "sync": WRAPPERS,
     "easgd.centre": WRAPPERS,
     "easgd.async_centre": WRAPPERS,

@@ -11,6 +11,9 @@ Modules, from the algorithm to the wrapper:
 * :mod:`.servers` -- hosting the chief and shards of one rank (reports, probes, close);
 * :mod:`.links` -- a worker's connections: push, token, read;
 * :mod:`.lockstep` -- ``transport="allreduce"``: the same numbers without a server;
+* :mod:`.overlap` -- ``overlap=True``: shards pushed from backward's gradient hooks;
+* :mod:`.checkpoint`, :mod:`.queries` -- the wrapper's ``state_dict`` and its questions to
+  the servers (mixins of the optimizer);
 * :mod:`.optimizer` -- the ``torch.optim.Optimizer`` wrapper users construct.
 """
 

@@ -58,8 +58,9 @@ from .arguments import average_indices, check_arguments, check_overlap, resolve_
 from .checkpoint import SyncCheckpoints
 from .links import SyncLinks
 from .lockstep import AllReduceSync
-from .overlap import ShardReadiness
+from .overlap import OverlappedPushes, ShardReadiness
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
+from .queries import SyncQueries
 from .servers import SyncServers
 from .shards import assign, check_server_ranks
 
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 _OWNER = "SyncReplicasOptimizer"
 
 
-class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
+class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, WrapperOptimizer):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
     Args:
@@ -367,108 +368,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, WrapperOptimizer):
         self._links.read(into, self._load_shard)
         return accepted
 
-    # ----------------------------------------------------------------- overlap
-    def _extra(self) -> dict[str, Any]:
-        """What every push of this step carries (changed hyperparameters), decided once."""
-        if self._step_extra is None:
-            hyper = self._hyper.changed()
-            self._step_extra = {} if hyper is None else {"hyper": hyper}
-        return self._step_extra
-
-    def _push_early(self, k: int) -> None:
-        """A gradient hook found shard ``k`` complete: push it now (shard 0 with the token
-        request).  The answers are read in ``step()``."""
-        if self._links is None:
-            return  # closed: the step will say so
-        params = self.params()
-        whole: list[torch.Tensor | None] = [None] * len(params)
-        for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
-            g = params[self._pieces[j].index].grad
-            whole[self._pieces[j].index] = None if g is None else g.detach()
-        grads = self._shard_grads(k, whole)
-        if k == 0:
-            self._links.request_token(self.local_step, grads, self._extra())
-        else:
-            self._links.push_shard(k, self.local_step, grads, self._extra())
-
-    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool:
-        """Push the shards backward did not complete (``grads``), then the token and read.
-        No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
-        judges its own gradients (one shard, or ``nonfinite="apply"``)."""
-        assert self._links is not None and self._readiness is not None
-        tag, sent = self.local_step, self._readiness.sent
-        log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
-        parts = self._grad_parts(grads)
-        for k, part in enumerate(parts):
-            if k in sent:
-                continue
-            if k:
-                self._links.push_shard(k, tag, part, self._extra())
-            else:
-                self._links.carry(part, self._extra())
-        return self._finish_step(tag, True)
-
-    # ----------------------------------------------------------------- queries / shutdown
-    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
-        """Per-worker accepted / dropped / nonfinite counts as the server (``shard``'s
-        accumulators when sharded) saw them."""
-        if self._allreduce is not None:
-            return self._allreduce.stats
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.worker_counters: the optimizer is closed")
-        if shard not in self._links.clients:
-            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
-        stats = self._links.call(shard, "stats")["stats"]
-        return {int(k): v for k, v in stats.items()}
-
-    def averaged_variables(self) -> list[torch.Tensor | None]:
-        """Moving averages of the variables, in parameter order (None if not averaged);
-        sharded: gathered from every shard."""
-        chief = self._servers.chief if self._servers is not None else None
-        if self._allreduce is not None or (len(self._parts) == 1 and chief is not None):
-            ema = self._allreduce.ema if self._allreduce is not None else None
-            ema = ema if ema is not None or chief is None else chief.ema
-            if ema is None:
-                raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
-            return [ema.shadows.get(i) for i in range(len(self._index))]
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.averaged_variables: the optimizer is closed")
-        pairs = [p for reply in self._links.call_all("ema").values() for p in reply["shadows"]]
-        found = {int(i): s for i, s in pairs}
-        return [found.get(i) for i in range(len(self._index))]
-
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes this worker sent to the servers (all-reduce: bytes reduced)."""
-        if self._allreduce is not None:
-            return self._allreduce.bytes_sent
-        return self._links.bytes_out if self._links is not None else 0
-
-    def worker_silence(self) -> dict[int, float]:
-        """Seconds since the chief last heard from each worker that has not left (a worker
-        that never said hello: since the chief started).  Job control can declare a worker
-        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
-        report = self._links.call(0, "members")
-        return {int(w): float(s) for w, s in report["silence"].items()}
-
-    def forget_workers(self, ranks: Iterable[int]) -> None:
-        """Count the workers ``ranks`` as having left (they died and will not come back), on
-        every server: a server rank's :meth:`close` then stops waiting for them at once
-        instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
-        forgotten worker that does come back (``hello``) is counted again."""
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.forget_workers: the optimizer is closed")
-        ranks = [int(r) for r in ranks]
-        bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
-        if bad:
-            raise ValueError(
-                f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
-                f"got {bad}"
-            )
-        self._links.forget(ranks)
-
+    # ----------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Leave: tell every server; a server rank keeps serving until every worker (also one
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardReadiness"]
+__all__ = ["OverlappedPushes", "ShardReadiness"]
 
 log = logging.getLogger(__name__)
 
@@ -95,3 +95,61 @@ class ShardReadiness:
         for handle in self._handles.values():
             handle.remove()
         self._handles = {}
+
+
+class OverlappedPushes:
+    """``SyncReplicasOptimizer``'s side of overlap (a mixin over its links): the hook's push
+    of a complete shard, and the step that pushes what backward did not."""
+
+    local_step: int
+    worker: int
+    _links: Any
+    _hyper: Any
+    _readiness: ShardReadiness | None
+    _step_extra: dict[str, Any] | None
+    _parts: list[list[int]]
+    _pieces: list[Any]
+    params: Callable[[], list[torch.Tensor]]
+    _shard_grads: Callable[..., list[torch.Tensor | None]]
+    _grad_parts: Callable[..., list[list[torch.Tensor | None]]]
+    _finish_step: Callable[[int, bool], bool]
+
+    def _extra(self) -> dict[str, Any]:
+        """What every push of this step carries (changed hyperparameters), decided once."""
+        if self._step_extra is None:
+            hyper = self._hyper.changed()
+            self._step_extra = {} if hyper is None else {"hyper": hyper}
+        return self._step_extra
+
+    def _push_early(self, k: int) -> None:
+        """A gradient hook found shard ``k`` complete: push it now (shard 0 with the token
+        request).  The answers are read in ``step()``."""
+        if self._links is None:
+            return  # closed: the step will say so
+        params = self.params()
+        whole: list[torch.Tensor | None] = [None] * len(params)
+        for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
+            g = params[self._pieces[j].index].grad
+            whole[self._pieces[j].index] = None if g is None else g.detach()
+        grads = self._shard_grads(k, whole)
+        if k == 0:
+            self._links.request_token(self.local_step, grads, self._extra())
+        else:
+            self._links.push_shard(k, self.local_step, grads, self._extra())
+
+    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool:
+        """Push the shards backward did not complete (``grads``), then the token and read.
+        No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
+        judges its own gradients (one shard, or ``nonfinite="apply"``)."""
+        assert self._links is not None and self._readiness is not None
+        tag, sent = self.local_step, self._readiness.sent
+        log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
+        parts = self._grad_parts(grads)
+        for k, part in enumerate(parts):
+            if k in sent:
+                continue
+            if k:
+                self._links.push_shard(k, tag, part, self._extra())
+            else:
+                self._links.carry(part, self._extra())
+        return self._finish_step(tag, True)

@@ -1,0 +1,89 @@
+"""``SyncReplicasOptimizer``'s queries of its servers: counters, moving averages, silence,
+and ``forget_workers`` (a mixin over the optimizer's links, like :mod:`.checkpoint`).
+
+Each question goes to the server that knows the answer: the chief (shard 0) for the workers'
+silence, every shard for the moving averages and forgotten workers, one shard for its
+accumulator counts; lockstep (``transport="allreduce"``) answers from its own accumulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["SyncQueries"]
+
+_OWNER = "SyncReplicasOptimizer"
+
+
+class SyncQueries:
+    """The read-only questions and ``forget_workers`` of ``SyncReplicasOptimizer``."""
+
+    total_num_replicas: int
+    _index: dict[int, int]
+    _parts: list[list[int]]
+    _servers: Any
+    _allreduce: Any
+    _links: Any
+
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        """Per-worker accepted / dropped / nonfinite counts as the server (``shard``'s
+        accumulators when sharded) saw them."""
+        if self._allreduce is not None:
+            return self._allreduce.stats
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_counters: the optimizer is closed")
+        if shard not in self._links.clients:
+            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
+        stats = self._links.call(shard, "stats")["stats"]
+        return {int(k): v for k, v in stats.items()}
+
+    def averaged_variables(self) -> list[torch.Tensor | None]:
+        """Moving averages of the variables, in parameter order (None if not averaged);
+        sharded: gathered from every shard."""
+        chief = self._servers.chief if self._servers is not None else None
+        if self._allreduce is not None or (len(self._parts) == 1 and chief is not None):
+            ema = self._allreduce.ema if self._allreduce is not None else None
+            ema = ema if ema is not None or chief is None else chief.ema
+            if ema is None:
+                raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
+            return [ema.shadows.get(i) for i in range(len(self._index))]
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.averaged_variables: the optimizer is closed")
+        pairs = [p for reply in self._links.call_all("ema").values() for p in reply["shadows"]]
+        found = {int(i): s for i, s in pairs}
+        return [found.get(i) for i in range(len(self._index))]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this worker sent to the servers (all-reduce: bytes reduced)."""
+        if self._allreduce is not None:
+            return self._allreduce.bytes_sent
+        return self._links.bytes_out if self._links is not None else 0
+
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the chief last heard from each worker that has not left (a worker
+        that never said hello: since the chief started).  Job control can declare a worker
+        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
+        report = self._links.call(0, "members")
+        return {int(w): float(s) for w, s in report["silence"].items()}
+
+    def forget_workers(self, ranks: Iterable[int]) -> None:
+        """Count the workers ``ranks`` as having left (they died and will not come back), on
+        every server: a server rank's :meth:`close` then stops waiting for them at once
+        instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
+        forgotten worker that does come back (``hello``) is counted again."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.forget_workers: the optimizer is closed")
+        ranks = [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
+        if bad:
+            raise ValueError(
+                f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
+                f"got {bad}"
+            )
+        self._links.forget(ranks)
