@@ -4,6 +4,7 @@ gradient dropped, a worker forgotten or lost, a dead shard server, a dropped pee
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -70,6 +71,11 @@ def test_a_dropped_peer_is_logged(caplog):
     server = MailboxServer(lambda msg, reply: reply.send({"n": len(msg.get("x", []))}))
     try:
         client = MailboxClient(server.address, "w9", 10.0, "test server", in_process=False)
+        # the server registers the pair once its side of gloo's connect returned, which can
+        # be after the client's side did
+        deadline = time.monotonic() + 30
+        while "w9" not in server.peers and time.monotonic() < deadline:
+            time.sleep(0.01)
         with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.transport.mailbox"):
             client.link.close()  # the data link goes away under the server's feet
             client.link.group = None
