@@ -339,3 +339,31 @@ def test_nonfinite_gradient_from_one_worker_over_processes():
     assert out[0]["errors"] == [] and out[1]["errors"] == []
     assert all(o["finite"] for o in out)
     assert out[0]["server"][2]["nonfinite"] == 1
+
+
+@pytest.mark.parametrize("transport", ["server", "allreduce"])
+def test_starts_from_a_restored_global_step(transport):
+    x = torch.zeros(2, requires_grad=True)
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer([x], 1.0), 1, global_step=5, transport=transport
+    )
+    with opt:
+        assert (opt.local_step, opt.global_step) == (5, 5)
+        gs = torch.zeros((), dtype=torch.int64)
+        accepted = []
+        for _ in range(3):  # the first update, TF's wasted round (initial token 5), the next
+            opt.apply_gradients([(torch.ones(2), x)], gs)
+            accepted.append((opt.last_gradient_accepted, int(gs)))
+        assert accepted == [(True, 6), (False, 6), (True, 7)]
+        torch.testing.assert_close(x.detach(), -2 * torch.ones(2))
+
+
+def test_restored_global_step_errors():
+    x = torch.zeros(1, requires_grad=True)
+    with pytest.raises(ValueError, match="global_step must be an integer >= 0"):
+        SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, global_step=-1)
+    with pytest.raises(ValueError, match="global_step=3 with dedicated server ranks"):
+        SyncReplicasOptimizer(
+            gradfleet.GradientDescentOptimizer([x], 1.0), 1, 1, global_step=3,
+            server_ranks=[1], server_address="127.0.0.1:1", worker=0,
+        )  # fmt: skip

@@ -105,8 +105,11 @@ def load_tf_checkpoint(
     ``ignore``: checkpoint names (or a predicate) that are deliberately not loaded;
     ``non_slot_names``: gradfleet non-slot key -> TF name, where the last-component lookup is
     ambiguous; ``global_step``: a 0-dim int64 tensor that receives the checkpoint's
-    ``global_step``.  Replaces the optimizer's whole state.
+    ``global_step``.  Replaces the optimizer's whole state.  Not into a
+    ``SyncReplicasOptimizer`` (TypeError): load the model and the optimizer to wrap, then
+    build it with ``global_step=`` the loaded step.
     """
+    _wrapper.refuse_sync(optimizer)
     opt = _inner(optimizer)
     reader = CheckpointReader(prefix)
     object_based = reader.object_graph() is not None

@@ -35,16 +35,28 @@ def tf_tensors(
         owner[tf_name] = what
         out[tf_name] = value.detach().cpu().numpy().copy()
 
+    opt = _inner(optimizer)
+    sync = _wrapper.sync_state(optimizer)
+    served = {} if sync is None else sync.served
+    if sync is not None:  # the variables and the optimizer the updates were applied with
+        opt = sync.optimizer
     by_param: dict[int, tuple[str, _names.Transform, str]] = {}
     for torch_name, tensor in model.state_dict(keep_vars=True).items():
         entry = _names.resolve(name_map, torch_name)
         if entry is not None:
-            put(entry[0], torch_name, entry[1].to_tf(tensor.detach()))
-            by_param[id(tensor)] = (*entry, torch_name)
-    opt = _inner(optimizer)
+            value = served.get(id(tensor), tensor)
+            put(entry[0], torch_name, entry[1].to_tf(value.detach()))
+            by_param[id(value)] = (*entry, torch_name)
     step = None if global_step is None else int(global_step)
     if opt is not None:
         step = _put_optimizer(opt, by_param, put, dict(non_slot_names or {}), step)
+    if sync is not None:
+        if step is not None and step != sync.global_step:
+            raise ValueError(
+                f"global_step={step} disagrees with the SyncReplicasOptimizer's global_step "
+                f"{sync.global_step} (TF's global_step, which it advances)"
+            )
+        step = sync.global_step
     centres = _wrapper.centre_wrapper(optimizer, model, name_map)
     if centres is not None:
         for tf_name, (what, value) in _wrapper.wrapper_tensors(centres).items():
@@ -110,11 +122,12 @@ def save_tf_checkpoint(
     progress: Progress | None = None,
 ) -> str:
     """Write ``model`` (and ``optimizer``'s slots and non-slot variables) as the TF
-    checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
-    directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
-    :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
-    (AdagradDA's step count, or an EASGD / model-averaging wrapper's, is written there without
-    it).  A wrapper's own variables are written under TF's names (see :mod:`.wrapper_state`)."""
+        checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
+        directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
+        :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
+        (AdagradDA's step count, or an EASGD / model-averaging wrapper's, is written there without
+        it).  A wrapper's own variables are written under TF's names (see :mod:`.wrapper_state`);
+    a ``SyncReplicasOptimizer``'s state is its chief's (written on the chief, between steps)."""
     tensors = tf_tensors(
         model, optimizer, name_map, global_step=global_step, non_slot_names=non_slot_names
     )

@@ -20,6 +20,13 @@ restarts at 0 and the wrapped optimizer's missing variables start afresh.  Writi
 everything.  gradfleet's model averaging keeps no separate global copy: the current parameters
 are written as ``global_center_variable/<name>``, the value TF's restart copies into
 ``<name>`` (TF's next round overwrites its global copy before anything reads it).
+
+TF's ``SyncReplicasOptimizer`` adds no global variables (``sync_rep_local_step`` is local;
+accumulators and the token queue are not variables): its chief's checkpoint is the parameter
+server's variables, the wrapped optimizer's and ``global_step``.  gradfleet's servers keep
+their own copies of the variables and of the wrapped optimizer, so writing takes them from the
+chief's server (one server; between steps) and loading refuses the wrapper: load the model and
+the optimizer to wrap, then build the wrapper with ``global_step=``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,60 @@ log = logging.getLogger(__name__)
 GLOBAL_CENTRE = "global_center_variable"
 LOCAL_CENTRE = "local_center_variable"
 LOCAL_STEP = "local_step"
+
+
+@dataclass
+class SyncState:
+    """What a ``SyncReplicasOptimizer`` rank writes: the optimizer the updates are applied
+    with, the values of the variables (id of the worker's parameter -> the server's
+    variable, keyed by which that optimizer's state is found) and ``global_step``."""
+
+    optimizer: torch.optim.Optimizer
+    served: dict[int, torch.Tensor]
+    global_step: int
+
+
+def _sync_wrapper(optimizer: torch.optim.Optimizer | None):
+    """``optimizer`` if it is a ``SyncReplicasOptimizer``, else None."""
+    if optimizer is None or not hasattr(optimizer, "optimizer"):
+        return None
+    from gradfleet.distributed.sync import SyncReplicasOptimizer
+
+    return optimizer if isinstance(optimizer, SyncReplicasOptimizer) else None
+
+
+def refuse_sync(optimizer: torch.optim.Optimizer | None) -> None:
+    """A ``SyncReplicasOptimizer`` cannot be loaded into: its servers copied the variables and
+    the optimizer state when they started (TypeError saying what to do instead)."""
+    if _sync_wrapper(optimizer) is not None:
+        raise TypeError(
+            "load_tf_checkpoint: a SyncReplicasOptimizer's variables and optimizer state live on "
+            "its servers, copied when it was built; load into the model and the optimizer to "
+            "wrap before building it, and pass it global_step=<the loaded global_step>"
+        )
+
+
+def sync_state(optimizer: torch.optim.Optimizer | None) -> SyncState | None:
+    """A ``SyncReplicasOptimizer``'s TF state (TF's chief saves the parameter server's
+    variables, the wrapped optimizer's and ``global_step``): on the chief, its server's
+    variables and optimizer copy; with ``transport="allreduce"``, this rank's own.  None for
+    other optimizers; ValueError on a rank that does not hold them."""
+    sync = _sync_wrapper(optimizer)
+    if sync is None:
+        return None
+    if sync._allreduce is not None:
+        return SyncState(sync.optimizer, {}, int(sync._allreduce.global_step))
+    chief = sync._chief
+    if chief is None or len(sync.server_ranks) > 1:
+        where = "one server" if chief is not None else f"the chief (rank {sync.server_rank})"
+        raise ValueError(
+            "save_tf_checkpoint: a SyncReplicasOptimizer's variables and optimizer state are "
+            f"its servers'; write them on {where}: a sharded job's or another rank's are not "
+            "written"
+        )
+    params = sync.params()
+    served = {id(params[i]): v for i, v in zip(chief.shard.indices, chief.params, strict=True)}
+    return SyncState(chief.opt, served, int(chief.global_step))
 
 
 @dataclass

@@ -55,6 +55,8 @@ class SyncChief:
     ``indices`` (default: every parameter) are the parameters of shard 0 held here;
     ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports;
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
+    ``global_step``: the step to start from (a restored one: TF's ``chief_init_op`` sets the
+    accumulators to it, ``get_init_tokens_op`` fills the initial tokens with it).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class SyncChief:
         indices: Sequence[int] | None = None,
         num_shards: int = 1,
         pieces: Sequence[Piece] | None = None,
+        global_step: int = 0,
     ) -> None:
         count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
         self.shard = Shard(
@@ -86,9 +89,10 @@ class SyncChief:
         self.R, self.N = replicas_to_aggregate, total_num_replicas
         self.tokens_per_step = max(total_num_replicas, replicas_to_aggregate)
         self.tokens = TokenQueue()
-        self.tokens.put(0, num_tokens)
-        self.global_step = 0
-        self.applied = [0] * num_shards  # each shard's step as last reported
+        self.global_step = int(global_step)
+        self.shard.aggregator.set_global_step(self.global_step)
+        self.tokens.put(self.global_step, num_tokens)
+        self.applied = [self.global_step] * num_shards  # each shard's step as last reported
         self.timeout = timeout
         self.ema = variable_averages
         self.last_step = last_step

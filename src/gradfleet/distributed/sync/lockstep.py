@@ -49,6 +49,7 @@ class AllReduceSync:
         nonfinite: str,
         ema: ExponentialMovingAverage | None,
         average_indices: Sequence[int],
+        global_step: int = 0,
     ) -> None:
         N = total_num_replicas
         if replicas_to_aggregate != N:
@@ -74,8 +75,8 @@ class AllReduceSync:
             )
         self._check_layout()
         self.tokens = TokenQueue()
-        self.tokens.put(0, num_tokens)
-        self.global_step = 0
+        self.global_step = int(global_step)  # a restored step: the tokens carry it
+        self.tokens.put(self.global_step, num_tokens)
         self.ema, self.average_indices = ema, list(average_indices)
         self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(N)}
         self.bytes_sent = 0

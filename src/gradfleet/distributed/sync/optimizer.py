@@ -52,7 +52,7 @@ from ..dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..transport import copy_received
-from ..wrapper import WrapperOptimizer, check_grads_and_vars
+from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .aggregator import all_finite
 from .arguments import average_indices, check_arguments, check_overlap, resolve_worker
 from .checkpoint import SyncCheckpoints
@@ -119,6 +119,12 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
             ``transport="server"``; sharded, it needs ``nonfinite="apply"`` (a shard
             pushed during backward cannot be withdrawn when a later shard's gradient turns
             out non-finite).
+        global_step: the step the job starts from (TF: the ``global_step`` a restarted chief
+            restored, e.g. ``load_tf_checkpoint(...).global_step`` of the model and optimizer
+            loaded before wrapping): the chief's ``global_step``, its initial tokens and every
+            shard's accumulators start there, and the workers' ``local_step`` with them (TF's
+            ``chief_init_op``, ``get_init_tokens_op``, ``local_step_init_op``).  Not with
+            dedicated server ranks.
         server_address: for a process outside the process group (a restarted worker): the
             server's ``"host:port"`` (``server_address`` property of a running optimizer;
             sharded: the list ``server_addresses``).
@@ -151,6 +157,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
         overlap: bool = False,
+        global_step: int = 0,
     ) -> None:
         R, N, tokens = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
@@ -160,7 +167,8 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.timeout, self.transport = float(timeout), transport
         self._nonfinite = nonfinite
-        self.local_step = self.global_step = 0
+        start = check_int(_OWNER, "global_step", global_step, 0)
+        self.local_step = self.global_step = start
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
         self._index = {id(p): i for i, p in enumerate(self.params())}
@@ -184,10 +192,15 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         self._readiness: ShardReadiness | None = None
         self._step_extra: dict[str, Any] | None = None  # what this step's pushes carry
         self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
+        if start and self.dedicated:
+            raise ValueError(
+                f"{_OWNER}: global_step={start} with dedicated server ranks {self.dedicated} "
+                "is not supported (they start at 0; restart them with serve(state=...))"
+            )
         self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
         if transport == "allreduce":
             self._allreduce = AllReduceSync(
-                self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged
+                self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged, start
             )
             return
         self._split = self._plan_split(shard_assignment, variable_averages, len(ranks))
@@ -245,6 +258,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
                     total_num_replicas=self.total_num_replicas, num_tokens=tokens,
                     timeout=self.timeout, ema=ema, average_indices=averaged,
                     nonfinite=nonfinite, last_step=last_step, pieces=self._split,
+                    global_step=self.global_step,
                 )  # fmt: skip
             mine = self._servers.addresses() if self._servers is not None else {}
             if len(ranks) == 1:  # one server: its rank tells the others

@@ -55,6 +55,7 @@ class SyncServers:
         last_step: int | None,
         hyperparameters_from_workers: bool = False,
         pieces: Sequence[Piece] | None = None,
+        global_step: int = 0,
     ) -> None:
         R, N = replicas_to_aggregate, total_num_replicas
         self.ranks, self.timeout = list(ranks), timeout
@@ -68,7 +69,7 @@ class SyncServers:
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
-                parts[0], len(self.ranks), pieces,
+                parts[0], len(self.ranks), pieces, global_step,
             )  # fmt: skip
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
@@ -77,6 +78,7 @@ class SyncServers:
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
                 shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step, pieces)
+                shard.aggregator.set_global_step(global_step)
                 shard.follow_workers = hyperparameters_from_workers
                 server = ShardServer(k, shard, N, timeout)
                 hosted = HostedServer(
