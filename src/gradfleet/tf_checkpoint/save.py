@@ -122,11 +122,11 @@ def save_tf_checkpoint(
     progress: Progress | None = None,
 ) -> str:
     """Write ``model`` (and ``optimizer``'s slots and non-slot variables) as the TF
-        checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
-        directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
-        :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
-        (AdagradDA's step count, or an EASGD / model-averaging wrapper's, is written there without
-        it).  A wrapper's own variables are written under TF's names (see :mod:`.wrapper_state`);
+    checkpoint ``prefix`` (``PREFIX.index`` + ``PREFIX.data-00000-of-00001`` + the
+    directory's ``checkpoint`` file); returns the absolute prefix.  ``name_map`` is the one
+    :func:`load_tf_checkpoint` takes; ``global_step`` is written as TF's int64 ``global_step``
+    (AdagradDA's step count, or an EASGD / model-averaging wrapper's, is written there without
+    it).  A wrapper's own variables are written under TF's names (see :mod:`.wrapper_state`);
     a ``SyncReplicasOptimizer``'s state is its chief's (written on the chief, between steps)."""
     tensors = tf_tensors(
         model, optimizer, name_map, global_step=global_step, non_slot_names=non_slot_names
