@@ -87,19 +87,17 @@ def sync_state(optimizer: torch.optim.Optimizer | None) -> SyncState | None:
     sync = _sync_wrapper(optimizer)
     if sync is None:
         return None
-    if sync._allreduce is not None:
-        return SyncState(sync.optimizer, {}, int(sync._allreduce.global_step))
-    chief = sync._chief
-    if chief is None or len(sync.server_ranks) > 1:
-        where = "one server" if chief is not None else f"the chief (rank {sync.server_rank})"
+    applied = sync.applied_state()
+    if applied is None:
+        where = "one server" if sync.is_chief else f"the chief (rank {sync.server_rank})"
         raise ValueError(
             "save_tf_checkpoint: a SyncReplicasOptimizer's variables and optimizer state are "
             f"its servers'; write them on {where}: a sharded job's or another rank's are not "
             "written"
         )
+    opt, variables, step = applied
     params = sync.params()
-    served = {id(params[i]): v for i, v in zip(chief.shard.indices, chief.params, strict=True)}
-    return SyncState(chief.opt, served, int(chief.global_step))
+    return SyncState(opt, {id(params[i]): v for i, v in variables.items()}, step)
 
 
 @dataclass

@@ -29,6 +29,7 @@ class SyncCheckpoints:
     _servers: Any
     _allreduce: Any
     _links: Any
+    optimizer: Any
 
     def _wrapper_state(self) -> dict[str, Any]:
         return {
@@ -48,6 +49,23 @@ class SyncCheckpoints:
         if len(self.server_ranks) == 1:
             return {}
         return {"shards": {k: srv.shard.state_dict() for k, (srv, _) in self._hosted.items()}}
+
+    def applied_state(self) -> tuple[Any, dict[int, Any], int] | None:
+        """What the updates are applied with on this rank: ``(optimizer, {parameter index:
+        variable}, global_step)`` -- the chief's optimizer copy and variables with one server,
+        this rank's own optimizer with ``transport="allreduce"`` (its parameters are the
+        variables: an empty map); None on a rank that holds no such state (a plain worker,
+        or any rank of a sharded job, whose variables are spread over the shards)."""
+        if self._allreduce is not None:
+            return self.optimizer, {}, int(self._allreduce.global_step)
+        chief = self._chief
+        if chief is None or len(self.server_ranks) > 1:
+            return None
+        return (
+            chief.opt,
+            dict(zip(chief.shard.indices, chief.params, strict=True)),
+            int(chief.global_step),
+        )
 
     @property
     def _chief(self) -> Any:
