@@ -33,8 +33,12 @@ def test_the_page_has_its_three_blocks():
 def test_sync_replicas_on_two_dedicated_servers_trains():
     """Workers 0-1 train, ranks 2-3 serve and return their states (chief + shard)."""
     out = run_ranks(run_block, 4, args=(0, "main"), rendezvous="env", timeout=150)
+    # 30 updates of R = 2 accepted gradients: 60 steps at least between the two workers; a
+    # fast worker may take a spare token and give two gradients to one update (TF's shared
+    # tokens), so one worker alone can have made fewer than 30
+    assert len(out[0]) + len(out[1]) >= 60
     for losses in out[:2]:
-        assert len(losses) >= 30 and losses[-1] < 0.5 * losses[0]
+        assert losses[-1] < 0.5 * losses[0]
     chief, shard = out[2], out[3]
     assert chief["kind"] == shard["kind"] == "SyncReplicasOptimizer"
     assert chief["server"]["global_step"] == 30 and chief["shards"] == {}
