@@ -58,6 +58,11 @@ def sync_oracle(
         server_ranks=server_ranks,
     )
     k = ctx.rank
+    # TF's oracle creates every session (local_step_init_op) before any worker runs: a
+    # worker that joined after round one would start at global_step 1 and not be late
+    ctx.signal("joined")
+    for r in range(ctx.world_size):
+        ctx.wait_signal(r, "joined", timeout=20)
     grads = [
         (torch.tensor(0.1 + 0.2 * k), v0),
         (torch.tensor(0.9 + 0.2 * k), v1),
