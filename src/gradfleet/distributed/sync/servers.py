@@ -63,6 +63,7 @@ class SyncServers:
         self._chief_server: HostedServer | None = None
         self.shards: dict[int, tuple[ShardServer, HostedServer]] = {}
         self._reports: dict[int, MailboxClient] = {}  # shard k -> its link to the chief
+        self._unread: set[int] = set()  # shards whose last report's answer is not read yet
         self._linked = threading.Event()
         self._probes: dict[str, Callable[[], None]] = {}
         self._probed = 0.0
@@ -116,12 +117,23 @@ class SyncServers:
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
         """A shard's :class:`Applied`: tell the chief (on the shard's server thread, before the
-        answer to the push that caused it)."""
+        answer to the push that caused it).
+
+        The answer is read at the next report, not waited for: a worker's token request
+        that reaches the chief first simply waits for its token until the report is in, so
+        waiting here would only hold the shard's thread for a round trip every update.  A
+        chief that died is reported to the pushing workers then (and by the workers' own
+        token requests at once)."""
         if not isinstance(effect, Applied):
             raise TypeError(f"SyncReplicas shard: unknown effect {effect!r}")
         if not self._linked.wait(self.timeout) or effect.shard not in self._reports:
             raise ServerUnreachable(f"shard {effect.shard}: no link to the chief")
-        self._reports[effect.shard].call("applied", worker=-1, shard=effect.shard, step=effect.step)
+        client = self._reports[effect.shard]
+        if effect.shard in self._unread:
+            self._unread.discard(effect.shard)
+            client.response()
+        client.request("applied", worker=-1, shard=effect.shard, step=effect.step)
+        self._unread.add(effect.shard)
 
     def _watch(self) -> list[Answer]:
         """The chief's tick: probe the shard servers every ``PROBE_S`` seconds."""
