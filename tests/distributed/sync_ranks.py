@@ -40,6 +40,13 @@ def _die(ctx: RankContext) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _joined(ctx: RankContext) -> None:
+    """Wait until every rank got here (e.g. built its optimizer)."""
+    ctx.signal("joined")
+    for r in range(ctx.world_size):
+        ctx.wait_signal(r, "joined", timeout=60)
+
+
 # --------------------------------------------------------------------- SyncReplicas
 def sync_oracle(
     ctx: RankContext, num_workers: int, R: int, server_ranks: list[int] | None = None
@@ -60,9 +67,7 @@ def sync_oracle(
     k = ctx.rank
     # TF's oracle creates every session (local_step_init_op) before any worker runs: a
     # worker that joined after round one would start at global_step 1 and not be late
-    ctx.signal("joined")
-    for r in range(ctx.world_size):
-        ctx.wait_signal(r, "joined", timeout=20)
+    _joined(ctx)
     grads = [
         (torch.tensor(0.1 + 0.2 * k), v0),
         (torch.tensor(0.9 + 0.2 * k), v1),
@@ -147,13 +152,17 @@ def sync_train(
         num_tokens=num_tokens,
         shard_assignment=assignment,
     )
+    if die_at is not None:  # every worker joined before any trains: rank 1 starts with them
+        _joined(ctx)
     count, start = 0, time.monotonic()
     while opt.global_step < steps:
         opt.zero_grad()
         loss_of(model, ctx.rank, count).backward()
         opt.step()
         count += 1
-        if ctx.rank == 1 and die_at is not None and count == die_at:
+        # with backup workers the others may still finish before a descheduled rank 1 made
+        # die_at steps: it dies then all the same, never leaving as if it had survived
+        if ctx.rank == 1 and die_at is not None and (count == die_at or opt.global_step >= steps):
             _die(ctx)
         if ctx.rank == slow:
             time.sleep(delay)
