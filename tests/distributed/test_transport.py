@@ -367,3 +367,45 @@ def test_forked_child_of_a_server_process_uses_a_pair_not_the_dead_servers_memor
         assert kind == "PairLink" and y == [0.0, 2.0, 4.0, 6.0]
     finally:
         server.close()
+
+
+class EarlyReader:
+    """Answers from the control part alone, then reads the tensors (EASGD's exchange)."""
+
+    def __init__(self):
+        self.events = []
+
+    def early(self, msg, reply):
+        self.events.append(("early", msg["x"]))  # a placeholder: the tensors are not in yet
+        reply.send({"y": [torch.full((4,), float(len(self.events)))]})
+
+    def handle(self, msg, reply):
+        x = msg.get("x")
+        self.events.append(("handle", x[0].clone() if x else None))
+        reply.send({"late": True})  # not sent again when answered early
+
+
+@IN_PROCESS
+def test_an_early_answer_goes_out_before_the_request_arrived_and_the_sender_may_reuse_its_tensors(
+    in_process,
+):
+    reader = EarlyReader()
+    server = MailboxServer(reader.handle, early=reader.early)
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 0", in_process=in_process)
+        x = torch.randn(4 << 20)  # 16 MiB, sent in place
+        want = []
+        for _ in range(3):
+            want.append(x.clone())
+            reply = client.call("exchange", x=[x])
+            assert "late" not in reply and reply["y"][0][0] == 2 * len(want) - 1
+            x.add_(1.0)  # allowed at once: the reply came after our tensors were sent
+        assert client.call("exchange")["late"]  # no tensors: no early answer
+        kinds = [k for k, _ in reader.events]
+        assert kinds == ["early", "handle"] * 3 + ["handle"]
+        assert all(v == [{"$t": 0}] for k, v in reader.events[:-1] if k == "early")
+        seen = [v for k, v in reader.events if k == "handle"]
+        for got, expected in zip(seen, want, strict=False):
+            assert torch.equal(got, expected)
+    finally:
+        server.close()
