@@ -24,7 +24,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -201,14 +201,6 @@ class StateMachine(Protocol):
     def tick(self) -> list[Any]: ...
 
 
-@runtime_checkable
-class EarlyAnswers(Protocol):
-    """A machine that may answer some requests from their control part alone, before their
-    tensors arrived (:class:`~.transport.MailboxServer`'s ``early``)."""
-
-    def answer_early(self, msg: dict[str, Any], ticket: Any) -> list[Any]: ...
-
-
 class HostedServer:
     """Serve ``machine`` on a :class:`~.transport.MailboxServer` listening on ``host``.
 
@@ -228,8 +220,7 @@ class HostedServer:
     ) -> None:
         self.machine, self.members, self.name = machine, members, name
         self._perform, self._watch = perform, watch
-        early = self._early if isinstance(machine, EarlyAnswers) else None
-        self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick, early=early)
+        self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
     @property
     def address(self) -> str:
@@ -237,10 +228,6 @@ class HostedServer:
 
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
         self._emit(self.machine.handle(msg, reply))
-
-    def _early(self, msg: dict[str, Any], reply: Any) -> None:
-        assert isinstance(self.machine, EarlyAnswers)
-        self._emit(self.machine.answer_early(msg, reply))
 
     def _tick(self) -> None:
         if self._watch is not None:

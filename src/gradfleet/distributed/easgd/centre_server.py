@@ -6,10 +6,7 @@ no I/O; :class:`~.async_centre.AsyncCentre` hosts it.  Requests:
 
 * ``hello``:    check the worker's shapes; answer the centre (TF's init op: ``x := c``).
 * ``exchange``: answer the centre ``c_read`` held now, then ``c := c + alpha (x - c_read)``
-  (one atomic step: each exchange sees every earlier one).  The answer goes out from
-  :meth:`CentreServer.answer_early`, while the worker's ``x`` is still arriving: the centre
-  read and the parameters cross the link at once (nothing else runs in between, so the
-  update uses the values answered).
+  (one atomic step: each exchange sees every earlier one).
 * ``barrier``:  TF's ``synchronous=True`` start-up barrier: held until ``num_worker`` arrived,
   or failed with a ``TimeoutError`` naming the missing ranks after ``timeout`` seconds.
 * ``read`` / ``load``: the centre and counters; restore the centre from a checkpoint.
@@ -48,12 +45,6 @@ class CentreServer:
         self.arrived: set[int] = set()
         self.barrier: list[tuple[int, Any, float]] = []
 
-    def answer_early(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
-        """An exchange's answer, before its ``x`` arrived (:meth:`handle` follows at once)."""
-        if msg["op"] != "exchange":
-            return []
-        return [Answer(ticket, {"centre": self.centre})]
-
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
         worker, op = int(msg["worker"]), msg["op"]
         if op == "done":
@@ -82,7 +73,7 @@ class CentreServer:
                 torch.add(c, torch.sub(x.to(c), c, out=d), alpha=alpha, out=new)  # c + a(x - c)
             self.centre, self._spare = self._spare, read
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-            return [Answer(ticket, {"centre": read})]  # sent already if answered early
+            return [Answer(ticket, {"centre": read})]
         if op == "barrier":
             self.arrived.add(worker)
             self.barrier.append((worker, ticket, time.monotonic()))

@@ -101,8 +101,8 @@ class MailboxClient:
                 if self.link is None:
                     raise ValueError("this MailboxClient was made with data=False")
                 self.link.wait_sent()
-                # large tensors go as they are: the caller waits for the reply, and the reply
-                # waits until they are sent
+                # large tensors go as they are: the caller waits for the reply, by which time
+                # the server has received them
                 message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
                 self.link.send(messages)
                 self.bytes_out += sum(m.numel() for m in messages)
@@ -133,8 +133,6 @@ class MailboxClient:
             if layout is not None:
                 assert self.link is not None
                 reply = join(reply, self.link.receive(layout, self._inbox, receive_into))
-            if self.link is not None:  # a server may answer before it has all of ours (early)
-                self.link.wait_sent()
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
         self._pending = None

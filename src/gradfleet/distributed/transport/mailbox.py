@@ -22,14 +22,6 @@ socket or a copy, as a collective treats a rank's own contribution.  So that the
 reads such a client's tensors after the client resumed, a reply to a local client is posted
 only once the handler that sent it has returned.
 
-``early(request, reply)`` (optional) lets a handler answer before a request's tensors have
-arrived: it gets the request's control part as soon as the request is next in line, and may
-send the reply then; the handler proper runs once the tensors are in.  Both directions of
-the pair then carry data at once (EASGD's exchange: the centre read goes out while the
-worker's parameters come in), where answering after receiving costs the two transfers in a
-row.  The client waits until its own tensors are sent before it returns the reply, so the
-caller may change them at once as always.
-
 Why the store for control and not ``torch.distributed.rpc``: a static RPC group cannot admit a
 restarted process, a dynamic one makes every joiner call every member, and ``rpc.shutdown``
 waits for dead peers.  A store client (and a pair group) can be created at any time, and a dead
@@ -130,16 +122,13 @@ class Reply:
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
-EarlyHandler = Callable[[dict[str, Any], Reply], None]
 
 
 class MailboxServer:
     """Host a TCPStore and call ``handler(request, reply)`` for every request, in one thread.
 
     ``tick`` (if given) runs about every ``tick_s`` seconds on the same thread, so handler
-    state needs no lock against it.  ``early`` (if given) sees each request with tensors
-    before they arrived and may answer it (module docstring).  ``bytes_in`` counts received
-    tensor bytes.
+    state needs no lock against it.  ``bytes_in`` counts received tensor bytes.
     """
 
     def __init__(
@@ -150,7 +139,6 @@ class MailboxServer:
         tick: Callable[[], None] | None = None,
         tick_s: float = 0.1,
         pair_timeout: float = 60.0,
-        early: EarlyHandler | None = None,
     ) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,7 +166,6 @@ class MailboxServer:
         self.deferred: list[tuple[str, dict[str, Any]]] | None = None
         self._shared: tuple[Any, dict, list] | None = None
         self._handler, self._tick, self._tick_s = handler, tick, tick_s
-        self._early = early
         self._stopping = threading.Event()
         self.bytes_in = 0
         self._peers_lock = threading.Lock()  # the receiving thread adds, either thread drops
@@ -302,14 +289,12 @@ class MailboxServer:
                 if self._tick is not None:
                     self._tick()
                 continue
+            request = self._request(*item)
+            if request is None:
+                continue
             reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
             self.deferred = []
             try:
-                if self._early is not None and item[2] is not None:
-                    self._early(msg, reply)  # may answer while the tensors still arrive
-                request = self._request(*item)
-                if request is None:
-                    continue
                 self._handler(request, reply)
             except Exception as exc:  # the error goes back to the caller, the server lives on
                 log.info("server %s: %r from %s failed: %s: %s", self.address, msg.get("op"),
