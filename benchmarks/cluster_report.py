@@ -86,6 +86,11 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
     transfer = home["transfer"]
     return {
         "updates_s": updates_s,
+        # each host's own rate: local-step rows differ by host (EASGD's centre host exchanges
+        # in process, the others over their links)
+        "per_host_updates_s": {
+            r["host"]: _rate(r["steps"], r["train_start"], first)[0] for r in ranks
+        },
         "samples_s": samples_s,
         "step_s": 1 / updates_s if updates_s else None,
         "time_to_target_s": time_to_target(home["steps"], home["train_start"], args.target_loss),
