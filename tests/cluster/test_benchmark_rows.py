@@ -41,6 +41,10 @@ def test_dedicated_server_host_rows_train(tmp_path: Path) -> None:
         assert "error" not in result, result.get("error")
         assert result["updates_s"] > 0
         assert sorted(int(h) for h in result["links"]) == list(range(WORKERS + 1)), key
+    # EASGD's rate is the mean of the worker hosts' own rates (the server host trains not)
+    per_host = results["easgd-ded"]["per_host_updates_s"]
+    assert sorted(int(h) for h in per_host) == list(range(WORKERS))
+    assert sum(per_host.values()) / WORKERS == pytest.approx(results["easgd-ded"]["updates_s"])
     # every update of R = N = 4 takes 4 pushes of the float32 model into the server host; the
     # link counters are sampled every 0.25 s, so the window between the first and last sample
     # inside the training phase may miss its ends, but over 12 updates (several seconds here)
