@@ -19,7 +19,10 @@ def metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # the run may be writing a record while we read: only whole lines (ending in a newline)
+    # count, as the CLI's own progress reader does
+    lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen], deadline: float) -> None:
