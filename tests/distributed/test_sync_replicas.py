@@ -164,6 +164,39 @@ def test_sparse_rows_averaged_per_row_duplicates_summed():
     torch.testing.assert_close(avg.to_dense(), torch.tensor([[2.0, 2.0], [0, 0], [2.0, 2.0]]))
 
 
+def test_rounds_start_from_zero_and_gradients_of_another_dtype_are_rounded_first():
+    """Dense sums, sparse row counts and dtype conversion across two rounds: each round's
+    average is that round's alone (float64 reference), a float64 gradient for a float32
+    variable rounded before it is added, as TF's accumulator does."""
+    params = [torch.zeros(3), torch.zeros(3, 2)]
+    agg = GradientAggregator(params, 2)
+    rounds = [
+        ([torch.tensor([1e-8, 2.0, 3.0], dtype=torch.float64), [0, 2]], [torch.ones(3), [0]]),
+        (
+            [torch.full((3,), 0.5), [0, 1]],
+            [torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64), [1]],
+        ),
+    ]
+    for step, pushes in enumerate(rounds):
+        for worker, (dense, rows) in enumerate(pushes):
+            sparse = torch.sparse_coo_tensor(
+                [rows], torch.full((len(rows), 2), worker + 1.0), (3, 2)
+            )
+            assert agg.push(worker, step, [dense, sparse])
+        dense_avg, sparse_avg = agg.take_average()
+        want = sum(d.to(torch.float32).double() for d, _ in pushes) / 2
+        torch.testing.assert_close(dense_avg.double(), want, rtol=0, atol=1e-7)
+        counts = torch.zeros(3, dtype=torch.float64)
+        total = torch.zeros(3, 2, dtype=torch.float64)
+        for worker, (_, rows) in enumerate(pushes):
+            counts[rows] += 1
+            total[rows] += worker + 1.0
+        seen = counts > 0
+        expected = torch.zeros(3, 2, dtype=torch.float64)
+        expected[seen] = total[seen] / counts[seen].unsqueeze(1)
+        torch.testing.assert_close(sparse_avg.to_dense().double(), expected)
+
+
 def test_none_gradient_counts_as_zero_and_all_none_stays_none():
     agg = GradientAggregator([torch.zeros(1), torch.zeros(1)], 2)
     agg.push(0, 0, [torch.tensor([4.0]), None])
