@@ -70,15 +70,17 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
     by_host = {r["host"]: r for r in ranks}
     home = by_host[0]  # host 0 always has a fast link and normal compute
     first = home["first_update"]
+    # each host's own (rate, end): local-step rows differ by host (EASGD's centre host
+    # exchanges in process, the others over their links)
+    per_host = {r["host"]: _rate(r["steps"], r["train_start"], first) for r in ranks}
     if row.kind == "local":  # every rank's local steps are updates: the mean rate
-        per_rank = [_rate(r["steps"], r["train_start"], first)[0] for r in ranks]
-        updates_s = sum(per_rank) / len(per_rank)
-        samples_s = sum(per_rank) * args.batch
+        total = sum(rate for rate, _ in per_host.values())
+        updates_s, samples_s = total / len(per_host), total * args.batch
     else:
-        updates_s = _rate(home["steps"], home["train_start"], first)[0]
+        updates_s = per_host[0][0]
         per_update = int(row.options.get("R", len(ranks)))
         samples_s = updates_s * per_update * args.batch
-    end = max(_rate(r["steps"], r["train_start"], first)[1] for r in ranks)
+    end = max(t for _, t in per_host.values())
     links = link_use(samples, home["train_start"], end, rates)
     busiest = max(links, key=lambda h: links[h]["use"])
     window = [s for s in samples if home["train_start"] <= s[0] <= end]
@@ -86,11 +88,7 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
     transfer = home["transfer"]
     return {
         "updates_s": updates_s,
-        # each host's own rate: local-step rows differ by host (EASGD's centre host exchanges
-        # in process, the others over their links)
-        "per_host_updates_s": {
-            r["host"]: _rate(r["steps"], r["train_start"], first)[0] for r in ranks
-        },
+        "per_host_updates_s": {host: rate for host, (rate, _) in per_host.items()},
         "samples_s": samples_s,
         "step_s": 1 / updates_s if updates_s else None,
         "time_to_target_s": time_to_target(home["steps"], home["train_start"], args.target_loss),
