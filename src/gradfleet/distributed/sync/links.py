@@ -7,11 +7,10 @@ Per step, the protocol of TF's worker train op, one method each:
   push (:meth:`SyncLinks.push_shard`) and the token request with shard 0's gradients
   (:meth:`SyncLinks.request_token`) from gradient hooks, as soon as the shard's gradients
   are complete, and only the answers are awaited in the step;
-* :meth:`SyncLinks.token` -- shard 0's gradients and the wait for a token in one request to the
-  chief, while the other shards' answers to the push are collected; the answer carries shard
-  0's new values when it stepped;
-* :meth:`SyncLinks.read` -- every other shard's values that changed since the last read,
-  each shard's loaded as its reply arrives.
+* :meth:`SyncLinks.token_and_read` -- shard 0's gradients and the wait for a token in one
+  request to the chief, while the other shards' answers to the push are collected (the
+  token's answer carries shard 0's new values when it stepped); then every other shard's
+  values that changed since the last read, all shards' replies received at once.
 """
 
 from __future__ import annotations
@@ -98,12 +97,12 @@ class SyncLinks:
         self._pending.append(k)
 
     def carry(self, grads: Grads, extra: dict[str, Any]) -> None:
-        """Shard 0's gradients travel with the token request (:meth:`token`)."""
+        """Shard 0's gradients travel with the token request (:meth:`token_and_read`)."""
         self._carried, self._carried_extra = list(grads), extra
 
     def request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
         """Send the token request now (with shard 0's gradients, or the carried ones); its
-        answer is read by :meth:`token`.  Overlap sends it from a gradient hook."""
+        answer is read by :meth:`token_and_read`.  Overlap sends it from a gradient hook."""
         fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
         if grads is None and self._carried is not None:
             grads, self._carried = self._carried, None
@@ -123,16 +122,35 @@ class SyncLinks:
         self.shard_steps = [int(r.get("step", -1)) for r in replies]
         return all(bool(r["accepted"]) for r in replies)
 
-    def token(self, tag: int, into: Sequence[torch.Tensor]) -> dict[str, Any]:
-        """Wait for a token (``token``, ``accepted``, ``global_step``, and shard 0's
-        ``params`` if they changed, received into ``into`` where possible); the token request
-        is sent here unless :meth:`request_token` sent it already."""
+    def token_and_read(
+        self,
+        tag: int,
+        into: dict[int, list[torch.Tensor]],
+        load: Callable[[int, list[torch.Tensor]], None],
+    ) -> dict[str, Any]:
+        """Wait for a token, then read every shard's values that changed since the last read;
+        returns the chief's answer (``token``, ``accepted``, ``global_step``).  The token
+        request is sent here unless :meth:`request_token` sent it already.
+
+        The reads go out as soon as the token's control part is in, while shard 0's values
+        (which the chief sends with the token when they changed) are still travelling, and
+        every reply's receive is posted before any is waited for: gloo moves a message only
+        once its receive is posted, so every shard's link sends at once instead of one after
+        another.  ``load(k, values)`` runs on shard k's values (views of the link's buffer,
+        or of ``into[k]`` where they were received in place) once they are in."""
         if not self._token_sent:
             self.request_token(tag, None, {})
         self._token_sent = False
         shards_accepted = self._pushed()  # collected while the chief works on the token
-        reply = self.chief.response(receive_into=into)
-        self.versions[0] = int(reply["version"])
+        reply, chief_values = self.chief.begin_response(receive_into=into.get(0))
+        for k, client in self.shards.items():
+            client.request("read", worker=self.worker, version=self.versions[k])
+        reads = {k: c.begin_response(receive_into=into.get(k)) for k, c in self.shards.items()}
+        for k, finish in [(0, chief_values)] + [(k, f) for k, (_, f) in reads.items()]:
+            values = finish()
+            self.versions[k] = int(values["version"])
+            if "params" in values:
+                load(k, values["params"])
         reply["accepted"] = bool(reply["accepted"]) and shards_accepted
         if self.shards:
             # the chief may answer before the shards' "applied" reports reached it; every
@@ -140,23 +158,6 @@ class SyncLinks:
             done = min([int(reply["version"]), *self.shard_steps])
             reply["global_step"] = max(int(reply["global_step"]), done)
         return reply
-
-    def read(
-        self,
-        into: dict[int, list[torch.Tensor]],
-        load: Callable[[int, list[torch.Tensor]], None],
-    ) -> None:
-        """Read every shard 1.. that stepped since the last read: the requests go out at
-        once, and ``load(k, values)`` runs on shard k's values as soon as its reply is in
-        (while the later shards' replies are still travelling).  The values are views of
-        the link's buffer, or of ``into[k]`` where they were received in place."""
-        for k, client in self.shards.items():
-            client.request("read", worker=self.worker, version=self.versions[k])
-        for k, client in self.shards.items():
-            reply = client.response(receive_into=into.get(k))
-            self.versions[k] = int(reply["version"])
-            if "params" in reply:
-                load(k, reply["params"])
 
     def forget_versions(self) -> None:
         """The next token and read bring every shard's values (after a checkpoint load)."""

@@ -373,13 +373,10 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         """Take the token (answers to the pushes meanwhile), then read the shards, each
         loaded as its reply arrives."""
         assert self._links is not None
-        reply = self._links.token(tag, into=self._shard_params(0))
+        into = {k: self._shard_params(k) for k in self._links.clients}
+        reply = self._links.token_and_read(tag, into, self._load_shard)
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
         self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
-        if "params" in reply:
-            self._load_shard(0, reply["params"])
-        into = {k: self._shard_params(k) for k in self._links.shards}
-        self._links.read(into, self._load_shard)
         return accepted
 
     # ----------------------------------------------------------------- shutdown

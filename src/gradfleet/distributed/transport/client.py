@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -117,8 +117,22 @@ class MailboxClient:
         appear in the reply); a large one that matches in dtype and shape is received
         straight into it, and the reply then holds a view of it (check with
         ``data_ptr()`` before copying)."""
+        return self.begin_response(receive_into)[1]()
+
+    def begin_response(
+        self, receive_into: Sequence[Any] | None = None
+    ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
+        """:meth:`response` in two halves: wait for the reply's control part and start
+        receiving its tensors; returns that part (without tensors) and a function that
+        waits for them and gives the whole reply.
+
+        Why: gloo sends a message only once its receiver has posted the receive, so a
+        caller waiting on several servers posts every receive first (:meth:`begin_response`
+        on each), then finishes them; received one after another, every client would drain
+        the servers in the same order, one server's link busy at a time.  An error reply
+        raises here (it carries no tensors)."""
         assert self._pending is not None, "response() without request()"
-        op, wait, _ = self._pending
+        op, wait, start = self._pending
         try:
             self.store.set_timeout(timedelta(seconds=wait))
             while True:
@@ -130,15 +144,27 @@ class MailboxClient:
                 if LAYOUT in reply and self.link is not None:  # an abandoned request's answer:
                     self.link.receive(reply[LAYOUT], self._inbox)  # drain its tensors
             layout = reply.pop(LAYOUT, None)
+            receiving = None
             if layout is not None:
                 assert self.link is not None
-                reply = join(reply, self.link.receive(layout, self._inbox, receive_into))
+                receiving = self.link.begin_receive(layout, self._inbox, receive_into)
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
         self._pending = None
         if "error" in reply:
             raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
-        return reply
+
+        def finish() -> dict[str, Any]:
+            if receiving is None:
+                return reply
+            try:
+                return join(reply, receiving())
+            except (dist.DistError, RuntimeError) as exc:
+                self._pending = (op, wait, start)
+                self._fail(exc)
+                raise  # unreachable: _fail raises
+
+        return dict(reply), finish
 
     def call(
         self,
