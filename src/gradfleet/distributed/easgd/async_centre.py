@@ -2,15 +2,18 @@
 
 ``ElasticAverageOptimizer(..., mode="async")`` (or ``mode=AsyncCentre(...)`` for options) keeps
 TF's ``global_center_variable`` in a server thread inside rank ``server_rank`` (TF's PS).  Every
-``communication_period`` local steps a worker sends its parameters ``x`` and the server, in one
-atomic request, answers the centre ``c`` it held and moves it::
+``communication_period`` local steps a worker reads the centre and adds its pull to it, as TF's
+worker does (reference 3.4)::
 
-    server:  c_read := c;  c := c + alpha * (x - c_read)
+    server:  c_read := c                      (the worker's "exchange_read")
+             c := c + alpha * (x - c_read)    (its "exchange_add", carrying x)
     worker:  c_loc := c_read;  d := x - c_loc;  x := x - alpha * d
 
 No barrier and no waiting for other workers: the result depends on the order in which workers
-reach the server, exactly as in TF (reference 3.4), except that TF's read-then-``assign_add`` is
-not atomic across workers while this exchange is (each exchange sees every earlier one).
+reach the server.  As in TF, the read and the add are not atomic across workers: another
+worker's read or add may come between them.  The worker sends ``x`` right after its read
+request, while ``c_read`` is still on its way to it, so both directions of its link carry
+data at once: an exchange costs one transfer time (P bytes at the link's rate), not two.
 ``synchronous=True`` adds TF's one-time start-up barrier (every worker waits until all
 ``num_worker`` have read the initial centre) and nothing else.
 
@@ -161,15 +164,19 @@ class AsyncCentre(CentreStrategy):
         if self._read is None:  # buffers reused by every exchange (the wrapper's c_loc)
             self._read = [torch.empty_like(p, requires_grad=False) for p in params]
             self._diff = [torch.empty_like(p, requires_grad=False) for p in params]
-        reply = self._client.call(  # the centre read lands in ``_read`` where it can
-            "exchange",
-            receive_into=self._read,
-            worker=self.worker,
-            alpha=moving_rate,
+        client = self._client
+        # TF's read of the centre, then its assign_add: x goes out while c_read comes in (the
+        # receive is posted before x is sent, so gloo can start c_read at once)
+        client.request("exchange_read", worker=self.worker)
+        _, finish_read = client.begin_response(receive_into=self._read)
+        client.request(
+            "exchange_add", worker=self.worker, alpha=moving_rate,
             params=[p.detach() for p in params],
-        )
+        )  # fmt: skip
+        centre_read = finish_read()["centre"]
+        client.response()  # the centre has x: the parameters may change now
         with torch.no_grad():
-            for p, c, r, d in zip(params, reply["centre"], self._read, self._diff, strict=True):
+            for p, c, r, d in zip(params, centre_read, self._read, self._diff, strict=True):
                 copy_received(r, c)
                 p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
         return self._read

@@ -5,8 +5,13 @@ ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` o
 no I/O; :class:`~.async_centre.AsyncCentre` hosts it.  Requests:
 
 * ``hello``:    check the worker's shapes; answer the centre (TF's init op: ``x := c``).
-* ``exchange``: answer the centre ``c_read`` held now, then ``c := c + alpha (x - c_read)``
-  (one atomic step: each exchange sees every earlier one).
+* ``exchange_read``: answer the centre ``c_read`` held now (TF's read of the centre) and keep
+  it for this worker;
+* ``exchange_add``:  the worker's ``x``: ``c := c + alpha (x - c_read)`` (TF's
+  ``assign_add(alpha d)``).  Other workers' reads and adds may come between a worker's two
+  requests, as between TF's read and ``assign_add`` (not atomic across workers): the
+  worker sends ``x`` while ``c_read`` travels to it, so an exchange costs one transfer time,
+  both directions of the link busy at once, not two.
 * ``barrier``:  TF's ``synchronous=True`` start-up barrier: held until ``num_worker`` arrived,
   or failed with a ``TimeoutError`` naming the missing ranks after ``timeout`` seconds.
 * ``read`` / ``load``: the centre and counters; restore the centre from a checkpoint.
@@ -37,7 +42,7 @@ class CentreServer:
         self.centre = [c.detach().clone() for c in centre]
         # reused buffers (no page faults of a fresh model-sized tensor per exchange)
         self._diff = [torch.empty_like(c) for c in self.centre]
-        self._spare = [torch.empty_like(c) for c in self.centre]
+        self.reads: dict[int, list[torch.Tensor]] = {}  # each worker's c_read until its add
         self.num_worker, self.timeout = num_worker, timeout
         self.exchanges: dict[int, int] = {}
         self.joins: dict[int, int] = {}
@@ -64,16 +69,25 @@ class CentreServer:
                     "EASGD centre: worker rank %d rejoined (join %d)", worker, self.joins[worker]
                 )
             self.members.hello(worker)
+            self.reads.pop(worker, None)  # a restarted worker's unfinished exchange
             return [Answer(ticket, {"centre": self.centre})]
-        if op == "exchange":
-            # the new centre goes to the spare buffers: the answer keeps the values read,
-            # which the hosting code sends before the next request can move them
-            read, alpha = self.centre, float(msg["alpha"])
-            for c, x, d, new in zip(read, msg["params"], self._diff, self._spare, strict=True):
-                torch.add(c, torch.sub(x.to(c), c, out=d), alpha=alpha, out=new)  # c + a(x - c)
-            self.centre, self._spare = self._spare, read
+        if op == "exchange_read":
+            # TF's read of the centre: the worker's d = x - c_read is completed by its
+            # "exchange_add", which may come after other workers' reads and adds
+            self.reads[worker] = [c.clone() for c in self.centre]
+            return [Answer(ticket, {"centre": self.reads[worker]})]
+        if op == "exchange_add":
+            read = self.reads.pop(worker, None)
+            if read is None:
+                raise ValueError(
+                    f"ElasticAverageOptimizer: worker rank {worker} sent exchange_add without "
+                    "an exchange_read before it"
+                )
+            alpha = float(msg["alpha"])
+            for c, x, r, d in zip(self.centre, msg["params"], read, self._diff, strict=True):
+                c.add_(torch.sub(x.to(c), r, out=d), alpha=alpha)  # TF's assign_add(alpha d)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
-            return [Answer(ticket, {"centre": read})]
+            return [Answer(ticket, {})]
         if op == "barrier":
             self.arrived.add(worker)
             self.barrier.append((worker, ticket, time.monotonic()))

@@ -1,0 +1,83 @@
+"""The asynchronous EASGD centre as a state machine, without transport: TF's read of the centre
+and its ``assign_add`` are separate steps, so other workers' exchanges may fall between them
+(reference 3.4: the read/modify is not atomic across workers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradfleet.distributed.easgd.centre_server import CentreServer
+
+
+def hello(server: CentreServer, worker: int) -> list[torch.Tensor]:
+    shapes = [list(c.shape) for c in server.centre]
+    (answer,) = server.handle({"op": "hello", "worker": worker, "shapes": shapes}, worker)
+    return [c.clone() for c in answer.payload["centre"]]
+
+
+def read(server: CentreServer, worker: int) -> list[torch.Tensor]:
+    (answer,) = server.handle({"op": "exchange_read", "worker": worker}, worker)
+    assert answer.ticket == worker
+    return [c.clone() for c in answer.payload["centre"]]
+
+
+def add(server: CentreServer, worker: int, x: list[torch.Tensor], alpha: float) -> None:
+    msg = {"op": "exchange_add", "worker": worker, "alpha": alpha, "params": x}
+    (answer,) = server.handle(msg, worker)
+    assert answer.payload == {}
+
+
+def test_interleaved_exchanges_add_each_workers_pull_from_the_centre_it_read():
+    torch.manual_seed(0)
+    c0 = [torch.randn(3, 2, dtype=torch.float64), torch.randn(4, dtype=torch.float64)]
+    xs = [[torch.randn_like(c) for c in c0] for _ in range(3)]
+    server = CentreServer(c0, num_worker=3, timeout=10.0)
+    for w in range(3):
+        hello(server, w)
+    alpha = 0.3
+    # workers 0 and 1 both read c0; worker 0 adds; worker 2 reads after that add; then 1, 2 add
+    r0, r1 = read(server, 0), read(server, 1)
+    add(server, 0, xs[0], alpha)
+    r2 = read(server, 2)
+    add(server, 1, xs[1], alpha)
+    add(server, 2, xs[2], alpha)
+    # float64 reference written from the spec: c += alpha (x_w - c_read_w), in add order
+    after0 = [c + alpha * (x - c) for c, x in zip(c0, xs[0], strict=True)]
+    want = [
+        a + alpha * (x1 - c) + alpha * (x2 - a)
+        for c, a, x1, x2 in zip(c0, after0, xs[1], xs[2], strict=True)
+    ]
+    eps = torch.finfo(torch.float64).eps  # one add and one multiply-add per element
+    for got, c, a in zip(zip(r0, r1, r2, strict=True), c0, after0, strict=True):
+        assert torch.equal(got[0], c) and torch.equal(got[1], c)
+        torch.testing.assert_close(got[2], a, rtol=0, atol=4 * eps)
+    for got, w in zip(server.centre, want, strict=True):
+        torch.testing.assert_close(got, w, rtol=0, atol=8 * eps)
+    assert server.exchanges == {0: 1, 1: 1, 2: 1}
+
+
+def test_the_read_answered_is_not_moved_by_later_adds():
+    server = CentreServer([torch.zeros(4)], num_worker=2, timeout=10.0)
+    hello(server, 0)
+    hello(server, 1)
+    (answer,) = server.handle({"op": "exchange_read", "worker": 0}, 0)
+    read(server, 1)
+    add(server, 1, [torch.ones(4)], 0.5)
+    # worker 0's answer still holds the centre it read (the hosting code may send it later)
+    assert torch.equal(answer.payload["centre"][0], torch.zeros(4))
+    assert torch.equal(server.centre[0], torch.full((4,), 0.5))
+
+
+def test_an_add_without_a_read_is_refused_and_changes_nothing():
+    server = CentreServer([torch.ones(2)], num_worker=1, timeout=10.0)
+    hello(server, 0)
+    with pytest.raises(ValueError, match="rank 0 sent exchange_add without an exchange_read"):
+        add(server, 0, [torch.zeros(2)], 0.5)
+    assert torch.equal(server.centre[0], torch.ones(2)) and server.exchanges == {}
+    # a worker that restarts between its read and its add starts over
+    read(server, 0)
+    hello(server, 0)
+    with pytest.raises(ValueError, match="without an exchange_read"):
+        add(server, 0, [torch.zeros(2)], 0.5)
+    assert torch.equal(server.centre[0], torch.ones(2))
