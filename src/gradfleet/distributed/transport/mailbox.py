@@ -4,11 +4,13 @@ Control travels on a c10d ``TCPStore``, tensors on pairs.
 
 The server process hosts a ``torch.distributed.TCPStore`` (bound to ``host``, loopback unless
 configured: the listening socket is created here and handed to the store) and serves its request
-queue with two daemon threads: one takes each request off the queue and starts receiving its
-tensors at once, the other waits for them and calls ``handler(request, reply)``, one request
-after another in arrival order (so the next worker's bytes arrive while the handler works on
-the last).  A handler may answer later (``Reply`` objects are kept until, e.g., a token
-exists), so blocking waits cost no thread.
+queue with daemon threads: one takes each request off the queue and starts receiving its
+tensors at once, one per client waits for that client's tensors, and one calls
+``handler(request, reply)``, one request after another, each once its tensors are in.  So a
+request counts as arrived when its data has, and a client on a slow link holds back no one
+else: its push is handled after the fast clients' pushes that complete before it (the next
+worker's bytes arrive while the handler works on the last, too).  A handler may answer later
+(``Reply`` objects are kept until, e.g., a token exists), so blocking waits cost no thread.
 
 A message is split by :mod:`.wire`: its JSON part (op, client, sequence number, incarnation,
 small fields, the tensors' layout) travels through the store queues (``gf/req``, and
@@ -79,6 +81,8 @@ class _Peer:
     def __init__(self, incarnation: str, link: PairLink | LocalLink) -> None:
         self.incarnation, self.link = incarnation, link
         self.inboxes, self.turn, self.outbox = (Packer(), Packer()), 0, Packer()
+        # requests whose tensors are travelling, for this client's waiting thread
+        self.arriving: queue.SimpleQueue | None = None
 
     def next_inbox(self) -> Packer:
         self.turn ^= 1
@@ -226,6 +230,8 @@ class MailboxServer:
                 del self.peers[client]
                 peer = current
         if peer is not None:
+            if peer.arriving is not None:
+                peer.arriving.put(None)  # its waiting thread ends
             peer.link.close()
 
     def packed(self, tensors: list, share: Any, outbox: Packer) -> tuple[dict, list]:
@@ -265,7 +271,24 @@ class MailboxServer:
                             self.address, msg["client"], exc)  # fmt: skip
                 self.drop(msg["client"], peer)
                 continue
-            self._work.put((msg, peer, finish))
+            if isinstance(peer.link, LocalLink):  # handed over already: nothing to wait for
+                self._work.put((msg, peer, finish))
+                continue
+            if peer.arriving is None:
+                peer.arriving = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._arrive, args=(peer,), name="gradfleet-server-data", daemon=True
+                ).start()
+            peer.arriving.put((msg, finish))
+
+    def _arrive(self, peer: _Peer) -> None:
+        """One client's waiting thread: wait for each of its requests' tensors, then queue
+        the request for the handling thread (in the order the clients' data completes; one
+        client has one request in flight, so its own requests keep their order)."""
+        while (item := peer.arriving.get()) is not None:  # type: ignore[union-attr]
+            request = self._request(item[0], peer, item[1])
+            if request is not None:
+                self._work.put((request, None, None))
 
     def _request(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> dict | None:
         """The request with its tensors once they have arrived (None: the client died)."""
@@ -278,11 +301,12 @@ class MailboxServer:
                         self.address, msg["client"], exc)  # fmt: skip
             self.drop(msg["client"], peer)
             return None
-        self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
+        with self._peers_lock:  # waiting threads of several clients count here
+            self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
         return join(msg, tensors)
 
     def _handle(self) -> None:
-        """The handling thread: every request in arrival order, ticks between them."""
+        """The handling thread: every request once its tensors are in, ticks between them."""
         while (item := self._work.get()) is not None:
             msg = item[0]
             if msg.get("op") == "_tick":
