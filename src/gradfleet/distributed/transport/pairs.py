@@ -1,11 +1,12 @@
-"""The data plane: one 2-rank gloo process group per (server, client incarnation).
+"""The data plane: two 2-rank gloo process groups per (server, client incarnation).
 
-A :class:`PairLink` is a ``torch.distributed.ProcessGroupGloo`` of size 2 built directly over a
-``PrefixStore(f"gf/pair/{client}/{incarnation}", store)`` of the server's control store: rank 0
-is the server, rank 1 the client.  Both sides construct it at the same time (the client asks
-the server with a ``_pair`` control message, then both block in the constructor until gloo has
-connected, at most ``timeout`` seconds).  Tensors travel with gloo ``send``/``recv`` on raw
-buffers: no pickling, received into preallocated memory.
+A :class:`PairLink` is a pair of ``torch.distributed.ProcessGroupGloo`` of size 2, one per
+direction, built directly over ``PrefixStore(f"gf/pair/{client}/{incarnation}/...", store)`` of
+the server's control store: rank 0 is the server, rank 1 the client.  Both sides construct
+them at the same time (the client asks the server with a ``_pair`` control message, then both
+block in the constructors until gloo has connected, at most ``timeout`` seconds).  Tensors
+travel with gloo ``send``/``recv`` on raw buffers: no pickling, received into preallocated
+memory.
 
 Why pairs and not one group of every rank: a process group of fixed membership cannot admit a
 restarted process, and a dead member breaks every collective.  A pair involves one client:
@@ -66,7 +67,16 @@ class PairLink:
         options._timeout = timedelta(seconds=timeout)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         self.rank, self.peer = rank, 1 - rank
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+        # one group (one socket) per direction, built in the same order on both sides: gloo
+        # sends a message only after the receiver's "ready" notice, which travels against the
+        # data; on one socket the notice for the client's next message would queue behind
+        # the megabytes the server is sending it (EASGD's x waited for the whole c_read)
+        groups = {
+            d: dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{d}", store), rank, 2, options)
+            for d in ("to-server", "to-client")
+        }
+        self._out = groups["to-client" if rank == SERVER else "to-server"]
+        self._in = groups["to-server" if rank == SERVER else "to-client"]
         self._sending: list[dist.Work] = []
         self.bytes_sent = self.bytes_received = 0
 
@@ -75,7 +85,7 @@ class PairLink:
         ``k``); they must stay untouched until :meth:`wait_sent` (called before the next
         send on this link)."""
         self.wait_sent()
-        self._sending = [self.group.send([m], self.peer, k) for k, m in enumerate(messages)]
+        self._sending = [self._out.send([m], self.peer, k) for k, m in enumerate(messages)]
         self.bytes_sent += sum(m.numel() for m in messages)
 
     def wait_sent(self) -> None:
@@ -85,7 +95,7 @@ class PairLink:
 
     def recv(self, messages: list[torch.Tensor]) -> None:
         """Receive the peer's next messages into ``messages`` (sizes must match the send)."""
-        works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        works = [self._in.recv([m], self.peer, k) for k, m in enumerate(messages)]
         for work in works:
             work.wait()
         self.bytes_received += sum(m.numel() for m in messages)
@@ -98,7 +108,7 @@ class PairLink:
         the returned function waits for it and gives its tensors (views of those buffers,
         valid until the next message into ``inbox``)."""
         messages = inbox.receive(spec, into)
-        works = [self.group.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        works = [self._in.recv([m], self.peer, k) for k, m in enumerate(messages)]
 
         def finish() -> list[torch.Tensor]:
             for work in works:
@@ -119,7 +129,7 @@ class PairLink:
             self.wait_sent()
         except Exception as exc:  # the peer is gone: nothing to finish
             log.debug("pair link closed with unfinished sends: %s", exc)
-        self.group = None  # type: ignore[assignment]
+        self._out = self._in = None  # type: ignore[assignment]
 
 
 class LocalLink:
