@@ -367,3 +367,33 @@ def test_forked_child_of_a_server_process_uses_a_pair_not_the_dead_servers_memor
         assert kind == "PairLink" and y == [0.0, 2.0, 4.0, 6.0]
     finally:
         server.close()
+
+
+def test_a_request_is_handled_once_its_tensors_are_in_not_when_its_control_came():
+    """A client whose tensors are late (a slow link) holds back no one: a request that
+    came after it but whose tensors are in is handled first; the late one then intact."""
+    order: list[tuple[str, float]] = []
+
+    def handler(request, reply):
+        order.append((request["client"], float(request["x"][0].sum())))
+        reply.send({})
+
+    server = MailboxServer(handler)
+    try:
+        slow = MailboxClient(server.address, "slow", 20.0, "server", in_process=False)
+        fast = MailboxClient(server.address, "fast", 20.0, "server", in_process=False)
+        send = slow.link.send
+
+        def late_send(messages):  # the control part goes now, the tensors 1.5 s later
+            threading.Timer(1.5, send, args=(messages,)).start()
+
+        slow.link.send = late_send
+        x = torch.ones(DIRECT)
+        slow.request("push", x=[x])
+        time.sleep(0.3)  # the slow request's control part is at the server first
+        fast.call("push", x=[2 * x])
+        assert order == [("fast", 2.0 * DIRECT)]  # answered while the slow tensors travel
+        slow.response()
+        assert order == [("fast", 2.0 * DIRECT), ("slow", 1.0 * DIRECT)]
+    finally:
+        server.close()
