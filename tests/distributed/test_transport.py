@@ -382,16 +382,18 @@ def test_a_request_is_handled_once_its_tensors_are_in_not_when_its_control_came(
     try:
         slow = MailboxClient(server.address, "slow", 20.0, "server", in_process=False)
         fast = MailboxClient(server.address, "fast", 20.0, "server", in_process=False)
-        send = slow.link.send
+        send, fast_answered = slow.link.send, threading.Event()
 
-        def late_send(messages):  # the control part goes now, the tensors 1.5 s later
-            threading.Timer(1.5, send, args=(messages,)).start()
+        def late_send(messages):  # the control part goes now, the tensors once fast is answered
+            threading.Thread(target=lambda: (fast_answered.wait(30), send(messages))).start()
 
         slow.link.send = late_send
         x = torch.ones(DIRECT)
         slow.request("push", x=[x])
         time.sleep(0.3)  # the slow request's control part is at the server first
-        fast.call("push", x=[2 * x])
+        # handled in arrival order, this call would wait for tensors sent only after it
+        fast.call("push", x=[2 * x], timeout=10.0)
+        fast_answered.set()
         assert order == [("fast", 2.0 * DIRECT)]  # answered while the slow tensors travel
         slow.response()
         assert order == [("fast", 2.0 * DIRECT), ("slow", 1.0 * DIRECT)]

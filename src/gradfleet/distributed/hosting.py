@@ -237,7 +237,7 @@ class HostedServer:
     def _emit(self, outputs: list[Any]) -> None:
         for out in outputs:
             if isinstance(out, Answer):
-                out.ticket.send(out.payload, share=out.share)
+                out.ticket.send(out.payload, share=out.share, fresh=out.fresh)
             elif self._perform is not None:
                 self._perform(out)
             else:

@@ -20,11 +20,14 @@ __all__ = ["Answer", "error"]
 @dataclass(frozen=True)
 class Answer:
     """Send ``payload`` to the request of ``ticket``.  ``share``: a key promising that every
-    answer with the same key carries the same tensor values (copied once for all)."""
+    answer with the same key carries the same tensor values (copied once for all).
+    ``fresh``: the tensors are a snapshot the machine took for this answer and never changes
+    (sent as they are, not copied again)."""
 
     ticket: Any
     payload: dict[str, Any]
     share: Any = None
+    fresh: bool = False
 
 
 def error(ticket: Any, kind: str, message: str) -> Answer:

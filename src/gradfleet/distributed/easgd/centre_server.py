@@ -75,7 +75,7 @@ class CentreServer:
             # TF's read of the centre: the worker's d = x - c_read is completed by its
             # "exchange_add", which may come after other workers' reads and adds
             self.reads[worker] = [c.clone() for c in self.centre]
-            return [Answer(ticket, {"centre": self.reads[worker]})]
+            return [Answer(ticket, {"centre": self.reads[worker]}, fresh=True)]
         if op == "exchange_add":
             read = self.reads.pop(worker, None)
             if read is None:

@@ -96,10 +96,12 @@ class Reply:
     def __init__(self, server: MailboxServer, client: str, seq: int, inc: str) -> None:
         self._server, self.client, self.seq, self.inc, self.done = server, client, seq, inc, False
 
-    def send(self, payload: dict[str, Any], share: Any = None) -> None:
+    def send(self, payload: dict[str, Any], share: Any = None, fresh: bool = False) -> None:
         """Answer with ``payload``; its tensors are copied before this returns (the handler
         may change them afterwards).  ``share``: a key promising that every reply sent with
-        the same key carries the same tensor values, so they are copied once for all."""
+        the same key carries the same tensor values, so they are copied once for all.
+        ``fresh``: the tensors are the answer's own and never changed afterwards (a snapshot
+        the handler just took), so large ones travel as they are, without a second copy."""
         if self.done:
             return
         self.done = True
@@ -111,7 +113,11 @@ class Reply:
                 return  # that incarnation is gone; its successor ignores this reply
             try:
                 peer.link.wait_sent()
-                message[LAYOUT], messages = self._server.packed(tensors, share, peer.outbox)
+                message[LAYOUT], messages = (
+                    peer.outbox.pack(tensors, direct=True)
+                    if fresh
+                    else self._server.packed(tensors, share, peer.outbox)
+                )
                 peer.link.send(messages)
             except Exception as exc:  # dead client: only its own pair breaks
                 log.warning("server %s: reply to %s failed, peer dropped: %s",
