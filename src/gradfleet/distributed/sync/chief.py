@@ -8,11 +8,17 @@ request at a time on the hosting server's thread, so it needs no lock and does n
 
 * ``hello``:  check the worker's parameter shapes/dtypes; answer variables + step
   (TF's ``local_step_init_op``: ``local_step := global_step``).
-* ``push``:   (sharded jobs) only the push below, answered with ``accepted``.
+* ``push``:   (sharded jobs) only the push below, answered with ``accepted``; with ``ahead``
+  (read-ahead, :mod:`.read_ahead`) held until shard 0 applied the update it could join, then
+  answered with shard 0's values.
+* ``release``: the worker has its token: answer its held push now.
+* ``read``:   shard 0's values unless the worker holds that version (read-ahead: a worker whose
+  answer was older than its token reads again).
 * ``step``:   push the gradients (if given) with the worker's tag; if ``R`` are in, take the
   averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables,
   enqueue ``max(N, R)`` tokens, update the moving averages; then answer with a token (held
-  while the queue is empty) and the current variables.
+  while the queue is empty) and the current variables (not with ``values=False``: a token
+  request that travels apart from the push, whose answer brings the values).
 * ``applied``: a shard server finished an update (sharded jobs).
 * ``done``:   the worker left (``forgotten``: another rank reports it dead for good).
 * ``tick``:   a worker that waited ``timeout`` seconds for a token gets a ``TimeoutError``
@@ -42,7 +48,8 @@ from ..moving_average import ExponentialMovingAverage
 from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
-from .shards import Shard
+from .read_ahead import HeldPushes
+from .shards import Shard, push_answers, release_answers, values_answer
 
 __all__ = ["SyncChief"]
 
@@ -96,9 +103,14 @@ class SyncChief:
         self.timeout = timeout
         self.ema = variable_averages
         self.last_step = last_step
-        self.waiting: deque[tuple[int, Any, float, bool, int]] = deque()
+        self.waiting: deque[tuple[int, Any, float, bool, int | None]] = deque()
         self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief")
         self.broken: str | None = None
+        self.held = HeldPushes()  # read-ahead pushes to shard 0
+        # read-ahead: a token request names the worker's push to shard 0 (``after``) and is
+        # served only once that push is in, as TF dequeues a token after its push
+        self.last_push: dict[int, tuple[str, int]] = {}
+        self.early: dict[int, tuple[dict[str, Any], Any]] = {}  # worker -> token request
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -124,7 +136,11 @@ class SyncChief:
         worker = int(msg["worker"])
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
-            return [Answer(ticket, {"global_step": self.global_step})]
+            left = self.held.drop(worker)
+            done = [Answer(ticket, {"global_step": self.global_step})]
+            return done + ([] if left is None else [values_answer(self.shard, left)])
+        if op == "release":
+            return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
         if self.broken is not None and op in ("hello", "push", "step"):
             return [error(ticket, "ServerUnreachable", self.broken)]
@@ -136,11 +152,29 @@ class SyncChief:
         if op in ("push", "step"):
             self.shard.follow(msg.get("hyper"))
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
-            return [Answer(ticket, {"accepted": self.push(worker, int(msg["tag"]), msg["grads"])})]
+            before = self.shard.step
+            accepted = self.push(worker, int(msg["tag"]), msg["grads"])
+            updated = self.shard.step != before
+            answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
+            self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
+            early = self.early.pop(worker, None)
+            if early is not None and self._pushed_before(early[0]):
+                self._wait_for_token(early[0], early[1], True)
+            elif early is not None:
+                self.early[worker] = early
+            return [*answers, *self._serve_tokens()]
+        if op == "step" and not self._pushed_before(msg):
+            self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
+            return []
         if op == "step":
             accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
-            self.waiting.append((worker, ticket, time.monotonic(), accepted, int(msg["version"])))
+            self._wait_for_token(msg, ticket, accepted)
             return self._serve_tokens()
+        if op == "read":  # read-ahead: shard 0 read again after a later token
+            values: dict[str, Any] = {"version": self.shard.step}
+            if int(msg["version"]) != self.shard.step:
+                values["params"] = self.params
+            return [Answer(ticket, values, self.shard.values_key if "params" in values else None)]
         if op == "stats":
             return [
                 Answer(ticket, {"global_step": self.global_step, "stats": self.aggregator.stats})
@@ -150,6 +184,17 @@ class SyncChief:
         if op == "members":
             return [Answer(ticket, self.members.report())]
         raise ValueError(f"unknown request {op!r}")
+
+    def _pushed_before(self, msg: dict[str, Any]) -> bool:
+        """A token request naming a push (``after_inc``, ``after_seq``) waits for it."""
+        if "after_seq" not in msg:
+            return True
+        named = (str(msg["after_inc"]), int(msg["after_seq"]))
+        return self.last_push.get(int(msg["worker"])) == named
+
+    def _wait_for_token(self, msg: dict[str, Any], ticket: Any, accepted: bool) -> None:
+        version = int(msg["version"]) if msg.get("values", True) else None
+        self.waiting.append((int(msg["worker"]), ticket, time.monotonic(), accepted, version))
 
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:
         """Offer shard 0's gradients; update when ``R`` are in.  True iff accepted."""
@@ -183,7 +228,7 @@ class SyncChief:
                 "global_step": self.global_step,
                 "version": self.shard.step,
             }
-            if version != self.shard.step:
+            if version is not None and version != self.shard.step:
                 answer["params"] = self.params
             out.append(
                 Answer(ticket, answer, self.shard.values_key if "params" in answer else None)

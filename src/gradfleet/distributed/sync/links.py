@@ -22,21 +22,43 @@ from typing import Any
 import torch
 
 from ..transport import MailboxClient
+from .answer_taker import AnswerTaker
 
-__all__ = ["SyncLinks"]
+__all__ = ["SyncLinks", "waves"]
 
 log = logging.getLogger(__name__)
 
 Grads = list[torch.Tensor | None]
 
 
+def waves(ranks: Sequence[int]) -> list[list[int]]:
+    """Shards grouped by their place on their server rank: wave ``i`` holds each rank's
+    ``i``-th shard (``[4, 5, 4, 5]`` -> ``[[0, 1], [2, 3]]``)."""
+    seen: dict[int, int] = {}
+    out: list[list[int]] = []
+    for k, r in enumerate(ranks):
+        i = seen[r] = seen.get(r, -1) + 1
+        if i == len(out):
+            out.append([])
+        out[i].append(k)
+    return out
+
+
 class SyncLinks:
-    """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them)."""
+    """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them).
+    ``targets(k)``/``load(k, values)``: shard ``k``'s tensors to receive into, and what to do
+    with its new values (read-ahead answers are taken on a thread of their own)."""
 
     def __init__(
-        self, addresses: Sequence[str], ranks: Sequence[int], worker: int, timeout: float
+        self,
+        addresses: Sequence[str],
+        ranks: Sequence[int],
+        worker: int,
+        timeout: float,
+        targets: Callable[[int], list[torch.Tensor]] | None = None,
+        load: Callable[[int, list[torch.Tensor]], None] | None = None,
     ) -> None:
-        self.worker = worker
+        self.worker, self.timeout = worker, timeout
         self.clients = {
             k: MailboxClient(
                 a,
@@ -52,6 +74,18 @@ class SyncLinks:
         self._pending: list[int] = []  # shards whose push answers are not read yet
         self._token_sent = False  # the token request went out early (overlap)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
+        self.waves = waves(ranks)
+        self.ahead = len(self.clients) > 1 and targets is not None and load is not None
+        self._taker: AnswerTaker | None = None
+        self._token_link: MailboxClient | None = None
+        self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
+        self._taking = False  # the taker has been told this step's pushes
+        if self.ahead:
+            assert targets is not None and load is not None
+            self._taker = AnswerTaker(self.clients, targets, load)
+            self._token_link = MailboxClient(
+                addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
+            )
 
     @property
     def chief(self) -> MailboxClient:
@@ -82,6 +116,17 @@ class SyncLinks:
         so far (one server: decided with the token).  ``hyper``: the worker's changed
         hyperparameters, for dedicated servers."""
         extra = {} if hyper is None else {"hyper": hyper}
+        if self.ahead and tag >= 0:
+            self._start_taking()
+            for i, wave in enumerate(self.waves):
+                for k in wave:
+                    self.push_shard(k, tag, parts[k], extra)
+                    if k == 0:
+                        self._send_token(tag)
+                if i + 1 < len(self.waves):  # the next wave once this one's bytes are out
+                    for k in wave:
+                        self.clients[k].wait_sent()
+            return True
         for k in self.shards:
             self.push_shard(k, tag, parts[k], extra)
         if tag < 0 and self.shards:  # bad input: the shard holding it raises first
@@ -92,17 +137,36 @@ class SyncLinks:
         return True
 
     def push_shard(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
-        """Send shard ``k >= 1`` its gradients now; the answer is read with the token."""
+        """Send shard ``k`` its gradients now (``k >= 1`` unless reading ahead); the answer is
+        read with the token."""
+        if self.ahead and tag >= 0:
+            self.clients[k].request(
+                "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k], **extra
+            )
+            self._ahead_sent[k] = self.clients[k].last_request
+            if self._taking:
+                assert self._taker is not None
+                self._taker.take(k)
+            return
         self.clients[k].request("push", worker=self.worker, tag=tag, grads=grads, **extra)
         self._pending.append(k)
 
-    def carry(self, grads: Grads, extra: dict[str, Any]) -> None:
-        """Shard 0's gradients travel with the token request (:meth:`token_and_read`)."""
+    def carry(self, grads: Grads, extra: dict[str, Any], tag: int = -1) -> None:
+        """Shard 0's gradients travel with the token request (:meth:`token_and_read`); when
+        reading ahead they are pushed now (tagged ``tag``), as every shard's."""
+        if self.ahead and tag >= 0:
+            self.push_shard(0, tag, grads, extra)
+            return
         self._carried, self._carried_extra = list(grads), extra
 
     def request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
         """Send the token request now (with shard 0's gradients, or the carried ones); its
         answer is read by :meth:`token_and_read`.  Overlap sends it from a gradient hook."""
+        if self.ahead and tag >= 0:
+            if grads is not None:
+                self.push_shard(0, tag, grads, extra)
+            self._send_token(tag)
+            return
         fields: dict[str, Any] = {"worker": self.worker, "tag": tag, "version": self.versions[0]}
         if grads is None and self._carried is not None:
             grads, self._carried = self._carried, None
@@ -112,6 +176,87 @@ class SyncLinks:
             fields.update(extra)
         self.chief.request("step", **fields)
         self._token_sent = True
+
+    def _send_token(self, tag: int) -> None:
+        """The token request alone, on the control-only link (read-ahead brings the values)."""
+        if self._token_sent:
+            return
+        assert self._token_link is not None
+        inc, seq = self._ahead_sent[0]  # the chief serves it once this push to shard 0 is in
+        self._token_link.request(
+            "step", worker=self.worker, tag=tag, version=-1, values=False,
+            after_inc=inc, after_seq=seq,
+        )  # fmt: skip
+        self._token_sent = True
+
+    def _start_taking(self) -> None:
+        """From now on the taker takes each push's answer (those sent so far first)."""
+        if self._taking:
+            return
+        assert self._taker is not None
+        self._taking = True
+        for k in self._ahead_sent:
+            self._taker.take(k)
+
+    def _release(self, pushes: dict[int, tuple[str, int]]) -> None:
+        """Tell the shards still holding this step's ``pushes`` that the token is here."""
+        for k, (inc, seq) in pushes.items():
+            try:
+                self.clients[k].notify("release", worker=self.worker, of_inc=inc, of_seq=seq)
+            except Exception as exc:  # a dead shard: its answer's receive reports it
+                log.info("worker rank %d: release to shard %d failed: %s", self.worker, k, exc)
+
+    def _token_and_read_ahead(
+        self, tag: int, load: Callable[[int, list[torch.Tensor]], None]
+    ) -> dict[str, Any]:
+        """:meth:`token_and_read` when reading ahead (module docstring)."""
+        assert self._taker is not None and self._token_link is not None
+        self._send_token(tag)
+        self._token_sent = False
+        self._start_taking()
+        sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+        try:
+            token = self._token_link.response()
+        except BaseException:
+            self._release(sent)  # nothing waits for them any more
+            try:
+                self._taker.end(self.timeout + 10.0)
+            except Exception as exc:
+                log.info("worker rank %d: read-ahead after a failed token: %s", self.worker, exc)
+            raise
+        self._release({k: p for k, p in sent.items() if k not in self._taker.answered})
+        answers = self._taker.end(self.timeout + 10.0)
+        for k, answer in answers.items():
+            self.versions[k] = int(answer["version"])
+        # a TF worker reads after its token, so it sees at least the token's step: a shard
+        # answered before a later update that the token stands for is read again
+        behind = [k for k in answers if self.versions[k] < int(token["token"])]
+        self._read(behind, {}, load)
+        self.shard_steps = [int(a["step"]) for a in answers.values()]
+        done = min(self.shard_steps)
+        return {
+            "token": int(token["token"]),
+            "accepted": bool(token["accepted"])
+            and all(bool(a["accepted"]) for a in answers.values()),
+            "global_step": max(int(token["global_step"]), done),
+        }
+
+    def _read(
+        self,
+        shards: Sequence[int],
+        into: dict[int, list[torch.Tensor]],
+        load: Callable[[int, list[torch.Tensor]], None],
+    ) -> None:
+        """Read ``shards``' values that changed since the last read, all replies' receives
+        posted before any is waited for."""
+        for k in shards:
+            self.clients[k].request("read", worker=self.worker, version=self.versions[k])
+        reads = {k: self.clients[k].begin_response(receive_into=into.get(k)) for k in shards}
+        for k, (_, finish) in reads.items():
+            values = finish()
+            self.versions[k] = int(values["version"])
+            if "params" in values:
+                load(k, values["params"])
 
     def _pushed(self) -> bool:
         """Read the answers to the shard pushes sent so far (in the order they were sent)."""
@@ -138,6 +283,8 @@ class SyncLinks:
         once its receive is posted, so every shard's link sends at once instead of one after
         another.  ``load(k, values)`` runs on shard k's values (views of the link's buffer,
         or of ``into[k]`` where they were received in place) once they are in."""
+        if self.ahead and tag >= 0:
+            return self._token_and_read_ahead(tag, load)
         if not self._token_sent:
             self.request_token(tag, None, {})
         self._token_sent = False
@@ -174,7 +321,7 @@ class SyncLinks:
     def _check_idle(self, op: str) -> None:
         """A query between backward and ``step()`` with overlap would take the place of a
         push's answer on its link (one request at a time): refuse it."""
-        if self._pending or self._token_sent:
+        if self._pending or self._token_sent or self._ahead_sent:
             raise RuntimeError(
                 f"SyncReplicasOptimizer: {op!r} while this step's pushes are in flight "
                 "(overlap=True pushes during backward): call it after step()"
@@ -196,4 +343,5 @@ class SyncLinks:
 
     @property
     def bytes_out(self) -> int:
-        return sum(c.bytes_out for c in self.clients.values())
+        token = 0 if self._token_link is None else self._token_link.bytes_out
+        return token + sum(c.bytes_out for c in self.clients.values())

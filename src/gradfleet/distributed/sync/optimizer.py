@@ -270,7 +270,9 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
             given = [addresses[k] for k in range(len(ranks))]
         self.server_addresses = list(given)
         self.server_address: str = given[0]
-        self._links = SyncLinks(given, ranks, self.worker, self.timeout)
+        self._links = SyncLinks(
+            given, ranks, self.worker, self.timeout, self._shard_params, self._load_shard
+        )
         step, values = self._links.hello([self._shard_params(k) for k in range(len(self._parts))])
         self.local_step = self.global_step = step  # TF's local_step_init_op
         for k, shard_values in values.items():

@@ -151,5 +151,5 @@ class OverlappedPushes:
             if k:
                 self._links.push_shard(k, tag, part, self._extra())
             else:
-                self._links.carry(part, self._extra())
+                self._links.carry(part, self._extra(), tag)
         return self._finish_step(tag, True)

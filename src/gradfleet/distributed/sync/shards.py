@@ -54,6 +54,7 @@ from ..membership import Membership
 from ..replies import Answer
 from .aggregator import GradientAggregator
 from .pieces import Piece, split_optimizer
+from .read_ahead import Held, HeldPushes
 
 __all__ = [
     "Applied",
@@ -65,6 +66,9 @@ __all__ = [
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
+    "push_answers",
+    "release_answers",
+    "values_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -320,19 +324,61 @@ class Applied:
     step: int
 
 
+def values_answer(shard: Shard, held: Held) -> Answer:
+    """The answer to a read-ahead push: accepted or not, the shard's step, and its values
+    unless the worker holds that version already."""
+    payload: dict[str, Any] = {"accepted": held.accepted, "step": shard.step, "version": shard.step}
+    if held.version != shard.step:
+        payload["params"] = shard.params
+    return Answer(held.ticket, payload, shard.values_key if "params" in payload else None)
+
+
+def push_answers(
+    shard: Shard, held: HeldPushes, msg: dict[str, Any], ticket: Any, accepted: bool, updated: bool
+) -> list[Answer]:
+    """Answers after a push was offered to ``shard``: a plain push is answered at once
+    (``accepted``, the shard's step); a read-ahead push (``ahead``: the version the worker
+    holds) is held until the shard's step passes its tag (:mod:`.read_ahead`), and an update
+    answers the held pushes it was waited for."""
+    if "ahead" not in msg:
+        return [Answer(ticket, {"accepted": accepted, "step": shard.step})]
+    push = Held(
+        int(msg["worker"]), (str(msg.get("inc", "")), int(msg.get("seq", -1))), ticket,
+        int(msg["tag"]), int(msg["ahead"]), accepted,
+    )  # fmt: skip
+    out = [] if held.hold(push, shard.step) else [values_answer(shard, push)]
+    if updated:
+        out += [values_answer(shard, h) for h in held.due(shard.step)]
+    return out
+
+
+def release_answers(shard: Shard, held: HeldPushes, msg: dict[str, Any]) -> list[Answer]:
+    """``release``: the worker has its token; answer its held push now (the release itself is
+    never answered: the worker does not wait for it)."""
+    push = held.release(int(msg["worker"]), (str(msg["of_inc"]), int(msg["of_seq"])))
+    return [] if push is None else [values_answer(shard, push)]
+
+
 class ShardServer:
-    """State machine of a non-chief shard: ``hello``, ``push``, ``read``, ``done``, ``stats``,
-    ``ema``; ``handle`` returns answers and, after an update, the :class:`Applied` effect."""
+    """State machine of a non-chief shard: ``hello``, ``push``, ``release``, ``read``,
+    ``done``, ``stats``, ``ema``; ``handle`` returns answers and, after an update, the
+    :class:`Applied` effect (before the answers it releases)."""
 
     def __init__(self, shard_id: int, shard: Shard, total_num_replicas: int, timeout: float):
         self.k, self.shard, self.N, self.timeout = shard_id, shard, total_num_replicas, timeout
         self.members = Membership(total_num_replicas, timeout, f"SyncReplicas shard {shard_id}")
+        self.held = HeldPushes()
 
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
         worker, op = int(msg["worker"]), msg["op"]
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
-            return [Answer(ticket, {})]
+            left = self.held.drop(worker)  # a forgotten worker's held push: answer it
+            return [Answer(ticket, {})] + (
+                [] if left is None else [values_answer(self.shard, left)]
+            )
+        if op == "release":
+            return list(release_answers(self.shard, self.held, msg))
         self.members.heard(worker)
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
@@ -342,8 +388,8 @@ class ShardServer:
         if op == "push":
             self.shard.follow(msg.get("hyper"))
             accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
-            answer = Answer(ticket, {"accepted": accepted, "step": self.shard.step})
-            return [Applied(self.k, self.shard.step), answer] if updated else [answer]
+            answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
+            return [Applied(self.k, self.shard.step), *answers] if updated else list(answers)
         if op == "read":
             values: dict[str, Any] = {"version": self.shard.step}
             if int(msg["version"]) != self.shard.step:

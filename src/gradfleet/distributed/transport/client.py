@@ -62,6 +62,7 @@ class MailboxClient:
         self._broken: str | None = None
         self.inc = uuid.uuid4().hex
         self.link: PairLink | LocalLink | None = None
+        self._notes: dist.Store | None = None  # a second connection, for notify()
         self._outbox, self._inbox = Packer(), Packer()
         try:
             self.store = dist.TCPStore(
@@ -107,6 +108,30 @@ class MailboxClient:
                 self.link.send(messages)
                 self.bytes_out += sum(m.numel() for m in messages)
             self.bytes_out += push_control(self.store, REQUESTS, message)
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc)
+
+    def wait_sent(self) -> None:
+        """Until the tensors of the last request have left (the link's send is done)."""
+        if self.link is not None:
+            self.link.wait_sent()
+
+    @property
+    def last_request(self) -> tuple[str, int]:
+        """``(incarnation, number)`` of the last request: what a :meth:`notify` can name."""
+        return self.inc, self._seq
+
+    def notify(self, op: str, **fields: Any) -> None:
+        """Send a control message that gets no reply, also while a request waits for its
+        reply (for example "release the push I sent").  It goes on a connection of its own:
+        the store client may be blocked in the reply's ``queue_pop`` on another thread."""
+        if self._broken:
+            raise ServerUnreachable(self._broken)
+        try:
+            if self._notes is None:
+                self._notes = self.store.clone()
+            message = dict(fields, op=op, client=self.client, inc=self.inc, seq=-1)
+            self.bytes_out += push_control(self._notes, REQUESTS, message)
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
