@@ -1,0 +1,248 @@
+"""Read-ahead (``sync/read_ahead.py``) on the state machines, without transport.
+
+A sharded worker pushes every shard with ``ahead`` (shard 0 to the chief), then asks the chief
+for a token naming its push to shard 0; a shard answers a push once it applied the update the
+push could join; when the token comes, the shards still holding the push are released, and a
+shard whose answer is older than the token is read again.  Checked against the single server
+(TF's protocol, push and token in one request) on the same arrival order, and every value a
+worker loads against the shard's own history: it must be the shard's variables at some step at
+or after the worker's token, as a TF worker's read after its token sees.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gradfleet.distributed.sync.aggregator import init_tokens
+from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.read_ahead import Held, HeldPushes
+from gradfleet.distributed.sync.shards import Shard, ShardServer, round_robin
+
+from .test_sync_replicas import FakeReply, serve
+from .test_sync_shards import F64, Cluster, _model_opt
+
+
+class CopyingReply(FakeReply):
+    """Keeps copies of the tensors it is sent, as the transport copies them before sending."""
+
+    def send(self, payload, share=None):
+        self.payload = {
+            k: [t.detach().clone() for t in v] if k == "params" else v for k, v in payload.items()
+        }
+
+
+class AheadCluster:
+    """Workers driving a chief + shard servers with read-ahead, in script order."""
+
+    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
+        opt = make_opt()
+        self.count = len([p for g in opt.param_groups for p in g["params"]])
+        self.parts = round_robin(self.count, shards)
+        tokens = init_tokens(num_tokens, R, N)
+        self.chief = SyncChief(
+            opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0], num_shards=shards
+        )
+        self.shards = [
+            ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step), N, 10)
+            for k in range(1, shards)
+        ]
+        self.local = [0] * N
+        self.versions = [[0] * shards for _ in range(N)]
+        self.seq = [0] * N
+        self.pending: list[dict | None] = [None] * N
+        self.seen: list[tuple[int, int, int]] = []  # (worker's token, shard, version loaded)
+        self.history = [{0: self._params(k)} for k in range(shards)]
+        self.releases = 0
+
+    def _server(self, k):
+        return self.chief if k == 0 else self.shards[k - 1]
+
+    def _params(self, k):
+        server = self._server(k)
+        params = server.params if k == 0 else server.shard.params
+        return [p.detach().clone() for p in params]
+
+    def _step_of(self, k):
+        return self.chief.shard.step if k == 0 else self.shards[k - 1].shard.step
+
+    def _serve(self, k, msg, reply=None):
+        reply = CopyingReply() if reply is None else reply
+        serve(self._server(k), msg, reply, perform=self._applied)
+        self._record()
+        return reply
+
+    def _applied(self, effect):
+        serve(self.chief, {"op": "applied", "shard": effect.shard, "step": effect.step})
+
+    def _record(self):
+        for k, hist in enumerate(self.history):
+            hist.setdefault(self._step_of(k), self._params(k))
+
+    def step(self, w, grads):
+        """Push to shard 0, ask for the token, push to the other shards (``SyncLinks.push``)."""
+        pushes, token = {}, CopyingReply()
+        for k in range(len(self.history)):
+            self.seq[w] += 1
+            msg = {
+                "op": "push", "worker": w, "tag": self.local[w], "inc": "i", "seq": self.seq[w],
+                "grads": [grads[i] for i in self.parts[k]], "ahead": self.versions[w][k],
+            }  # fmt: skip
+            pushes[k] = (self.seq[w], self._serve(k, msg))
+            if k == 0:
+                ask = {
+                    "op": "step", "worker": w, "tag": self.local[w], "version": -1,
+                    "values": False, "after_inc": "i", "after_seq": self.seq[w],
+                }  # fmt: skip
+                self._serve(0, ask, token)
+        self.pending[w] = {"pushes": pushes, "token": token}
+
+    def ready(self, w):
+        return self.pending[w] is not None and self.pending[w]["token"].payload is not None
+
+    def finish(self, w):
+        """Release what is still held, read again what is older than the token."""
+        pending, self.pending[w] = self.pending[w], None
+        token = pending["token"].payload
+        for k, (seq, reply) in pending["pushes"].items():
+            if reply.payload is None:
+                self.releases += 1
+                msg = {"op": "release", "worker": w, "of_inc": "i", "of_seq": seq}
+                self._serve(k, msg)  # answers the held push
+        answers = {k: reply.payload for k, (_, reply) in pending["pushes"].items()}
+        assert all(a is not None for a in answers.values()), "a released push stays held"
+        for k, a in answers.items():
+            version = int(a["version"])
+            if version < token["token"]:
+                a = self._serve(k, {"op": "read", "worker": w, "version": -1}).payload
+                version = int(a["version"])
+            if "params" in a:
+                self.seen.append((token["token"], k, version))
+                for got, want in zip(a["params"], self.history[k][version], strict=True):
+                    assert torch.equal(got, want), "values are not the shard's at that step"
+            self.versions[w][k] = version
+        self.local[w] = token["token"]
+        return bool(token["accepted"]) and all(bool(a["accepted"]) for a in answers.values())
+
+    def values(self):
+        out = [None] * self.count
+        for k in range(len(self.history)):
+            for i, p in zip(self.parts[k], self._params(k), strict=True):
+                out[i] = p
+        return out
+
+
+def _drive(cluster, schedule, grads_of, N):
+    accepted = []
+    for w in schedule:
+        if cluster.pending[w] is None:
+            cluster.step(w, grads_of(w, cluster.local[w]))
+        elif cluster.ready(w):
+            accepted.append((w, cluster.finish(w)))
+    return accepted
+
+
+def _ref_drive(cluster, schedule, grads_of, N):
+    pending, accepted = [None] * N, []
+    for w in schedule:
+        if pending[w] is None:
+            pending[w] = cluster.step(w, grads_of(w, cluster.local[w]))
+        elif pending[w].payload is not None:
+            accepted.append((w, cluster.finish(w, pending[w])))
+            pending[w] = None
+    return accepted
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(16))
+def test_random_schedules_equal_the_single_server(seed):
+    """Same arrival order (backups, N < R, initial and surplus tokens, stale drops,
+    last_step): the same updates, acceptances, local steps and variables, bit for bit, as one
+    server; every value a worker loads is its shard's at a step no older than its token."""
+    rnd = random.Random(seed)
+    N, R = rnd.randint(1, 4), rnd.randint(1, 4)
+    tokens = rnd.choice([-1, max(R - N, 0) + rnd.randint(0, 2)])
+    kind = "adam" if seed % 2 else "sgd"
+    schedule = [rnd.randrange(N) for _ in range(240)]
+    last_step = rnd.choice([None, 15])
+    shapes = [tuple(p.shape) for g in _model_opt(kind)().param_groups for p in g["params"]]
+
+    def grads_of(k, tag):
+        gen = torch.Generator().manual_seed(100 * k + tag)
+        return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
+
+    ref = Cluster(_model_opt(kind), R, N, tokens, 0, last_step)
+    ref_accepted = _ref_drive(ref, schedule, grads_of, N)
+    for shards in (2, 3):
+        ahead = AheadCluster(_model_opt(kind), R, N, tokens, shards, last_step)
+        accepted = _drive(ahead, schedule, grads_of, N)
+        assert ahead.chief.global_step == ref.chief.global_step
+        assert accepted == ref_accepted and ahead.local == ref.local
+        for got, want in zip(ahead.values(), ref.values(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert all(version >= token for token, _, version in ahead.seen)
+
+
+def test_release_lets_a_lone_worker_give_two_gradients_to_one_update():
+    """R = N = 2 with TF's initial tokens and worker 1 never pushing: a TF worker takes an
+    initial token, reads, and pushes a second gradient to the same update.  Holding its push
+    until that update would wait for itself; the release answers it with the current values."""
+    make = _model_opt("sgd")
+    shapes = [tuple(p.shape) for g in make().param_groups for p in g["params"]]
+
+    def grads_of(k, tag):
+        gen = torch.Generator().manual_seed(7 + tag)
+        return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
+
+    ahead, ref = AheadCluster(make, 2, 2, -1, 2), Cluster(make, 2, 2, -1, 0)
+    ahead.step(0, grads_of(0, 0))
+    assert ahead.ready(0)  # an initial token at once
+    assert all(r.payload is None for _, r in ahead.pending[0]["pushes"].values())  # held
+    ahead.finish(0)
+    assert ahead.releases == 2 and ahead.chief.global_step == 0
+    schedule = [0] * 12
+    _drive(ahead, schedule, grads_of, 2)
+    _ref_drive(ref, [0] * 2 + schedule, grads_of, 2)
+    assert ahead.chief.global_step == ref.chief.global_step >= 3
+    for got, want in zip(ahead.values(), ref.values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_token_request_waits_for_the_push_it_names():
+    """The token request overtook its push (control travels apart from tensors): the chief
+    answers it only once that push is in, as TF dequeues a token after its push."""
+    make = _model_opt("sgd")
+    chief = SyncChief(make(), 1, 1, 1, 10, indices=[0, 1], num_shards=2)
+    ask = {"op": "step", "worker": 0, "tag": 0, "version": -1, "values": False,
+           "after_inc": "i", "after_seq": 5}  # fmt: skip
+    token = serve(chief, ask)
+    assert token.payload is None
+    grads = [torch.ones(2, dtype=F64), torch.ones(3, 2, dtype=F64)]
+    push = {"op": "push", "worker": 0, "tag": 0, "inc": "i", "seq": 4, "grads": grads, "ahead": 0}
+    serve(chief, push)
+    assert token.payload is None  # an earlier push of that worker is not the one named
+    serve(chief, dict(push, seq=5))
+    assert token.payload is not None and token.payload["token"] == 0
+    assert "params" not in token.payload  # values=False: the push's answer brings them
+
+
+def _held(worker, seq, tag, accepted=True):
+    return Held(worker, ("i", seq), f"ticket {worker}/{seq}", tag, 0, accepted)
+
+
+def test_held_pushes_bookkeeping():
+    held = HeldPushes()
+    assert held.hold(_held(0, 1, tag=3), step=3)
+    assert not held.hold(_held(1, 1, tag=2), step=3)  # stale: answered at once
+    assert not held.hold(_held(2, 1, tag=3, accepted=False), step=3)  # dropped: at once
+    assert held.hold(_held(2, 2, tag=3), step=3) and len(held) == 2
+    assert held.due(3) == []
+    assert held.release(0, ("i", 9)) is None and len(held) == 2  # not its push: kept
+    assert [h.worker for h in held.due(4)] == [0, 2] and len(held) == 0
+    # a release that overtakes its push: the push is answered on arrival, the next one held
+    assert held.release(1, ("i", 7)) is None
+    assert not held.hold(_held(1, 7, tag=5), step=5)
+    assert held.hold(_held(1, 8, tag=5), step=5)
+    assert held.drop(1) is not None and len(held) == 0
