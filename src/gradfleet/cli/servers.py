@@ -181,7 +181,12 @@ def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> N
     joined.start()
     saved = None  # the request key lives in this job's store: a resumed job starts afresh
     while joined.is_alive():
-        asked = control.server_checkpoint_requested()
+        try:
+            asked = control.server_checkpoint_requested()
+        except dist.DistError as exc:  # rank 0 ended the job, and its store with it
+            joined.join()  # every worker left or went silent: the servers stop by themselves
+            log.info("dedicated server rank %d: the job's store is gone: %s", rank, exc)
+            break
         if asked is not None and asked != saved:
             _save(out, asked, rank, server)
             control.server_checkpoint_saved(asked, rank)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..transport import MailboxClient
+from ..transport import MailboxClient, ServerUnreachable
 from .answer_taker import AnswerTaker
 
 __all__ = ["SyncLinks", "waves"]
@@ -83,6 +83,8 @@ class SyncLinks:
         if self.ahead:
             assert targets is not None and load is not None
             self._taker = AnswerTaker(self.clients, targets, load)
+            for client in self.clients.values():  # releases must not connect to a dead server
+                client.open_notes()
             self._token_link = MailboxClient(
                 addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
             )
@@ -217,10 +219,12 @@ class SyncLinks:
         sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
         try:
             token = self._token_link.response()
-        except BaseException:
+        except BaseException as token_error:
             self._release(sent)  # nothing waits for them any more
             try:
                 self._taker.end(self.timeout + 10.0)
+            except ServerUnreachable as link_error:  # a shard's own link saw it die: say so
+                raise link_error from token_error
             except Exception as exc:
                 log.info("worker rank %d: read-ahead after a failed token: %s", self.worker, exc)
             raise

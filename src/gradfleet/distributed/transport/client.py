@@ -121,6 +121,12 @@ class MailboxClient:
         """``(incarnation, number)`` of the last request: what a :meth:`notify` can name."""
         return self.inc, self._seq
 
+    def open_notes(self) -> None:
+        """Open :meth:`notify`'s connection now, while the server is known to be alive (a
+        store client connecting to a dead server retries until its timeout)."""
+        if self._notes is None:
+            self._notes = self.store.clone()
+
     def notify(self, op: str, **fields: Any) -> None:
         """Send a control message that gets no reply, also while a request waits for its
         reply (for example "release the push I sent").  It goes on a connection of its own:
@@ -128,8 +134,8 @@ class MailboxClient:
         if self._broken:
             raise ServerUnreachable(self._broken)
         try:
-            if self._notes is None:
-                self._notes = self.store.clone()
+            self.open_notes()
+            assert self._notes is not None
             message = dict(fields, op=op, client=self.client, inc=self.inc, seq=-1)
             self.bytes_out += push_control(self._notes, REQUESTS, message)
         except (dist.DistError, RuntimeError) as exc:
