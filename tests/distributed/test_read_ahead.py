@@ -246,3 +246,47 @@ def test_held_pushes_bookkeeping():
     assert not held.hold(_held(1, 7, tag=5), step=5)
     assert held.hold(_held(1, 8, tag=5), step=5)
     assert held.drop(1) is not None and len(held) == 0
+
+
+def test_waves_group_each_server_ranks_shards_by_their_place():
+    from gradfleet.distributed.sync.links import waves
+
+    assert waves([0, 1, 2, 3]) == [[0, 1, 2, 3]]
+    assert waves([4, 5, 6, 7] * 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert waves([0, 0, 1]) == [[0, 2], [1]]
+
+
+# --------------------------------------------------------------------- real processes
+@pytest.mark.timeout(120)
+def test_waves_over_processes_match_the_single_server():
+    """Two shards on each of ranks 0 and 1 (two waves, read-ahead): R = N = 3 with no initial
+    tokens runs in lockstep, so Adam's 12 updates equal rank 0 alone serving (up to the order
+    of the 3-term sums)."""
+    from gradfleet.distributed.testing import run_ranks
+
+    from . import sync_ranks
+
+    args = (3, 3, 12, "server", None, 0.0, 4, None, 20.0)
+    one = run_ranks(sync_ranks.sync_train, 3, args=(*args, None, 0, True), timeout=90)
+    waves = run_ranks(sync_ranks.sync_train, 3, args=(*args, [0, 1, 0, 1], 0, True), timeout=90)
+    for r in range(3):
+        assert one[r]["global_step"] == waves[r]["global_step"] == 12
+        assert waves[r]["counters"] == {"accepted": 12, "dropped": 0}
+        for a, b in zip(one[r]["params"], waves[r]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_waves_with_a_backup_worker_train_to_the_same_variables():
+    """R = 3 of N = 4, two shards on each of ranks 1 and 3: stale pushes, surplus tokens and
+    re-reads over real links; everyone reaches the step and ends on the same variables."""
+    from gradfleet.distributed.testing import run_ranks
+
+    from . import sync_ranks
+
+    args = (3, 4, 15, "server", None, 0.0, 4, None, 20.0, [1, 3, 1, 3])
+    out = run_ranks(sync_ranks.sync_train, 4, args=args, timeout=90)
+    for r in range(4):
+        assert out[r]["global_step"] == 15
+        for a, b in zip(out[r]["params"], out[0]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

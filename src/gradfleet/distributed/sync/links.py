@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..transport import MailboxClient, ServerUnreachable
-from .answer_taker import AnswerTaker
+from .answer_taker import AnswerTaker, TokenWaiter
 
 __all__ = ["SyncLinks", "waves"]
 
@@ -77,6 +77,7 @@ class SyncLinks:
         self.waves = waves(ranks)
         self.ahead = len(self.clients) > 1 and targets is not None and load is not None
         self._taker: AnswerTaker | None = None
+        self._token: TokenWaiter | None = None
         self._token_link: MailboxClient | None = None
         self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
@@ -88,6 +89,7 @@ class SyncLinks:
             self._token_link = MailboxClient(
                 addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
             )
+            self._token = TokenWaiter(self._token_link, self._taker.cond)
 
     @property
     def chief(self) -> MailboxClient:
@@ -125,9 +127,8 @@ class SyncLinks:
                     self.push_shard(k, tag, parts[k], extra)
                     if k == 0:
                         self._send_token(tag)
-                if i + 1 < len(self.waves):  # the next wave once this one's bytes are out
-                    for k in wave:
-                        self.clients[k].wait_sent()
+                if i + 1 < len(self.waves):
+                    self._wait_wave(wave)
             return True
         for k in self.shards:
             self.push_shard(k, tag, parts[k], extra)
@@ -179,6 +180,19 @@ class SyncLinks:
         self.chief.request("step", **fields)
         self._token_sent = True
 
+    def _wait_wave(self, wave: Sequence[int]) -> None:
+        """Before the next wave: until this wave's shards have answered (they applied it and
+        send their values while the next wave travels), or the token came (then nothing
+        held may be waited for: it is released).  Why not just until the wave's bytes are
+        sent: the kernel's socket buffers take megabytes at once, and the next wave's
+        connections would share the link with this one's instead of following it."""
+        assert self._taker is not None and self._token is not None
+        taker, token = self._taker, self._token
+        with taker.cond:
+            taker.cond.wait_for(
+                lambda: token.done or set(wave) <= taker.answered, self.timeout + 10.0
+            )
+
     def _send_token(self, tag: int) -> None:
         """The token request alone, on the control-only link (read-ahead brings the values)."""
         if self._token_sent:
@@ -189,6 +203,8 @@ class SyncLinks:
             "step", worker=self.worker, tag=tag, version=-1, values=False,
             after_inc=inc, after_seq=seq,
         )  # fmt: skip
+        assert self._token is not None
+        self._token.start()
         self._token_sent = True
 
     def _start_taking(self) -> None:
@@ -212,13 +228,13 @@ class SyncLinks:
         self, tag: int, load: Callable[[int, list[torch.Tensor]], None]
     ) -> dict[str, Any]:
         """:meth:`token_and_read` when reading ahead (module docstring)."""
-        assert self._taker is not None and self._token_link is not None
+        assert self._taker is not None and self._token is not None
         self._send_token(tag)
         self._token_sent = False
         self._start_taking()
         sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
         try:
-            token = self._token_link.response()
+            token = self._token.result(self.timeout + 20.0)
         except BaseException as token_error:
             self._release(sent)  # nothing waits for them any more
             try:
