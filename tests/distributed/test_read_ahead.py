@@ -97,7 +97,7 @@ class AheadCluster:
                     "values": False, "after_inc": "i", "after_seq": self.seq[w],
                 }  # fmt: skip
                 self._serve(0, ask, token)
-        self.pending[w] = {"pushes": pushes, "token": token}
+        self.pending[w] = {"pushes": pushes, "token": token, "tag": self.local[w]}
 
     def ready(self, w):
         return self.pending[w] is not None and self.pending[w]["token"].payload is not None
@@ -108,6 +108,9 @@ class AheadCluster:
         token = pending["token"].payload
         for k, (seq, reply) in pending["pushes"].items():
             if reply.payload is None:
+                # SyncLinks releases only on a surplus token: a later token means every
+                # shard applied the update this push could join, and so answered it
+                assert token["token"] <= pending["tag"], "a push held past its update"
                 self.releases += 1
                 msg = {"op": "release", "worker": w, "of_inc": "i", "of_seq": seq}
                 self._serve(k, msg)  # answers the held push

@@ -244,7 +244,9 @@ class SyncLinks:
             except Exception as exc:
                 log.info("worker rank %d: read-ahead after a failed token: %s", self.worker, exc)
             raise
-        self._release({k: p for k, p in sent.items() if k not in self._taker.answered})
+        if int(token["token"]) <= tag:  # a surplus token: the update may still wait for us
+            self._release({k: p for k, p in sent.items() if k not in self._taker.answered})
+        # else every shard applied the update our push could join, and answered it
         answers = self._taker.end(self.timeout + 10.0)
         for k, answer in answers.items():
             self.versions[k] = int(answer["version"])
