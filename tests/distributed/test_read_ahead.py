@@ -11,8 +11,6 @@ or after the worker's token, as a TF worker's read after its token sees.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -22,7 +20,8 @@ from gradfleet.distributed.sync.read_ahead import Held, HeldPushes
 from gradfleet.distributed.sync.shards import Shard, ShardServer, round_robin
 
 from .test_sync_replicas import FakeReply, serve
-from .test_sync_shards import F64, Cluster, _model_opt
+from .test_sync_shards import F64, Cluster, _model_opt, random_job
+from .test_sync_shards import _drive as _ref_drive
 
 
 class CopyingReply(FakeReply):
@@ -147,35 +146,13 @@ def _drive(cluster, schedule, grads_of, N):
     return accepted
 
 
-def _ref_drive(cluster, schedule, grads_of, N):
-    pending, accepted = [None] * N, []
-    for w in schedule:
-        if pending[w] is None:
-            pending[w] = cluster.step(w, grads_of(w, cluster.local[w]))
-        elif pending[w].payload is not None:
-            accepted.append((w, cluster.finish(w, pending[w])))
-            pending[w] = None
-    return accepted
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("seed", range(16))
 def test_random_schedules_equal_the_single_server(seed):
     """Same arrival order (backups, N < R, initial and surplus tokens, stale drops,
     last_step): the same updates, acceptances, local steps and variables, bit for bit, as one
     server; every value a worker loads is its shard's at a step no older than its token."""
-    rnd = random.Random(seed)
-    N, R = rnd.randint(1, 4), rnd.randint(1, 4)
-    tokens = rnd.choice([-1, max(R - N, 0) + rnd.randint(0, 2)])
-    kind = "adam" if seed % 2 else "sgd"
-    schedule = [rnd.randrange(N) for _ in range(240)]
-    last_step = rnd.choice([None, 15])
-    shapes = [tuple(p.shape) for g in _model_opt(kind)().param_groups for p in g["params"]]
-
-    def grads_of(k, tag):
-        gen = torch.Generator().manual_seed(100 * k + tag)
-        return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
-
+    N, R, tokens, kind, schedule, last_step, grads_of = random_job(seed, 240)
     ref = Cluster(_model_opt(kind), R, N, tokens, 0, last_step)
     ref_accepted = _ref_drive(ref, schedule, grads_of, N)
     for shards in (2, 3):

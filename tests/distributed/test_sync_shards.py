@@ -154,16 +154,14 @@ def _drive(cluster, schedule, grads_of, N):
     return accepted
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("seed", range(12))
-def test_random_schedules_identical_to_single_server(seed):
-    """Same arrival order (backups, N < R, stale drops, last_step included): bit-identical
-    variables, steps, acceptance and shard-0 counters with 1, 2 and 3 servers."""
+def random_job(seed, length):
+    """A random job: ``(N, R, num_tokens, optimizer kind, schedule of workers, last_step,
+    grads_of(worker, tag))``; backups, ``N < R``, initial tokens and ``last_step`` included."""
     rnd = random.Random(seed)
     N, R = rnd.randint(1, 4), rnd.randint(1, 4)
     tokens = rnd.choice([-1, max(R - N, 0) + rnd.randint(0, 2)])
     kind = "adam" if seed % 2 else "sgd"
-    schedule = [rnd.randrange(N) for _ in range(200)]
+    schedule = [rnd.randrange(N) for _ in range(length)]
     last_step = rnd.choice([None, 15])
     shapes = [tuple(p.shape) for g in _model_opt(kind)().param_groups for p in g["params"]]
 
@@ -171,6 +169,15 @@ def test_random_schedules_identical_to_single_server(seed):
         gen = torch.Generator().manual_seed(100 * k + tag)
         return [torch.randn(s, generator=gen, dtype=F64) for s in shapes]
 
+    return N, R, tokens, kind, schedule, last_step, grads_of
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_schedules_identical_to_single_server(seed):
+    """Same arrival order (backups, N < R, stale drops, last_step included): bit-identical
+    variables, steps, acceptance and shard-0 counters with 1, 2 and 3 servers."""
+    N, R, tokens, kind, schedule, last_step, grads_of = random_job(seed, 200)
     runs = []
     for shards in (0, 2, 3):
         cluster = Cluster(_model_opt(kind), R, N, tokens, shards, last_step)
