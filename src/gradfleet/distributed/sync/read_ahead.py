@@ -10,7 +10,8 @@ is applied), then answered with the shard's values; the worker waits for its tok
 This changes no value a worker can observe, compared with some TF interleaving:
 
 * a push that cannot join an update (stale, dropped, past ``last_step``) is answered at once,
-  with the current values, as a TF worker holding an old token reads them;
+  without values: the worker reads after its token, as TF's does (such pushes are a slow or
+  backup worker's, whose link would otherwise carry the values twice);
 * a held push is answered with the values just after the update it joined.  The worker then
   checks them against its token ``g``: a TF read after the token sees step ``g`` or later, so a
   shard whose answer shows a step below ``g`` is read again (``read``), as before;

@@ -324,11 +324,14 @@ class Applied:
     step: int
 
 
-def values_answer(shard: Shard, held: Held) -> Answer:
+def values_answer(shard: Shard, held: Held, values: bool = True) -> Answer:
     """The answer to a read-ahead push: accepted or not, the shard's step, and its values
-    unless the worker holds that version already."""
+    unless the worker holds that version already (or ``values=False``: the answer then
+    names the version the worker holds, and the worker reads after its token)."""
     payload: dict[str, Any] = {"accepted": held.accepted, "step": shard.step, "version": shard.step}
-    if held.version != shard.step:
+    if not values:
+        payload["version"] = held.version
+    elif held.version != shard.step:
         payload["params"] = shard.params
     return Answer(held.ticket, payload, shard.values_key if "params" in payload else None)
 
@@ -346,7 +349,9 @@ def push_answers(
         int(msg["worker"]), (str(msg.get("inc", "")), int(msg.get("seq", -1))), ticket,
         int(msg["tag"]), int(msg["ahead"]), accepted,
     )  # fmt: skip
-    out = [] if held.hold(push, shard.step) else [values_answer(shard, push)]
+    # a push that joins no update (stale, dropped, past last_step) is a slow or backup
+    # worker's: its values would cross its link twice (now, and again after a later token)
+    out = [] if held.hold(push, shard.step) else [values_answer(shard, push, accepted)]
     if updated:
         out += [values_answer(shard, h) for h in held.due(shard.step)]
     return out
