@@ -54,7 +54,7 @@ from ..membership import Membership
 from ..replies import Answer
 from .aggregator import GradientAggregator
 from .pieces import Piece, split_optimizer
-from .read_ahead import Held, HeldPushes
+from .read_ahead import HeldPushes, push_answers, release_answers, values_answer
 
 __all__ = [
     "Applied",
@@ -66,9 +66,6 @@ __all__ = [
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
-    "push_answers",
-    "release_answers",
-    "values_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -322,46 +319,6 @@ class Applied:
 
     shard: int
     step: int
-
-
-def values_answer(shard: Shard, held: Held, values: bool = True) -> Answer:
-    """The answer to a read-ahead push: accepted or not, the shard's step, and its values
-    unless the worker holds that version already (or ``values=False``: the answer then
-    names the version the worker holds, and the worker reads after its token)."""
-    payload: dict[str, Any] = {"accepted": held.accepted, "step": shard.step, "version": shard.step}
-    if not values:
-        payload["version"] = held.version
-    elif held.version != shard.step:
-        payload["params"] = shard.params
-    return Answer(held.ticket, payload, shard.values_key if "params" in payload else None)
-
-
-def push_answers(
-    shard: Shard, held: HeldPushes, msg: dict[str, Any], ticket: Any, accepted: bool, updated: bool
-) -> list[Answer]:
-    """Answers after a push was offered to ``shard``: a plain push is answered at once
-    (``accepted``, the shard's step); a read-ahead push (``ahead``: the version the worker
-    holds) is held until the shard's step passes its tag (:mod:`.read_ahead`), and an update
-    answers the held pushes it was waited for."""
-    if "ahead" not in msg:
-        return [Answer(ticket, {"accepted": accepted, "step": shard.step})]
-    push = Held(
-        int(msg["worker"]), (str(msg.get("inc", "")), int(msg.get("seq", -1))), ticket,
-        int(msg["tag"]), int(msg["ahead"]), accepted,
-    )  # fmt: skip
-    # a push that joins no update (stale, dropped, past last_step) is a slow or backup
-    # worker's: its values would cross its link twice (now, and again after a later token)
-    out = [] if held.hold(push, shard.step) else [values_answer(shard, push, accepted)]
-    if updated:
-        out += [values_answer(shard, h) for h in held.due(shard.step)]
-    return out
-
-
-def release_answers(shard: Shard, held: HeldPushes, msg: dict[str, Any]) -> list[Answer]:
-    """``release``: the worker has its token; answer its held push now (the release itself is
-    never answered: the worker does not wait for it)."""
-    push = held.release(int(msg["worker"]), (str(msg["of_inc"]), int(msg["of_seq"])))
-    return [] if push is None else [values_answer(shard, push)]
 
 
 class ShardServer:
