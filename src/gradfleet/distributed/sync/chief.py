@@ -49,7 +49,7 @@ from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
 from .read_ahead import HeldPushes, push_answers, release_answers, values_answer
-from .shards import Shard
+from .shards import Shard, read_answer
 
 __all__ = ["SyncChief"]
 
@@ -157,11 +157,8 @@ class SyncChief:
             updated = self.shard.step != before
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
-            early = self.early.pop(worker, None)
-            if early is not None and self._pushed_before(early[0]):
-                self._wait_for_token(early[0], early[1], True)
-            elif early is not None:
-                self.early[worker] = early
+            if worker in self.early and self._pushed_before(self.early[worker][0]):
+                self._wait_for_token(*self.early.pop(worker), True)
             return [*answers, *self._serve_tokens()]
         if op == "step" and not self._pushed_before(msg):
             self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
@@ -171,10 +168,7 @@ class SyncChief:
             self._wait_for_token(msg, ticket, accepted)
             return self._serve_tokens()
         if op == "read":  # read-ahead: shard 0 read again after a later token
-            values: dict[str, Any] = {"version": self.shard.step}
-            if int(msg["version"]) != self.shard.step:
-                values["params"] = self.params
-            return [Answer(ticket, values, self.shard.values_key if "params" in values else None)]
+            return [read_answer(self.shard, ticket, int(msg["version"]))]
         if op == "stats":
             return [
                 Answer(ticket, {"global_step": self.global_step, "stats": self.aggregator.stats})

@@ -253,7 +253,7 @@ class SyncLinks:
         # a TF worker reads after its token, so it sees at least the token's step: a shard
         # answered before a later update that the token stands for is read again
         behind = [k for k in answers if self.versions[k] < int(token["token"])]
-        self._read(behind, {}, load)
+        self._read(behind, {k: self._taker.targets(k) for k in behind}, load)
         self.shard_steps = [int(a["step"]) for a in answers.values()]
         done = min(self.shard_steps)
         return {

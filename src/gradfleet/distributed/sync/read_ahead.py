@@ -94,11 +94,6 @@ class HeldPushes:
         self._released.pop(worker, None)
         return self._held.pop(worker, None)
 
-    def all(self) -> list[Held]:
-        """Every held push, removed (the shard stops: answer them all)."""
-        out, self._held = list(self._held.values()), {}
-        return out
-
 
 def values_answer(shard: Any, held: Held, values: bool = True) -> Answer:
     """The answer to a read-ahead push: accepted or not, the shard's step, and its values

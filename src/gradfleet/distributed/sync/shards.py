@@ -66,6 +66,7 @@ __all__ = [
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
+    "read_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,14 @@ class Shard:
                 self.ema.shadows[int(i)] = s.clone()
 
 
+def read_answer(shard: Shard, ticket: Any, version: int) -> Answer:
+    """``read``: the shard's step, and its values unless the worker holds ``version``."""
+    values: dict[str, Any] = {"version": shard.step}
+    if version != shard.step:
+        values["params"] = shard.params
+    return Answer(ticket, values, shard.values_key if "params" in values else None)
+
+
 @dataclass(frozen=True)
 class Applied:
     """Effect: shard ``shard`` applied its update number ``step``.  The hosting code reports it
@@ -340,7 +349,7 @@ class ShardServer:
                 [] if left is None else [values_answer(self.shard, left)]
             )
         if op == "release":
-            return list(release_answers(self.shard, self.held, msg))
+            return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
@@ -353,10 +362,7 @@ class ShardServer:
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             return [Applied(self.k, self.shard.step), *answers] if updated else list(answers)
         if op == "read":
-            values: dict[str, Any] = {"version": self.shard.step}
-            if int(msg["version"]) != self.shard.step:
-                values["params"] = self.shard.params
-            return [Answer(ticket, values, self.shard.values_key if "params" in values else None)]
+            return [read_answer(self.shard, ticket, int(msg["version"]))]
         if op == "stats":
             return [Answer(ticket, {"stats": self.shard.aggregator.stats})]
         if op == "ema":

@@ -111,11 +111,6 @@ class MailboxClient:
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
-    def wait_sent(self) -> None:
-        """Until the tensors of the last request have left (the link's send is done)."""
-        if self.link is not None:
-            self.link.wait_sent()
-
     @property
     def last_request(self) -> tuple[str, int]:
         """``(incarnation, number)`` of the last request: what a :meth:`notify` can name."""
