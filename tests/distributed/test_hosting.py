@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from gradfleet.distributed import hosting
-from gradfleet.distributed.hosting import choose_server_host, env_server_host, server_host
+from gradfleet.distributed.hosting import (
+    HostedServer,
+    choose_server_host,
+    env_server_host,
+    server_host,
+)
+from gradfleet.distributed.membership import Membership
+from gradfleet.distributed.replies import Answer
+from gradfleet.distributed.transport import ServerUnreachable
 
 ONE_HOST = [("node-a", "10.0.0.1")] * 3
 TWO_HOSTS = [("node-a", "10.0.0.1"), ("node-a", "10.0.0.1"), ("node-b", "10.0.0.2")]
@@ -65,3 +73,39 @@ def test_env_server_host_follows_master_addr(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     with pytest.raises(ValueError, match="GRADFLEET_SERVER_HOST"):
         env_server_host()
+
+
+class _Ticket:
+    def __init__(self) -> None:
+        self.payloads: list[dict] = []
+
+    def send(self, payload, share=None, fresh=False):
+        self.payloads.append(payload)
+
+
+class _Idle:
+    def handle(self, msg, ticket):
+        return []
+
+    def tick(self):
+        return []
+
+
+def test_answers_after_a_failed_effect_carry_its_error():
+    """A shard's report to a dead chief fails: the answers the update released after it still
+    go out, as the report's error (naming the chief), instead of never."""
+
+    def report(effect):
+        raise ServerUnreachable("server rank 2 (chief) at 127.0.0.1:1 closed the connection")
+
+    hosted = HostedServer(_Idle(), Membership(1, 5.0), "127.0.0.1", "shard", perform=report)
+    try:
+        before, after = _Ticket(), _Ticket()
+        outputs = [Answer(before, {"step": 1}), "applied", Answer(after, {"step": 1})]
+        with pytest.raises(ServerUnreachable, match="server rank 2"):
+            hosted._emit(outputs)
+        assert before.payloads == [{"step": 1}]
+        (payload,) = after.payloads
+        assert payload["error"] == "ServerUnreachable" and "server rank 2" in payload["message"]
+    finally:
+        hosted.mailbox.close()

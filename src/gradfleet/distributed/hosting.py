@@ -235,13 +235,22 @@ class HostedServer:
         self._emit(self.machine.tick())
 
     def _emit(self, outputs: list[Any]) -> None:
-        for out in outputs:
+        for i, out in enumerate(outputs):
             if isinstance(out, Answer):
                 out.ticket.send(out.payload, share=out.share, fresh=out.fresh)
-            elif self._perform is not None:
+                continue
+            try:
+                if self._perform is None:
+                    raise TypeError(f"{self.name}: no way to perform the effect {out!r}")
                 self._perform(out)
-            else:
-                raise TypeError(f"{self.name}: no way to perform the effect {out!r}")
+            except Exception as exc:
+                # the answers after a failed effect (e.g. a shard's report to a dead chief)
+                # would otherwise never be sent, and their workers wait for the timeout:
+                # they get the effect's error, which names its cause
+                for rest in outputs[i + 1 :]:
+                    if isinstance(rest, Answer):
+                        rest.ticket.send({"error": type(exc).__name__, "message": str(exc)})
+                raise
 
     def close(self, deadline: float) -> None:
         """Serve until every expected worker left or went silent (or ``deadline``, a
