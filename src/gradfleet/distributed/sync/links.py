@@ -122,13 +122,17 @@ class SyncLinks:
         extra = {} if hyper is None else {"hyper": hyper}
         if self.ahead and tag >= 0:
             self._start_taking()
-            for i, wave in enumerate(self.waves):
-                for k in wave:
-                    self.push_shard(k, tag, parts[k], extra)
-                    if k == 0:
-                        self._send_token(tag)
-                if i + 1 < len(self.waves):
-                    self._wait_wave(wave)
+            try:
+                for i, wave in enumerate(self.waves):
+                    for k in wave:
+                        self.push_shard(k, tag, parts[k], extra)
+                        if k == 0:
+                            self._send_token(tag)
+                    if i + 1 < len(self.waves):
+                        self._wait_wave(wave)
+            except BaseException:
+                self._abort_pushes()
+                raise
             return True
         for k in self.shards:
             self.push_shard(k, tag, parts[k], extra)
@@ -215,6 +219,18 @@ class SyncLinks:
         self._taking = True
         for k in self._ahead_sent:
             self._taker.take(k)
+
+    def _abort_pushes(self) -> None:
+        """A push failed (its shard is gone): release what the other shards hold and let the
+        taker finish this step, so that its thread is not left waiting on a connection that
+        :meth:`leave` then uses, for answers that would come only with an update."""
+        assert self._taker is not None
+        sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+        self._release(sent)
+        try:
+            self._taker.end(self.timeout + 10.0)
+        except Exception as exc:  # the push's own error is the one raised
+            log.info("worker rank %d: read-ahead after a failed push: %s", self.worker, exc)
 
     def _release(self, pushes: dict[int, tuple[str, int]]) -> None:
         """Tell the shards still holding this step's ``pushes`` that the token is here."""

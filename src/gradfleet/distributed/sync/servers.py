@@ -4,8 +4,13 @@
 ``server_ranks[0]``, a :class:`~.shards.ShardServer` for every other shard this rank hosts),
 serves each on its own :class:`~gradfleet.distributed.hosting.HostedServer`, and performs their
 effects: a shard's :class:`~.shards.Applied` becomes an ``applied`` report to the chief, and the
-chief probes the shard servers every ``PROBE_S`` seconds, so that a dead one makes every worker
-fail with an error naming it (:meth:`~.chief.SyncChief.unreachable`).
+chief's rank probes every other server rank every ``PROBE_S`` seconds, so that a dead one makes
+every worker fail with an error naming it (:meth:`~.chief.SyncChief.unreachable`).
+
+The probes run on a thread of their own and the chief's tick only reads their verdict: a probe
+is a round trip, and over links whose queues are full of gradients it takes tens of
+milliseconds, which on the chief's own thread held up tokens, pushes and reports (one probe
+per server rank, not per shard: the shards of one rank live and die with its process).
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ class SyncServers:
         self._unread: set[int] = set()  # shards whose last report's answer is not read yet
         self._linked = threading.Event()
         self._probes: dict[str, Callable[[], None]] = {}
-        self._probed = 0.0
+        self._probe_failure: tuple[str, str] | None = None  # (whom, why): the probing thread's
+        self._stop_probing = threading.Event()
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
@@ -106,13 +112,20 @@ class SyncServers:
                 data=False,  # "applied" reports carry no tensors
             )
         self._linked.set()
-        if self.chief is not None:
-            self._probes = {
-                f"shard server rank {self.ranks[k]} (shard {k}) at {addresses[k]}": probe(
-                    addresses[k], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
-                )
-                for k in range(1, len(self.ranks))
-            }
+        if self.chief is None:
+            return
+        hosted: dict[int, list[int]] = {}  # other server ranks -> their shards
+        for k in range(1, len(self.ranks)):
+            if self.ranks[k] != self.ranks[0]:
+                hosted.setdefault(self.ranks[k], []).append(k)
+        for r, ks in hosted.items():
+            shards = f"shard {ks[0]}" if len(ks) == 1 else f"shards {', '.join(map(str, ks))}"
+            name = f"shard server rank {r} ({shards}) at {addresses[ks[0]]}"
+            self._probes[name] = probe(
+                addresses[ks[0]], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
+            )
+        if self._probes:
+            threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True).start()
 
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
@@ -135,26 +148,29 @@ class SyncServers:
         client.request("applied", worker=-1, shard=effect.shard, step=effect.step)
         self._unread.add(effect.shard)
 
+    def _probe(self) -> None:
+        """The probing thread: every ``PROBE_S`` seconds, each other server rank once, until
+        one is gone (its verdict is for :meth:`_watch`) or the servers close."""
+        while not self._stop_probing.wait(PROBE_S):
+            for name, check in self._probes.items():
+                try:
+                    check()
+                except Exception as exc:  # any failure to reach it: the shard server is gone
+                    log.warning("SyncReplicas chief: probe of %s failed: %s", name, exc)
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    self._probe_failure = (name, f"{type(exc).__name__}: {first}")
+                    return
+
     def _watch(self) -> list[Answer]:
-        """The chief's tick: probe the shard servers every ``PROBE_S`` seconds."""
-        now = time.monotonic()
+        """The chief's tick: a failed probe fails every worker's request (once)."""
         chief = self.chief
-        if chief is None or not self._probes or chief.broken is not None:
+        if chief is None or self._probe_failure is None or chief.broken is not None:
             return []
-        if now - self._probed <= PROBE_S:
-            return []
-        self._probed = now
-        for name, check in self._probes.items():
-            try:
-                check()
-            except Exception as exc:  # any failure to reach it: the shard server is gone
-                log.warning("SyncReplicas chief: probe of %s failed: %s", name, exc)
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                return chief.unreachable(
-                    f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "
-                    f"stops at global step {chief.global_step}: {type(exc).__name__}: {first}"
-                )
-        return []
+        name, why = self._probe_failure
+        return chief.unreachable(
+            f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief stops at "
+            f"global step {chief.global_step}: {why}"
+        )
 
     # ------------------------------------------------------------------ end
     def close(self, deadline: float | None = None) -> None:
@@ -168,3 +184,4 @@ class SyncServers:
         if self._chief_server is not None:
             self._chief_server.close(end)
             self._chief_server = None
+        self._stop_probing.set()
