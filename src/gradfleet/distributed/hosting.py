@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from .membership import Membership
-from .replies import Answer
+from .replies import Answer, error
 from .transport import MailboxServer
 
 __all__ = [
@@ -249,7 +249,8 @@ class HostedServer:
                 # they get the effect's error, which names its cause
                 for rest in outputs[i + 1 :]:
                     if isinstance(rest, Answer):
-                        rest.ticket.send({"error": type(exc).__name__, "message": str(exc)})
+                        failed = error(rest.ticket, type(exc).__name__, str(exc))
+                        failed.ticket.send(failed.payload)
                 raise
 
     def close(self, deadline: float) -> None:

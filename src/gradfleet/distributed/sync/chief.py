@@ -48,8 +48,8 @@ from ..moving_average import ExponentialMovingAverage
 from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
-from .read_ahead import HeldPushes, push_answers, release_answers, values_answer
-from .shards import Shard, read_answer
+from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
+from .shards import Shard
 
 __all__ = ["SyncChief"]
 

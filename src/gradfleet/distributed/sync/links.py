@@ -131,7 +131,8 @@ class SyncLinks:
                     if i + 1 < len(self.waves):
                         self._wait_wave(wave)
             except BaseException:
-                self._abort_pushes()
+                sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+                self._abandon(sent)  # the failed push's own error names its shard
                 raise
             return True
         for k in self.shards:
@@ -220,17 +221,20 @@ class SyncLinks:
         for k in self._ahead_sent:
             self._taker.take(k)
 
-    def _abort_pushes(self) -> None:
-        """A push failed (its shard is gone): release what the other shards hold and let the
-        taker finish this step, so that its thread is not left waiting on a connection that
-        :meth:`leave` then uses, for answers that would come only with an update."""
+    def _abandon(self, sent: dict[int, tuple[str, int]]) -> ServerUnreachable | None:
+        """The step failed (a push or the token): release what the shards hold of ``sent`` and
+        let the taker finish the step, so that its thread is not left waiting on a connection
+        that :meth:`leave` then uses, for answers that would come only with an update.
+        Returns the ``ServerUnreachable`` a shard's own link raised meanwhile, if any."""
         assert self._taker is not None
-        sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
         self._release(sent)
         try:
             self._taker.end(self.timeout + 10.0)
-        except Exception as exc:  # the push's own error is the one raised
-            log.info("worker rank %d: read-ahead after a failed push: %s", self.worker, exc)
+        except ServerUnreachable as link_error:
+            return link_error
+        except Exception as exc:  # the step's own error is the one raised
+            log.info("worker rank %d: read-ahead after a failed step: %s", self.worker, exc)
+        return None
 
     def _release(self, pushes: dict[int, tuple[str, int]]) -> None:
         """Tell the shards still holding this step's ``pushes`` that the token is here."""
@@ -252,13 +256,9 @@ class SyncLinks:
         try:
             token = self._token.result(self.timeout + 20.0)
         except BaseException as token_error:
-            self._release(sent)  # nothing waits for them any more
-            try:
-                self._taker.end(self.timeout + 10.0)
-            except ServerUnreachable as link_error:  # a shard's own link saw it die: say so
+            link_error = self._abandon(sent)
+            if link_error is not None:  # a shard's own link saw it die: say so
                 raise link_error from token_error
-            except Exception as exc:
-                log.info("worker rank %d: read-ahead after a failed token: %s", self.worker, exc)
             raise
         if int(token["token"]) <= tag:  # a surplus token: the update may still wait for us
             self._release({k: p for k, p in sent.items() if k not in self._taker.answered})

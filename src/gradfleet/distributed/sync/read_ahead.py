@@ -24,18 +24,25 @@ This changes no value a worker can observe, compared with some TF interleaving:
   and the push it names is answered as soon as it arrives.
 
 :class:`HeldPushes` is that bookkeeping for one shard, and :func:`push_answers`,
-:func:`release_answers` the answers a shard's state machine gives (``shard``: a
+:func:`release_answers`, :func:`read_answer` the answers a shard's state machine gives (``shard``: a
 :class:`~.shards.Shard`, its ``step``, ``params`` and ``values_key``): pure, no I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..replies import Answer
 
-__all__ = ["Held", "HeldPushes", "push_answers", "release_answers", "values_answer"]
+__all__ = [
+    "Held",
+    "HeldPushes",
+    "push_answers",
+    "read_answer",
+    "release_answers",
+    "values_answer",
+]
 
 
 @dataclass(frozen=True)
@@ -95,16 +102,24 @@ class HeldPushes:
         return self._held.pop(worker, None)
 
 
-def values_answer(shard: Any, held: Held, values: bool = True) -> Answer:
-    """The answer to a read-ahead push: accepted or not, the shard's step, and its values
-    unless the worker holds that version already (or ``values=False``: the answer then
-    names the version the worker holds, and the worker reads after its token)."""
-    payload: dict[str, Any] = {"accepted": held.accepted, "step": shard.step, "version": shard.step}
-    if not values:
-        payload["version"] = held.version
-    elif held.version != shard.step:
+def read_answer(shard: Any, ticket: Any, version: int) -> Answer:
+    """``read``: the shard's step, and its values unless the worker holds ``version``."""
+    payload: dict[str, Any] = {"version": shard.step}
+    if version != shard.step:
         payload["params"] = shard.params
-    return Answer(held.ticket, payload, shard.values_key if "params" in payload else None)
+    return Answer(ticket, payload, shard.values_key if "params" in payload else None)
+
+
+def values_answer(shard: Any, held: Held, values: bool = True) -> Answer:
+    """The answer to a read-ahead push: accepted or not, the shard's step, and (a
+    :func:`read_answer`) its values unless the worker holds that version already; with
+    ``values=False`` it names the version the worker holds, and the worker reads after its
+    token."""
+    answered = {"accepted": held.accepted, "step": shard.step}
+    if not values:
+        return Answer(held.ticket, {**answered, "version": held.version})
+    read = read_answer(shard, held.ticket, held.version)
+    return replace(read, payload={**answered, **read.payload})
 
 
 def push_answers(

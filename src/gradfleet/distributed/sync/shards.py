@@ -54,7 +54,7 @@ from ..membership import Membership
 from ..replies import Answer
 from .aggregator import GradientAggregator
 from .pieces import Piece, split_optimizer
-from .read_ahead import HeldPushes, push_answers, release_answers, values_answer
+from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 
 __all__ = [
     "Applied",
@@ -66,7 +66,6 @@ __all__ = [
     "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
-    "read_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -311,14 +310,6 @@ class Shard:
         if self.ema is not None:
             for i, s in state["shadows"]:
                 self.ema.shadows[int(i)] = s.clone()
-
-
-def read_answer(shard: Shard, ticket: Any, version: int) -> Answer:
-    """``read``: the shard's step, and its values unless the worker holds ``version``."""
-    values: dict[str, Any] = {"version": shard.step}
-    if version != shard.step:
-        values["params"] = shard.params
-    return Answer(ticket, values, shard.values_key if "params" in values else None)
 
 
 @dataclass(frozen=True)
