@@ -210,7 +210,7 @@ def run_job(
         end = time.monotonic() + args.deadline + 30
         try:
             while codes is None and time.monotonic() < end:
-                samples.append((time.time(), cluster.counters()))
+                samples.append((time.time(), cluster.counters(), cluster_report.cpu_times()))
                 codes = [p.poll() for p in procs]
                 codes = None if None in codes else codes
                 time.sleep(0.25)

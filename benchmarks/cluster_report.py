@@ -50,10 +50,28 @@ def time_to_target(steps: list, start: float, target: float) -> float | None:
     return None
 
 
+def cpu_times() -> tuple[int, int, int]:
+    """The machine's CPU time so far, in clock ticks summed over its cores: ``(busy, steal,
+    total)``.  Busy is what this machine's processes and kernel used (user, nice, system, irq,
+    softirq); steal what the hypervisor gave to other VMs; total includes idle and iowait."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal, sum(fields)
+
+
+def cpu_use(samples: list, start: float, end: float) -> dict[str, float]:
+    """Share of the machine's CPU time that was busy (and stolen) between the samples nearest
+    ``start`` and ``end``: near 1, the emulated hosts wait for cores, not for their links."""
+    inside = [s for s in samples if start <= s[0] <= end] or samples
+    (b0, s0, t0), (b1, s1, t1) = inside[0][2], inside[-1][2]
+    total = max(t1 - t0, 1)
+    return {"busy": (b1 - b0) / total, "steal": (s1 - s0) / total}
+
+
 def link_use(samples: list, start: float, end: float, rates: dict) -> dict[int, dict]:
     """Each host's tx/rx bytes per second between the samples nearest ``start`` and ``end``."""
     inside = [s for s in samples if start <= s[0] <= end] or samples
-    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    (t0, c0), (t1, c1) = inside[0][:2], inside[-1][:2]
     span = max(t1 - t0, 1e-9)
     out = {}
     for h in rates:  # the hosts of this job (an idle server host of another job is left out)
@@ -98,6 +116,7 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
         "links": links,
         "busiest_host": busiest,
         "busiest_use": links[busiest]["use"],
+        "cpu": cpu_use(samples, home["train_start"], end),
         "busiest_bytes_per_update": links[busiest]["bytes"] / max(updates_s * span, 1e-9),
         "train_s": end - home["train_start"],
     }
@@ -112,6 +131,7 @@ def line(result: dict) -> str:
     return (
         f"{head} {result['updates_s']:7.3f} upd/s {result['samples_s']:7.1f} samples/s  "
         f"transfer {result['transfer_only_s']:6.2f} s  busiest link {result['busiest_use']:4.0%}"
+        f"  cpu {result['cpu']['busy']:4.0%}"
         f"  target {'-' if ttt is None else f'{ttt:.1f} s'}  loss {result['final_loss']:.3f}"
     )
 
@@ -123,6 +143,13 @@ def _ref(results: list[dict], scenario: str, key: str) -> dict | None:
     return None
 
 
+def _cpu(result: dict) -> str:
+    cpu = result.get("cpu")  # results written before the column have none
+    if cpu is None:
+        return "-"
+    return f"{cpu['busy']:.0%}" + (f" (+{cpu['steal']:.0%} stolen)" if cpu["steal"] >= 0.01 else "")
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     out = [
@@ -132,13 +159,13 @@ def markdown(report: dict) -> str:
         f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}.",
         "",
         "| scenario | strategy | updates/s | x DDP | samples/s | step s | transfer-only s "
-        "| compute-only s | busiest link use | to target loss s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| compute-only s | busiest link use | CPU busy | to target loss s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         label = r["row"]["label"]
         if "error" in r:
-            out.append(f"| {r['scenario']} | {label} | failed: {r['error']} |||||||| ")
+            out.append(f"| {r['scenario']} | {label} | failed: {r['error']} ||||||||| ")
             continue
         ddp, comp = (
             _ref(report["results"], r["scenario"], "ddp"),
@@ -151,6 +178,7 @@ def markdown(report: dict) -> str:
             f"| {r['scenario']} | {label} | {r['updates_s']:.3f} | {rel} | {r['samples_s']:.1f} "
             f"| {r['step_s']:.2f} | {r['transfer_only_s']:.2f} | {comp_s} "
             f"| {r['busiest_use']:.0%} (host {r['busiest_host']}) "
+            f"| {_cpu(r)} "
             f"| {'not reached' if ttt is None else f'{ttt:.1f}'} |"
         )
     return "\n".join(out) + "\n"

@@ -43,6 +43,8 @@ def test_dedicated_server_host_rows_train(tmp_path: Path) -> None:
         assert "error" not in result, result.get("error")
         assert result["updates_s"] > 0
         assert sorted(int(h) for h in result["links"]) == list(range(WORKERS + 1)), key
+        # five training/serving processes ran on this machine's cores all along
+        assert 0 < result["cpu"]["busy"] <= 1 and 0 <= result["cpu"]["steal"] < 1, result["cpu"]
     # EASGD's rate is the mean of the worker hosts' own rates (the server host trains not)
     per_host = results["easgd-ded"]["per_host_updates_s"]
     assert sorted(int(h) for h in per_host) == list(range(WORKERS))
