@@ -50,6 +50,11 @@ def time_to_target(steps: list, start: float, target: float) -> float | None:
     return None
 
 
+def _window(samples: list, start: float, end: float) -> list:
+    """The samples taken between ``start`` and ``end`` (all of them if none was)."""
+    return [s for s in samples if start <= s[0] <= end] or samples
+
+
 def cpu_times() -> tuple[int, int, int]:
     """The machine's CPU time so far, in clock ticks summed over its cores: ``(busy, steal,
     total)``.  Busy is what this machine's processes and kernel used (user, nice, system, irq,
@@ -62,7 +67,7 @@ def cpu_times() -> tuple[int, int, int]:
 def cpu_use(samples: list, start: float, end: float) -> dict[str, float]:
     """Share of the machine's CPU time that was busy (and stolen) between the samples nearest
     ``start`` and ``end``: near 1, the emulated hosts wait for cores, not for their links."""
-    inside = [s for s in samples if start <= s[0] <= end] or samples
+    inside = _window(samples, start, end)
     (b0, s0, t0), (b1, s1, t1) = inside[0][2], inside[-1][2]
     total = max(t1 - t0, 1)
     return {"busy": (b1 - b0) / total, "steal": (s1 - s0) / total}
@@ -70,7 +75,7 @@ def cpu_use(samples: list, start: float, end: float) -> dict[str, float]:
 
 def link_use(samples: list, start: float, end: float, rates: dict) -> dict[int, dict]:
     """Each host's tx/rx bytes per second between the samples nearest ``start`` and ``end``."""
-    inside = [s for s in samples if start <= s[0] <= end] or samples
+    inside = _window(samples, start, end)
     (t0, c0), (t1, c1) = inside[0][:2], inside[-1][:2]
     span = max(t1 - t0, 1e-9)
     out = {}

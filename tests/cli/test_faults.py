@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -45,12 +44,6 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
     out = tmp_path / "run"
     args = ["train", "-s", strategy, "-n", str(workers), "--steps", str(steps), *extra]
     return out, popen([*GRADFLEET, *args, "--out", str(out), "-q"], tmp_path)
-
-
-def _logged_at(console: str, message: str) -> float:
-    """When the log line containing ``message`` was written (epoch seconds)."""
-    (stamp,) = re.findall(rf"^(\S+ \S+) INFO \[launcher\] .*{re.escape(message)}", console, re.M)
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 @pytest.mark.slow
@@ -93,14 +86,15 @@ def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: 
         kill_rank(out, 1)
         killed = time.monotonic()
         ((code, console),) = finish([proc], deadline, out)
-        took, exited = time.monotonic() - killed, time.time()
+        took = time.monotonic() - killed
     finally:
         stop([proc], out)
     assert code == 1, console
     # Once the launcher has decided, only the exit is left. Its speed is not bounded here in
     # seconds (a loaded CI host stretched 0.3 s to 1.6 s): the cause of the slow exits, the
     # interpreter's teardown of torch's objects, is checked in test_cli.py.
-    assert _logged_at(console, "run failed: worker rank 1") <= exited
+    decided = r"^\S+ \S+ INFO \[launcher\] .*run failed: worker rank 1 failed: killed by signal 9"
+    assert len(re.findall(decided, console, re.M)) == 1, console
     errors = [ln for ln in console.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, console
     assert errors[0].startswith("error: worker rank 1 failed: killed by signal 9; log: ")

@@ -237,7 +237,7 @@ class HostedServer:
     def _emit(self, outputs: list[Any]) -> None:
         for i, out in enumerate(outputs):
             if isinstance(out, Answer):
-                out.ticket.send(out.payload, share=out.share, fresh=out.fresh)
+                _send(out)
                 continue
             try:
                 if self._perform is None:
@@ -249,8 +249,7 @@ class HostedServer:
                 # they get the effect's error, which names its cause
                 for rest in outputs[i + 1 :]:
                     if isinstance(rest, Answer):
-                        failed = error(rest.ticket, type(exc).__name__, str(exc))
-                        failed.ticket.send(failed.payload)
+                        _send(error(rest.ticket, type(exc).__name__, str(exc)))
                 raise
 
     def close(self, deadline: float) -> None:
@@ -262,3 +261,7 @@ class HostedServer:
             staying = sorted(set(range(self.members.expected)) - self.members.left)
             log.warning("%s: stops with worker rank(s) %s not gone yet", self.name, staying)
         self.mailbox.close()
+
+
+def _send(answer: Answer) -> None:
+    answer.ticket.send(answer.payload, share=answer.share, fresh=answer.fresh)
