@@ -87,15 +87,15 @@ def rows(world: int) -> list[Row]:
         Row("sr-ded-split", f"SyncReplicas, split shards on {n} dedicated server hosts, R={n}",
             "sync-replicas", {"R": n, **dedicated, **split}, server_hosts=n),
         Row("sr-ded-split-w2", f"SyncReplicas, split shards on {n} dedicated server hosts, "
-            f"2 waves, R={n}", "sync-replicas", {"R": n, **dedicated, **split, "waves": 2},
-            server_hosts=n),
+            f"2 shards per host, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **split, "per_rank": 2}, server_hosts=n),
         Row("sr-ded-split-w4", f"SyncReplicas, split shards on {n} dedicated server hosts, "
-            f"4 waves, R={n}", "sync-replicas", {"R": n, **dedicated, **split, "waves": 4},
-            server_hosts=n),
-        Row("sr-shard-split-w2", f"SyncReplicas, split shards over workers, 2 waves, R={n}",
-            "sync-replicas", {"R": n, **shard, **split, "waves": 2}),
-        Row("sr-shard-split-w2-b", f"SyncReplicas, split shards over workers, 2 waves, "
-            f"R={r} of {n}", "sync-replicas", {"R": r, **shard, **split, "waves": 2}),
+            f"4 shards per host, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **split, "per_rank": 4}, server_hosts=n),
+        Row("sr-shard-split-w2", f"SyncReplicas, split shards over workers, 2 shards per host, "
+            f"R={n}", "sync-replicas", {"R": n, **shard, **split, "per_rank": 2}),
+        Row("sr-shard-split-w2-b", f"SyncReplicas, split shards over workers, 2 shards per host, "
+            f"R={r} of {n}", "sync-replicas", {"R": r, **shard, **split, "per_rank": 2}),
         Row("sr-ded-b", f"SyncReplicas, sharded on {n} dedicated server hosts, R={r} of {n}",
             "sync-replicas", {"R": r, **dedicated}, server_hosts=n),
         Row("sr-ded-ov", f"SyncReplicas, sharded on {n} dedicated server hosts, overlap, R={n}",

@@ -148,8 +148,9 @@ class SyncReplicas(Strategy):
     """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0), ``"sharded"`` (one shard per
     fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
     server rank); ``R`` gradients per update of N = world; ``overlap``, ``nonfinite`` and
-    ``assignment`` (``shard_assignment``) as the optimizer's; ``waves``: shards per server
-    rank (``server_ranks`` repeated), pushed in that many waves that pipeline (read-ahead)."""
+    ``assignment`` (``shard_assignment``) as the optimizer's; ``per_rank``: shards per server
+    rank (``server_ranks`` repeated), whose values travel back while later shards' gradients
+    still go out (read-ahead, paced pushes)."""
 
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx, o = self.ctx, self.options
@@ -159,7 +160,7 @@ class SyncReplicas(Strategy):
         else:
             hosts = [ctx.fast_hosts[0]] if servers == "one" else ctx.fast_hosts
             ranks = [ctx.rank_on(h) for h in hosts]
-        ranks = ranks * int(o.get("waves", 1))
+        ranks = ranks * int(o.get("per_rank", 1))
         self.sync = gfd.SyncReplicasOptimizer(
             opt,
             replicas_to_aggregate=int(o.get("R", ctx.world)),

@@ -27,8 +27,8 @@ def test_rows_name_their_server_hosts() -> None:
     for key in ("sr-ded-split", "sr-shard-split"):
         assert rows[key].options["assignment"] == "split" and rows[key].options["R"] == WORKERS
     assert all(r.server_hosts == 0 for k, r in rows.items() if "ded" not in k)
-    for key, waves in (("sr-ded-split-w2", 2), ("sr-ded-split-w4", 4), ("sr-shard-split-w2", 2)):
-        assert rows[key].options["waves"] == waves and rows[key].options["assignment"] == "split"
+    for key, n in (("sr-ded-split-w2", 2), ("sr-ded-split-w4", 4), ("sr-shard-split-w2", 2)):
+        assert rows[key].options["per_rank"] == n and rows[key].options["assignment"] == "split"
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")

@@ -228,18 +228,82 @@ def test_held_pushes_bookkeeping():
     assert held.drop(1) is not None and len(held) == 0
 
 
-def test_waves_group_each_server_ranks_shards_by_their_place():
-    from gradfleet.distributed.sync.links import waves
+def test_push_order_takes_each_ranks_shards_in_turn_rotated_per_worker():
+    from gradfleet.distributed.sync.links import push_order
 
-    assert waves([0, 1, 2, 3]) == [[0, 1, 2, 3]]
-    assert waves([4, 5, 6, 7] * 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert waves([0, 0, 1]) == [[0, 2], [1]]
+    assert push_order([0, 1, 2, 3], 0) == [0, 1, 2, 3]
+    assert push_order([0, 1, 2, 3], 1) == [1, 2, 3, 0]
+    assert push_order([4, 5, 6, 7] * 2, 2) == [2, 3, 0, 1, 6, 7, 4, 5]
+    assert push_order([4, 5, 4, 5], 1) == [1, 0, 3, 2]
+    assert push_order([0, 0, 1], 0) == [0, 2, 1]
+    # at every position of the order the workers push to different server ranks
+    ranks = [4, 5, 6, 7] * 3
+    orders = [push_order(ranks, w) for w in range(4)]
+    for i in range(len(ranks)):
+        assert len({ranks[o[i]] for o in orders}) == 4
+
+
+class _RecordingClient:
+    """Stands in for a :class:`MailboxClient`: records requests and receipt waits in one log."""
+
+    log: list[tuple[str, int]] = []
+
+    def __init__(self, address, client, timeout, name, data=True):
+        self.shard, self.seq, self.inc = int(address.rsplit(":", 1)[1]), 0, "i"
+        self.receipts = data
+
+    def open_notes(self):
+        pass
+
+    def request(self, op, **fields):
+        self.seq += 1
+        if op == "push":
+            assert fields["receipt"] is True
+            self.log.append(("push", self.shard))
+
+    @property
+    def last_request(self):
+        return self.inc, self.seq
+
+    def wait_receipt(self, seq, timeout):
+        assert seq <= self.seq
+        self.log.append(("receipt", self.shard))
+
+    def begin_response(self, receive_into=None):
+        return {}, dict
+
+
+def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monkeypatch):
+    """Pacing (``SyncLinks._pace``): every push goes out in ``push_order``; before each, the
+    worker has waited for the receipts of all but ``IN_FLIGHT - 1`` of its earlier pushes,
+    oldest first."""
+    from gradfleet.distributed.sync import links
+
+    monkeypatch.setattr(links, "MailboxClient", _RecordingClient)
+    _RecordingClient.log = []
+    ranks = [4, 5, 6, 7] * 3
+    sync = links.SyncLinks(
+        [f"h:{k}" for k in range(len(ranks))], ranks, 2, 10.0, lambda k: [], lambda k, v: None
+    )
+    sync.push(0, [[None]] * len(ranks))
+    pushes = [k for what, k in _RecordingClient.log if what == "push"]
+    assert pushes == links.push_order(ranks, 2)
+    sent: list[int] = []
+    confirmed: list[int] = []
+    for what, k in _RecordingClient.log:
+        if what == "push":
+            assert len(sent) - len(confirmed) < links.IN_FLIGHT
+            sent.append(k)
+        else:
+            confirmed.append(k)
+    assert confirmed == sent[: len(confirmed)]  # oldest first
+    assert len(confirmed) == len(sent) - links.IN_FLIGHT  # the last ones are not waited for
 
 
 # --------------------------------------------------------------------- real processes
 @pytest.mark.timeout(120)
-def test_waves_over_processes_match_the_single_server():
-    """Two shards on each of ranks 0 and 1 (two waves, read-ahead): R = N = 3 with no initial
+def test_two_shards_per_rank_over_processes_match_the_single_server():
+    """Two shards on each of ranks 0 and 1 (read-ahead, paced pushes): R = N = 3 with no initial
     tokens runs in lockstep, so Adam's 12 updates equal rank 0 alone serving (up to the order
     of the 3-term sums)."""
     from gradfleet.distributed.testing import run_ranks
@@ -257,7 +321,7 @@ def test_waves_over_processes_match_the_single_server():
 
 
 @pytest.mark.timeout(120)
-def test_waves_with_a_backup_worker_train_to_the_same_variables():
+def test_two_shards_per_rank_with_a_backup_worker_train_to_the_same_variables():
     """R = 3 of N = 4, two shards on each of ranks 1 and 3: stale pushes, surplus tokens and
     re-reads over real links; everyone reaches the step and ends on the same variables."""
     from gradfleet.distributed.testing import run_ranks

@@ -399,3 +399,43 @@ def test_a_request_is_handled_once_its_tensors_are_in_not_when_its_control_came(
         assert order == [("fast", 2.0 * DIRECT), ("slow", 1.0 * DIRECT)]
     finally:
         server.close()
+
+
+def test_receipt_says_a_requests_tensors_are_in_before_any_answer():
+    """A request with ``receipt=True`` is confirmed once its tensors have arrived (the server
+    counted them), while the handler still holds its answer; earlier receipts are skipped;
+    a request that asked for none gets none, and the wait ends naming the server."""
+    held: list = []
+    server = MailboxServer(lambda msg, reply: held.append(reply))
+    try:
+        client = MailboxClient(server.address, "w0", 20.0, "server rank 3", in_process=False)
+        assert client.receipts
+        x = torch.randn(1 << 20)  # 4 MiB: travels as its own message
+        client.request("push", x=[x], receipt=True)
+        client.wait_receipt(client.last_request[1], 10.0)
+        assert server.bytes_in == x.numel() * 4
+        deadline = time.monotonic() + 10
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.pop().send({"ok": 1})
+        assert client.response() == {"ok": 1, "seq": 1, "inc": client.inc}
+        client.request("push", x=[x], receipt=True)  # receipt 1 is still queued: skipped
+        client.wait_receipt(client.last_request[1], 10.0)
+        assert server.bytes_in == 2 * x.numel() * 4
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.pop().send({})
+        client.response()
+        client.request("push", x=[x])  # no receipt asked for
+        with pytest.raises(ServerUnreachable, match="server rank 3.*no reply in 0.5s.*'receipt'"):
+            client.wait_receipt(client.last_request[1], 0.5)
+    finally:
+        server.close()
+
+
+def test_in_process_clients_need_no_receipts():
+    server = MailboxServer(Echo().handle)
+    try:
+        assert not MailboxClient(server.address, "w0", 20.0, "server rank 0").receipts
+    finally:
+        server.close()

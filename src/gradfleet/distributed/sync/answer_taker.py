@@ -24,7 +24,7 @@ import torch
 
 from ..transport import MailboxClient
 
-__all__ = ["AnswerTaker", "TokenWaiter"]
+__all__ = ["AnswerTaker"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class AnswerTaker:
     def __init__(self, clients: dict[int, MailboxClient], targets: Targets, load: Load) -> None:
         self.clients, self.targets, self.load = clients, targets, load
         self.answered: set[int] = set()  # shards whose answer's control part is in
-        self.cond = threading.Condition()  # notified as answers (and the token) come in
+        self.lock = threading.Lock()  # guards ``answered``
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[dict[int, dict[str, Any]] | BaseException] = (
             queue.SimpleQueue()
@@ -59,7 +59,7 @@ class AnswerTaker:
             result = self._results.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"read-ahead answers not in after {timeout:g}s") from None
-        with self.cond:
+        with self.lock:
             self.answered = set()
         if isinstance(result, BaseException):
             raise result
@@ -74,9 +74,8 @@ class AnswerTaker:
                     continue  # drain this step's shards: the step fails with the first error
                 try:
                     control, finish = self.clients[k].begin_response(self.targets(k))
-                    with self.cond:
+                    with self.lock:
                         self.answered.add(k)
-                        self.cond.notify_all()
                     started.append((k, control, finish))
                 except BaseException as exc:  # reported by end() on the worker's thread
                     log.debug("read-ahead answer of shard %d failed: %s", k, exc)
@@ -92,46 +91,3 @@ class AnswerTaker:
                     log.debug("read-ahead values of shard %d failed: %s", k, exc)
                     error = error or exc
             self._results.put(error if error is not None else answers)
-
-
-class TokenWaiter:
-    """Waits for the token's answer on a thread of its own, so that the worker's thread can
-    wait for "this wave's shards answered, or the token came" (:meth:`SyncLinks.push`):
-    once the token is in, no held push may be waited for any more (it is released)."""
-
-    def __init__(self, client: MailboxClient, cond: threading.Condition) -> None:
-        self.client, self.cond = client, cond
-        self.done = False
-        self._result: dict[str, Any] | BaseException | None = None
-        self._jobs: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="gradfleet-token", daemon=True)
-        self._thread.start()
-
-    def start(self) -> None:
-        """The token request was just sent: wait for its answer."""
-        with self.cond:
-            self.done, self._result = False, None
-        self._jobs.put(True)
-
-    def result(self, timeout: float) -> dict[str, Any]:
-        """The token's answer (its error re-raised)."""
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.done, timeout):
-                raise TimeoutError(f"no answer to the token request in {timeout:g}s")
-            result = self._result
-        if isinstance(result, BaseException):
-            raise result
-        assert result is not None
-        return result
-
-    def _run(self) -> None:
-        while self._jobs.get():
-            result: dict[str, Any] | BaseException
-            try:
-                result = self.client.response()
-            except BaseException as exc:  # re-raised by result() on the worker's thread
-                log.debug("token request failed: %s", exc)
-                result = exc
-            with self.cond:
-                self._result, self.done = result, True
-                self.cond.notify_all()

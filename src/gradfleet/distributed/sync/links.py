@@ -16,32 +16,37 @@ Per step, the protocol of TF's worker train op, one method each:
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..transport import MailboxClient, ServerUnreachable
-from .answer_taker import AnswerTaker, TokenWaiter
+from .answer_taker import AnswerTaker
 
-__all__ = ["SyncLinks", "waves"]
+__all__ = ["SyncLinks", "push_order"]
 
 log = logging.getLogger(__name__)
 
 Grads = list[torch.Tensor | None]
 
 
-def waves(ranks: Sequence[int]) -> list[list[int]]:
-    """Shards grouped by their place on their server rank: wave ``i`` holds each rank's
-    ``i``-th shard (``[4, 5, 4, 5]`` -> ``[[0, 1], [2, 3]]``)."""
-    seen: dict[int, int] = {}
-    out: list[list[int]] = []
+IN_FLIGHT = 2  # pushes a worker has sent and their servers not yet received (see push())
+
+
+def push_order(ranks: Sequence[int], turn: int) -> list[int]:
+    """The shards in the order a worker pushes them: every server rank's first shard, then
+    every rank's second, ..., the ranks rotated by ``turn`` (the worker's number), so that at
+    any moment the workers push to different server ranks (``[4, 5, 4, 5]``, turn 1 ->
+    ``[1, 0, 3, 2]``)."""
+    hosts = list(dict.fromkeys(ranks))
+    place: dict[int, int] = {}
+    keys = []
     for k, r in enumerate(ranks):
-        i = seen[r] = seen.get(r, -1) + 1
-        if i == len(out):
-            out.append([])
-        out[i].append(k)
-    return out
+        place[r] = place.get(r, -1) + 1
+        keys.append((place[r], (hosts.index(r) - turn) % len(hosts), k))
+    return [k for *_, k in sorted(keys)]
 
 
 class SyncLinks:
@@ -74,10 +79,10 @@ class SyncLinks:
         self._pending: list[int] = []  # shards whose push answers are not read yet
         self._token_sent = False  # the token request went out early (overlap)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
-        self.waves = waves(ranks)
+        self.order = push_order(ranks, worker)
+        self._unreceived: deque[tuple[int, int]] = deque()  # (shard, request) sent, not in
         self.ahead = len(self.clients) > 1 and targets is not None and load is not None
         self._taker: AnswerTaker | None = None
-        self._token: TokenWaiter | None = None
         self._token_link: MailboxClient | None = None
         self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
@@ -89,7 +94,6 @@ class SyncLinks:
             self._token_link = MailboxClient(
                 addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
             )
-            self._token = TokenWaiter(self._token_link, self._taker.cond)
 
     @property
     def chief(self) -> MailboxClient:
@@ -123,15 +127,14 @@ class SyncLinks:
         if self.ahead and tag >= 0:
             self._start_taking()
             try:
-                for i, wave in enumerate(self.waves):
-                    for k in wave:
-                        self.push_shard(k, tag, parts[k], extra)
-                        if k == 0:
-                            self._send_token(tag)
-                    if i + 1 < len(self.waves):
-                        self._wait_wave(wave)
+                for k in self.order:
+                    self._pace()
+                    self.push_shard(k, tag, parts[k], extra, receipt=True)
+                    if k == 0:
+                        self._send_token(tag)
             except BaseException:
                 sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+                self._unreceived.clear()
                 self._abandon(sent)  # the failed push's own error names its shard
                 raise
             return True
@@ -144,14 +147,21 @@ class SyncLinks:
         self.carry(parts[0], extra)
         return True
 
-    def push_shard(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
+    def push_shard(
+        self, k: int, tag: int, grads: Grads, extra: dict[str, Any], receipt: bool = False
+    ) -> None:
         """Send shard ``k`` its gradients now (``k >= 1`` unless reading ahead); the answer is
-        read with the token."""
+        read with the token.  ``receipt``: ask the shard to confirm the arrival (:meth:`_pace`)."""
         if self.ahead and tag >= 0:
-            self.clients[k].request(
-                "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k], **extra
-            )
-            self._ahead_sent[k] = self.clients[k].last_request
+            client = self.clients[k]
+            receipt = receipt and client.receipts
+            client.request(
+                "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k],
+                **extra, **({"receipt": True} if receipt else {}),
+            )  # fmt: skip
+            self._ahead_sent[k] = client.last_request
+            if receipt:
+                self._unreceived.append((k, client.last_request[1]))
             if self._taking:
                 assert self._taker is not None
                 self._taker.take(k)
@@ -185,18 +195,18 @@ class SyncLinks:
         self.chief.request("step", **fields)
         self._token_sent = True
 
-    def _wait_wave(self, wave: Sequence[int]) -> None:
-        """Before the next wave: until this wave's shards have answered (they applied it and
-        send their values while the next wave travels), or the token came (then nothing
-        held may be waited for: it is released).  Why not just until the wave's bytes are
-        sent: the kernel's socket buffers take megabytes at once, and the next wave's
-        connections would share the link with this one's instead of following it."""
-        assert self._taker is not None and self._token is not None
-        taker, token = self._taker, self._token
-        with taker.cond:
-            taker.cond.wait_for(
-                lambda: token.done or set(wave) <= taker.answered, self.timeout + 10.0
-            )
+    def _pace(self) -> None:
+        """Before the next push: until fewer than ``IN_FLIGHT`` pushes are on their way.
+
+        Why: sent all at once, a worker's pushes share its link and each arrives only at the
+        end, so no shard can update (and send its values back) before every gradient is out;
+        and 4 workers' flows into one server host make TCP share its link unevenly and drop.
+        Paced, a worker's pushes follow each other in :func:`push_order`, each at the link's
+        rate, the shards update one after another, and their values travel back while later
+        gradients still go out, as BytePS schedules its partitions with a credit of bytes."""
+        while len(self._unreceived) >= IN_FLIGHT:
+            k, seq = self._unreceived.popleft()
+            self.clients[k].wait_receipt(seq, self.timeout + 10.0)
 
     def _send_token(self, tag: int) -> None:
         """The token request alone, on the control-only link (read-ahead brings the values)."""
@@ -208,8 +218,6 @@ class SyncLinks:
             "step", worker=self.worker, tag=tag, version=-1, values=False,
             after_inc=inc, after_seq=seq,
         )  # fmt: skip
-        assert self._token is not None
-        self._token.start()
         self._token_sent = True
 
     def _start_taking(self) -> None:
@@ -248,13 +256,14 @@ class SyncLinks:
         self, tag: int, load: Callable[[int, list[torch.Tensor]], None]
     ) -> dict[str, Any]:
         """:meth:`token_and_read` when reading ahead (module docstring)."""
-        assert self._taker is not None and self._token is not None
+        assert self._taker is not None and self._token_link is not None
         self._send_token(tag)
         self._token_sent = False
         self._start_taking()
         sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+        self._unreceived.clear()  # their receipts are skipped by the next step's waits
         try:
-            token = self._token.result(self.timeout + 20.0)
+            token = self._token_link.response()
         except BaseException as token_error:
             link_error = self._abandon(sent)
             if link_error is not None:  # a shard's own link saw it die: say so

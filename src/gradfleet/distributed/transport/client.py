@@ -62,7 +62,7 @@ class MailboxClient:
         self._broken: str | None = None
         self.inc = uuid.uuid4().hex
         self.link: PairLink | LocalLink | None = None
-        self._notes: dist.Store | None = None  # a second connection, for notify()
+        self._notes: dist.Store | None = None  # a second connection: notify(), receipts
         self._outbox, self._inbox = Packer(), Packer()
         try:
             self.store = dist.TCPStore(
@@ -136,6 +136,30 @@ class MailboxClient:
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
+    @property
+    def receipts(self) -> bool:
+        """Does the server confirm a request's tensors' arrival when asked (``receipt=True``
+        among its fields)?  Not in-process: there the tensors are handed over at once."""
+        return isinstance(self.link, PairLink)
+
+    def wait_receipt(self, seq: int, timeout: float) -> None:
+        """Until the server has received the tensors of request ``seq`` (sent with
+        ``receipt=True``; earlier receipts are skipped).  Why not the send's completion: the
+        kernel's socket buffers take megabytes at once, long before the bytes are across."""
+        if self._broken:
+            raise ServerUnreachable(self._broken)
+        start = time.monotonic()
+        try:
+            self.open_notes()
+            assert self._notes is not None
+            self._notes.set_timeout(timedelta(seconds=timeout))
+            while True:
+                got = loads(self._notes.queue_pop(f"gf/rcpt/{self.client}"))
+                if got.get("inc") == self.inc and int(got["seq"]) >= seq:
+                    return
+        except (dist.DistError, RuntimeError) as exc:
+            self._fail(exc, ("receipt", timeout, start))
+
     def response(self, receive_into: Sequence[Any] | None = None) -> dict[str, Any]:
         """The reply to the last :meth:`request` (tensors are views: copy what you keep).
 
@@ -202,8 +226,8 @@ class MailboxClient:
         self.request(op, timeout, **fields)
         return self.response(receive_into)
 
-    def _fail(self, exc: Exception) -> None:
-        op, wait, start = self._pending or ("?", self.timeout, time.monotonic())
+    def _fail(self, exc: Exception, pending: tuple[str, float, float] | None = None) -> None:
+        op, wait, start = pending or self._pending or ("?", self.timeout, time.monotonic())
         late = time.monotonic() - start
         what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
         first = str(exc).splitlines()[0] if str(exc) else ""

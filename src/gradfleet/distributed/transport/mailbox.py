@@ -290,11 +290,19 @@ class MailboxServer:
     def _arrive(self, peer: _Peer) -> None:
         """One client's waiting thread: wait for each of its requests' tensors, then queue
         the request for the handling thread (in the order the clients' data completes; one
-        client has one request in flight, so its own requests keep their order)."""
+        client has one request in flight, so its own requests keep their order).  A request
+        asking for it (``receipt``) is confirmed as soon as its tensors are in: a worker paces
+        its pushes by these receipts (``gf/rcpt/{client}``)."""
+        receipts: dist.Store | None = None  # this thread's own store connection
         while (item := peer.arriving.get()) is not None:  # type: ignore[union-attr]
             request = self._request(item[0], peer, item[1])
-            if request is not None:
-                self._work.put((request, None, None))
+            if request is None:
+                continue
+            if request.get("receipt"):
+                receipts = receipts or self.store.clone()
+                receipt = {"seq": request.get("seq", -1), "inc": request.get("inc")}
+                push_control(receipts, f"gf/rcpt/{request['client']}", receipt)
+            self._work.put((request, None, None))
 
     def _request(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> dict | None:
         """The request with its tensors once they have arrived (None: the client died)."""
