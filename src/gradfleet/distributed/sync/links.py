@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 Grads = list[torch.Tensor | None]
 
 
-IN_FLIGHT = 2  # pushes a worker has sent and their servers not yet received (see push())
+IN_FLIGHT = 2  # pushes a worker has sent and their servers not yet received (see _pace())
+# Smaller pushes are not paced: they cross a link in less time than a receipt costs the
+# worker's and the server's threads, and the kernel's socket buffers take them whole anyway.
+PACED_BYTES = 1 << 20
 
 
 def push_order(ranks: Sequence[int], turn: int) -> list[int]:
@@ -129,7 +132,8 @@ class SyncLinks:
             try:
                 for k in self.order:
                     self._pace()
-                    self.push_shard(k, tag, parts[k], extra, receipt=True)
+                    big = sum(g.numel() * g.element_size() for g in parts[k] if g is not None)
+                    self.push_shard(k, tag, parts[k], extra, receipt=big >= PACED_BYTES)
                     if k == 0:
                         self._send_token(tag)
             except BaseException:
