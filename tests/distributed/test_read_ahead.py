@@ -304,6 +304,17 @@ def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monke
 
 
 # --------------------------------------------------------------------- real processes
+def paced_sync_train(ctx, *args):
+    """``sync_ranks.sync_train`` with every push paced (receipts over the real pairs), however
+    small: the test models' pushes are far under ``PACED_BYTES``."""
+    from gradfleet.distributed.sync import links
+
+    from . import sync_ranks
+
+    links.PACED_BYTES = 0
+    return sync_ranks.sync_train(ctx, *args)
+
+
 @pytest.mark.timeout(120)
 def test_two_shards_per_rank_over_processes_match_the_single_server():
     """Two shards on each of ranks 0 and 1 (read-ahead, paced pushes): R = N = 3 with no initial
@@ -315,7 +326,7 @@ def test_two_shards_per_rank_over_processes_match_the_single_server():
 
     args = (3, 3, 12, "server", None, 0.0, 4, None, 20.0)
     one = run_ranks(sync_ranks.sync_train, 3, args=(*args, None, 0, True), timeout=90)
-    waves = run_ranks(sync_ranks.sync_train, 3, args=(*args, [0, 1, 0, 1], 0, True), timeout=90)
+    waves = run_ranks(paced_sync_train, 3, args=(*args, [0, 1, 0, 1], 0, True), timeout=90)
     for r in range(3):
         assert one[r]["global_step"] == waves[r]["global_step"] == 12
         assert waves[r]["counters"] == {"accepted": 12, "dropped": 0}
@@ -325,14 +336,13 @@ def test_two_shards_per_rank_over_processes_match_the_single_server():
 
 @pytest.mark.timeout(120)
 def test_two_shards_per_rank_with_a_backup_worker_train_to_the_same_variables():
-    """R = 3 of N = 4, two shards on each of ranks 1 and 3: stale pushes, surplus tokens and
-    re-reads over real links; everyone reaches the step and ends on the same variables."""
+    """R = 3 of N = 4, two shards on each of ranks 1 and 3, pushes paced: stale pushes, surplus
+    tokens and re-reads over real links; everyone reaches the step and ends on the same
+    variables."""
     from gradfleet.distributed.testing import run_ranks
 
-    from . import sync_ranks
-
     args = (3, 4, 15, "server", None, 0.0, 4, None, 20.0, [1, 3, 1, 3])
-    out = run_ranks(sync_ranks.sync_train, 4, args=args, timeout=90)
+    out = run_ranks(paced_sync_train, 4, args=args, timeout=90)
     for r in range(4):
         assert out[r]["global_step"] == 15
         for a, b in zip(out[r]["params"], out[0]["params"], strict=True):
