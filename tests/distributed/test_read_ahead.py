@@ -232,10 +232,12 @@ def test_push_order_takes_each_ranks_shards_in_turn_rotated_per_worker():
     from gradfleet.distributed.sync.links import push_order
 
     assert push_order([0, 1, 2, 3], 0) == [0, 1, 2, 3]
-    assert push_order([0, 1, 2, 3], 1) == [1, 2, 3, 0]
     assert push_order([4, 5, 6, 7] * 2, 2) == [2, 3, 0, 1, 6, 7, 4, 5]
     assert push_order([4, 5, 4, 5], 1) == [1, 0, 3, 2]
     assert push_order([0, 0, 1], 0) == [0, 2, 1]
+    # shard 0 (the token request follows its push) is never last
+    assert push_order([2, 3], 1) == [0, 1]
+    assert push_order([0, 1, 2, 3], 1) == [1, 2, 0, 3]
     # at every position of the order the workers push to different server ranks
     ranks = [4, 5, 6, 7] * 3
     orders = [push_order(ranks, w) for w in range(4)]
@@ -259,6 +261,8 @@ class _RecordingClient:
         self.seq += 1
         if op == "push":
             self.log.append(("push" if fields.get("receipt") else "unpaced push", self.shard))
+        elif op == "step":
+            self.log.append(("token", self.shard))
 
     @property
     def last_request(self):
@@ -286,9 +290,12 @@ def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monke
     )
     small = [torch.zeros(links.PACED_BYTES // 4 - 1)]
     sync.push(0, [small] * len(ranks))
-    assert _RecordingClient.log == [("unpaced push", k) for k in links.push_order(ranks, 2)]
+    expected = [("unpaced push", k) for k in links.push_order(ranks, 2)]
+    expected.insert(expected.index(("unpaced push", 0)) + 1, ("token", 0))
+    assert _RecordingClient.log == expected
     _RecordingClient.log = []
     sync.push(1, [[torch.zeros(links.PACED_BYTES // 4), None]] * len(ranks))
+    _RecordingClient.log = [e for e in _RecordingClient.log if e[0] != "token"]
     pushes = [k for what, k in _RecordingClient.log if what == "push"]
     assert pushes == links.push_order(ranks, 2)
     sent: list[int] = []
@@ -301,6 +308,23 @@ def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monke
             confirmed.append(k)
     assert confirmed == sent[: len(confirmed)]  # oldest first
     assert len(confirmed) == len(sent) - links.IN_FLIGHT  # the last ones are not waited for
+
+
+@pytest.mark.parametrize("worker", range(4))
+def test_the_token_request_goes_out_before_a_workers_last_push(monkeypatch, worker):
+    """One shard per rank: whatever the worker's turn, its token request precedes its last
+    push, which the update needs, so no faster worker can take this worker's token."""
+    from gradfleet.distributed.sync import links
+
+    monkeypatch.setattr(links, "MailboxClient", _RecordingClient)
+    _RecordingClient.log = []
+    ranks = [0, 1, 2, 3]
+    sync = links.SyncLinks(
+        [f"h:{k}" for k in ranks], ranks, worker, 10.0, lambda k: [], lambda k, v: None
+    )
+    sync.push(0, [[torch.zeros(3)]] * 4)
+    what = [w for w, _ in _RecordingClient.log]
+    assert what.count("token") == 1 and what.index("token") < len(what) - 1
 
 
 # --------------------------------------------------------------------- real processes

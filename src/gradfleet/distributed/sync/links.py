@@ -42,14 +42,22 @@ def push_order(ranks: Sequence[int], turn: int) -> list[int]:
     """The shards in the order a worker pushes them: every server rank's first shard, then
     every rank's second, ..., the ranks rotated by ``turn`` (the worker's number), so that at
     any moment the workers push to different server ranks (``[4, 5, 4, 5]``, turn 1 ->
-    ``[1, 0, 3, 2]``)."""
+    ``[1, 0, 3, 2]``).
+
+    Shard 0 is never last: the token request follows the push to shard 0 at once, and it must
+    reach the chief before this worker's last push can complete an update; else a faster
+    worker could take the token meant for this one (TF hands tokens to whoever asks first),
+    and a lockstep job (R = N, no initial tokens) would no longer run the same way twice."""
     hosts = list(dict.fromkeys(ranks))
     place: dict[int, int] = {}
     keys = []
     for k, r in enumerate(ranks):
         place[r] = place.get(r, -1) + 1
         keys.append((place[r], (hosts.index(r) - turn) % len(hosts), k))
-    return [k for *_, k in sorted(keys)]
+    order = [k for *_, k in sorted(keys)]
+    if len(order) > 1 and order[-1] == 0:
+        order[-2:] = [0, order[-2]]
+    return order
 
 
 class SyncLinks:
