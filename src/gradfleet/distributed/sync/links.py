@@ -3,10 +3,12 @@
 Per step, the protocol of TF's worker train op, one method each:
 
 * :meth:`SyncLinks.push` -- shard k's gradients to shard k, all at once; shard 0's (the
-  chief's) travel with the token request.  With overlap the optimizer sends each shard's
-  push (:meth:`SyncLinks.push_shard`) and the token request with shard 0's gradients
-  (:meth:`SyncLinks.request_token`) from gradient hooks, as soon as the shard's gradients
-  are complete, and only the answers are awaited in the step;
+  chief's) travel with the token request.  Reading ahead (several shards), every shard's
+  push goes out on its own, large ones paced by the servers' receipts (:meth:`_pace`).
+  With overlap the optimizer sends each shard's push (:meth:`SyncLinks.push_shard`) and
+  the token request with shard 0's gradients (:meth:`SyncLinks.request_token`) from
+  gradient hooks, as soon as the shard's gradients are complete, and only the answers are
+  awaited in the step;
 * :meth:`SyncLinks.token_and_read` -- shard 0's gradients and the wait for a token in one
   request to the chief, while the other shards' answers to the push are collected (the
   token's answer carries shard 0's new values when it stepped); then every other shard's
@@ -211,11 +213,12 @@ class SyncLinks:
         """Before the next push: until fewer than ``IN_FLIGHT`` pushes are on their way.
 
         Why: sent all at once, a worker's pushes share its link and each arrives only at the
-        end, so no shard can update (and send its values back) before every gradient is out;
-        and 4 workers' flows into one server host make TCP share its link unevenly and drop.
-        Paced, a worker's pushes follow each other in :func:`push_order`, each at the link's
-        rate, the shards update one after another, and their values travel back while later
-        gradients still go out, as BytePS schedules its partitions with a credit of bytes."""
+        end, so no shard can update (and send its values back) before every gradient is out.
+        Paced, a worker's pushes follow each other in :func:`push_order`, the shards update
+        one after another, and their values travel back while later gradients still go out,
+        as BytePS schedules its partitions with a credit of bytes.  Unlike waves (each sent
+        once the last one's shards answered), no push waits for another worker.  Measured on
+        the emulated cluster, both run at the same speed (docs/cluster.md, paced pushes)."""
         while len(self._unreceived) >= IN_FLIGHT:
             k, seq = self._unreceived.popleft()
             self.clients[k].wait_receipt(seq, self.timeout + 10.0)

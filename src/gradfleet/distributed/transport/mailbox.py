@@ -299,7 +299,8 @@ class MailboxServer:
             if request is None:
                 continue
             if request.get("receipt"):
-                receipts = receipts or self.store.clone()
+                if receipts is None:
+                    receipts = self.store.clone()
                 receipt = {"seq": request.get("seq", -1), "inc": request.get("inc")}
                 push_control(receipts, f"gf/rcpt/{request['client']}", receipt)
             self._work.put((request, None, None))
