@@ -350,11 +350,11 @@ def test_two_shards_per_rank_over_processes_match_the_single_server():
 
     args = (3, 3, 12, "server", None, 0.0, 4, None, 20.0)
     one = run_ranks(sync_ranks.sync_train, 3, args=(*args, None, 0, True), timeout=90)
-    waves = run_ranks(paced_sync_train, 3, args=(*args, [0, 1, 0, 1], 0, True), timeout=90)
+    paced = run_ranks(paced_sync_train, 3, args=(*args, [0, 1, 0, 1], 0, True), timeout=90)
     for r in range(3):
-        assert one[r]["global_step"] == waves[r]["global_step"] == 12
-        assert waves[r]["counters"] == {"accepted": 12, "dropped": 0}
-        for a, b in zip(one[r]["params"], waves[r]["params"], strict=True):
+        assert one[r]["global_step"] == paced[r]["global_step"] == 12
+        assert paced[r]["counters"] == {"accepted": 12, "dropped": 0}
+        for a, b in zip(one[r]["params"], paced[r]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 

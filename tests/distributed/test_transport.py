@@ -403,10 +403,19 @@ def test_a_request_is_handled_once_its_tensors_are_in_not_when_its_control_came(
 
 def test_receipt_says_a_requests_tensors_are_in_before_any_answer():
     """A request with ``receipt=True`` is confirmed once its tensors have arrived (the server
-    counted them), while the handler still holds its answer; earlier receipts are skipped;
-    a request that asked for none gets none, and the wait ends naming the server."""
+    counted them), while the handler still holds its answer.  A request that asked for none
+    gets none: the wait skips the earlier request's receipt still queued, and ends naming
+    the server."""
     held: list = []
     server = MailboxServer(lambda msg, reply: held.append(reply))
+
+    def answer() -> None:
+        deadline = time.monotonic() + 10
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        held.pop().send({"ok": 1})
+        assert client.response() == {"ok": 1, "seq": client.last_request[1], "inc": client.inc}
+
     try:
         client = MailboxClient(server.address, "w0", 20.0, "server rank 3", in_process=False)
         assert client.receipts
@@ -414,21 +423,16 @@ def test_receipt_says_a_requests_tensors_are_in_before_any_answer():
         client.request("push", x=[x], receipt=True)
         client.wait_receipt(client.last_request[1], 10.0)
         assert server.bytes_in == x.numel() * 4
-        deadline = time.monotonic() + 10
-        while not held and time.monotonic() < deadline:
-            time.sleep(0.01)
-        held.pop().send({"ok": 1})
-        assert client.response() == {"ok": 1, "seq": 1, "inc": client.inc}
-        client.request("push", x=[x], receipt=True)  # receipt 1 is still queued: skipped
-        client.wait_receipt(client.last_request[1], 10.0)
-        assert server.bytes_in == 2 * x.numel() * 4
-        while not held and time.monotonic() < deadline:
-            time.sleep(0.01)
-        held.pop().send({})
-        client.response()
+        answer()
+        client.request("push", x=[x], receipt=True)  # its receipt is left in the queue
+        answer()
         client.request("push", x=[x])  # no receipt asked for
         with pytest.raises(ServerUnreachable, match="server rank 3.*no reply in 0.5s.*'receipt'"):
             client.wait_receipt(client.last_request[1], 0.5)
+        deadline = time.monotonic() + 10  # its tensors came, only no receipt was asked for
+        while server.bytes_in < 3 * x.numel() * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.bytes_in == 3 * x.numel() * 4
     finally:
         server.close()
 

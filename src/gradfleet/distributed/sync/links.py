@@ -142,8 +142,8 @@ class SyncLinks:
             try:
                 for k in self.order:
                     self._pace()
-                    big = sum(g.numel() * g.element_size() for g in parts[k] if g is not None)
-                    self.push_shard(k, tag, parts[k], extra, receipt=big >= PACED_BYTES)
+                    size = sum(g.numel() * g.element_size() for g in parts[k] if g is not None)
+                    self.push_shard(k, tag, parts[k], extra, receipt=size >= PACED_BYTES)
                     if k == 0:
                         self._send_token(tag)
             except BaseException:
