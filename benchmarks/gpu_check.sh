@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, in one command: what the project checks on CUDA.
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR [SECONDS]
+#
+# Run from the repository root on a machine with CUDA and torch (no package index needed: the
+# project installs with --no-deps, its runtime dependencies are common).  In order, each phase
+# bounded by `timeout` so that the whole stays inside SECONDS (default 540):
+#   1. the machine (GPU, driver, torch, triton) -> env.txt
+#   2. the CUDA tests (every optimizer path against the CPU reference loop, towers, the CLI on
+#      CUDA) -> cuda-tests.log
+#   3. the optimizer speed benchmark on the GPU set (transformer-134m), one optimizer per
+#      process so a cut-off run keeps the rows done -> speed.log, speed.tar.gz (the JSONs)
+#   4. the test suite's fast part (-m "not slow") in the time left -> suite.log (verbose: a
+#      cut-off run still says which tests passed)
+# Logs go straight to OUT_DIR, so what a killed run had written still comes back.
+set -u
+out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
+budget=${2:-540}
+device=${GPU_CHECK_DEVICE:-cuda}
+preset=${GPU_CHECK_PRESET:-transformer-134m}
+# "combo" is Adam's fused path again with inductor's combo_kernels (several parameters a launch)
+optimizers=${GPU_CHECK_OPTIMIZERS:-AdamOptimizer combo RMSPropOptimizer AMSGradOptimizer \
+FtrlOptimizer NormalizedSGD AdadeltaOptimizer GradientDescentOptimizer \
+ProximalGradientDescentOptimizer}
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+mkdir -p "$out"
+scratch=$(mktemp -d)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    echo "cores: $(nproc)"
+    # the console script `gradfleet` for the CLI tests; PYTHONPATH covers the package itself
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+echo "== CUDA tests ($(left) s left)"
+timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 150 -rfEs \
+    tests/test_cuda.py tests/distributed/test_towers_cuda.py tests/cli/test_device.py \
+    >"$out/cuda-tests.log" 2>&1
+echo "rc $?"
+tail -15 "$out/cuda-tests.log"
+
+echo "== optimizer speed, $preset on $device ($(left) s left)"
+for name in $optimizers; do
+    [ "$(left)" -gt 130 ] || { echo "skipped $name: time"; continue; }
+    if [ "$name" = combo ]; then
+        what=(--paths fused --only AdamOptimizer --fused-option combo_kernels=1)
+    else
+        what=(--paths foreach fused --only "$name")
+    fi
+    timeout 120 python3 -m benchmarks.optimizer_speed --device "$device" --preset "$preset" \
+        "${what[@]}" --out "$scratch/speed/$name" >>"$out/speed.log" 2>&1
+    echo "$name rc $?"
+    tar -czf "$out/speed.tar.gz" -C "$scratch" speed
+done
+grep -E "^[A-Z][A-Za-z0-9]+ +(foreach|fused) |^torch Adam|^ceiling|start-up" "$out/speed.log"
+
+echo "== tests, -m 'not slow' ($(left) s left)"
+suite=$(($(left) - 15))
+if [ "$suite" -gt 30 ]; then
+    timeout "$suite" python3 -m pytest -v -n "$(nproc)" --dist worksteal -p no:cacheprovider \
+        --timeout 120 -rfE -m "not slow" >"$out/suite.log" 2>&1
+    echo "rc $?"
+    grep -cE " PASSED" "$out/suite.log" | sed 's/^/passed: /'
+    grep -E " (FAILED|ERROR) |^(FAILED|ERROR) " "$out/suite.log" | tail -30
+    tail -3 "$out/suite.log"
+fi
+rm -rf "$scratch"
