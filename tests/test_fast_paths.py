@@ -102,7 +102,9 @@ def _compare(ref, got, exact: bool) -> None:
                 assert torch.equal(a, b), f"{where}: max diff {(a - b).abs().max()}"
             else:
                 rtol, atol = FUSED_TOL[a.dtype] if a.is_floating_point() else (0, 0)
-                torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=where)
+                torch.testing.assert_close(
+                    b, a, rtol=rtol, atol=atol, msg=lambda detail: f"{where}: {detail}"
+                )
 
 
 _REFERENCE: dict[str, list] = {}

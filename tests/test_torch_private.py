@@ -27,6 +27,20 @@ def test_every_option_the_fused_path_sets_exists_on_this_release():
     assert all(hasattr(config, name) for name in private.INDUCTOR_OPTIONS)
 
 
+def test_cuda_kernels_divide_with_ieee_rounding_where_torch_can():
+    """Triton's ``/`` is approximate (up to 2 ulp); the CUDA kernels ask inductor for
+    correctly rounded division under whichever name this release gives the option."""
+    option = private.exact_division_option()
+    config = private.inductor_config()
+    if torch.__version__ >= "2.10":
+        assert len(option) == 1
+        ((name, value),) = option.items()
+        assert value is True and hasattr(config, name)
+    else:
+        assert option == {}  # neither spelling exists before 2.10
+    assert all(getattr(config, name) is False for name in option)  # off unless a kernel asks
+
+
 def test_unknown_inductor_option_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(fused._OPTIONS, "no_such_option", True)
     msg = _fused_step_error()

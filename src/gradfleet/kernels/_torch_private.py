@@ -46,6 +46,25 @@ INDUCTOR_OPTIONS = (
 )
 
 
+#: Inductor's switch for correctly rounded float32 division in Triton kernels, by release (the
+#: first the running torch has is used).  Triton's own ``/`` is ``div.full.f32``, up to 2 ulp
+#: off, where eager CUDA and TF's kernels divide exactly; FTRL's linear slot accumulates
+#: quotients with cancellation, so the approximate one put it past the fused tolerance on an
+#: H200 (tests/test_cuda.py).  Torch 2.8 and 2.9 have neither: there the CUDA kernels divide
+#: approximately.
+_DIVISION_ROUNDING = ("eager_numerics.division_rounding", "emulate_divison_rounding")
+
+
+def exact_division_option() -> dict[str, bool]:
+    """The inductor option that makes Triton kernels divide with IEEE rounding, as a one-entry
+    dict, or an empty one where the running torch has no such option."""
+    config = inductor_config()
+    for name in _DIVISION_ROUNDING:
+        if hasattr(config, name):
+            return {name: True}
+    return {}
+
+
 #: Whether inductor's CPU code generator keeps the float16/bfloat16 round trips that
 #: ``emulate_precision_casts`` puts after each operation, making fused half-precision results
 #: the loop's bits.  In torch 2.11 and 2.12.1 the C++ backend converts to half precision and

@@ -179,7 +179,7 @@ def compile_step(opt, params, grads, slots, hp, shared, single_thread: bool = Fa
     )
     options = _OPTIONS
     if params[0].is_cuda:
-        options = dict(options, **CUDA_OPTIONS)
+        options = dict(options, **private.exact_division_option(), **CUDA_OPTIONS)
     elif single_thread:
         options = dict(options, **_SINGLE_THREAD)
     # The options cover tracing too: make_fx marks float16/bfloat16 results for
