@@ -103,7 +103,7 @@ def _compare(ref, got, exact: bool) -> None:
             else:
                 rtol, atol = FUSED_TOL[a.dtype] if a.is_floating_point() else (0, 0)
                 torch.testing.assert_close(
-                    b, a, rtol=rtol, atol=atol, msg=lambda detail: f"{where}: {detail}"
+                    b, a, rtol=rtol, atol=atol, msg=lambda detail, at=where: f"{at}: {detail}"
                 )
 
 
