@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="inductor option for the fused path's CUDA kernels, e.g. combo_kernels=1",
+        help="inductor option for the fused path's CUDA kernels, e.g. combo_kernels=0",
     )
     args = parser.parse_args(argv)
     try:

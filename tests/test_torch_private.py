@@ -25,6 +25,7 @@ def test_every_option_the_fused_path_sets_exists_on_this_release():
     config = private.inductor_config()
     assert {*fused._OPTIONS, *fused._SINGLE_THREAD} == set(private.INDUCTOR_OPTIONS)
     assert all(hasattr(config, name) for name in private.INDUCTOR_OPTIONS)
+    assert all(hasattr(config, name) for name in fused.CUDA_OPTIONS)  # combo_kernels
 
 
 def test_cuda_kernels_divide_with_ieee_rounding_where_torch_can():

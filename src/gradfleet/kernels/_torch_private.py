@@ -14,8 +14,9 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
 * ``torch._inductor.compile_fx.compile_fx_inner``: inductor's graph compiler.
 * ``torch._inductor.config`` options ``INDUCTOR_OPTIONS``; ``emulate_precision_casts``
   decides the half-precision bits (float16/bfloat16 intermediates rounded like eager).
-  ``fused.CUDA_OPTIONS`` (empty unless set, e.g. by the benchmark's ``--fused-option``) are
-  checked the same way when a CUDA kernel compiles.
+  ``fused.CUDA_OPTIONS`` (``combo_kernels`` from torch 2.11 on, plus what the benchmark's
+  ``--fused-option`` sets) and ``exact_division_option()`` are checked the same way when a
+  CUDA kernel compiles.
 
 Checked on: torch 2.8.0, 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (Linux x86-64, CPU wheels and CUDA wheels
 run on the CPU; CI runs the oldest supported release, 2.8.0, and 2.13.0, see docs/testing.md).
@@ -46,6 +47,10 @@ INDUCTOR_OPTIONS = (
 )
 
 
+#: Whether CUDA buckets compile with ``combo_kernels`` (fused.CUDA_OPTIONS): measured faster
+#: and checked against the reference loop on torch 2.11 on an H200; older releases keep one
+#: launch per parameter, as they were before.
+COMBO_KERNELS = torch.__version__ >= "2.11"
 #: Inductor's switch for correctly rounded float32 division in Triton kernels, by release (the
 #: first the running torch has is used).  Triton's own ``/`` is ``div.full.f32``, up to 2 ulp
 #: off, where eager CUDA and TF's kernels divide exactly; FTRL's linear slot accumulates

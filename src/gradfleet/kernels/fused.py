@@ -63,12 +63,15 @@ _OPTIONS = {
     # quarter of the elements off by an ulp after a few GradientDescent steps.
     "emulate_precision_casts": True,
 }
-#: Extra inductor options for CUDA buckets only (CPU kernels never see them).  Empty by
-#: default: candidates such as ``combo_kernels`` (one Triton launch for many parameters'
-#: kernels, inductor's horizontal fusion) change the CUDA kernel and are switched on only
-#: once measured on a GPU (``benchmarks/optimizer_speed.py --fused-option``; the CUDA
-#: tests check the maths with it on).
-CUDA_OPTIONS: dict[str, Any] = {}
+#: Extra inductor options for CUDA buckets only (CPU kernels never see them).
+#: ``combo_kernels``: inductor's horizontal fusion, several parameters' loops in one Triton
+#: launch instead of one launch per parameter.  On an H200 (torch 2.11, 134M parameters in 81
+#: tensors) it took fused Adam from 1.42x torch's fused Adam's step time to 0.91-0.92x, and
+#: FTRL, AMSGrad and RMSProp to 0.93-1.14x torch fused Adam's bandwidth (from 0.68-1.02x);
+#: docs/speed.md "GPU".  On by default from torch 2.11, the release it was measured and
+#: tested on (tests/test_cuda.py runs every optimizer with it on and off);
+#: ``benchmarks/optimizer_speed.py --fused-option combo_kernels=0`` switches it off.
+CUDA_OPTIONS: dict[str, Any] = {"combo_kernels": True} if private.COMBO_KERNELS else {}
 #: CPU: parameters of at most this many elements run in a single-threaded kernel of their own
 #: (a 4096-element Adam update is a few microseconds of work, the order of one OpenMP
 #: barrier's cost, which each parameter's loop pays in the threaded kernel), up to
