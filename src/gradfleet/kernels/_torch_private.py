@@ -55,8 +55,8 @@ COMBO_KERNELS = torch.__version__ >= "2.11"
 #: first the running torch has is used).  Triton's own ``/`` is ``div.full.f32``, up to 2 ulp
 #: off, where eager CUDA and TF's kernels divide exactly; FTRL's linear slot accumulates
 #: quotients with cancellation, so the approximate one put it past the fused tolerance on an
-#: H200 (tests/test_cuda.py).  Torch 2.8 and 2.9 have neither: there the CUDA kernels divide
-#: approximately.
+#: H200 (tests/test_cuda.py).  Torch 2.8 has neither (2.9 not checked): there the CUDA kernels
+#: divide approximately.
 _DIVISION_ROUNDING = ("eager_numerics.division_rounding", "emulate_divison_rounding")
 
 
