@@ -93,7 +93,11 @@ def _collective(ctx, path: str, count: int, steps: int, delay: float) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float:
+def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float | None:
+    """Global updates per second over the updates after the warm-up, as this worker saw them;
+    None if it saw none of them: TF hands tokens to whoever asks first, so a worker (often
+    the chief, busy serving) can go many updates without one and first see the global step
+    past the end (seen for sharded servers at 1e6 parameters)."""
     params, grads = _params(count, ctx.rank)
     R = 3 if path.startswith("sync_backup") else WORLD
     ranks = list(range(WORLD)) if path == "sync_sharded" else None
@@ -114,7 +118,7 @@ def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float:
         opt.step()
         if ctx.rank == 3 and delay:
             time.sleep(delay)
-    rate = (opt.global_step - first) / (time.perf_counter() - start) if start else 0.0
+    rate = None if start is None else (opt.global_step - first) / (time.perf_counter() - start)
     opt.close()
     return rate
 
@@ -242,7 +246,7 @@ def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
     return WORLD * steps / elapsed if ctx.rank == 0 else steps / elapsed
 
 
-def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float:
+def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float | None:
     torch.set_num_threads(1)  # one process per worker on a shared host, as torchrun sets it
     if path in ("allreduce", "allreduce_straggler", "reduce_broadcast"):
         return _collective(ctx, path, count, steps, delay)
@@ -268,7 +272,12 @@ def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6
             out = run_ranks(
                 _rank, WORLD, args=(path, count, steps, delay), timeout=600, pg_timeout=300
             )
-            row[path] = out[0]
+            # rank 0's figure; a SyncReplicas worker that saw no update after the warm-up
+            # has none, and then the next rank's counts (they count the same global updates)
+            value = next((v for v in out if v is not None), None)
+            if value is None:
+                raise RuntimeError(f"{path} at {count:.0e}: no worker saw an update after warm-up")
+            row[path] = value
             if path == "sync_backup":  # the straggler sleeps as long as a step takes
                 row["straggler_delay_s"] = 1.0 / out[0]
             log(f"params={count:.0e} {path}: {out[0]:.2f}/s")

@@ -23,3 +23,14 @@ def test_sweep_runs_the_ceilings_of_one_server_and_async_easgd():
     [row] = distributed_sweep.sweep([900], 0.0, log=lambda _: None, paths=paths, min_steps=3)
     assert all(row[p] > 0 for p in paths)
     assert set(row["ratios"]) == {"sync_server/ceiling", "easgd/ceiling"}
+
+
+def test_a_worker_that_saw_no_update_after_warm_up_passes_the_figure_on(monkeypatch):
+    """TF hands tokens to whoever asks first, so rank 0 can miss every counted update: the
+    next rank's rate is reported, not 0; if no rank saw one, the sweep says so."""
+    outs = iter([[None, 5.0, 6.0, None], [None, None, None, None]])
+    monkeypatch.setattr(distributed_sweep, "run_ranks", lambda *a, **k: next(outs))
+    [row] = distributed_sweep.sweep([900], 0.0, log=lambda _: None, paths=["sync_sharded"])
+    assert row["sync_sharded"] == 5.0
+    with pytest.raises(RuntimeError, match="sync_sharded at 9e"):
+        distributed_sweep.sweep([900], 0.0, log=lambda _: None, paths=["sync_sharded"])
