@@ -279,8 +279,8 @@ def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6
                 raise RuntimeError(f"{path} at {count:.0e}: no worker saw an update after warm-up")
             row[path] = value
             if path == "sync_backup":  # the straggler sleeps as long as a step takes
-                row["straggler_delay_s"] = 1.0 / out[0]
-            log(f"params={count:.0e} {path}: {out[0]:.2f}/s")
+                row["straggler_delay_s"] = 1.0 / value
+            log(f"params={count:.0e} {path}: {value:.2f}/s")
         row["ratios"] = {
             k: row[a] / row[b] for k, (a, b) in RATIOS.items() if a in row and b in row
         }
