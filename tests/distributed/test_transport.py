@@ -409,10 +409,13 @@ def test_receipt_says_a_requests_tensors_are_in_before_any_answer():
     held: list = []
     server = MailboxServer(lambda msg, reply: held.append(reply))
 
-    def answer() -> None:
+    def until(condition) -> None:  # waits at most 10 s; the assertion after it says what failed
         deadline = time.monotonic() + 10
-        while not held and time.monotonic() < deadline:
+        while not condition() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def answer() -> None:
+        until(lambda: held)
         held.pop().send({"ok": 1})
         assert client.response() == {"ok": 1, "seq": client.last_request[1], "inc": client.inc}
 
@@ -429,9 +432,7 @@ def test_receipt_says_a_requests_tensors_are_in_before_any_answer():
         client.request("push", x=[x])  # no receipt asked for
         with pytest.raises(ServerUnreachable, match="server rank 3.*no reply in 0.5s.*'receipt'"):
             client.wait_receipt(client.last_request[1], 0.5)
-        deadline = time.monotonic() + 10  # its tensors came, only no receipt was asked for
-        while server.bytes_in < 3 * x.numel() * 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: server.bytes_in >= 3 * x.numel() * 4)  # its tensors came all the same
         assert server.bytes_in == 3 * x.numel() * 4
     finally:
         server.close()
