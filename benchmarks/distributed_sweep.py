@@ -62,6 +62,29 @@ RATIOS = {
 }
 
 
+Result = tuple[float, float]  # (this rank's rate, cores it kept busy)
+
+
+class _Clock:
+    """One rank's timed window: wall time and the CPU time of the whole process (every thread:
+    the wrapper's server and receiving threads and gloo's event loop included)."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.elapsed: float | None = None
+
+    def stop(self) -> None:
+        self.elapsed = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+    def result(self, units: float) -> Result:
+        """``(units per second, cores busy)`` over the window."""
+        if self.elapsed is None:
+            self.stop()
+        assert self.elapsed is not None
+        return units / self.elapsed, self.cpu / self.elapsed
+
+
 def _params(count: int, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     sizes = [max(1, int(count * f)) for f in FRACTIONS]
     gen = torch.Generator().manual_seed(rank)
@@ -70,14 +93,14 @@ def _params(count: int, rank: int) -> tuple[list[torch.Tensor], list[torch.Tenso
     return params, grads
 
 
-def _collective(ctx, path: str, count: int, steps: int, delay: float) -> float:
+def _collective(ctx, path: str, count: int, steps: int, delay: float) -> Result:
     params, grads = _params(count, ctx.rank)
     sgd = gradfleet.GradientDescentOptimizer(params, 0.01)
     flat = torch.empty(sum(p.numel() for p in params))
     for s in range(WARM + steps):
         if s == WARM:
             dist.barrier()
-            start = time.perf_counter()
+            clock = _Clock()
         torch.cat(grads, out=flat)
         if path.startswith("allreduce"):
             dist.all_reduce(flat)
@@ -90,10 +113,10 @@ def _collective(ctx, path: str, count: int, steps: int, delay: float) -> float:
         sgd.step()
         if ctx.rank == 3 and delay:
             time.sleep(delay)
-    return steps / (time.perf_counter() - start)
+    return clock.result(steps)
 
 
-def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float | None:
+def _sync(ctx, path: str, count: int, steps: int, delay: float) -> Result | None:
     """Global updates per second over the updates after the warm-up, as this worker saw them;
     None if it saw none of them: TF hands tokens to whoever asks first, so a worker (often
     the chief, busy serving) can go many updates without one and first see the global step
@@ -109,25 +132,25 @@ def _sync(ctx, path: str, count: int, steps: int, delay: float) -> float | None:
         last_step=WARM + steps,
         server_ranks=ranks,
     )
-    start = None
+    clock = None
     while opt.global_step < WARM + steps:
-        if start is None and opt.global_step >= WARM:
-            start, first = time.perf_counter(), opt.global_step
+        if clock is None and opt.global_step >= WARM:
+            clock, first = _Clock(), opt.global_step
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()
         if ctx.rank == 3 and delay:
             time.sleep(delay)
-    rate = None if start is None else (opt.global_step - first) / (time.perf_counter() - start)
+    result = None if clock is None else clock.result(opt.global_step - first)
     opt.close()
-    return rate
+    return result
 
 
-def _p2p(ctx, count: int, steps: int) -> float:
+def _p2p(ctx, count: int, steps: int) -> Result:
     params, _ = _params(count, ctx.rank)
     flat = torch.cat([p.detach() for p in params])
     dist.barrier()
-    start = time.perf_counter()
+    clock = _Clock()
     for _ in range(WARM + steps):
         if ctx.rank == 0:
             for peer in range(1, WORLD):
@@ -136,29 +159,29 @@ def _p2p(ctx, count: int, steps: int) -> float:
         else:
             dist.send(flat, 0)
             dist.recv(flat, 0)
-    return (WORLD - 1) * (WARM + steps) / (time.perf_counter() - start)
+    return clock.result((WORLD - 1) * (WARM + steps))
 
 
-def _easgd(ctx, count: int, steps: int) -> float:
+def _easgd(ctx, count: int, steps: int) -> Result:
     params, grads = _params(count, ctx.rank)
     centre = AsyncCentre(timeout=120)
     opt = ElasticAverageOptimizer(
         gradfleet.GradientDescentOptimizer(params, 0.01), WORLD, 1, 0.2, rho=0.0, mode=centre
     )
     dist.barrier()
-    start = time.perf_counter()
+    clock = _Clock()
     for _ in range(steps):
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()
-    elapsed = time.perf_counter() - start
+    clock.stop()
     dist.barrier()  # every worker done: the centre's exchange count is final
     total = sum(centre.counters()["exchanges"].values()) if ctx.rank == 0 else 0
     centre.close()
-    return WORLD * steps / elapsed if ctx.rank else total / elapsed
+    return clock.result(WORLD * steps if ctx.rank else total)
 
 
-def _sync_ceiling(ctx, count: int, steps: int) -> float:
+def _sync_ceiling(ctx, count: int, steps: int) -> Result:
     """One server's step with no framework: every worker's flat gradient to rank 0 (received
     concurrently), their average applied there, the new variables sent to every worker."""
     params, grads = _params(count, ctx.rank)
@@ -168,10 +191,9 @@ def _sync_ceiling(ctx, count: int, steps: int) -> float:
         total = torch.empty_like(flat)
         inbox = {peer: torch.empty_like(flat) for peer in range(1, WORLD)}
     dist.barrier()
-    start = time.perf_counter()
     for s in range(WARM + steps):
         if s == WARM:
-            start = time.perf_counter()
+            clock = _Clock()
         if ctx.rank == 0:
             works = {peer: dist.irecv(buf, peer) for peer, buf in inbox.items()}
             total.copy_(grad)
@@ -184,10 +206,10 @@ def _sync_ceiling(ctx, count: int, steps: int) -> float:
         else:
             dist.send(grad, 0)
             dist.recv(flat, 0)
-    return steps / (time.perf_counter() - start)
+    return clock.result(steps)
 
 
-def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
+def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> Result:
     """Asynchronous EASGD's exchanges with no framework: gloo send/recv of one flat buffer and
     the maths of ``CentreServer``/``AsyncCentre`` (reply the centre read, ``c += alpha (x -
     c)``; worker ``x -= alpha (x - c_read)``), each worker's local SGD step included.  The
@@ -205,7 +227,7 @@ def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
         flat.sub_(torch.sub(flat, read, out=diff), alpha=alpha)
 
     dist.barrier()
-    start = time.perf_counter()
+    clock = _Clock()
     if ctx.rank == 0:
         centre = flat.clone()
         inbox = [torch.empty_like(flat) for _ in range(2)]
@@ -242,11 +264,10 @@ def _easgd_ceiling(ctx, count: int, steps: int, alpha: float = 0.2) -> float:
             dist.send(flat, 0)
             dist.recv(read, 0)
             pull(read)
-    elapsed = time.perf_counter() - start
-    return WORLD * steps / elapsed if ctx.rank == 0 else steps / elapsed
+    return clock.result(WORLD * steps if ctx.rank == 0 else steps)
 
 
-def _rank(ctx, path: str, count: int, steps: int, delay: float) -> float | None:
+def _rank(ctx, path: str, count: int, steps: int, delay: float) -> Result | None:
     torch.set_num_threads(1)  # one process per worker on a shared host, as torchrun sets it
     if path in ("allreduce", "allreduce_straggler", "reduce_broadcast"):
         return _collective(ctx, path, count, steps, delay)
@@ -274,10 +295,13 @@ def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6
             )
             # rank 0's figure; a SyncReplicas worker that saw no update after the warm-up
             # has none, and then the next rank's counts (they count the same global updates)
-            value = next((v for v in out if v is not None), None)
+            value = next((r[0] for r in out if r is not None), None)
             if value is None:
                 raise RuntimeError(f"{path} at {count:.0e}: no worker saw an update after warm-up")
             row[path] = value
+            # CPU per counted unit: the cores all ranks kept busy over their windows, divided
+            # by the rate (ranks without a window are left out)
+            row.setdefault("cpu_ms", {})[path] = 1e3 * sum(r[1] for r in out if r) / value
             if path == "sync_backup":  # the straggler sleeps as long as a step takes
                 row["straggler_delay_s"] = 1.0 / value
             log(f"params={count:.0e} {path}: {value:.2f}/s")
@@ -289,10 +313,16 @@ def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6
 
 
 def table(rows: list[dict]) -> str:
+    """The rates and ratios, then the CPU milliseconds all ranks spent per counted unit."""
     head = "| parameters | " + " | ".join(PATHS) + " | " + " | ".join(RATIOS) + " |"
     lines = [head, "|" + "---|" * (1 + len(PATHS) + len(RATIOS))]
     for r in rows:
         cells = [f"{r[p]:.2f}" for p in PATHS] + [f"{r['ratios'][k]:.2f}" for k in RATIOS]
+        lines.append(f"| {r['params']:.0e} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU ms per update (round trip, exchange), all 4 ranks:", ""]
+    lines += ["| parameters | " + " | ".join(PATHS) + " |", "|" + "---|" * (1 + len(PATHS))]
+    for r in rows:
+        cells = [f"{r['cpu_ms'][p]:.2f}" if p in r.get("cpu_ms", {}) else "-" for p in PATHS]
         lines.append(f"| {r['params']:.0e} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
