@@ -116,3 +116,48 @@ def dedicated_lockstep(
         out[overlap] = trace
         opt.close()
     return out
+
+
+# (overlap, stream_reads)
+MODES = {
+    "read in step": (False, False),
+    "streamed": (False, True),
+    "streamed+overlap": (True, True),
+}
+
+
+def streamed_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps: int) -> dict:
+    """R = N workers in lockstep (ranks >= N serve), reads in ``step()`` and streamed into the
+    next forward, with and without overlap.  Returns per mode the parameters each forward
+    used (snapshotted after it: a streamed forward has waited for them), the final ones (from
+    ``model.state_dict()``, which waits for every shard), ``global_step`` and counters."""
+    out: dict = {}
+    for mode, (overlap, stream) in MODES.items():
+        gc.collect()
+        if ctx.rank >= N:
+            serve(lambda groups: gradfleet.AdamOptimizer(groups, 0.01))
+            continue
+        model = make_model(width=6)
+        opt = SyncReplicasOptimizer(
+            gradfleet.AdamOptimizer(model.parameters(), 0.01), N, N, num_tokens=0, timeout=30,
+            server_ranks=server_ranks, nonfinite="apply", overlap=overlap,
+        )  # fmt: skip
+        if stream:
+            opt.stream_reads(model)
+        used = []
+        for count in range(steps):
+            opt.zero_grad()
+            loss = loss_of(model, ctx.rank, count)
+            used.append([p.detach().clone() for p in model.parameters()])
+            loss.backward()
+            opt.step()
+        final = [v.clone() for v in model.state_dict().values()]
+        out[mode] = {
+            "used": used,
+            "final": final,
+            "global_step": opt.global_step,
+            "counters": dict(opt.counters),
+            "accepted": opt.last_gradient_accepted,
+        }
+        opt.close()
+    return out

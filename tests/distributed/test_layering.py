@@ -40,6 +40,7 @@ LAYERS = {
     "sync.servers": HOSTING,
     "sync.links": HOSTING,
     "sync.answer_taker": HOSTING,
+    "sync.streaming": HOSTING,
     "dedicated": HOSTING,
     "wrapper": WRAPPERS,
     "sync.arguments": WRAPPERS,

@@ -10,6 +10,10 @@ order the pushes went out, and loads the values into the parameters as they comp
 
 It starts only in ``step()``, after backward: values received in place into the parameters
 while autograd still needed them would corrupt (or fail) the backward pass.
+
+Streamed reads (``SyncReplicasOptimizer.stream_reads``) do not wait for the whole step: they
+close the step's list of pushes (:meth:`AnswerTaker.close_step`) and wait for one shard's
+values at a time (:meth:`AnswerTaker.wait_loaded`), each set as soon as it is loaded.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ Load = Callable[[int, list[torch.Tensor]], None]
 
 class AnswerTaker:
     """Takes the answers of the pushes :meth:`take` names, on one thread for the worker's
-    life; :meth:`end` returns ``{shard: answer without tensors}`` once every one is loaded."""
+    life; :meth:`end` returns ``{shard: answer without tensors}`` once every one is loaded,
+    :meth:`wait_loaded` one shard's as soon as its values are."""
 
     def __init__(self, clients: dict[int, MailboxClient], targets: Targets, load: Load) -> None:
         self.clients, self.targets, self.load = clients, targets, load
@@ -44,23 +49,42 @@ class AnswerTaker:
         self._results: queue.SimpleQueue[dict[int, dict[str, Any]] | BaseException] = (
             queue.SimpleQueue()
         )
+        # this step's shards: set once the shard's values are loaded (or the step failed)
+        self._loaded: dict[int, threading.Event] = {}
+        self._controls: dict[int, dict[str, Any]] = {}  # written before its event is set
+        self._closed = False  # this step's list of pushes is complete
         self._thread = threading.Thread(target=self._run, name="gradfleet-read-ahead", daemon=True)
         self._thread.start()
 
     def take(self, k: int) -> None:
         """Take the answer to the request just sent to shard ``k``."""
+        self._loaded[k] = threading.Event()  # before the job: the thread sets it
         self._jobs.put(k)
+
+    def close_step(self) -> None:
+        """No more pushes this step: the thread goes on to load the answers."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    def wait_loaded(self, k: int, timeout: float) -> dict[str, Any] | None:
+        """Shard ``k``'s answer (control fields) once its values are loaded; None if the step
+        failed (:meth:`end` raises its error).  Needs :meth:`close_step`."""
+        if not self._loaded[k].wait(timeout):
+            raise TimeoutError(f"read-ahead answer of shard {k} not in after {timeout:g}s")
+        return self._controls.get(k)
 
     def end(self, timeout: float) -> dict[int, dict[str, Any]]:
         """Every answer of this step (each shard's control fields), loaded; re-raises the
         first error an answer carried or its link raised."""
-        self._jobs.put(None)
+        self.close_step()
         try:
             result = self._results.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"read-ahead answers not in after {timeout:g}s") from None
         with self.lock:
             self.answered = set()
+        self._loaded, self._controls, self._closed = {}, {}, False
         if isinstance(result, BaseException):
             raise result
         return result
@@ -87,7 +111,12 @@ class AnswerTaker:
                     if error is None and "params" in whole:
                         self.load(k, whole["params"])
                     answers[k] = control
+                    if error is None:
+                        self._controls[k] = control
+                        self._loaded[k].set()
                 except BaseException as exc:  # reported by end() on the worker's thread
                     log.debug("read-ahead values of shard %d failed: %s", k, exc)
                     error = error or exc
+            for event in list(self._loaded.values()):  # a failed step: every waiter goes on
+                event.set()
             self._results.put(error if error is not None else answers)

@@ -9,6 +9,7 @@ checkpoint of another rank's role or of another ``replicas_to_aggregate`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["SyncCheckpoints"]
@@ -30,8 +31,10 @@ class SyncCheckpoints:
     _allreduce: Any
     _links: Any
     optimizer: Any
+    wait_reads: Callable[[], None]
 
     def _wrapper_state(self) -> dict[str, Any]:
+        self.wait_reads()  # streamed reads: the counters and steps are final once all are in
         return {
             "local_step": self.local_step,
             "global_step": self.global_step,
@@ -93,6 +96,7 @@ class SyncCheckpoints:
             )
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        self.wait_reads()
         if self._chief is not None:
             self._chief.load_state_dict(state["server"])
         if self._allreduce is not None:

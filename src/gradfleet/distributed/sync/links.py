@@ -26,6 +26,7 @@ import torch
 
 from ..transport import MailboxClient, ServerUnreachable
 from .answer_taker import AnswerTaker
+from .streaming import PendingReads
 
 __all__ = ["SyncLinks", "push_order"]
 
@@ -271,6 +272,14 @@ class SyncLinks:
         self, tag: int, load: Callable[[int, list[torch.Tensor]], None]
     ) -> dict[str, Any]:
         """:meth:`token_and_read` when reading ahead (module docstring)."""
+        return self.token_then_reads(tag, load).finish()
+
+    def token_then_reads(
+        self, tag: int, load: Callable[[int, list[torch.Tensor]], None]
+    ) -> PendingReads:
+        """Reading ahead: wait for the token; the shards' values are loaded as they come
+        (``load`` on the taker's thread), and the returned :class:`PendingReads` waits for
+        some or all of them."""
         assert self._taker is not None and self._token_link is not None
         self._send_token(tag)
         self._token_sent = False
@@ -286,22 +295,25 @@ class SyncLinks:
             raise
         if int(token["token"]) <= tag:  # a surplus token: the update may still wait for us
             self._release({k: p for k, p in sent.items() if k not in self._taker.answered})
-        # else every shard applied the update our push could join, and answered it
-        answers = self._taker.end(self.timeout + 10.0)
+        # else every shard applied the update our push could join, and answers it
+        self._taker.close_step()
+        return PendingReads(self, self._taker, token, list(sent), load)
+
+    def finish_reads(
+        self,
+        answers: dict[int, dict[str, Any]],
+        token: dict[str, Any],
+        load: Callable[[int, list[torch.Tensor]], None],
+    ) -> None:
+        """Shards ``answers`` (their answers to this step's pushes) are loaded: note their
+        versions and read again those behind the token."""
+        assert self._taker is not None
         for k, answer in answers.items():
             self.versions[k] = int(answer["version"])
         # a TF worker reads after its token, so it sees at least the token's step: a shard
         # answered before a later update that the token stands for is read again
         behind = [k for k in answers if self.versions[k] < int(token["token"])]
         self._read(behind, {k: self._taker.targets(k) for k in behind}, load)
-        self.shard_steps = [int(a["step"]) for a in answers.values()]
-        done = min(self.shard_steps)
-        return {
-            "token": int(token["token"]),
-            "accepted": bool(token["accepted"])
-            and all(bool(a["accepted"]) for a in answers.values()),
-            "global_step": max(int(token["global_step"]), done),
-        }
 
     def _read(
         self,

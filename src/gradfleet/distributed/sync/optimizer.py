@@ -31,7 +31,10 @@ tokens -- once every shard applied it (protocol, per-shard staleness and optimiz
 
 Overlap (``overlap=True``, beyond TF): each shard's push starts from backward's gradient hooks
 once its gradients are all in (shard 0's with the token request), as DDP overlaps a bucket's
-all-reduce; ``step()`` pushes the rest and waits (:mod:`.overlap`).
+all-reduce; ``step()`` pushes the rest and waits (:mod:`.overlap`).  Streamed reads
+(:meth:`~SyncReplicasOptimizer.stream_reads`, sharded, beyond TF): ``step()`` returns with its
+token, and each module's next forward waits for the shards of its own parameters
+(:mod:`.streaming`).
 
 TF argument mapping: ``opt``, ``replicas_to_aggregate``, ``total_num_replicas``,
 ``variable_averages`` (an :class:`ExponentialMovingAverage`), ``variables_to_average``
@@ -63,6 +66,7 @@ from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
 from .queries import SyncQueries
 from .servers import SyncServers
 from .shards import assign, check_server_ranks
+from .streaming import ReadStreaming
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -71,7 +75,9 @@ log = logging.getLogger(__name__)
 _OWNER = "SyncReplicasOptimizer"
 
 
-class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, WrapperOptimizer):
+class SyncReplicasOptimizer(
+    SyncCheckpoints, SyncQueries, OverlappedPushes, ReadStreaming, WrapperOptimizer
+):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
     Args:
@@ -164,6 +170,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
             timeout, last_step,
         )  # fmt: skip
         super().__init__(opt, name)
+        self._init_streaming()
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.timeout, self.transport = float(timeout), transport
         self._nonfinite = nonfinite
@@ -308,6 +315,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         """TF's worker train op: push, dequeue a token, ``local_step := token``; then
         ``global_step`` (a 0-dim int tensor, required as in TF) holds the server's step."""
         pairs = check_grads_and_vars(_OWNER, grads_and_vars)
+        self.wait_reads()
         if self._readiness is not None and self._readiness.sent:
             raise RuntimeError(
                 f"{_OWNER}.apply_gradients: with overlap=True backward already pushed shards "
@@ -325,6 +333,7 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
                 )
             grads[self._index[id(v)]] = g
         self._sync(grads)
+        self.wait_reads()  # TF's train op ends with the variables read
         with torch.no_grad():
             global_step.fill_(self.global_step)
 
@@ -336,13 +345,16 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
             )
         else:
             accepted = self._server_step(grads)
-        self.last_gradient_accepted = accepted
-        self.counters["accepted" if accepted else "dropped"] += 1
+            if accepted is None:  # streamed reads: decided once every shard's values are in
+                return
+        self._record(accepted)
 
-    def _server_step(self, grads: list[torch.Tensor | None]) -> bool:
-        """TF's worker train op: push the gradients, take a token, read the variables."""
+    def _server_step(self, grads: list[torch.Tensor | None]) -> bool | None:
+        """TF's worker train op: push the gradients, take a token, read the variables (None:
+        the reads stream into the next forward, see :mod:`.streaming`)."""
         if self._links is None:
             raise RuntimeError(f"{_OWNER}: the optimizer is closed")
+        self.wait_reads()
         if self._readiness is not None:
             try:
                 return self._overlapped_step(grads)
@@ -371,10 +383,13 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
             check_dense(grads, pieces)
         return [None if grads[pc.index] is None else view(grads[pc.index], pc) for pc in pieces]
 
-    def _finish_step(self, tag: int, accepted: bool) -> bool:
+    def _finish_step(self, tag: int, accepted: bool) -> bool | None:
         """Take the token (answers to the pushes meanwhile), then read the shards, each
-        loaded as its reply arrives."""
+        loaded as its reply arrives (streamed: left to the next forward, returns None)."""
         assert self._links is not None
+        if self.streaming and self._links.ahead and tag >= 0:
+            self.local_step = self._stream(tag, self._load_shard, accepted)
+            return None
         into = {k: self._shard_params(k) for k in self._links.clients}
         reply = self._links.token_and_read(tag, into, self._load_shard)
         accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
@@ -386,6 +401,11 @@ class SyncReplicasOptimizer(SyncCheckpoints, SyncQueries, OverlappedPushes, Wrap
         """Leave: tell every server; a server rank keeps serving until every worker (also one
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then
         stops its servers (shards, then chief)."""
+        try:
+            self.wait_reads()
+        except Exception as exc:  # leaving must not fail: the step's error was the user's
+            log.info("worker rank %d: streamed reads failed at close: %s", self.worker, exc)
+        self._remove_stream_hooks()
         if self._readiness is not None:
             self._readiness.remove()
             self._readiness = None

@@ -112,7 +112,8 @@ class OverlappedPushes:
     params: Callable[[], list[torch.Tensor]]
     _shard_grads: Callable[..., list[torch.Tensor | None]]
     _grad_parts: Callable[..., list[list[torch.Tensor | None]]]
-    _finish_step: Callable[[int, bool], bool]
+    _finish_step: Callable[[int, bool], bool | None]
+    wait_reads: Callable[[], None]
 
     def _extra(self) -> dict[str, Any]:
         """What every push of this step carries (changed hyperparameters), decided once."""
@@ -126,6 +127,7 @@ class OverlappedPushes:
         request).  The answers are read in ``step()``."""
         if self._links is None:
             return  # closed: the step will say so
+        self.wait_reads()  # the last step's streamed reads use the links and the parameters
         params = self.params()
         whole: list[torch.Tensor | None] = [None] * len(params)
         for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
@@ -137,7 +139,7 @@ class OverlappedPushes:
         else:
             self._links.push_shard(k, self.local_step, grads, self._extra())
 
-    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool:
+    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool | None:
         """Push the shards backward did not complete (``grads``), then the token and read.
         No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
         judges its own gradients (one shard, or ``nonfinite="apply"``)."""

@@ -8,7 +8,7 @@ accumulator counts; lockstep (``transport="allreduce"``) answers from its own ac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,17 +27,24 @@ class SyncQueries:
     _servers: Any
     _allreduce: Any
     _links: Any
+    wait_reads: Callable[[], None]
+
+    def _settled_links(self, what: str) -> Any:
+        """The links, once the last step's streamed reads are in (they share the links)."""
+        if self._links is None:
+            raise RuntimeError(f"{_OWNER}.{what}: the optimizer is closed")
+        self.wait_reads()
+        return self._links
 
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
         """Per-worker accepted / dropped / nonfinite counts as the server (``shard``'s
         accumulators when sharded) saw them."""
         if self._allreduce is not None:
             return self._allreduce.stats
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.worker_counters: the optimizer is closed")
-        if shard not in self._links.clients:
+        links = self._settled_links("worker_counters")
+        if shard not in links.clients:
             raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
-        stats = self._links.call(shard, "stats")["stats"]
+        stats = links.call(shard, "stats")["stats"]
         return {int(k): v for k, v in stats.items()}
 
     def averaged_variables(self) -> list[torch.Tensor | None]:
@@ -50,9 +57,8 @@ class SyncQueries:
             if ema is None:
                 raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
             return [ema.shadows.get(i) for i in range(len(self._index))]
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.averaged_variables: the optimizer is closed")
-        pairs = [p for reply in self._links.call_all("ema").values() for p in reply["shadows"]]
+        links = self._settled_links("averaged_variables")
+        pairs = [p for reply in links.call_all("ema").values() for p in reply["shadows"]]
         found = {int(i): s for i, s in pairs}
         return [found.get(i) for i in range(len(self._index))]
 
@@ -67,9 +73,7 @@ class SyncQueries:
         """Seconds since the chief last heard from each worker that has not left (a worker
         that never said hello: since the chief started).  Job control can declare a worker
         lost (:meth:`forget_workers`) once its silence is far above a step's time."""
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.worker_silence: the optimizer is closed")
-        report = self._links.call(0, "members")
+        report = self._settled_links("worker_silence").call(0, "members")
         return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: Iterable[int]) -> None:
@@ -77,8 +81,7 @@ class SyncQueries:
         every server: a server rank's :meth:`close` then stops waiting for them at once
         instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
         forgotten worker that does come back (``hello``) is counted again."""
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}.forget_workers: the optimizer is closed")
+        links = self._settled_links("forget_workers")
         ranks = [int(r) for r in ranks]
         bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
         if bad:
@@ -86,4 +89,4 @@ class SyncQueries:
                 f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
                 f"got {bad}"
             )
-        self._links.forget(ranks)
+        links.forget(ranks)
