@@ -62,6 +62,7 @@ def rows(world: int) -> list[Row]:
     overlap = {"overlap": True, "nonfinite": "apply"}  # sharded overlap needs "apply"
     dedicated = {"servers": "dedicated"}
     split = {"assignment": "split"}  # large parameters cut into pieces over the shards
+    stream = {"stream": True}  # the reads stream into the next forward (stream_reads)
     return [
         Row("compute", "compute only (no communication)", "compute", kind="local"),
         Row("ddp", "DDP (bucketed all-reduce, overlapped)", "ddp"),
@@ -74,12 +75,16 @@ def rows(world: int) -> list[Row]:
             {"R": r, "servers": "sharded"}),
         Row("sr-shard-ov", f"SyncReplicas, sharded over workers, overlap, R={n}",
             "sync-replicas", {"R": n, **shard, **overlap}),
+        Row("sr-shard-ovs", f"SyncReplicas, sharded over workers, overlap, streamed reads, "
+            f"R={n}", "sync-replicas", {"R": n, **shard, **overlap, **stream}),
         Row("sr-shard-split", f"SyncReplicas, split shards over workers, R={n}",
             "sync-replicas", {"R": n, **shard, **split}),
         Row("sr-shard-split-b", f"SyncReplicas, split shards over workers, R={r} of {n}",
             "sync-replicas", {"R": r, **shard, **split}),
         Row("sr-shard-split-ov", f"SyncReplicas, split shards over workers, overlap, R={n}",
             "sync-replicas", {"R": n, **shard, **split, **overlap}),
+        Row("sr-shard-split-ovs", f"SyncReplicas, split shards over workers, overlap, streamed "
+            f"reads, R={n}", "sync-replicas", {"R": n, **shard, **split, **overlap, **stream}),
         Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
             {"R": n, **dedicated}, server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",

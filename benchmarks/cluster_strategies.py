@@ -148,7 +148,8 @@ class SyncReplicas(Strategy):
     """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0), ``"sharded"`` (one shard per
     fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
     server rank); ``R`` gradients per update of N = world; ``overlap``, ``nonfinite`` and
-    ``assignment`` (``shard_assignment``) as the optimizer's; ``per_rank``: shards per server
+    ``assignment`` (``shard_assignment``) as the optimizer's; ``stream``: the reads stream into
+    the next forward (``stream_reads``); ``per_rank``: shards per server
     rank (``server_ranks`` repeated), whose values travel back while later shards' gradients
     still go out (read-ahead, paced pushes)."""
 
@@ -173,6 +174,8 @@ class SyncReplicas(Strategy):
             nonfinite=str(o.get("nonfinite", "raise")),
             shard_assignment=str(o.get("assignment", "bytes")),
         )
+        if o.get("stream"):
+            self.sync.stream_reads(self.model)
         return self.sync
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -23,6 +23,8 @@ def test_rows_name_their_server_hosts() -> None:
     assert rows["sr-ded"].server_hosts == rows["sr-ded-b"].server_hosts == WORKERS
     assert rows["sr-ded-b"].options["R"] == WORKERS - 1
     assert rows["sr-shard-ov"].options["overlap"] is True
+    for key in ("sr-shard-ovs", "sr-shard-split-ovs"):  # streamed reads ride on overlap
+        assert rows[key].options["stream"] is True and rows[key].options["overlap"] is True
     assert rows["sr-ded-split"].server_hosts == WORKERS
     for key in ("sr-ded-split", "sr-shard-split"):
         assert rows[key].options["assignment"] == "split" and rows[key].options["R"] == WORKERS
