@@ -41,6 +41,7 @@ LAYERS = {
     "sync.links": HOSTING,
     "sync.answer_taker": HOSTING,
     "sync.streaming": HOSTING,
+    "sync.early_pushes": HOSTING,
     "dedicated": HOSTING,
     "wrapper": WRAPPERS,
     "sync.arguments": WRAPPERS,

@@ -26,6 +26,7 @@ import torch
 
 from ..transport import MailboxClient, ServerUnreachable
 from .answer_taker import AnswerTaker
+from .early_pushes import EarlyPushes
 from .streaming import PendingReads
 
 __all__ = ["SyncLinks", "push_order"]
@@ -100,6 +101,7 @@ class SyncLinks:
         self._token_link: MailboxClient | None = None
         self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
+        self._early: EarlyPushes | None = None  # overlap's pushes, paced on their own thread
         if self.ahead:
             assert targets is not None and load is not None
             self._taker = AnswerTaker(self.clients, targets, load)
@@ -108,6 +110,7 @@ class SyncLinks:
             self._token_link = MailboxClient(
                 addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
             )
+            self._early = EarlyPushes(self._push_paced, self.order)
 
     @property
     def chief(self) -> MailboxClient:
@@ -142,15 +145,9 @@ class SyncLinks:
             self._start_taking()
             try:
                 for k in self.order:
-                    self._pace()
-                    size = sum(g.numel() * g.element_size() for g in parts[k] if g is not None)
-                    self.push_shard(k, tag, parts[k], extra, receipt=size >= PACED_BYTES)
-                    if k == 0:
-                        self._send_token(tag)
+                    self._push_paced(k, (tag, parts[k], extra))
             except BaseException:
-                sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
-                self._unreceived.clear()
-                self._abandon(sent)  # the failed push's own error names its shard
+                self._abandon_step()
                 raise
             return True
         for k in self.shards:
@@ -161,6 +158,44 @@ class SyncLinks:
             return bool(self.chief.response()["accepted"]) and accepted
         self.carry(parts[0], extra)
         return True
+
+    def _push_paced(self, k: int, job: tuple[int, Grads, dict[str, Any]]) -> None:
+        """Reading ahead: push shard ``k`` once fewer than ``IN_FLIGHT`` pushes are
+        unconfirmed (large ones ask for a receipt), the token request right after shard 0."""
+        tag, grads, extra = job
+        self._pace()
+        size = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        self.push_shard(k, tag, grads, extra, receipt=size >= PACED_BYTES)
+        if k == 0:
+            self._send_token(tag)
+
+    def _abandon_step(self) -> None:
+        """A push of this step failed: release what the shards hold and end the taker's step
+        (the failed push's own error names its shard)."""
+        sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
+        self._unreceived.clear()
+        self._abandon(sent)
+
+    def push_early(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
+        """Overlap: shard ``k``'s gradients are complete.  Reading ahead, they go to the
+        pushing thread (paced, in push order; :mod:`.early_pushes`); else out at once (shard 0
+        with the token request)."""
+        if self._early is not None and tag >= 0:
+            self._early.submit(k, (tag, list(grads), extra))
+        elif k == 0:
+            self.request_token(tag, grads, extra)
+        else:
+            self.push_shard(k, tag, grads, extra)
+
+    def settle_pushes(self) -> None:
+        """Until overlap's pushes are all sent; a failed one fails the step here."""
+        if self._early is None:
+            return
+        try:
+            self._early.drain(self.timeout + 10.0)
+        except BaseException:
+            self._abandon_step()
+            raise
 
     def push_shard(
         self, k: int, tag: int, grads: Grads, extra: dict[str, Any], receipt: bool = False
@@ -395,7 +430,8 @@ class SyncLinks:
     def _check_idle(self, op: str) -> None:
         """A query between backward and ``step()`` with overlap would take the place of a
         push's answer on its link (one request at a time): refuse it."""
-        if self._pending or self._token_sent or self._ahead_sent:
+        early = self._early is not None and self._early.in_step
+        if self._pending or self._token_sent or self._ahead_sent or early:
             raise RuntimeError(
                 f"SyncReplicasOptimizer: {op!r} while this step's pushes are in flight "
                 "(overlap=True pushes during backward): call it after step()"
@@ -409,6 +445,8 @@ class SyncLinks:
 
     def leave(self) -> None:
         """Say ``done`` to every server; a server that is already gone is logged and skipped."""
+        if self._early is not None:
+            self._early.close()
         for k, client in self.clients.items():
             try:
                 client.call("done", worker=self.worker, timeout=5.0)

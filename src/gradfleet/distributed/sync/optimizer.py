@@ -388,7 +388,8 @@ class SyncReplicasOptimizer(
         loaded as its reply arrives (streamed: left to the next forward, returns None)."""
         assert self._links is not None
         if self.streaming and self._links.ahead and tag >= 0:
-            self.local_step = self._stream(tag, self._load_shard, accepted)
+            own = accepted and tag == self.local_step
+            self.local_step = self._stream(tag, self._load_shard, own)
             return None
         into = {k: self._shard_params(k) for k in self._links.clients}
         reply = self._links.token_and_read(tag, into, self._load_shard)

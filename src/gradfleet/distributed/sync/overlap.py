@@ -133,11 +133,7 @@ class OverlappedPushes:
         for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
             g = params[self._pieces[j].index].grad
             whole[self._pieces[j].index] = None if g is None else g.detach()
-        grads = self._shard_grads(k, whole)
-        if k == 0:
-            self._links.request_token(self.local_step, grads, self._extra())
-        else:
-            self._links.push_shard(k, self.local_step, grads, self._extra())
+        self._links.push_early(k, self.local_step, self._shard_grads(k, whole), self._extra())
 
     def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool | None:
         """Push the shards backward did not complete (``grads``), then the token and read.
@@ -150,8 +146,9 @@ class OverlappedPushes:
         for k, part in enumerate(parts):
             if k in sent:
                 continue
-            if k:
-                self._links.push_shard(k, tag, part, self._extra())
+            if self._links.ahead or k:  # reading ahead: paced, in push order, as the rest
+                self._links.push_early(k, tag, part, self._extra())
             else:
                 self._links.carry(part, self._extra(), tag)
+        self._links.settle_pushes()
         return self._finish_step(tag, True)
