@@ -132,6 +132,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link", default="200mbit")
     p.add_argument("--params", type=float, default=10e6)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--device-time", type=float, default=0.0,
+                   help="seconds of emulated accelerator time per forward/backward (sleeps: "
+                   "the CPU stays free, as while a GPU computes)")  # fmt: skip
     p.add_argument("--updates", type=int, default=6, help="training updates per strategy")
     p.add_argument("--target-loss", type=float, default=1.33)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -202,7 +205,8 @@ def run_job(
     with tempfile.TemporaryDirectory(prefix="gfc-run-") as tmp:
         out = Path(tmp)
         script = [str(WORKER), "--rows", json.dumps(plan), "--params", str(args.params),
-                  "--batch", str(args.batch), "--updates", str(args.updates),
+                  "--batch", str(args.batch), "--device-time", str(args.device_time),
+                  "--updates", str(args.updates),
                   "--workers", str(args.hosts),
                   "--fast-hosts", ",".join(map(str, fast)), "--deadline", str(args.deadline),
                   "--out", str(out / "ranks")]  # fmt: skip

@@ -155,13 +155,24 @@ def _cpu(result: dict) -> str:
     return f"{cpu['busy']:.0%}" + (f" (+{cpu['steal']:.0%} stolen)" if cpu["steal"] >= 0.01 else "")
 
 
+def _device_time(cfg: dict) -> str:
+    seconds = float(cfg.get("device_time", 0.0))
+    if not seconds:
+        return ""
+    return (
+        f" Every forward/backward adds {seconds:g} s of emulated accelerator time (sleeps: "
+        "the CPU is free meanwhile)."
+    )
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     out = [
         f"Machine: {report['machine']}. Shared with other jobs while measured.",
         f"Command: `{report['command']}` ({report['wall_s'] / 60:.1f} min).",
         f"Model: MLP of {cfg['params']:.3g} parameters, batch {cfg['batch']} per worker, Adam; "
-        f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}.",
+        f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}."
+        + _device_time(cfg),
         "",
         "| scenario | strategy | updates/s | x DDP | samples/s | step s | transfer-only s "
         "| compute-only s | busiest link use | CPU busy | to target loss s |",

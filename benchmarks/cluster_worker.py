@@ -5,7 +5,10 @@ the labels of a fixed linear teacher (4 classes, Gaussian inputs), trained with 
 rank draws its own batches.  Phases:
 
 1. calibrate: two forward/backward passes of the bare model; the second's time is this host's
-   compute time ``c``.  A host with ``GF_CLUSTER_COMPUTE_FACTOR=f`` sleeps ``(f - 1) * c``
+   compute time ``c``.  ``--device-time S`` adds ``S`` seconds of emulated accelerator time
+   to every forward/backward (:class:`DeviceTime`: sleeps, a third in forward and two thirds
+   in backward, spread over the layers), during which the CPU is free, as while a GPU
+   computes; ``c`` includes it.  A host with ``GF_CLUSTER_COMPUTE_FACTOR=f`` sleeps ``(f - 1) * c``
    before every forward (a machine ``f`` times slower).
 2. transfer-only: ``transfer_updates`` updates of communication alone on zero gradients.
 3. training: ``--updates`` more updates; every step's wall clock, loss and update count
@@ -52,13 +55,50 @@ def width_for(params: float, layers: int = HIDDEN_LAYERS) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)))
 
 
-def build_model(params: float, seed: int) -> nn.Module:
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class DeviceTime(nn.Module):
+    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward: a layer's
+    time on an accelerator, during which this host's CPU is free (on 2 shared cores, real
+    compute would take the CPU that the emulated hosts' transfers need)."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.forward_s, self.backward_s)
+
+
+def build_model(params: float, seed: int, device_time: float = 0.0) -> nn.Module:
+    """The MLP; ``device_time`` seconds of emulated accelerator time per forward/backward,
+    a third in forward and two thirds in backward, an equal share after every layer."""
     torch.manual_seed(seed)
     w = width_for(params)
     layers: list[nn.Module] = [nn.Linear(INPUTS, w), nn.ReLU()]
     for _ in range(HIDDEN_LAYERS - 1):
         layers += [nn.Linear(w, w), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(w, CLASSES))
+    layers.append(nn.Linear(w, CLASSES))
+    if device_time > 0:
+        share = device_time / (HIDDEN_LAYERS + 1)
+        with_time: list[nn.Module] = []
+        for layer in layers:
+            with_time.append(layer)
+            if isinstance(layer, nn.Linear):
+                with_time.append(DeviceTime(share / 3, 2 * share / 3))
+        layers = with_time
+    return nn.Sequential(*layers)
 
 
 class Teacher:
@@ -80,6 +120,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "transfer_updates}: run one after the other in this job")  # fmt: skip
     p.add_argument("--params", type=float, default=10e6)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--device-time", type=float, default=0.0,
+                   help="seconds of emulated accelerator time per forward/backward")  # fmt: skip
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--updates", type=int, default=6)
     p.add_argument("--fast-hosts", default="", help="comma-separated host indices for servers")
@@ -123,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     """One strategy from a fresh model: transfer-only phase, then the timed training phase."""
-    model, teacher = build_model(args.params, args.seed), Teacher(args.seed)
+    model, teacher = build_model(args.params, args.seed, args.device_time), Teacher(args.seed)
     compute_s = calibrate(model, teacher, args.batch)
     factor = float(os.environ.get("GF_CLUSTER_COMPUTE_FACTOR", "1"))
     options = dict(row.get("options", {}))
