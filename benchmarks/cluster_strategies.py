@@ -188,6 +188,7 @@ class SyncReplicas(Strategy):
     def transfer_step(self) -> None:
         self.opt.zero_grad(set_to_none=False)
         self.opt.step()
+        self.sync.wait_reads()  # streamed: no forward follows to wait for the values
 
     def updates(self) -> int:
         return int(self.sync.global_step)

@@ -42,6 +42,7 @@ LAYERS = {
     "sync.answer_taker": HOSTING,
     "sync.streaming": HOSTING,
     "sync.early_pushes": HOSTING,
+    "sync.ahead_links": HOSTING,
     "dedicated": HOSTING,
     "wrapper": WRAPPERS,
     "sync.arguments": WRAPPERS,

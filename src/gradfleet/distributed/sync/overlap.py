@@ -146,9 +146,9 @@ class OverlappedPushes:
         for k, part in enumerate(parts):
             if k in sent:
                 continue
-            if self._links.ahead or k:  # reading ahead: paced, in push order, as the rest
+            if self._links.ahead:  # several shards: paced, in push order, as the rest
                 self._links.push_early(k, tag, part, self._extra())
-            else:
-                self._links.carry(part, self._extra(), tag)
+            else:  # one server: its gradients travel with the token request
+                self._links.carry(part, self._extra())
         self._links.settle_pushes()
         return self._finish_step(tag, True)
