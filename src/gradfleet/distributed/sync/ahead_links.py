@@ -13,6 +13,7 @@ waits for its token; :meth:`ReadAheadLinks.token_then_reads` returns the reads s
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ class ReadAheadLinks:
     _unreceived: deque[tuple[int, int]]
     _taking: bool
     _token_sent: bool
+    _sent_lock: threading.Lock
     push_shard: Callable[..., None]
     request_token: Callable[..., None]
     _read: Callable[..., None]
@@ -118,14 +120,17 @@ class ReadAheadLinks:
         )  # fmt: skip
         self._token_sent = True
 
-    def _start_taking(self) -> None:
-        """From now on the taker takes each push's answer (those sent so far first)."""
-        if self._taking:
-            return
-        assert self._taker is not None
-        self._taking = True
-        for k in self._ahead_sent:
-            self._taker.take(k)
+    def start_taking(self) -> None:
+        """From now on the taker takes each push's answer (those sent so far first).  Overlap
+        calls it at the start of ``step()``: backward is over, so the values may land in the
+        parameters, and the shards pushed during backward answer while the rest go out."""
+        with self._sent_lock:  # overlap's pushing thread may be registering a push
+            if self._taking:
+                return
+            assert self._taker is not None
+            self._taking = True
+            for k in self._ahead_sent:
+                self._taker.take(k)
 
     def _abandon(self, sent: dict[int, tuple[str, int]]) -> ServerUnreachable | None:
         """The step failed (a push or the token): release what the shards hold of ``sent`` and
@@ -165,7 +170,7 @@ class ReadAheadLinks:
         assert self._taker is not None and self._token_link is not None
         self._send_token(tag)
         self._token_sent = False
-        self._start_taking()
+        self.start_taking()
         sent, self._ahead_sent, self._taking = self._ahead_sent, {}, False
         self._unreceived.clear()  # their receipts are skipped by the next step's waits
         try:

@@ -17,6 +17,7 @@ Per step, the protocol of TF's worker train op, one method each:
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,6 +95,7 @@ class SyncLinks(ReadAheadLinks):
         self._token_link: MailboxClient | None = None
         self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
+        self._sent_lock = threading.Lock()  # _ahead_sent and _taking, for overlap's thread
         self._early: EarlyPushes | None = None  # overlap's pushes, paced on their own thread
         if self.ahead:
             assert targets is not None and load is not None
@@ -135,7 +137,7 @@ class SyncLinks(ReadAheadLinks):
         hyperparameters, for dedicated servers."""
         extra = {} if hyper is None else {"hyper": hyper}
         if self.ahead and tag >= 0:
-            self._start_taking()
+            self.start_taking()
             try:
                 for k in self.order:
                     self._push_paced(k, (tag, parts[k], extra))
@@ -164,12 +166,13 @@ class SyncLinks(ReadAheadLinks):
                 "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k],
                 **extra, **({"receipt": True} if receipt else {}),
             )  # fmt: skip
-            self._ahead_sent[k] = client.last_request
+            with self._sent_lock:  # start_taking() may run on the worker's thread meanwhile
+                self._ahead_sent[k] = client.last_request
+                if self._taking:
+                    assert self._taker is not None
+                    self._taker.take(k)
             if receipt:
                 self._unreceived.append((k, client.last_request[1]))
-            if self._taking:
-                assert self._taker is not None
-                self._taker.take(k)
             return
         self.clients[k].request("push", worker=self.worker, tag=tag, grads=grads, **extra)
         self._pending.append(k)

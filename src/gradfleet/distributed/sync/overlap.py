@@ -143,6 +143,8 @@ class OverlappedPushes:
         tag, sent = self.local_step, self._readiness.sent
         log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
         parts = self._grad_parts(grads)
+        if self._links.ahead:  # backward is over: the answers may be taken (in place) now
+            self._links.start_taking()
         for k, part in enumerate(parts):
             if k in sent:
                 continue
