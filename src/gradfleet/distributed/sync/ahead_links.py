@@ -47,6 +47,8 @@ class ReadAheadLinks:
     _taker: AnswerTaker | None
     _token_link: MailboxClient | None
     _early: EarlyPushes | None
+    ahead: bool
+    order: list[int]
     _ahead_sent: dict[int, tuple[str, int]]
     _unreceived: deque[tuple[int, int]]
     _taking: bool
@@ -77,7 +79,9 @@ class ReadAheadLinks:
         """Overlap: shard ``k``'s gradients are complete.  Reading ahead, they go to the
         pushing thread (paced, in push order; :mod:`.early_pushes`); else out at once (shard 0
         with the token request)."""
-        if self._early is not None and tag >= 0:
+        if self.ahead and tag >= 0:
+            if self._early is None:  # only jobs with overlap need the thread
+                self._early = EarlyPushes(self._push_paced, self.order)
             self._early.submit(k, (tag, list(grads), extra))
         elif k == 0:
             self.request_token(tag, grads, extra)

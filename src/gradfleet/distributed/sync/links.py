@@ -27,7 +27,6 @@ import torch
 from ..transport import MailboxClient
 from .ahead_links import IN_FLIGHT, PACED_BYTES, ReadAheadLinks
 from .answer_taker import AnswerTaker
-from .early_pushes import EarlyPushes
 
 __all__ = ["SyncLinks", "push_order", "IN_FLIGHT", "PACED_BYTES"]
 
@@ -96,7 +95,7 @@ class SyncLinks(ReadAheadLinks):
         self._ahead_sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
         self._sent_lock = threading.Lock()  # _ahead_sent and _taking, for overlap's thread
-        self._early: EarlyPushes | None = None  # overlap's pushes, paced on their own thread
+        self._early = None  # overlap's pushing thread, started by its first push
         if self.ahead:
             assert targets is not None and load is not None
             self._taker = AnswerTaker(self.clients, targets, load)
@@ -105,7 +104,6 @@ class SyncLinks(ReadAheadLinks):
             self._token_link = MailboxClient(
                 addresses[0], f"w{worker}t", timeout + 10.0, f"server rank {ranks[0]}", data=False
             )
-            self._early = EarlyPushes(self._push_paced, self.order)
 
     @property
     def chief(self) -> MailboxClient:
