@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -35,10 +36,12 @@ def test_sync_replicas_on_two_dedicated_servers_trains():
     out = run_ranks(run_block, 4, args=(0, "main"), rendezvous="env", timeout=150)
     # 30 updates of R = 2 accepted gradients: 60 steps at least between the two workers; a
     # fast worker may take a spare token and give two gradients to one update (TF's shared
-    # tokens), so one worker alone can have made fewer than 30
-    assert len(out[0]) + len(out[1]) >= 60
-    for losses in out[:2]:
-        assert losses[-1] < 0.5 * losses[0]
+    # tokens), so one worker alone can make fewer than 30, even none when the other starts
+    # first on a loaded machine. The one that made the most steps saw most of the training.
+    busier, other = sorted(out[:2], key=len, reverse=True)
+    assert len(busier) + len(other) >= 60 and len(busier) >= 30
+    assert busier[-1] < 0.5 * busier[0]
+    assert all(math.isfinite(loss) for loss in other)
     chief, shard = out[2], out[3]
     assert chief["kind"] == shard["kind"] == "SyncReplicasOptimizer"
     assert chief["server"]["global_step"] == 30 and chief["shards"] == {}
