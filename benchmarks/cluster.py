@@ -63,6 +63,9 @@ def rows(world: int) -> list[Row]:
     dedicated = {"servers": "dedicated"}
     split = {"assignment": "split"}  # large parameters cut into pieces over the shards
     stream = {"stream": True}  # the reads stream into the next forward (stream_reads)
+    # pieces in runs in backward's order, every server rank twice: with overlap, the runs a
+    # gradient completes go out to every server at once (shard_assignment="backward_order")
+    order = {"assignment": "backward_order", "per_rank": 2}
     return [
         Row("compute", "compute only (no communication)", "compute", kind="local"),
         Row("ddp", "DDP (bucketed all-reduce, overlapped)", "ddp"),
@@ -85,6 +88,11 @@ def rows(world: int) -> list[Row]:
             "sync-replicas", {"R": n, **shard, **split, **overlap}),
         Row("sr-shard-split-ovs", f"SyncReplicas, split shards over workers, overlap, streamed "
             f"reads, R={n}", "sync-replicas", {"R": n, **shard, **split, **overlap, **stream}),
+        Row("sr-shard-order-ov", f"SyncReplicas, shards in backward order over workers, 2 per "
+            f"host, overlap, R={n}", "sync-replicas", {"R": n, **shard, **order, **overlap}),
+        Row("sr-shard-order-ovs", f"SyncReplicas, shards in backward order over workers, 2 per "
+            f"host, overlap, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **shard, **order, **overlap, **stream}),
         Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
             {"R": n, **dedicated}, server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
@@ -105,6 +113,12 @@ def rows(world: int) -> list[Row]:
             "sync-replicas", {"R": r, **dedicated}, server_hosts=n),
         Row("sr-ded-ov", f"SyncReplicas, sharded on {n} dedicated server hosts, overlap, R={n}",
             "sync-replicas", {"R": n, **dedicated, **overlap}, server_hosts=n),
+        Row("sr-ded-order-ov", f"SyncReplicas, shards in backward order on {n} dedicated "
+            f"server hosts, 2 per host, overlap, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **order, **overlap}, server_hosts=n),
+        Row("sr-ded-order-ovs", f"SyncReplicas, shards in backward order on {n} dedicated "
+            f"server hosts, 2 per host, overlap, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **order, **overlap, **stream}, server_hosts=n),
         Row("easgd", "async EASGD, centre on a worker, period 4", "easgd-async",
             {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4),
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",

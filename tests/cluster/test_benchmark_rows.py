@@ -31,6 +31,10 @@ def test_rows_name_their_server_hosts() -> None:
     assert all(r.server_hosts == 0 for k, r in rows.items() if "ded" not in k)
     for key, n in (("sr-ded-split-w2", 2), ("sr-ded-split-w4", 4), ("sr-shard-split-w2", 2)):
         assert rows[key].options["per_rank"] == n and rows[key].options["assignment"] == "split"
+    for key in ("sr-shard-order-ov", "sr-shard-order-ovs", "sr-ded-order-ov", "sr-ded-order-ovs"):
+        o = rows[key].options  # runs complete together only if every rank hosts several
+        assert o["assignment"] == "backward_order" and o["per_rank"] == 2 and o["overlap"]
+        assert o.get("stream", False) is key.endswith("ovs")
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")

@@ -32,10 +32,10 @@ def test_ready_shards_go_out_in_push_order_not_in_the_order_backward_finished_th
     sends = _Sends()
     pushes = EarlyPushes(sends, order=[2, 0, 3, 1])
     try:
-        pushes.submit(1, "grads 1")  # taken at once: the thread is idle
+        pushes.submit({1: "grads 1"})  # taken at once: the thread is idle
         assert sends.started.wait(10)
         for k in (3, 0, 2):  # ready while shard 1 is on its way
-            pushes.submit(k, f"grads {k}")
+            pushes.submit({k: f"grads {k}"})
         sends.gate.set()
         pushes.drain(10)
         assert sends.sent == [1, 2, 0, 3]
@@ -47,14 +47,14 @@ def test_a_failed_push_stops_the_step_and_drain_raises_it_once():
     sends = _Sends(fail=0)
     pushes = EarlyPushes(sends, order=[0, 1, 2])
     try:
-        pushes.submit(0, "grads 0")
+        pushes.submit({0: "grads 0"})
         assert sends.started.wait(10)
-        pushes.submit(1, "grads 1")
+        pushes.submit({1: "grads 1"})
         sends.gate.set()
         with pytest.raises(ConnectionError, match="shard 0 is gone"):
             pushes.drain(10)
         assert sends.sent == []  # shard 1 was dropped with the failed step
-        pushes.submit(2, "grads 2")  # the next step sends again
+        pushes.submit({2: "grads 2"})  # the next step sends again
         pushes.drain(10)
         assert sends.sent == [2]
     finally:
@@ -65,7 +65,7 @@ def test_drain_gives_up_after_its_timeout():
     sends = _Sends()
     pushes = EarlyPushes(sends, order=[0])
     try:
-        pushes.submit(0, "grads 0")
+        pushes.submit({0: "grads 0"})
         with pytest.raises(TimeoutError, match="overlap's pushes not sent after 0.2s"):
             pushes.drain(0.2)
     finally:
@@ -80,10 +80,24 @@ def test_in_step_from_the_first_submit_until_drain():
     pushes = EarlyPushes(sends, order=[0])
     try:
         assert not pushes.in_step
-        pushes.submit(0, "grads 0")
+        pushes.submit({0: "grads 0"})
         assert pushes.in_step and sends.sent == []
         sends.gate.set()
         pushes.drain(10)
         assert not pushes.in_step and sends.sent == [0]
+    finally:
+        pushes.close()
+
+
+def test_shards_handed_over_together_go_out_in_push_order_among_themselves():
+    """What one gradient completes (a layer cut over every shard) is one hand-over: the idle
+    thread must not start with whichever shard the hook listed first."""
+    sends = _Sends()
+    sends.gate.set()
+    pushes = EarlyPushes(sends, order=[2, 3, 0, 1])
+    try:
+        pushes.submit({k: f"grads {k}" for k in (0, 1, 2, 3)})
+        pushes.drain(10)
+        assert sends.sent == [2, 3, 0, 1]
     finally:
         pushes.close()

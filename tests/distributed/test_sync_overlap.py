@@ -107,6 +107,26 @@ def _equal(a, b):
 
 
 # --------------------------------------------------------------------- in process
+def test_readiness_hands_over_what_one_gradient_completes_together():
+    """A parameter cut over shards 1-3 completes them with one gradient: one hand-over of all
+    three (so they go out in push order), and each shard once per step."""
+    from gradfleet.distributed.sync.overlap import ShardReadiness
+
+    big, small = torch.zeros(6, requires_grad=True), torch.zeros(2, requires_grad=True)
+    calls = []
+    ready = ShardReadiness([big, small], [[1], [0], [0], [0, 1]], calls.append, "test")
+    try:
+        (big.sum() * 0).backward()
+        assert calls == [[1, 2]]  # shard 3 also waits for `small`
+        (small.sum() * 0).backward()
+        assert calls == [[1, 2], [0, 3]]
+        ready.reset()
+        ((big.sum() + small.sum()) * 0).backward()
+        assert sorted(k for c in calls[2:] for k in c) == [0, 1, 2, 3]
+    finally:
+        ready.remove()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_same_variables_as_without_overlap_and_as_sgd(shards):

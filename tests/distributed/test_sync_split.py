@@ -28,6 +28,7 @@ from gradfleet.distributed.sync.pieces import (
     ELEMENTWISE_TORCH,
     check_dense,
     check_elementwise,
+    in_backward_order,
     plan,
     split_optimizer,
     view,
@@ -72,11 +73,11 @@ def _optimizer(kind, dtype):
 class SplitCluster(Cluster):
     """``Cluster`` whose shards hold the pieces of :func:`plan` (parts index the pieces)."""
 
-    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
+    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None, how="split"):
         opt = make_opt()
         params = [p for g in opt.param_groups for p in g["params"]]
         self.pieces = plan(params, shards)
-        self.parts = assign([view(params[pc.index], pc) for pc in self.pieces], shards, "split")
+        self.parts = assign([view(params[pc.index], pc) for pc in self.pieces], shards, how)
         tokens = init_tokens(num_tokens, R, N)
         self.chief = SyncChief(
             opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0],
@@ -148,6 +149,44 @@ def test_plan_cuts_rows_or_flat_and_balances():
     ]
 
 
+@pytest.mark.parametrize(
+    ("ranks", "runs"),
+    [
+        ([4, 5, 6, 7] * 2, [0, 1, 2, 3, 4, 5, 6, 7]),  # each rank's first shard, then second
+        ([4, 4, 5, 5], [0, 2, 1, 3]),  # consecutive runs on different ranks
+        ([0, 1, 2], [0, 1, 2]),
+    ],
+)
+def test_backward_order_cuts_runs_last_parameter_first(ranks, runs):
+    """Runs of pieces contiguous in reverse parameter order, about P / S bytes each, handed to
+    the shards so that runs completing one after another sit on different ranks."""
+    params = [torch.zeros(s) for s in [(40, 10), (10,), (40, 40), (40,), (40, 4), (4,)]]
+    S = len(ranks)
+    pieces = plan(params, S)
+    sizes = [view(params[pc.index], pc).numel() * 4 for pc in pieces]
+    parts = in_backward_order(sizes, ranks)
+    assert sorted(j for p in parts for j in p) == list(range(len(pieces)))  # each piece once
+    run_of = {j: runs.index(k) for k, p in enumerate(parts) for j in p}
+    backward = list(reversed(range(len(pieces))))
+    assert [run_of[j] for j in backward] == sorted(run_of[j] for j in backward)  # contiguous
+    assert run_of[backward[0]] == 0 and run_of[backward[-1]] == S - 1
+    total, largest = sum(sizes), max(sizes)
+    for p in parts:  # no run further than a piece from its share
+        assert p and abs(sum(sizes[j] for j in p) - total / S) <= largest
+    # the same through assign(), which takes the pieces' tensors
+    views = [view(params[pc.index], pc) for pc in pieces]
+    assert assign(views, S, "backward_order", ranks) == parts
+
+
+def test_backward_order_keeps_every_run_non_empty():
+    """A piece larger than several runs' share (a parameter that could not be cut) must not
+    leave a run empty: the pieces after it fill the runs left."""
+    parts = in_backward_order([1, 1, 1, 100], [0, 1, 2, 3])
+    assert parts == [[3], [2], [1], [0]]
+    with pytest.raises(ValueError, match="4 shards for 3 pieces"):
+        in_backward_order([1, 1, 1], [0, 1, 2, 3])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["adam", "ftrl", "momentum", "rmsprop", "torch_adam"])
@@ -167,8 +206,8 @@ def test_split_is_bit_identical_to_single_server(kind, dtype):
         ref = Cluster(make, R, N, -1, 0)
         ref_accepted = _drive(ref, schedule, grads_of, N)
         assert ref.chief.global_step > 5
-        for shards in (2, 3):
-            cluster = SplitCluster(make, R, N, -1, shards)
+        for shards, how in ((2, "split"), (3, "split"), (3, "backward_order")):
+            cluster = SplitCluster(make, R, N, -1, shards, how=how)
             assert len(cluster.pieces) > len(SHAPES)  # something was cut
             accepted = _drive(cluster, schedule, grads_of, N)
             assert accepted == ref_accepted and cluster.local == ref.local
@@ -351,9 +390,15 @@ def test_split_with_overlap_on_dedicated_servers():
     split = run_ranks(
         overlap_ranks.dedicated_lockstep, 4, args=(2, [2, 3], 5, "split"), timeout=100
     )
+    # backward order, two shards per server rank: overlap pushes runs as backward ends them
+    ordered = run_ranks(
+        overlap_ranks.dedicated_lockstep, 4, args=(2, [2, 3] * 2, 5, "backward_order"),
+        timeout=100,
+    )  # fmt: skip
     for rank in (0, 1):
         want = whole[rank][False]
-        for got in (split[rank][False], split[rank][True]):
+        runs = (split[rank][False], split[rank][True], ordered[rank][False], ordered[rank][True])
+        for got in runs:
             assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5]
             for (_, a), (_, b) in zip(got, want, strict=True):
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

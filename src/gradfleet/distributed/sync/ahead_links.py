@@ -75,18 +75,20 @@ class ReadAheadLinks:
         self._unreceived.clear()
         self._abandon(sent)
 
-    def push_early(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
-        """Overlap: shard ``k``'s gradients are complete.  Reading ahead, they go to the
-        pushing thread (paced, in push order; :mod:`.early_pushes`); else out at once (shard 0
-        with the token request)."""
+    def push_early(self, jobs: dict[int, Grads], tag: int, extra: dict[str, Any]) -> None:
+        """Overlap: the gradients of the shards in ``jobs`` are complete.  Reading ahead, they
+        go to the pushing thread together (paced, in push order; :mod:`.early_pushes`); else
+        out at once (shard 0 with the token request)."""
         if self.ahead and tag >= 0:
             if self._early is None:  # only jobs with overlap need the thread
                 self._early = EarlyPushes(self._push_paced, self.order)
-            self._early.submit(k, (tag, list(grads), extra))
-        elif k == 0:
-            self.request_token(tag, grads, extra)
-        else:
-            self.push_shard(k, tag, grads, extra)
+            self._early.submit({k: (tag, list(g), extra) for k, g in jobs.items()})
+            return
+        for k, grads in jobs.items():
+            if k == 0:
+                self.request_token(tag, grads, extra)
+            else:
+                self.push_shard(k, tag, grads, extra)
 
     def settle_pushes(self) -> None:
         """Until overlap's pushes are all sent; a failed one fails the step here."""

@@ -40,12 +40,13 @@ class EarlyPushes:
         self._thread = threading.Thread(target=self._run, name="gradfleet-pushes", daemon=True)
         self._thread.start()
 
-    def submit(self, k: int, job: Any) -> None:
-        """Send shard ``k`` (``job``: what ``send`` needs) once it is its turn."""
+    def submit(self, jobs: dict[int, Any]) -> None:
+        """Send each shard ``k`` of ``jobs`` (``jobs[k]``: what ``send`` needs) once it is its
+        turn; shards handed over together go out in push order among themselves."""
         with self._cond:
             self._submitted = True
             if self._error is None:  # after an error nothing more goes out this step
-                self._ready[k] = job
+                self._ready.update(jobs)
                 self._cond.notify_all()
 
     def drain(self, timeout: float) -> None:

@@ -65,7 +65,7 @@ from .overlap import OverlappedPushes, ShardReadiness
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
 from .queries import SyncQueries
 from .servers import SyncServers
-from .shards import assign, check_server_ranks
+from .shards import SPLITTING, assign, check_server_ranks
 from .streaming import ReadStreaming
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
@@ -115,7 +115,12 @@ class SyncReplicasOptimizer(
             results are bit-identical to ``"bytes"``.  Needs an optimizer known to update
             elementwise -- gradfleet's but ``NormalizedSGD``, torch.optim's Adam, AdamW,
             SGD, RMSprop, Adagrad, Adadelta, Adamax, ... -- else ``ValueError``; no
-            ``variable_averages``, no sparse gradients on a cut parameter: :mod:`.pieces`).
+            ``variable_averages``, no sparse gradients on a cut parameter: :mod:`.pieces`),
+            or ``"backward_order"``: the same pieces, cut into runs in the order backward
+            completes them, so that with ``overlap=True`` the shards are pushed one run
+            after another during backward; list every server rank several times
+            (``[4, 5, 6, 7] * 2``) so the runs that complete together sit on every rank
+            (:func:`.pieces.in_backward_order`).
         overlap: push each shard's gradients from backward's gradient hooks as soon as the
             shard's are all in, while backward goes on (DDP's overlap, per shard; see
             :mod:`.overlap`).  Off by default: what is pushed is ``.grad`` as backward left
@@ -187,7 +192,7 @@ class SyncReplicasOptimizer(
         inside = server_address is None and dist.is_available() and dist.is_initialized()
         # split: a shard per piece at most, and pieces may outnumber the parameters
         units = len(self._index)
-        if shard_assignment == "split":
+        if shard_assignment in SPLITTING:
             units = sum(p.numel() for p in self.params())
         ranks = check_server_ranks(
             [server_rank] if server_ranks is None else server_ranks,
@@ -212,7 +217,7 @@ class SyncReplicasOptimizer(
             return
         self._split = self._plan_split(shard_assignment, variable_averages, len(ranks))
         self._pieces = self._split or whole(len(self._index))
-        self._parts = assign(self._piece_views(self.params()), len(ranks), shard_assignment)
+        self._parts = assign(self._piece_views(self.params()), len(ranks), shard_assignment, ranks)
         given = [server_address] if isinstance(server_address, str) else server_address
         self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
         if self.overlap:
@@ -221,16 +226,17 @@ class SyncReplicasOptimizer(
 
     # ----------------------------------------------------------------- set-up
     def _plan_split(self, how: str, ema: Any, num_shards: int) -> list[Piece] | None:
-        """``shard_assignment="split"`` over several shards: the pieces (:mod:`.pieces`)."""
-        if how != "split":
+        """``shard_assignment="split"`` or ``"backward_order"`` over several shards: the
+        pieces (:mod:`.pieces`)."""
+        if how not in SPLITTING:
             return None
         if num_shards == 1:
-            log.info("%s: shard_assignment='split' with one server: nothing to split", _OWNER)
+            log.info("%s: shard_assignment=%r with one server: nothing to split", _OWNER, how)
             return None
         check_elementwise(self.optimizer)
         if ema is not None:
             raise ValueError(
-                f"{_OWNER}: shard_assignment='split' does not support variable_averages (the "
+                f"{_OWNER}: shard_assignment={how!r} does not support variable_averages (the "
                 "moving averages are kept per whole variable); use shard_assignment='bytes'"
             )
         return plan(self.params(), num_shards)

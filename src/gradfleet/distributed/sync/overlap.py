@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class ShardReadiness:
-    """Which shards' gradients are complete in this step; calls ``on_ready(k)`` once per step
-    for every shard whose trainable parameters all accumulated their gradient.
+    """Which shards' gradients are complete in this step; calls ``on_ready(shards)`` with the
+    shards that one parameter's gradient completed (each shard once per step: when its
+    trainable parameters have all accumulated their gradient).  Together, so that they go out
+    in the worker's push order rather than in the order the hook found them.
 
     ``params``: the optimizer's parameters in order; ``parts``: parameter indices per shard
     (``shard_assignment="split"``: a parameter cut into pieces appears in several shards).
@@ -43,7 +45,7 @@ class ShardReadiness:
         self,
         params: Sequence[torch.Tensor],
         parts: Sequence[Sequence[int]],
-        on_ready: Callable[[int], None],
+        on_ready: Callable[[list[int]], None],
         owner: str,
     ) -> None:
         self.params, self.parts, self.owner = list(params), [list(p) for p in parts], owner
@@ -77,13 +79,16 @@ class ShardReadiness:
                 "(gradient accumulation) need overlap=False"
             )
         self._seen.add(i)
+        ready = []
         for k in self._shards_of[i]:
             left = self._left[k]
             left.discard(i)
             if not left and k not in self.sent:
                 self.sent.add(k)
-                log.debug("%s: shard %d's gradients are complete, pushing it now", self.owner, k)
-                self._on_ready(k)
+                ready.append(k)
+        if ready:
+            log.debug("%s: shards %s complete, pushing them now", self.owner, ready)
+            self._on_ready(ready)
 
     @property
     def started(self) -> bool:
@@ -122,18 +127,21 @@ class OverlappedPushes:
             self._step_extra = {} if hyper is None else {"hyper": hyper}
         return self._step_extra
 
-    def _push_early(self, k: int) -> None:
-        """A gradient hook found shard ``k`` complete: push it now (shard 0 with the token
+    def _push_early(self, shards: list[int]) -> None:
+        """A gradient hook found ``shards`` complete: push them now (shard 0 with the token
         request).  The answers are read in ``step()``."""
         if self._links is None:
             return  # closed: the step will say so
         self.wait_reads()  # the last step's streamed reads use the links and the parameters
         params = self.params()
-        whole: list[torch.Tensor | None] = [None] * len(params)
-        for j in self._parts[k]:  # only this shard's parameters: a hook runs once per shard
-            g = params[self._pieces[j].index].grad
-            whole[self._pieces[j].index] = None if g is None else g.detach()
-        self._links.push_early(k, self.local_step, self._shard_grads(k, whole), self._extra())
+        jobs = {}
+        for k in shards:
+            whole: list[torch.Tensor | None] = [None] * len(params)
+            for j in self._parts[k]:  # only this shard's parameters: once per shard and step
+                g = params[self._pieces[j].index].grad
+                whole[self._pieces[j].index] = None if g is None else g.detach()
+            jobs[k] = self._shard_grads(k, whole)
+        self._links.push_early(jobs, self.local_step, self._extra())
 
     def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool | None:
         """Push the shards backward did not complete (``grads``), then the token and read.
@@ -143,14 +151,12 @@ class OverlappedPushes:
         tag, sent = self.local_step, self._readiness.sent
         log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
         parts = self._grad_parts(grads)
+        rest = {k: part for k, part in enumerate(parts) if k not in sent}
         if self._links.ahead:  # backward is over: the answers may be taken (in place) now
             self._links.start_taking()
-        for k, part in enumerate(parts):
-            if k in sent:
-                continue
-            if self._links.ahead:  # several shards: paced, in push order, as the rest
-                self._links.push_early(k, tag, part, self._extra())
-            else:  # one server: its gradients travel with the token request
-                self._links.carry(part, self._extra())
+            if rest:  # several shards: paced, in push order, as the others
+                self._links.push_early(rest, tag, self._extra())
+        elif 0 in rest:  # one server: its gradients travel with the token request
+            self._links.carry(rest[0], self._extra())
         self._links.settle_pushes()
         return self._finish_step(tag, True)

@@ -41,6 +41,7 @@ __all__ = [
     "Piece",
     "check_elementwise",
     "check_dense",
+    "in_backward_order",
     "plan",
     "split_optimizer",
     "view",
@@ -120,6 +121,41 @@ def plan(params: Sequence[torch.Tensor], num_shards: int) -> list[Piece]:
     if cut == 0:
         log.info("split: no parameter above %d bytes, same as whole parameters", limit)
     return pieces
+
+
+def in_backward_order(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
+    """``shard_assignment="backward_order"``: piece indices of each shard (``sizes``: the
+    pieces' bytes in parameter order; ``ranks[k]`` hosts shard ``k``).
+
+    Backward produces gradients roughly in reverse parameter order (the order DDP assumes for
+    its first buckets), so the pieces are taken last to first and cut into ``len(ranks)``
+    contiguous runs of about ``P / S`` bytes: run 0 is complete first, the last run last.
+    Runs go to the shards every server rank's first shard first, then every rank's second
+    (``[4, 5, 6, 7] * 2``: shards 0-3, then 4-7), so the runs that complete at about the same
+    time sit on different ranks and overlap's pushes of them load every server's link at
+    once, as BytePS spreads each layer's partitions over all servers."""
+    total, count = sum(sizes), len(sizes)
+    num = len(ranks)
+    if num > count:
+        raise ValueError(f"SyncReplicasOptimizer: {num} shards for {count} pieces")
+    seen: dict[int, int] = {}
+    turns = []  # (the how-many-th shard of its rank, shard): the order runs are handed out
+    for k, r in enumerate(ranks):
+        seen[r] = seen.get(r, -1) + 1
+        turns.append((seen[r], k))
+    shard_of_run = [k for _, k in sorted(turns)]
+    parts: list[list[int]] = [[] for _ in range(num)]
+    run, before = 0, 0
+    for j, i in enumerate(reversed(range(count))):
+        # the run whose byte range holds the piece's middle, but never backwards, at most one
+        # run ahead (none left empty) and late enough for the pieces left to fill the rest
+        wanted = int((before + sizes[i] / 2) * num / max(total, 1)) if total else run
+        if parts[shard_of_run[run]]:
+            run = min(max(run, wanted), run + 1)
+        run = max(min(run, num - 1), num - (count - j))
+        parts[shard_of_run[run]].append(i)
+        before += sizes[i]
+    return [sorted(p) for p in parts]
 
 
 def check_elementwise(opt: torch.optim.Optimizer) -> None:

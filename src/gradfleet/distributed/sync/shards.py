@@ -53,7 +53,7 @@ from ..apply import apply_gradients
 from ..membership import Membership
 from ..replies import Answer
 from .aggregator import GradientAggregator
-from .pieces import Piece, split_optimizer
+from .pieces import Piece, in_backward_order, split_optimizer
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 
 __all__ = [
@@ -140,20 +140,29 @@ def by_bytes(nbytes: Sequence[int], num_shards: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-ASSIGNMENTS = ("bytes", "round_robin", "split")
+ASSIGNMENTS = ("bytes", "round_robin", "split", "backward_order")
+#: the assignments that cut large parameters into pieces (:mod:`.pieces`)
+SPLITTING = ("split", "backward_order")
 
 
-def assign(params: Sequence[torch.Tensor], num_shards: int, how: str) -> list[list[int]]:
+def assign(
+    params: Sequence[torch.Tensor], num_shards: int, how: str, ranks: Sequence[int] = ()
+) -> list[list[int]]:
     """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter).  The
-    indices are of ``params``; for ``"split"`` pass the pieces' tensors
-    (:func:`.pieces.plan`): their bytes are balanced as whole parameters' are."""
+    indices are of ``params``; for :data:`SPLITTING` pass the pieces' tensors
+    (:func:`.pieces.plan`): ``"split"`` balances their bytes as whole parameters' are,
+    ``"backward_order"`` cuts them into runs in backward's order over ``ranks`` (the shards'
+    server ranks; :func:`.pieces.in_backward_order`)."""
     if how not in ASSIGNMENTS:
         raise ValueError(
             f"SyncReplicasOptimizer: shard_assignment must be one of {ASSIGNMENTS}, got {how!r}"
         )
     if how == "round_robin" or num_shards == 1:
         return round_robin(len(params), num_shards)
-    return by_bytes([p.numel() * p.element_size() for p in params], num_shards)
+    sizes = [p.numel() * p.element_size() for p in params]
+    if how == "backward_order":
+        return in_backward_order(sizes, list(ranks) or list(range(num_shards)))
+    return by_bytes(sizes, num_shards)
 
 
 def server_optimizer(
