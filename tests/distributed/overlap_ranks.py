@@ -126,7 +126,9 @@ MODES = {
 }
 
 
-def streamed_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps: int) -> dict:
+def streamed_lockstep(
+    ctx: RankContext, N: int, server_ranks: list[int], steps: int, assignment: str = "bytes"
+) -> dict:
     """R = N workers in lockstep (ranks >= N serve), reads in ``step()`` and streamed into the
     next forward, with and without overlap.  Returns per mode the parameters each forward
     used (snapshotted after it: a streamed forward has waited for them), the final ones (from
@@ -141,6 +143,7 @@ def streamed_lockstep(ctx: RankContext, N: int, server_ranks: list[int], steps: 
         opt = SyncReplicasOptimizer(
             gradfleet.AdamOptimizer(model.parameters(), 0.01), N, N, num_tokens=0, timeout=30,
             server_ranks=server_ranks, nonfinite="apply", overlap=overlap,
+            shard_assignment=assignment,
         )  # fmt: skip
         if stream:
             opt.stream_reads(model)

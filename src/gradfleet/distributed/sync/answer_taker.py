@@ -8,8 +8,10 @@ answers only after the token, every shard's values would wait for the slowest sh
 chief.  So this thread posts each answer's receive as soon as its control part is in, in the
 order the pushes went out, and loads the values into the parameters as they complete.
 
-It starts only in ``step()``, after backward: values received in place into the parameters
-while autograd still needed them would corrupt (or fail) the backward pass.
+It starts in ``step()``, after backward: values received in place into the parameters while
+autograd still needed them would corrupt (or fail) the backward pass.  The one exception is
+overlap with streamed reads: there it starts with the first shard a gradient hook pushes, since
+once every gradient of a shard's parameters has accumulated, every node that saved them has run.
 
 Streamed reads (``SyncReplicasOptimizer.stream_reads``) do not wait for the whole step: they
 close the step's list of pushes (:meth:`AnswerTaker.close_step`) and wait for one shard's

@@ -119,6 +119,7 @@ class OverlappedPushes:
     _grad_parts: Callable[..., list[list[torch.Tensor | None]]]
     _finish_step: Callable[[int, bool], bool | None]
     wait_reads: Callable[[], None]
+    streaming: bool
 
     def _extra(self) -> dict[str, Any]:
         """What every push of this step carries (changed hyperparameters), decided once."""
@@ -129,7 +130,8 @@ class OverlappedPushes:
 
     def _push_early(self, shards: list[int]) -> None:
         """A gradient hook found ``shards`` complete: push them now (shard 0 with the token
-        request).  The answers are read in ``step()``."""
+        request).  The answers are taken from ``step()`` on; with streamed reads at once, so
+        these shards' values may land while backward computes the earlier layers."""
         if self._links is None:
             return  # closed: the step will say so
         self.wait_reads()  # the last step's streamed reads use the links and the parameters
@@ -142,6 +144,10 @@ class OverlappedPushes:
                 whole[self._pieces[j].index] = None if g is None else g.detach()
             jobs[k] = self._shard_grads(k, whole)
         self._links.push_early(jobs, self.local_step, self._extra())
+        if self.streaming and self._links.ahead:
+            # backward is done with these parameters (their gradients are in, so every node
+            # that saved them has run): their new values may land now, before step()
+            self._links.start_taking()
 
     def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool | None:
         """Push the shards backward did not complete (``grads``), then the token and read.

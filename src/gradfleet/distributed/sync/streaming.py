@@ -8,6 +8,11 @@ as soon as that layer's parameters are in (reference: cluster anchors); so does 
 ``overlap=True`` pushing during backward, a step then costs about max(compute, transfer)
 instead of their sum when the two are alike.
 
+With overlap the answers are taken from the first push a gradient hook makes, so a shard
+whose gradients are all in gets its new values (received in place) while backward still
+computes the earlier layers: the parameters are in flux from then until :meth:`ReadStreaming.
+wait_reads` or the next forward, not only after ``step()``.
+
 What a worker sees does not change: every value it loads, and when it reads again (a shard
 answered before the update its token stands for), is that of :meth:`~.links.SyncLinks.
 token_and_read`; only *when* the wait happens moves, from ``step()`` to the first use:
