@@ -96,6 +96,9 @@ def rows(world: int) -> list[Row]:
         Row("sr-shard-order4-ovs", f"SyncReplicas, shards in backward order over workers, 4 "
             f"per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **shard, **order, "per_rank": 4, **overlap, **stream}),
+        Row("sr-shard-order8-ovs", f"SyncReplicas, shards in backward order over workers, 8 "
+            f"per host, overlap, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **shard, **order, "per_rank": 8, **overlap, **stream}),
         Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
             {"R": n, **dedicated}, server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
@@ -125,6 +128,9 @@ def rows(world: int) -> list[Row]:
         Row("sr-ded-order4-ovs", f"SyncReplicas, shards in backward order on {n} dedicated "
             f"server hosts, 4 per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **dedicated, **order, "per_rank": 4, **overlap, **stream}, server_hosts=n),
+        Row("sr-ded-order8-ovs", f"SyncReplicas, shards in backward order on {n} dedicated "
+            f"server hosts, 8 per host, overlap, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **order, "per_rank": 8, **overlap, **stream}, server_hosts=n),
         Row("easgd", "async EASGD, centre on a worker, period 4", "easgd-async",
             {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4),
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",

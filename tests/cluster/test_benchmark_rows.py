@@ -35,9 +35,9 @@ def test_rows_name_their_server_hosts() -> None:
         o = rows[key].options  # runs complete together only if every rank hosts several
         assert o["assignment"] == "backward_order" and o["per_rank"] == 2 and o["overlap"]
         assert o.get("stream", False) is key.endswith("ovs")
-    for key in ("sr-shard-order4-ovs", "sr-ded-order4-ovs"):
+    for key, n in (("sr-shard-order4-ovs", 4), ("sr-ded-order4-ovs", 4), ("sr-ded-order8-ovs", 8)):
         o = rows[key].options
-        assert o["assignment"] == "backward_order" and o["per_rank"] == 4 and o["stream"]
+        assert o["assignment"] == "backward_order" and o["per_rank"] == n and o["stream"]
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
