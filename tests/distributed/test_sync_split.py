@@ -254,10 +254,11 @@ class NotKnown(torch.optim.Adam):
         (lambda p: torch.optim.LBFGS(p), "LBFGS"),
     ],
 )
-def test_split_refuses_non_elementwise_optimizers(make, name):
+@pytest.mark.parametrize("how", ["split", "backward_order"])
+def test_split_refuses_non_elementwise_optimizers(make, name, how):
     params = [torch.zeros(8, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
-    with pytest.raises(ValueError, match=f"shard_assignment='split'.*{name}"):
-        SyncReplicasOptimizer(make(params), 1, server_ranks=[0, 0], shard_assignment="split")
+    with pytest.raises(ValueError, match=f"shard_assignment='split' or 'backward_order'.*{name}"):
+        SyncReplicasOptimizer(make(params), 1, server_ranks=[0, 0], shard_assignment=how)
 
 
 def test_split_accepts_the_known_elementwise_ones():
@@ -274,11 +275,12 @@ def test_split_accepts_the_known_elementwise_ones():
 
 def test_split_refuses_moving_averages_and_sparse_gradients():
     params = [torch.zeros(8, 4, requires_grad=True), torch.zeros(2, requires_grad=True)]
-    with pytest.raises(ValueError, match="shard_assignment='split' does not support variable_av"):
-        SyncReplicasOptimizer(
-            gradfleet.AdamOptimizer(params, 0.1), 1, server_ranks=[0, 0],
-            shard_assignment="split", variable_averages=ExponentialMovingAverage(0.9),
-        )  # fmt: skip
+    for how in ("split", "backward_order"):
+        with pytest.raises(ValueError, match=f"shard_assignment='{how}' does not support var"):
+            SyncReplicasOptimizer(
+                gradfleet.AdamOptimizer(params, 0.1), 1, server_ranks=[0, 0],
+                shard_assignment=how, variable_averages=ExponentialMovingAverage(0.9),
+            )  # fmt: skip
     pieces = plan(params, 2)
     sparse = torch.sparse_coo_tensor([[1]], torch.ones(1, 4), (8, 4), check_invariants=True)
     with pytest.raises(ValueError, match="parameter 0 of shape \\(8, 4\\) got a torch.sparse_coo"):

@@ -176,7 +176,8 @@ def check_elementwise(opt: torch.optim.Optimizer) -> None:
         else "its class is not known to update elementwise"
     )
     raise ValueError(
-        f"SyncReplicasOptimizer: shard_assignment='split' needs an elementwise optimizer, and "
+        f"SyncReplicasOptimizer: shard_assignment='split' or 'backward_order' cuts parameters "
+        f"into pieces and needs an elementwise optimizer, and "
         f"{cls.__module__}.{cls.__name__} is not one: {why}; use shard_assignment='bytes' "
         f"(whole parameters).  Known elementwise: gradfleet's optimizers but NormalizedSGD, "
         f"torch.optim's {', '.join(ELEMENTWISE_TORCH)}"
@@ -190,7 +191,8 @@ def check_dense(grads: Sequence[torch.Tensor | None], pieces: Sequence[Piece]) -
         if piece.stop is not None and g is not None and g.layout != torch.strided:
             raise ValueError(
                 f"SyncReplicasOptimizer: parameter {piece.index} of shape {tuple(g.shape)} got "
-                f"a {g.layout} gradient, but shard_assignment='split' cut it into pieces; "
+                f"a {g.layout} gradient, but shard_assignment='split'/'backward_order' cut it "
+                "into pieces; "
                 "sparse gradients need shard_assignment='bytes'"
             )
 
