@@ -5,8 +5,9 @@ Why: a sharded worker's step ends with reading every shard's new values.  Waited
 ``step()``, the read is added to the step: forward cannot start before the last shard's values
 are in, although the first layers' shards came in long before.  BytePS starts a layer's forward
 as soon as that layer's parameters are in (reference: cluster anchors); so does this.  With
-``overlap=True`` pushing during backward, a step then costs about max(compute, transfer)
-instead of their sum when the two are alike.
+``overlap=True`` pushing during backward (best with ``shard_assignment="backward_order"``),
+a step then hides much of its transfer behind compute instead of costing their sum
+(docs/cluster.md, measured).
 
 With overlap the answers are taken from the first push a gradient hook makes, so a shard
 whose gradients are all in gets its new values (received in place) while backward still
