@@ -27,6 +27,7 @@ import torch
 from ..transport import MailboxClient
 from .ahead_links import IN_FLIGHT, PACED_BYTES, ReadAheadLinks
 from .answer_taker import AnswerTaker
+from .pieces import rank_places
 
 __all__ = ["SyncLinks", "push_order", "IN_FLIGHT", "PACED_BYTES"]
 
@@ -46,12 +47,11 @@ def push_order(ranks: Sequence[int], turn: int) -> list[int]:
     worker could take the token meant for this one (TF hands tokens to whoever asks first),
     and a lockstep job (R = N, no initial tokens) would no longer run the same way twice."""
     hosts = list(dict.fromkeys(ranks))
-    place: dict[int, int] = {}
-    keys = []
-    for k, r in enumerate(ranks):
-        place[r] = place.get(r, -1) + 1
-        keys.append((place[r], (hosts.index(r) - turn) % len(hosts), k))
-    order = [k for *_, k in sorted(keys)]
+    places = rank_places(ranks)
+    order = sorted(
+        range(len(ranks)),
+        key=lambda k: (places[k], (hosts.index(ranks[k]) - turn) % len(hosts), k),
+    )
     if len(order) > 1 and order[-1] == 0:
         order[-2:] = [0, order[-2]]
     return order

@@ -43,6 +43,7 @@ __all__ = [
     "check_dense",
     "in_backward_order",
     "plan",
+    "rank_places",
     "split_optimizer",
     "view",
     "whole",
@@ -123,6 +124,17 @@ def plan(params: Sequence[torch.Tensor], num_shards: int) -> list[Piece]:
     return pieces
 
 
+def rank_places(ranks: Sequence[int]) -> list[int]:
+    """For each shard ``k`` (hosted by ``ranks[k]``): which of its rank's shards it is, 0 for
+    the rank's first (``[4, 5, 4]`` -> ``[0, 0, 1]``)."""
+    seen: dict[int, int] = {}
+    places = []
+    for r in ranks:
+        seen[r] = seen.get(r, -1) + 1
+        places.append(seen[r])
+    return places
+
+
 def in_backward_order(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
     """``shard_assignment="backward_order"``: piece indices of each shard (``sizes``: the
     pieces' bytes in parameter order; ``ranks[k]`` hosts shard ``k``).
@@ -138,18 +150,14 @@ def in_backward_order(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[i
     num = len(ranks)
     if num > count:
         raise ValueError(f"SyncReplicasOptimizer: {num} shards for {count} pieces")
-    seen: dict[int, int] = {}
-    turns = []  # (the how-many-th shard of its rank, shard): the order runs are handed out
-    for k, r in enumerate(ranks):
-        seen[r] = seen.get(r, -1) + 1
-        turns.append((seen[r], k))
-    shard_of_run = [k for _, k in sorted(turns)]
+    places = rank_places(ranks)
+    shard_of_run = sorted(range(num), key=lambda k: (places[k], k))
     parts: list[list[int]] = [[] for _ in range(num)]
     run, before = 0, 0
     for j, i in enumerate(reversed(range(count))):
         # the run whose byte range holds the piece's middle, but never backwards, at most one
         # run ahead (none left empty) and late enough for the pieces left to fill the rest
-        wanted = int((before + sizes[i] / 2) * num / max(total, 1)) if total else run
+        wanted = int((before + sizes[i] / 2) * num / total) if total else run
         if parts[shard_of_run[run]]:
             run = min(max(run, wanted), run + 1)
         run = max(min(run, num - 1), num - (count - j))
