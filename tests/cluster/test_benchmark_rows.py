@@ -38,6 +38,7 @@ def test_rows_name_their_server_hosts() -> None:
     for key, n in (("sr-shard-order4-ovs", 4), ("sr-ded-order4-ovs", 4), ("sr-ded-order8-ovs", 8)):
         o = rows[key].options
         assert o["assignment"] == "backward_order" and o["per_rank"] == n and o["stream"]
+    assert rows["sr-shard-order4-ovs-b"].options == dict(rows["sr-shard-order4-ovs"].options, R=3)
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,37 @@ def test_pair_link_moves_raw_buffers_both_ways():
     links[0].send([payload.flip(0).contiguous()])
     links[1].recv([got])
     assert torch.equal(got, payload.flip(0))
+
+
+def _gloo_loop_threads() -> int:
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "gloo_tcp_loop" for t in tasks.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_pair_links_of_a_process_share_one_gloo_device():
+    """Every pair link of a process runs on one gloo device (one event-loop thread), not a
+    device per direction: a rank serving three shards had a dozen loop threads."""
+    store = _store()
+    before = _gloo_loop_threads()
+    links: dict[tuple[int, int], PairLink] = {}
+
+    def make(pair, rank):
+        own = store if rank == 0 else store.clone()
+        links[pair, rank] = PairLink(own, f"gf/pair/share/{pair}", rank, "127.0.0.1", 20.0)
+
+    threads = [threading.Thread(target=make, args=(p, r)) for p in range(3) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert len(links) == 6
+    assert _gloo_loop_threads() - before <= 1  # 6 links of 2 groups each, one loop thread
+    for pair in range(3):  # and each pair still carries its own messages
+        payload = torch.full((1 << 16,), pair, dtype=torch.uint8)
+        links[pair, 1].send([payload])
+        got = torch.empty_like(payload)
+        links[pair, 0].recv([got])
+        links[pair, 1].wait_sent()
+        assert torch.equal(got, payload)
 
 
 def test_local_address_for_loopback_and_override(monkeypatch):

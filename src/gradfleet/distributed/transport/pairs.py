@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -57,6 +58,22 @@ def local_address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
+_DEVICES: dict[tuple[int, str], Any] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def _device(bind: str) -> Any:
+    """This process's gloo device on local address ``bind``, shared by all its pair links.
+    A device is a listening socket and an event-loop thread; one per pair direction gave a
+    rank serving three shards a dozen loop threads, each woken for its own few messages.
+    Keyed by process id as well: a forked child must not use its parent's loop thread."""
+    key = (os.getpid(), bind)
+    with _DEVICES_LOCK:
+        if key not in _DEVICES:
+            _DEVICES[key] = dist.ProcessGroupGloo.create_device(hostname=bind)
+        return _DEVICES[key]
+
+
 class PairLink:
     """Both ends of one server-client data channel (``rank`` 0: server, 1: client)."""
 
@@ -65,7 +82,7 @@ class PairLink:
     ) -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        options._devices = [_device(bind)]
         self.rank, self.peer = rank, 1 - rank
         # one group (one socket) per direction, built in the same order on both sides: gloo
         # sends a message only after the receiver's "ready" notice, which travels against the
