@@ -23,6 +23,7 @@ from gradfleet.distributed.transport import (
     local_address_towards,
     split,
 )
+from gradfleet.distributed.transport.pairs import DEVICES_PER_PROCESS
 from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout, views
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,9 +137,10 @@ def _gloo_loop_threads() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
-def test_pair_links_of_a_process_share_one_gloo_device():
-    """Every pair link of a process runs on one gloo device (one event-loop thread), not a
-    device per direction: a rank serving three shards had a dozen loop threads."""
+def test_pair_links_of_a_process_share_its_gloo_devices():
+    """A process's pair links take turns on ``DEVICES_PER_PROCESS`` gloo devices (one
+    event-loop thread each), not a device per link (six loop threads for a rank serving three
+    workers and pushing to three shards)."""
     store = _store()
     before = _gloo_loop_threads()
     links: dict[tuple[int, int], PairLink] = {}
@@ -151,7 +153,7 @@ def test_pair_links_of_a_process_share_one_gloo_device():
     [t.start() for t in threads]
     [t.join(30) for t in threads]
     assert len(links) == 6
-    assert _gloo_loop_threads() - before <= 1  # 6 links of 2 groups each, one loop thread
+    assert _gloo_loop_threads() - before <= DEVICES_PER_PROCESS  # not one per link (6)
     for pair in range(3):  # and each pair still carries its own messages
         payload = torch.full((1 << 16,), pair, dtype=torch.uint8)
         links[pair, 1].send([payload])

@@ -58,17 +58,28 @@ def local_address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-_DEVICES: dict[tuple[int, str], Any] = {}
+# Gloo devices (each a listening socket and an event-loop thread doing its pairs' socket I/O)
+# a process's pair links use, taken in turn.  Why 2: a device per link gave a rank serving
+# three workers and pushes to three shards six loop threads, each woken for its own few
+# messages (one server at 1e5
+# parameters: 80 updates/s; 107-126 with 2 devices); one device for all serialises a
+# server's receiving on one thread (at 1e8 parameters: 0.40-0.46 updates/s against 0.48 with
+# 2 and 0.49-0.51 with a device per link).  Loopback, 2 cores: docs/data-plane.md.
+DEVICES_PER_PROCESS = 2
+_DEVICES: dict[tuple[int, str, int], Any] = {}
+_DEVICES_MADE: dict[int, int] = {}  # process id -> pair links given a device so far
 _DEVICES_LOCK = threading.Lock()
 
 
 def _device(bind: str) -> Any:
-    """This process's gloo device on local address ``bind``, shared by all its pair links.
-    A device is a listening socket and an event-loop thread; one per pair direction gave a
-    rank serving three shards a dozen loop threads, each woken for its own few messages.
-    Keyed by process id as well: a forked child must not use its parent's loop thread."""
-    key = (os.getpid(), bind)
+    """The gloo device for this process's next pair link on local address ``bind``: one of
+    ``DEVICES_PER_PROCESS``, in turn.  Keyed by process id as well: a forked child must not
+    use its parent's loop threads."""
+    pid = os.getpid()
     with _DEVICES_LOCK:
+        turn = _DEVICES_MADE.get(pid, 0)
+        _DEVICES_MADE[pid] = turn + 1
+        key = (pid, bind, turn % DEVICES_PER_PROCESS)
         if key not in _DEVICES:
             _DEVICES[key] = dist.ProcessGroupGloo.create_device(hostname=bind)
         return _DEVICES[key]
