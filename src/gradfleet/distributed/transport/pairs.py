@@ -59,12 +59,12 @@ def local_address_towards(host: str) -> str:
 
 
 # Gloo devices (each a listening socket and an event-loop thread doing its pairs' socket I/O)
-# a process's pair links use, taken in turn.  Why 2: a device per link gave a rank serving
+# a process's pair links use, taken in turn.  Why 2: a device per link gave a rank that serves
 # three workers and pushes to three shards six loop threads, each woken for its own few
-# messages (one server at 1e5
-# parameters: 80 updates/s; 107-126 with 2 devices); one device for all serialises a
-# server's receiving on one thread (at 1e8 parameters: 0.40-0.46 updates/s against 0.48 with
-# 2 and 0.49-0.51 with a device per link).  Loopback, 2 cores: docs/data-plane.md.
+# messages (one server at 1e5 parameters: 79-96 updates/s, against 107-137 with 2 devices);
+# one device for all serialises a server's receiving on one thread (at 1e8 parameters:
+# 0.38-0.46 updates/s, against 0.46-0.48 with 2 and 0.46-0.51 with a device per link).
+# Loopback, 2 cores: docs/data-plane.md.
 DEVICES_PER_PROCESS = 2
 _DEVICES: dict[tuple[int, str, int], Any] = {}
 _DEVICES_MADE: dict[int, int] = {}  # process id -> pair links given a device so far
