@@ -132,8 +132,13 @@ def test_pair_link_moves_raw_buffers_both_ways():
 
 
 def _gloo_loop_threads() -> int:
-    tasks = Path("/proc/self/task")
-    return sum((t / "comm").read_text().strip() == "gloo_tcp_loop" for t in tasks.iterdir())
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "gloo_tcp_loop"
+        except FileNotFoundError:  # a thread that ended while we looked
+            pass
+    return count
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")

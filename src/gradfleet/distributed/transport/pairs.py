@@ -4,9 +4,10 @@ A :class:`PairLink` is a pair of ``torch.distributed.ProcessGroupGloo`` of size 
 direction, built directly over ``PrefixStore(f"gf/pair/{client}/{incarnation}/...", store)`` of
 the server's control store: rank 0 is the server, rank 1 the client.  Both sides construct
 them at the same time (the client asks the server with a ``_pair`` control message, then both
-block in the constructors until gloo has connected, at most ``timeout`` seconds).  Tensors
-travel with gloo ``send``/``recv`` on raw buffers: no pickling, received into preallocated
-memory.
+block in the constructors until gloo has connected, at most ``timeout`` seconds).  The
+groups of all a process's pairs run on two gloo devices, taken in turn
+(``DEVICES_PER_PROCESS``).  Tensors travel with gloo ``send``/``recv`` on raw buffers: no
+pickling, received into preallocated memory.
 
 Why pairs and not one group of every rank: a process group of fixed membership cannot admit a
 restarted process, and a dead member breaks every collective.  A pair involves one client:
