@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,9 +19,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .mailbox import IN_PROCESS, LAYOUT, REQUESTS, ServerUnreachable, push_control
+from .mailbox import IN_PROCESS, LAYOUT, REQUESTS, MailboxServer, ServerUnreachable, push_control
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
-from .wire import Packer, join, loads, split
+from .wire import Packer, dumps, join, loads, split
 
 __all__ = ["MailboxClient"]
 
@@ -64,6 +65,9 @@ class MailboxClient:
         self.link: PairLink | LocalLink | None = None
         self._notes: dist.Store | None = None  # a second connection: notify(), receipts
         self._outbox, self._inbox = Packer(), Packer()
+        # a server in this process: control skips the store (``MailboxServer.submit``)
+        self._local: MailboxServer | None = None
+        self._replies: queue.SimpleQueue | None = None
         try:
             self.store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=timeout)
@@ -72,12 +76,14 @@ class MailboxClient:
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)
             server = IN_PROCESS.get(address) if in_process else None
-            hello = {"op": "_pair", "client": client, "inc": self.inc}
-            if data and server is not None and server.pid == os.getpid():
-                server_end, self.link = LocalLink.pair()
-                server.adopt_local(client, self.inc, server_end)
-                push_control(self.store, REQUESTS, hello)
+            if server is not None and server.pid == os.getpid():
+                self._local = server
+                server_end = None
+                if data:
+                    server_end, self.link = LocalLink.pair()
+                self._replies = server.connect_local(client, self.inc, server_end)
             elif data:
+                hello = {"op": "_pair", "client": client, "inc": self.inc}
                 bind = local_address_towards(host)
                 push_control(self.store, REQUESTS, dict(hello, host=bind))
                 prefix = f"gf/pair/{client}/{self.inc}"
@@ -107,9 +113,25 @@ class MailboxClient:
                 message[LAYOUT], messages = self._outbox.pack(tensors, direct=True)
                 self.link.send(messages)
                 self.bytes_out += sum(m.numel() for m in messages)
-            self.bytes_out += push_control(self.store, REQUESTS, message)
+            self.bytes_out += self._control(self.store, message)
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
+
+    def _control(self, store: dist.Store, message: dict[str, Any]) -> int:
+        """Send a control message: handed to an in-process server, else through ``store``."""
+        if self._local is None:
+            return push_control(store, REQUESTS, message)
+        data = dumps(message)
+        self._local.submit(data)
+        return len(data)
+
+    def _next_reply(self, wait: float) -> dict[str, Any]:
+        if self._replies is None:
+            return loads(self.store.queue_pop(f"gf/rep/{self.client}"))
+        try:
+            return loads(self._replies.get(timeout=wait))
+        except queue.Empty:
+            raise RuntimeError(f"no reply in {wait:g}s") from None
 
     @property
     def last_request(self) -> tuple[str, int]:
@@ -129,10 +151,10 @@ class MailboxClient:
         if self._broken:
             raise ServerUnreachable(self._broken)
         try:
-            self.open_notes()
-            assert self._notes is not None
             message = dict(fields, op=op, client=self.client, inc=self.inc, seq=-1)
-            self.bytes_out += push_control(self._notes, REQUESTS, message)
+            if self._local is None:
+                self.open_notes()
+            self.bytes_out += self._control(self._notes, message)  # type: ignore[arg-type]
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
@@ -186,7 +208,7 @@ class MailboxClient:
         try:
             self.store.set_timeout(timedelta(seconds=wait))
             while True:
-                reply = loads(self.store.queue_pop(f"gf/rep/{self.client}"))
+                reply = self._next_reply(wait)
                 if reply.get("inc") != self.inc:
                     continue  # meant for an earlier incarnation (its tensors went to its pair)
                 if reply.get("seq") == self._seq:

@@ -124,11 +124,7 @@ class Reply:
                             self._server.address, self.client, exc)  # fmt: skip
                 self._server.drop(self.client, peer)
                 return
-        deferred = self._server.deferred
-        if deferred is not None and peer is not None and isinstance(peer.link, LocalLink):
-            deferred.append((self.client, message))  # posted when the handler returns
-            return
-        push_control(self._server.reply_store, f"gf/rep/{self.client}", message)
+        self._server.post(self.client, message)
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
@@ -171,7 +167,8 @@ class MailboxServer:
         self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
         self.pair_timeout = pair_timeout
         self.peers: dict[str, _Peer] = {}
-        self._local_ends: dict[tuple[str, str], LocalLink] = {}
+        # in-process clients by name: their incarnation and the queue of their replies
+        self._local: dict[str, tuple[str, queue.SimpleQueue]] = {}
         # replies to in-process clients sent by the running handler (None: no handler runs)
         self.deferred: list[tuple[str, dict[str, Any]]] | None = None
         self._shared: tuple[Any, dict, list] | None = None
@@ -201,20 +198,47 @@ class MailboxServer:
         while not self._stopping.wait(self._tick_s):
             push_control(poke, REQUESTS, {"op": "_tick"})
 
-    def adopt_local(self, client: str, incarnation: str, link: LocalLink) -> None:
-        """Called by an in-process client before its ``_pair`` request: the server end of its
-        :class:`LocalLink`, taken up when that request is served (in order with the rest)."""
-        self._local_ends[(client, incarnation)] = link
+    def connect_local(
+        self, client: str, incarnation: str, link: LocalLink | None
+    ) -> queue.SimpleQueue:
+        """An in-process client (``link``: the server end of its :class:`LocalLink`, None for
+        control only): from now on its requests come through :meth:`submit` and its replies
+        go to the queue returned, not through the store.  Why: a store message is a TCP round
+        trip through the store's thread, and a worker on a server rank sends a quarter of its
+        pushes to its own rank (sharded over 4 workers)."""
+        if link is not None:
+            self.drop(client)
+            with self._peers_lock:
+                self.peers[client] = _Peer(incarnation, link)
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._local[client] = (incarnation, replies)
+        return replies
+
+    def submit(self, data: str) -> None:
+        """A request (JSON) from an in-process client, on the client's thread: queued for the
+        handling thread as the receiving thread would queue it (its tensors, on the
+        :class:`LocalLink`, are handed over already)."""
+        if self._stopping.is_set():
+            raise RuntimeError(f"the server at {self.address} was closed")
+        self._accept(loads(data))
+
+    def post(self, client: str, message: dict[str, Any]) -> None:
+        """Send a reply's control part: to an in-process client's queue (once the running
+        handler has returned, so that the server never reads the client's tensors after the
+        client resumed), else through the store."""
+        local = self._local.get(client)
+        if local is None or local[0] != message.get("inc"):
+            push_control(self.reply_store, f"gf/rep/{client}", message)
+        elif self.deferred is not None:
+            self.deferred.append((client, message))
+        else:
+            local[1].put(dumps(message))
 
     def _pair(self, client: str, incarnation: str, client_host: str) -> None:
         """Build the server end of ``client``'s new pair group (replacing an old one).  Gloo
         listens on ``host``, or (wildcard host) on the address routing to the client."""
         self.drop(client)
-        local = self._local_ends.pop((client, incarnation), None)
-        if local is not None:
-            with self._peers_lock:
-                self.peers[client] = _Peer(incarnation, local)
-            return
+        self._local.pop(client, None)  # that name now belongs to a client in another process
         prefix = f"gf/pair/{client}/{incarnation}"
         wildcard = self.host in ("", "0.0.0.0")
         bind = local_address_towards(client_host) if wildcard else self.host
@@ -262,30 +286,35 @@ class MailboxServer:
             if op == "_pair":
                 self._pair(msg["client"], msg["inc"], msg.get("host", "127.0.0.1"))
                 continue
-            layout = msg.pop(LAYOUT, None)
-            if layout is None:
-                self._work.put((msg, None, None))
-                continue
-            with self._peers_lock:
-                peer = self.peers.get(msg.get("client", ""))
-            if peer is None or peer.incarnation != msg.get("inc"):
-                continue  # no link to receive from: that incarnation is gone
-            try:
-                finish = peer.link.begin_receive(layout, peer.next_inbox())
-            except Exception as exc:  # dead client: only its own pair breaks
-                log.warning("server %s: receiving from %s failed, peer dropped: %s",
-                            self.address, msg["client"], exc)  # fmt: skip
-                self.drop(msg["client"], peer)
-                continue
-            if isinstance(peer.link, LocalLink):  # handed over already: nothing to wait for
-                self._work.put((msg, peer, finish))
-                continue
-            if peer.arriving is None:
-                peer.arriving = queue.SimpleQueue()
-                threading.Thread(
-                    target=self._arrive, args=(peer,), name="gradfleet-server-data", daemon=True
-                ).start()
-            peer.arriving.put((msg, finish))
+            self._accept(msg)
+
+    def _accept(self, msg: dict[str, Any]) -> None:
+        """Start receiving a request's tensors; queue it for the handling thread (through its
+        client's waiting thread while they travel)."""
+        layout = msg.pop(LAYOUT, None)
+        if layout is None:
+            self._work.put((msg, None, None))
+            return
+        with self._peers_lock:
+            peer = self.peers.get(msg.get("client", ""))
+        if peer is None or peer.incarnation != msg.get("inc"):
+            return  # no link to receive from: that incarnation is gone
+        try:
+            finish = peer.link.begin_receive(layout, peer.next_inbox())
+        except Exception as exc:  # dead client: only its own pair breaks
+            log.warning("server %s: receiving from %s failed, peer dropped: %s",
+                        self.address, msg["client"], exc)  # fmt: skip
+            self.drop(msg["client"], peer)
+            return
+        if isinstance(peer.link, LocalLink):  # handed over already: nothing to wait for
+            self._work.put((msg, peer, finish))
+            return
+        if peer.arriving is None:
+            peer.arriving = queue.SimpleQueue()
+            threading.Thread(
+                target=self._arrive, args=(peer,), name="gradfleet-server-data", daemon=True
+            ).start()
+        peer.arriving.put((msg, finish))
 
     def _arrive(self, peer: _Peer) -> None:
         """One client's waiting thread: wait for each of its requests' tensors, then queue
@@ -342,7 +371,7 @@ class MailboxServer:
             finally:
                 deferred, self.deferred = self.deferred, None
                 for client, message in deferred:
-                    push_control(self.reply_store, f"gf/rep/{client}", message)
+                    self.post(client, message)
 
     def close(self) -> None:
         """Stop serving (pending clients get connection errors once the process exits)."""
