@@ -177,6 +177,8 @@ class MailboxServer:
         self.bytes_in = 0
         self._peers_lock = threading.Lock()  # the receiving thread adds, either thread drops
         self._work: queue.SimpleQueue = queue.SimpleQueue()  # (request, peer, finish) | None
+        # one handler call at a time: on the handling thread, or on an in-process client's
+        self._handling = threading.Lock()
         self._threads = [
             threading.Thread(target=self._serve, name="gradfleet-server-recv", daemon=True),
             threading.Thread(target=self._handle, name="gradfleet-server", daemon=True),
@@ -220,7 +222,23 @@ class MailboxServer:
         :class:`LocalLink`, are handed over already)."""
         if self._stopping.is_set():
             raise RuntimeError(f"the server at {self.address} was closed")
-        self._accept(loads(data))
+        msg = loads(data)
+        layout, peer, finish = msg.pop(LAYOUT, None), None, None
+        if layout is not None:
+            with self._peers_lock:
+                peer = self.peers.get(msg.get("client", ""))
+            if peer is None or peer.incarnation != msg.get("inc"):
+                return  # replaced by a newer incarnation: its reply would be ignored
+            finish = peer.link.begin_receive(layout, peer.next_inbox())
+        # handled here and now if the server is idle; else (it may be waiting for a slow
+        # client's receive) queued, so that this client is not held up
+        if self._work.empty() and self._handling.acquire(blocking=False):
+            try:
+                self._serve_item(msg, peer, finish)
+            finally:
+                self._handling.release()
+        else:
+            self._work.put((msg, peer, finish))
 
     def post(self, client: str, message: dict[str, Any]) -> None:
         """Send a reply's control part: to an in-process client's queue (once the running
@@ -306,9 +324,6 @@ class MailboxServer:
                         self.address, msg["client"], exc)  # fmt: skip
             self.drop(msg["client"], peer)
             return
-        if isinstance(peer.link, LocalLink):  # handed over already: nothing to wait for
-            self._work.put((msg, peer, finish))
-            return
         if peer.arriving is None:
             peer.arriving = queue.SimpleQueue()
             threading.Thread(
@@ -352,26 +367,30 @@ class MailboxServer:
     def _handle(self) -> None:
         """The handling thread: every request once its tensors are in, ticks between them."""
         while (item := self._work.get()) is not None:
-            msg = item[0]
-            if msg.get("op") == "_tick":
-                if self._tick is not None:
-                    self._tick()
-                continue
-            request = self._request(*item)
-            if request is None:
-                continue
-            reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
-            self.deferred = []
-            try:
-                self._handler(request, reply)
-            except Exception as exc:  # the error goes back to the caller, the server lives on
-                log.info("server %s: %r from %s failed: %s: %s", self.address, msg.get("op"),
-                         msg.get("client"), type(exc).__name__, exc)  # fmt: skip
-                reply.send({"error": type(exc).__name__, "message": str(exc)})
-            finally:
-                deferred, self.deferred = self.deferred, None
-                for client, message in deferred:
-                    self.post(client, message)
+            with self._handling:
+                self._serve_item(*item)
+
+    def _serve_item(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> None:
+        """Call the handler (or the tick) for one request; the caller holds ``_handling``."""
+        if msg.get("op") == "_tick":
+            if self._tick is not None:
+                self._tick()
+            return
+        request = self._request(msg, peer, finish)
+        if request is None:
+            return
+        reply = Reply(self, msg.get("client", "?"), int(msg.get("seq", -1)), msg.get("inc"))
+        self.deferred = []
+        try:
+            self._handler(request, reply)
+        except Exception as exc:  # the error goes back to the caller, the server lives on
+            log.info("server %s: %r from %s failed: %s: %s", self.address, msg.get("op"),
+                     msg.get("client"), type(exc).__name__, exc)  # fmt: skip
+            reply.send({"error": type(exc).__name__, "message": str(exc)})
+        finally:
+            deferred, self.deferred = self.deferred, None
+            for client, message in deferred:
+                self.post(client, message)
 
     def close(self) -> None:
         """Stop serving (pending clients get connection errors once the process exits)."""
