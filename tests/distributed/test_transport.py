@@ -251,6 +251,44 @@ def test_dead_server_raises_server_unreachable_naming_it(in_process):
         MailboxClient("127.0.0.1:1", "w0", 2.0, "server rank 7")
 
 
+def test_in_process_client_is_served_on_its_own_thread_unless_the_server_is_busy():
+    """An in-process client's request skips the store and the server's threads: an idle
+    server handles it on the client's thread.  A busy server (here: its handler waits on a
+    remote client's request) queues it, so the client is not held up, and answers it from its
+    own thread once free; the replies still match their requests."""
+    threads: dict[str, int] = {}
+    busy, free = threading.Event(), threading.Event()
+
+    def handle(msg, reply):
+        threads[msg["tag"]] = threading.get_ident()
+        if msg["op"] == "block":
+            busy.set()
+            assert free.wait(20)
+        reply.send({"tag": msg["tag"], "y": [2 * msg["x"][0]]})
+
+    server = MailboxServer(handle)
+    try:
+        local = MailboxClient(server.address, "w0", 20.0, "server rank 0")
+        remote = MailboxClient(server.address, "w1", 20.0, "server rank 0", in_process=False)
+        x = torch.arange(4.0)
+        assert local.call("double", x=[x], tag="idle")["tag"] == "idle"
+        assert threads["idle"] == threading.get_ident()
+
+        remote.request("block", x=[x], tag="remote")
+        assert busy.wait(20)
+        start = time.monotonic()
+        local.request("double", x=[x + 1], tag="queued")  # returns at once: queued
+        assert time.monotonic() - start < 5 and "queued" not in threads
+        free.set()
+        reply = local.response()
+        assert reply["tag"] == "queued" and torch.equal(reply["y"][0], 2 * (x + 1))
+        assert threads["queued"] == threads["remote"] != threading.get_ident()
+        assert remote.response()["tag"] == "remote"
+    finally:
+        free.set()
+        server.close()
+
+
 def test_control_only_client_has_no_pair():
     server = MailboxServer(Echo().handle)
     try:

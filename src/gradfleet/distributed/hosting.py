@@ -205,7 +205,7 @@ class HostedServer:
     """Serve ``machine`` on a :class:`~.transport.MailboxServer` listening on ``host``.
 
     Answers go back to their requests; any other output is an effect passed to ``perform``
-    (on the server thread, in order).  ``watch`` (optional) runs on every tick before the
+    (in the handler call, in order).  ``watch`` (optional) runs on every tick before the
     machine's own ``tick`` and may return answers too (e.g. after probing other servers).
     """
 

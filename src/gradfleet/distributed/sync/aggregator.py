@@ -1,7 +1,7 @@
 """The pure state machine behind ``SyncReplicasOptimizer``: accumulators, staleness, tokens.
 
-No processes, no I/O: the chief and the shards run it on their server thread, the tests drive it
-directly.
+No processes, no I/O: the chief and the shards run it in their servers' handler calls (one at a
+time), the tests drive it directly.
 
 ``GradientAggregator`` is TF's ``ConditionalAccumulator`` (dense variables) and
 ``SparseConditionalAccumulator`` (row-sparse variables) for a whole list of variables that share

@@ -4,7 +4,8 @@
 wrapped optimizer, their :class:`~.aggregator.GradientAggregator`, the
 :class:`~.aggregator.TokenQueue` and ``global_step``.  It is a state machine: ``handle(request,
 ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects, one
-request at a time on the hosting server's thread, so it needs no lock and does no I/O:
+request at a time (the hosting server never overlaps two calls), so it needs no lock and does
+no I/O:
 
 * ``hello``:  check the worker's parameter shapes/dtypes; answer variables + step
   (TF's ``local_step_init_op``: ``local_step := global_step``).

@@ -129,7 +129,7 @@ class SyncServers:
 
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
-        """A shard's :class:`Applied`: tell the chief (on the shard's server thread, before the
+        """A shard's :class:`Applied`: tell the chief (in the shard's handler call, before the
         answer to the push that caused it).
 
         The answer is read at the next report, not waited for: a worker's token request

@@ -20,9 +20,12 @@ are views of that buffer, valid until the next message on the same link: copy wh
 
 A client in the server's own process (the worker on the server rank, found by address in
 ``IN_PROCESS``) gets a :class:`~.pairs.LocalLink`: its tensors are handed over without a
-socket or a copy, as a collective treats a rank's own contribution.  So that the server never
-reads such a client's tensors after the client resumed, a reply to a local client is posted
-only once the handler that sent it has returned.
+socket or a copy, as a collective treats a rank's own contribution, and its control skips the
+store and the server's threads (:meth:`MailboxServer.submit`): an idle server calls the handler
+on the client's thread, a busy one queues the request for its handling thread (one handler
+call at a time either way), and replies go to a queue of the client's.  So that the server
+never reads such a client's tensors after the client resumed, a reply to a local client is
+posted only once the handler that sent it has returned.
 
 Why the store for control and not ``torch.distributed.rpc``: a static RPC group cannot admit a
 restarted process, a dynamic one makes every joiner call every member, and ``rpc.shutdown``
@@ -131,10 +134,10 @@ Handler = Callable[[dict[str, Any], Reply], None]
 
 
 class MailboxServer:
-    """Host a TCPStore and call ``handler(request, reply)`` for every request, in one thread.
+    """Host a TCPStore and call ``handler(request, reply)`` for every request, one at a time.
 
-    ``tick`` (if given) runs about every ``tick_s`` seconds on the same thread, so handler
-    state needs no lock against it.  ``bytes_in`` counts received tensor bytes.
+    ``tick`` (if given) runs about every ``tick_s`` seconds, never during a handler call, so
+    handler state needs no lock against it.  ``bytes_in`` counts received tensor bytes.
     """
 
     def __init__(
@@ -365,7 +368,8 @@ class MailboxServer:
         return join(msg, tensors)
 
     def _handle(self) -> None:
-        """The handling thread: every request once its tensors are in, ticks between them."""
+        """The handling thread: every request once its tensors are in, ticks between them
+        (in-process clients' requests, when the server is idle, on their own threads)."""
         while (item := self._work.get()) is not None:
             with self._handling:
                 self._serve_item(*item)
