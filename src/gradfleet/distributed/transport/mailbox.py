@@ -219,10 +219,10 @@ class MailboxServer:
         self._local[client] = (incarnation, replies)
         return replies
 
-    def submit(self, data: str) -> None:
-        """A request (JSON) from an in-process client, on the client's thread: queued for the
-        handling thread as the receiving thread would queue it (its tensors, on the
-        :class:`LocalLink`, are handed over already)."""
+    def submit(self, data: bytes) -> None:
+        """A request from an in-process client, on the client's thread (its tensors, on the
+        :class:`LocalLink`, are handed over already).  JSON still, as through the store: the
+        handler sees the same message (string keys, lists), and a copy of it."""
         if self._stopping.is_set():
             raise RuntimeError(f"the server at {self.address} was closed")
         msg = loads(data)
