@@ -117,15 +117,17 @@ class MailboxClient:
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
-    def _control(self, store: dist.Store, message: dict[str, Any]) -> int:
+    def _control(self, store: dist.Store | None, message: dict[str, Any]) -> int:
         """Send a control message: handed to an in-process server, else through ``store``."""
         if self._local is None:
+            assert store is not None
             return push_control(store, REQUESTS, message)
         data = dumps(message)
         self._local.submit(data)
         return len(data)
 
     def _next_reply(self, wait: float) -> dict[str, Any]:
+        """The next reply's control part: from the in-process queue, else the store's."""
         if self._replies is None:
             return loads(self.store.queue_pop(f"gf/rep/{self.client}"))
         try:
@@ -154,7 +156,7 @@ class MailboxClient:
             message = dict(fields, op=op, client=self.client, inc=self.inc, seq=-1)
             if self._local is None:
                 self.open_notes()
-            self.bytes_out += self._control(self._notes, message)  # type: ignore[arg-type]
+            self.bytes_out += self._control(self._notes, message)
         except (dist.DistError, RuntimeError) as exc:
             self._fail(exc)
 
