@@ -20,6 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from gradfleet.cli.launch import _reported_error
 from gradfleet.cli.main import app
 
 from .launching import (
@@ -172,6 +173,23 @@ def test_killed_server_ends_the_run_naming_it(
     # (10 s, on a loaded machine) and the SIGTERM wait (5 s)
     assert took < 30, took
     assert not (out / "summary.json").exists()
+
+
+def test_a_workers_reported_error_counts_before_its_process_ends(tmp_path: Path) -> None:
+    """After a server loss the launcher names the first worker's error as soon as torch
+    elastic's error file is written: the interpreter's teardown after it took more than the
+    10 s grace on a loaded machine, and the run ended without the worker's words."""
+    attempt = tmp_path / "rank-1" / "run_abc" / "attempt_0" / "0"
+    assert _reported_error(tmp_path, 1) is None  # no logs yet
+    attempt.mkdir(parents=True)
+    (attempt / "stderr.log").write_text("")
+    assert _reported_error(tmp_path, 1) is None  # no error file yet
+    (attempt / "error.json").write_text('{"message": {"message": "Serv')  # being written
+    assert _reported_error(tmp_path, 1) is None
+    said = "ServerUnreachable: server rank 2 at 127.0.0.1:5 closed the connection"
+    payload = {"message": {"message": f"Traceback\n{said}", "extraInfo": {}}}
+    (attempt / "error.json").write_text(json.dumps(payload))
+    assert _reported_error(tmp_path, 1) == said
 
 
 @pytest.mark.slow

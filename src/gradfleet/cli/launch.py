@@ -115,8 +115,25 @@ SERVER_LOSS_GRACE_S = 10.0
 ``ServerUnreachable`` naming the server, written to its log) before they are ended."""
 
 
-def _let_workers_fail(running: dict[int, Any], workers: int) -> str:
-    """Wait (at most the grace) for the workers to end; what the first failed one said."""
+def _reported_error(log_dir: Path, rank: int) -> str | None:
+    """The error a rank's process wrote (torch elastic's ``error.json``, next to its
+    ``stderr.log``) before its exit: on a loaded machine the interpreter's teardown can take
+    seconds after that."""
+    log_file = _rank_log(log_dir, rank)
+    if log_file is None:
+        return None
+    try:
+        message = json.loads((log_file.parent / "error.json").read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):  # not written (yet), or partly
+        return None
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return _last_line(str(message)) if message else None
+
+
+def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> str:
+    """Wait (at most the grace) for the workers to end or report an error; what the first
+    failed one said."""
     deadline = time.monotonic() + SERVER_LOSS_GRACE_S
     results: dict[int, Any] = {}
     while time.monotonic() < deadline:
@@ -125,8 +142,14 @@ def _let_workers_fail(running: dict[int, Any], workers: int) -> str:
                 result = pc.wait(0)
                 if result is not None:
                     results[r] = result
-        if len(results) == sum(1 for r in running if r < workers):
+        if len(results) == sum(1 for r in running if r < workers) or any(
+            result.is_failed() for result in results.values()
+        ):
             break
+        for r in sorted(r for r in running if r < workers and r not in results):
+            reported = _reported_error(log_dir, r)
+            if reported is not None:  # failed, still tearing down: closed by the caller
+                return f"; worker rank {r}: {reported}"
         time.sleep(0.1)
     else:
         log.info(
@@ -188,7 +211,7 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     continue
                 if rank >= workers:  # a dedicated server: every worker depends on it
                     log.info("dedicated server rank %d failed (%s): fatal", rank, cause)
-                    seen = _let_workers_fail(running, workers)
+                    seen = _let_workers_fail(running, workers, log_dir)
                     raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
                 if rank == 0 or not started or len(lost) >= tolerated:
