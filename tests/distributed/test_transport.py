@@ -254,8 +254,8 @@ def test_dead_server_raises_server_unreachable_naming_it(in_process):
 def test_in_process_client_is_served_on_its_own_thread_unless_the_server_is_busy():
     """An in-process client's request skips the store and the server's threads: an idle
     server handles it on the client's thread.  A busy server (here: its handler waits on a
-    remote client's request) queues it, so the client is not held up, and answers it from its
-    own thread once free; the replies still match their requests."""
+    remote client's request) queues it, so the client is not held up, and its handling thread
+    answers it once free; the replies still match their requests."""
     threads: dict[str, int] = {}
     busy, free = threading.Event(), threading.Event()
 
