@@ -60,13 +60,17 @@ def _rank_log(log_dir: Path, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
+def _error_text(message: Any) -> str | None:
+    """The last line of an error-file payload (``{"message": ..., "extraInfo": ...}``)."""
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    return _last_line(str(message)) if message else None
+
+
 def _cause(failure: Any) -> str:
     if failure.exitcode < 0:
         return f"killed by signal {-failure.exitcode}"
-    message = failure.message
-    if isinstance(message, dict):  # the error-file payload: {"message": ..., "extraInfo": ...}
-        message = message.get("message", message)
-    return _last_line(str(message)) if message else f"exit code {failure.exitcode}"
+    return _error_text(failure.message) or f"exit code {failure.exitcode}"
 
 
 def _last_step(metrics: Path) -> int | None:
@@ -126,9 +130,7 @@ def _reported_error(log_dir: Path, rank: int) -> str | None:
         message = json.loads((log_file.parent / "error.json").read_text())["message"]
     except (OSError, ValueError, KeyError, TypeError):  # not written (yet), or partly
         return None
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    return _last_line(str(message)) if message else None
+    return _error_text(message)
 
 
 def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> str:

@@ -226,13 +226,10 @@ class MailboxServer:
         if self._stopping.is_set():
             raise RuntimeError(f"the server at {self.address} was closed")
         msg = loads(data)
-        layout, peer, finish = msg.pop(LAYOUT, None), None, None
-        if layout is not None:
-            with self._peers_lock:
-                peer = self.peers.get(msg.get("client", ""))
-            if peer is None or peer.incarnation != msg.get("inc"):
-                return  # replaced by a newer incarnation: its reply would be ignored
-            finish = peer.link.begin_receive(layout, peer.next_inbox())
+        started = self._start_receiving(msg)
+        if started is None:
+            return  # replaced by a newer incarnation: its reply would be ignored
+        peer, finish = started
         # handled here and now if the server is idle; else (it may be waiting for a slow
         # client's receive) queued, so that this client is not held up
         if self._work.empty() and self._handling.acquire(blocking=False):
@@ -309,23 +306,34 @@ class MailboxServer:
                 continue
             self._accept(msg)
 
-    def _accept(self, msg: dict[str, Any]) -> None:
-        """Start receiving a request's tensors; queue it for the handling thread (through its
-        client's waiting thread while they travel)."""
+    def _start_receiving(self, msg: dict[str, Any]) -> tuple[_Peer | None, Any] | None:
+        """Take the layout out of ``msg`` and start receiving its tensors: ``(peer, finish)``,
+        ``(None, None)`` for a request without tensors, None if there is no link to receive
+        from (that incarnation is gone, or its link just broke)."""
         layout = msg.pop(LAYOUT, None)
         if layout is None:
-            self._work.put((msg, None, None))
-            return
+            return None, None
         with self._peers_lock:
             peer = self.peers.get(msg.get("client", ""))
         if peer is None or peer.incarnation != msg.get("inc"):
-            return  # no link to receive from: that incarnation is gone
+            return None
         try:
-            finish = peer.link.begin_receive(layout, peer.next_inbox())
+            return peer, peer.link.begin_receive(layout, peer.next_inbox())
         except Exception as exc:  # dead client: only its own pair breaks
             log.warning("server %s: receiving from %s failed, peer dropped: %s",
                         self.address, msg["client"], exc)  # fmt: skip
             self.drop(msg["client"], peer)
+            return None
+
+    def _accept(self, msg: dict[str, Any]) -> None:
+        """Start receiving a request's tensors; queue it for the handling thread (through its
+        client's waiting thread while they travel)."""
+        started = self._start_receiving(msg)
+        if started is None:
+            return
+        peer, finish = started
+        if peer is None:
+            self._work.put((msg, None, None))
             return
         if peer.arriving is None:
             peer.arriving = queue.SimpleQueue()
