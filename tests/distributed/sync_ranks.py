@@ -267,18 +267,21 @@ def sync_error(
 ) -> str:
     """Rank 1 (or the server, rank 0, or ``victim``) dies; the survivors must raise naming it."""
     model = make_model()
-    opt = SyncReplicasOptimizer(
-        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
-        R,
-        N,
-        timeout=3.0,
-        server_ranks=server_ranks,
-    )
     if victim is None:
         victim = 0 if kill_server else 1
     count = 0
     start = time.monotonic()
     try:
+        # Built inside the try: with R of N gradients from any workers, the others can make
+        # die_at updates before a slow rank connects, and that rank's constructor then meets
+        # the dead server. It must raise the same error naming it.
+        opt = SyncReplicasOptimizer(
+            gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+            R,
+            N,
+            timeout=3.0,
+            server_ranks=server_ranks,
+        )
         while True:
             opt.zero_grad()
             loss_of(model, ctx.rank, count).backward()
