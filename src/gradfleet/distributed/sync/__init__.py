@@ -12,8 +12,9 @@ Modules, from the algorithm to the wrapper:
 * :mod:`.links` -- a worker's connections: push, token, read;
 * :mod:`.lockstep` -- ``transport="allreduce"``: the same numbers without a server;
 * :mod:`.overlap` -- ``overlap=True``: shards pushed from backward's gradient hooks;
-* :mod:`.checkpoint`, :mod:`.queries` -- the wrapper's ``state_dict`` and its questions to
-  the servers (mixins of the optimizer);
+* :mod:`.checkpoint`, :mod:`.queries`, :mod:`.shard_views` -- the wrapper's ``state_dict``,
+  its questions to the servers, and its parameters seen shard by shard (mixins of the
+  optimizer);
 * :mod:`.optimizer` -- the ``torch.optim.Optimizer`` wrapper users construct.
 """
 

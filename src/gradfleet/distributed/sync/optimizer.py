@@ -54,7 +54,6 @@ import torch.distributed as dist
 from ..dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
-from ..transport import copy_received
 from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .aggregator import all_finite
 from .arguments import average_indices, check_arguments, check_overlap, resolve_worker
@@ -62,9 +61,10 @@ from .checkpoint import SyncCheckpoints
 from .links import SyncLinks
 from .lockstep import AllReduceSync
 from .overlap import OverlappedPushes, ShardReadiness
-from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
+from .pieces import whole
 from .queries import SyncQueries
 from .servers import SyncServers
+from .shard_views import ShardViews
 from .shards import SPLITTING, assign, check_server_ranks
 from .streaming import ReadStreaming
 
@@ -76,7 +76,7 @@ _OWNER = "SyncReplicasOptimizer"
 
 
 class SyncReplicasOptimizer(
-    SyncCheckpoints, SyncQueries, OverlappedPushes, ReadStreaming, WrapperOptimizer
+    SyncCheckpoints, SyncQueries, OverlappedPushes, ReadStreaming, ShardViews, WrapperOptimizer
 ):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
@@ -225,29 +225,6 @@ class SyncReplicasOptimizer(
             self._readiness = ShardReadiness(self.params(), owners, self._push_early, _OWNER)
 
     # ----------------------------------------------------------------- set-up
-    def _plan_split(self, how: str, ema: Any, num_shards: int) -> list[Piece] | None:
-        """``shard_assignment="split"`` or ``"backward_order"`` over several shards: the
-        pieces (:mod:`.pieces`)."""
-        if how not in SPLITTING:
-            return None
-        if num_shards == 1:
-            log.info("%s: shard_assignment=%r with one server: nothing to split", _OWNER, how)
-            return None
-        check_elementwise(self.optimizer)
-        if ema is not None:
-            raise ValueError(
-                f"{_OWNER}: shard_assignment={how!r} does not support variable_averages (the "
-                "moving averages are kept per whole variable); use shard_assignment='bytes'"
-            )
-        return plan(self.params(), num_shards)
-
-    def _piece_views(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Each piece's view of ``tensors`` (per parameter: values or gradients)."""
-        return [
-            None if tensors[pc.index] is None else view(tensors[pc.index], pc)
-            for pc in self._pieces
-        ]
-
     def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
         """Start the servers this rank hosts, tell every rank their addresses, join them all.
 
@@ -290,19 +267,6 @@ class SyncReplicasOptimizer(
         self.local_step = self.global_step = step  # TF's local_step_init_op
         for k, shard_values in values.items():
             self._load_shard(k, shard_values)
-
-    # ----------------------------------------------------------------- set-up helpers
-    def _shard_params(self, k: int) -> list[torch.Tensor]:
-        """Shard ``k``'s variables on this worker: parameters, or views of them (split)."""
-        params = self.params()
-        return [view(params[self._pieces[j].index], self._pieces[j]) for j in self._parts[k]]
-
-    def _load_shard(self, k: int, values: Sequence[torch.Tensor]) -> None:
-        """Copy shard ``k``'s new values into the parameters (those the transport received
-        in place already are skipped)."""
-        with torch.no_grad():
-            for p, v in zip(self._shard_params(k), values, strict=True):
-                copy_received(p, v)
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -377,17 +341,6 @@ class SyncReplicasOptimizer(
         parts = self._grad_parts(grads)
         accepted = self._links.push(tag, parts, self._hyper.changed())
         return self._finish_step(tag, accepted)
-
-    def _grad_parts(self, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
-        """Each shard's gradients (all checked before the caller pushes any)."""
-        return [self._shard_grads(k, grads) for k in range(len(self._parts))]
-
-    def _shard_grads(self, k: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Shard ``k``'s gradients: views of its pieces when split (sparse ones refused)."""
-        pieces = [self._pieces[j] for j in self._parts[k]]
-        if self._split is not None:
-            check_dense(grads, pieces)
-        return [None if grads[pc.index] is None else view(grads[pc.index], pc) for pc in pieces]
 
     def _finish_step(self, tag: int, accepted: bool) -> bool | None:
         """Take the token (answers to the pushes meanwhile), then read the shards, each

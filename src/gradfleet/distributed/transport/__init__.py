@@ -2,7 +2,7 @@
 
 * :mod:`.mailbox` / :mod:`.client` -- request/reply: ``MailboxServer(handler)`` /
   ``MailboxClient.call(op, **fields)``; control on the server's c10d ``TCPStore`` queues,
-  tensors on a pair group.
+  tensors on a pair group; :mod:`.peer` -- a client as the server sees it, and a ``Reply``.
 * :mod:`.pairs` -- the data plane: a 2-rank gloo process group per (server, client
   incarnation), so a restarted worker simply builds a new pair; a client in the server's own
   process hands its tensors over in memory (``LocalLink``).

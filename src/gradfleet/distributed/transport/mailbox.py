@@ -1,4 +1,5 @@
-"""Request/reply between workers and a server, the server's side (the client's: ``client.py``).
+"""Request/reply between workers and a server, the server's side (the client's: ``client.py``;
+each client as the server sees it, and the replies it owes: ``peer.py``).
 
 Control travels on a c10d ``TCPStore``, tensors on pairs.
 
@@ -48,14 +49,14 @@ from typing import Any
 import torch.distributed as dist
 
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
-from .wire import Packer, dumps, join, loads, split
+from .peer import LAYOUT, Peer, Reply
+from .wire import Packer, dumps, join, loads
 
 __all__ = ["MailboxServer", "Reply", "ServerUnreachable", "REQUESTS", "LAYOUT", "push_control"]
 
 log = logging.getLogger(__name__)
 
 REQUESTS = "gf/req"
-LAYOUT = "$layout"
 MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages are tiny
 # Servers of this process by address: a client of one of them talks to it in-process.
 IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
@@ -72,62 +73,6 @@ def push_control(store: dist.Store, name: str, message: dict[str, Any]) -> int:
         raise ValueError(f"gradfleet transport: control message of {len(data)} bytes is too big")
     store.queue_push(name, data)
     return len(data)
-
-
-class _Peer:
-    """Server-side state of one client incarnation: its pair link and buffers.
-
-    Two inboxes, used in turn: a client sends its next request only after the reply to the
-    last, which the handler sends while or after handling it, so the message being received
-    never lands in the buffer the handler may still be reading."""
-
-    def __init__(self, incarnation: str, link: PairLink | LocalLink) -> None:
-        self.incarnation, self.link = incarnation, link
-        self.inboxes, self.turn, self.outbox = (Packer(), Packer()), 0, Packer()
-        # requests whose tensors are travelling, for this client's waiting thread
-        self.arriving: queue.SimpleQueue | None = None
-
-    def next_inbox(self) -> Packer:
-        self.turn ^= 1
-        return self.inboxes[self.turn]
-
-
-# --------------------------------------------------------------------- server
-class Reply:
-    """One pending answer to a client request; ``send`` it exactly once."""
-
-    def __init__(self, server: MailboxServer, client: str, seq: int, inc: str) -> None:
-        self._server, self.client, self.seq, self.inc, self.done = server, client, seq, inc, False
-
-    def send(self, payload: dict[str, Any], share: Any = None, fresh: bool = False) -> None:
-        """Answer with ``payload``; its tensors are copied before this returns (the handler
-        may change them afterwards).  ``share``: a key promising that every reply sent with
-        the same key carries the same tensor values, so they are copied once for all.
-        ``fresh``: the tensors are the answer's own and never changed afterwards (a snapshot
-        the handler just took), so large ones travel as they are, without a second copy."""
-        if self.done:
-            return
-        self.done = True
-        skeleton, tensors = split(payload)
-        message = dict(skeleton, seq=self.seq, inc=self.inc)
-        peer = self._server.peers.get(self.client)
-        if tensors:
-            if peer is None or peer.incarnation != self.inc:
-                return  # that incarnation is gone; its successor ignores this reply
-            try:
-                peer.link.wait_sent()
-                message[LAYOUT], messages = (
-                    peer.outbox.pack(tensors, direct=True)
-                    if fresh
-                    else self._server.packed(tensors, share, peer.outbox)
-                )
-                peer.link.send(messages)
-            except Exception as exc:  # dead client: only its own pair breaks
-                log.warning("server %s: reply to %s failed, peer dropped: %s",
-                            self._server.address, self.client, exc)  # fmt: skip
-                self._server.drop(self.client, peer)
-                return
-        self._server.post(self.client, message)
 
 
 Handler = Callable[[dict[str, Any], Reply], None]
@@ -169,7 +114,7 @@ class MailboxServer:
         self._pair_store = self.store.clone()
         self._pair_store.set_timeout(timedelta(seconds=pair_timeout))
         self.pair_timeout = pair_timeout
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[str, Peer] = {}
         # in-process clients by name: their incarnation and the queue of their replies
         self._local: dict[str, tuple[str, queue.SimpleQueue]] = {}
         # replies to in-process clients sent by the running handler (None: no handler runs)
@@ -214,7 +159,7 @@ class MailboxServer:
         if link is not None:
             self.drop(client)
             with self._peers_lock:
-                self.peers[client] = _Peer(incarnation, link)
+                self.peers[client] = Peer(incarnation, link)
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._local[client] = (incarnation, replies)
         return replies
@@ -266,9 +211,9 @@ class MailboxServer:
             log.warning("server %s: no data link with %s: %s", self.address, client, exc)
             return
         with self._peers_lock:
-            self.peers[client] = _Peer(incarnation, link)
+            self.peers[client] = Peer(incarnation, link)
 
-    def drop(self, client: str, peer: _Peer | None = None) -> None:
+    def drop(self, client: str, peer: Peer | None = None) -> None:
         """Forget ``client``'s link and close it; given ``peer``, only if the link is still
         that one (a restarted client may have replaced it meanwhile: then only the stale
         link is closed)."""
@@ -306,7 +251,7 @@ class MailboxServer:
                 continue
             self._accept(msg)
 
-    def _start_receiving(self, msg: dict[str, Any]) -> tuple[_Peer | None, Any] | None:
+    def _start_receiving(self, msg: dict[str, Any]) -> tuple[Peer | None, Any] | None:
         """Take the layout out of ``msg`` and start receiving its tensors: ``(peer, finish)``,
         ``(None, None)`` for a request without tensors, None if there is no link to receive
         from (that incarnation is gone, or its link just broke)."""
@@ -342,7 +287,7 @@ class MailboxServer:
             ).start()
         peer.arriving.put((msg, finish))
 
-    def _arrive(self, peer: _Peer) -> None:
+    def _arrive(self, peer: Peer) -> None:
         """One client's waiting thread: wait for each of its requests' tensors, then queue
         the request for the handling thread (in the order the clients' data completes; one
         client has one request in flight, so its own requests keep their order).  A request
@@ -360,7 +305,7 @@ class MailboxServer:
                 push_control(receipts, f"gf/rcpt/{request['client']}", receipt)
             self._work.put((request, None, None))
 
-    def _request(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> dict | None:
+    def _request(self, msg: dict[str, Any], peer: Peer | None, finish: Any) -> dict | None:
         """The request with its tensors once they have arrived (None: the client died)."""
         if finish is None:
             return msg
@@ -382,7 +327,7 @@ class MailboxServer:
             with self._handling:
                 self._serve_item(*item)
 
-    def _serve_item(self, msg: dict[str, Any], peer: _Peer | None, finish: Any) -> None:
+    def _serve_item(self, msg: dict[str, Any], peer: Peer | None, finish: Any) -> None:
         """Call the handler (or the tick) for one request; the caller holds ``_handling``."""
         if msg.get("op") == "_tick":
             if self._tick is not None:
