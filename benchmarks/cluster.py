@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise SystemExit(f"--scenarios: unknown {unknown}; allowed: {sorted(SCENARIOS)}")
-    started, results = time.time(), []
+    # what else kept the machine busy: the 1-minute load average before the run
+    load, started, results = os.getloadavg()[0], time.time(), []
     args.out.mkdir(parents=True, exist_ok=True)
     servers = max([r.server_hosts for r in chosen], default=0)
     with Cluster(args.hosts + servers, args.link) as cluster:
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": cluster_report.machine(),
         "command": "python benchmarks/cluster.py " + " ".join(argv or sys.argv[1:]),
         "wall_s": time.time() - started,
+        "load_before": load,
+        "cores": os.cpu_count(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "scenarios": {s: SCENARIOS[s] for s in scenarios},
         "results": results,

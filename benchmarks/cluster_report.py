@@ -165,10 +165,17 @@ def _device_time(cfg: dict) -> str:
     )
 
 
+def _load(report: dict) -> str:
+    """The load average before the run (reports written before it was recorded: none)."""
+    if "load_before" not in report:
+        return ""
+    return f" Load average before the run: {report['load_before']:.2f} on {report['cores']} cores."
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     out = [
-        f"Machine: {report['machine']}. Shared with other jobs while measured.",
+        f"Machine: {report['machine']}.{_load(report)}",
         f"Command: `{report['command']}` ({report['wall_s'] / 60:.1f} min).",
         f"Model: MLP of {cfg['params']:.3g} parameters, batch {cfg['batch']} per worker, Adam; "
         f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}."
