@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gradfleet.cli.strategies import tolerated_losses
+from gradfleet.cli.strategy_table import tolerated_losses
 
 from .launching import (
     GRADFLEET,

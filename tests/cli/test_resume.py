@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gradfleet.cli.progress import Progress
-from gradfleet.cli.worker import _Metrics
+from gradfleet.cli.run_files import Metrics
 
 from .launching import GRADFLEET, finish, metrics, popen, stop, wait_for_step
 
@@ -30,7 +30,7 @@ def test_progress_reader_survives_the_resume_truncation(tmp_path: Path) -> None:
     _write(path, range(1, 201))
     reader = Progress(path, 400, "run", quiet=True)
     assert [r["step"] for r in reader._records()] == list(range(1, 201))
-    metrics = _Metrics(path, resume_step=70)  # the resumed rank 0 keeps steps 1-70
+    metrics = Metrics(path, resume_step=70)  # the resumed rank 0 keeps steps 1-70
     for s in range(71, 301):  # and logs past the reader's old offset
         metrics.write(step=s, loss=1.0 / s, wall=0.1 * s, samples=s)
     records = reader._records()  # before: a JSONDecodeError, or only the lines past the offset
@@ -43,7 +43,7 @@ def test_resume_drops_the_line_a_killed_run_cut_short(tmp_path: Path) -> None:
     _write(path, range(1, 31))
     with open(path, "a") as f:
         f.write('{"step": 31, "lo')  # SIGKILL while writing
-    metrics = _Metrics(path, resume_step=21)  # before: JSONDecodeError in rank 0
+    metrics = Metrics(path, resume_step=21)  # before: JSONDecodeError in rank 0
     metrics.write(step=22, loss=0.5, wall=2.2, samples=22)
     metrics.close()
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]

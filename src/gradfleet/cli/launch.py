@@ -28,7 +28,7 @@ from typing import Any
 from gradfleet.distributed.job_control import JobControl
 
 from .spec import RunSpec
-from .strategies import tolerated_losses
+from .strategy_table import tolerated_losses
 from .worker import run_worker
 
 __all__ = ["WorkerFailed", "run_local", "launch", "under_torchrun"]

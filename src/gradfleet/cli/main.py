@@ -22,13 +22,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import strategies as strat
+from . import strategy_table as strat
 from .config import ConfigError, parse_straggler
 from .convert import app as convert_app
 from .launch import WorkerFailed, launch, run_local, under_torchrun
 from .logs import configure_logging
 from .progress import Progress
 from .spec import LOG_LEVELS, RunSpec, resolve, resume_spec
+from .summary import summary_table
 from .workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
@@ -72,53 +73,6 @@ def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
 
 def _env_rank() -> int:
     return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
-
-
-# ----------------------------------------------------------------------------- output
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title)
-    for col in (
-        "run",
-        "optimizer",
-        "strategy",
-        "device",
-        "workers",
-        "steps",
-        "final loss",
-        "test acc",
-        "steps/s",
-        "step ms",
-        "samples/s",
-        "comm",
-        "wall",
-    ):
-        table.add_column(
-            col, justify="left" if col in ("run", "optimizer", "strategy") else "right"
-        )
-    for r in rows:
-        args = ",".join(f"{k}={v}" for k, v in r["strategy_args"].items())
-        k = r.get("servers", 0)
-        servers = f" +{k} server{'s' if k > 1 else ''}" if k else ""
-        table.add_row(
-            r["label"],
-            r["optimizer"]["class"],
-            r["strategy"] + (f":{args}" if args else "") + servers,
-            r["device"],
-            str(r["workers"]),
-            str(r["steps"]),
-            f"{r['final_loss']:.4f}",
-            f"{r['test_accuracy']:.3f}",
-            f"{r['steps_per_s']:.1f}",
-            f"{r['median_step_ms']:.2f}",
-            f"{r['samples_per_s']:.0f}",
-            _mb(r["bytes_sent"]),
-            f"{r['wall_s']:.1f}s",
-        )
-    return table
 
 
 # ----------------------------------------------------------------------------- commands

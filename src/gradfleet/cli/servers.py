@@ -30,6 +30,8 @@ import torch.distributed as dist
 import gradfleet.distributed as gfd
 from gradfleet.distributed.job_control import JobControl, server_host
 
+from .run_files import atomic_save, latest_checkpoint
+
 __all__ = [
     "check_job_size",
     "checkpoint_servers",
@@ -143,12 +145,6 @@ def _optimizer_factory(config: dict[str, Any]):
     return lambda groups: create_optimizer(groups, config)
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> None:
     """This rank only serves: set up with the workers, save checkpoints on request, return
     once every worker left (``spec``: the run's :class:`~gradfleet.cli.spec.RunSpec`)."""
@@ -157,8 +153,6 @@ def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> N
     (out / "pids" / f"rank-{rank}.pid").write_text(str(os.getpid()))
     state = None
     if spec.resume:
-        from .worker import latest_checkpoint  # here: the worker module imports this one
-
         step = latest_checkpoint(out)
         path = out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt"
         state = torch.load(path, weights_only=True)
@@ -202,7 +196,7 @@ def _save(out: Path, step: int, rank: int, server: gfd.ParameterServer) -> None:
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    _atomic_save(server.state_dict(), ckpt_dir / f"rank-{rank}.pt")
+    atomic_save(server.state_dict(), ckpt_dir / f"rank-{rank}.pt")
     log.info(
         "dedicated server rank %d: checkpoint of step %d saved in %.3fs",
         rank, step, time.perf_counter() - start,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import strategies as strat
+from . import strategy_table as strat
 from .config import ConfigError, load_config, optimizer_config, parse_spec, parse_straggler
 from .devices import check_device, parse_device
 from .servers import lockstep, validate_servers
@@ -290,7 +290,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
 
 def resume_spec(run: Path, steps: int | None, log_level: str | None) -> RunSpec:
     """The spec saved in run directory ``run``, to continue from its last checkpoint."""
-    from .worker import latest_checkpoint
+    from .run_files import latest_checkpoint
 
     cfg = run / "config.json"
     if not cfg.is_file():

@@ -1,4 +1,5 @@
-"""Distribution strategies: one small adapter per strategy around gradfleet.distributed.
+"""Distribution strategies: one small adapter per strategy around gradfleet.distributed (what
+each takes and its checks: :mod:`.strategy_table`).
 
 An adapter wraps the optimizer (``setup``), runs one training step (``train_step``), counts the
 bytes this worker hands to collectives, and says what to save as "the model" (for EASGD, the
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,162 +18,9 @@ from torch import nn
 
 import gradfleet.distributed as gfd
 
-__all__ = [
-    "STRATEGIES",
-    "StrategyInfo",
-    "Strategy",
-    "make_strategy",
-    "validate_strategy",
-    "tolerated_losses",
-]
+from .strategy_table import DEFAULT_RHO, easgd_modes
 
-
-@dataclass(frozen=True)
-class StrategyInfo:
-    name: str
-    help: str
-    args: dict[str, str]  # argument -> description (with its default)
-    min_workers: int = 1
-    max_workers: int | None = None
-    spawns: bool = True  # False: one process (towers run as threads)
-
-
-STRATEGIES: dict[str, StrategyInfo] = {
-    s.name: s
-    for s in (
-        StrategyInfo("none", "plain single-process training", {}, max_workers=1, spawns=False),
-        StrategyInfo(
-            "allreduce", "synchronous data parallel: average gradients every step (sparse ok)", {}
-        ),
-        StrategyInfo(
-            "model-average",
-            "local SGD: local steps, exact model average every `interval` steps",
-            {"interval": "local steps between averaging rounds (default 8)"},
-        ),
-        StrategyInfo(
-            "easgd",
-            "elastic averaging SGD: workers pulled towards a centre every `period` steps",
-            {
-                "mode": "sync (all-reduce centre on every rank; default) or async",
-                "period": "local steps between elastic exchanges (default 4)",
-                "moving_rate": "alpha in (0, 1] (default 0.9 / (period * workers))",
-                "rho": "elastic penalty (default 0.1; rho=tf: TF's moving_rate / learning_rate, "
-                "which suits plain SGD but stalls Adam)",
-            },
-        ),
-        StrategyInfo(
-            "towers",
-            "one process, `--workers` model replicas (towers) on slices of each batch",
-            {},
-            spawns=False,
-        ),
-        StrategyInfo(
-            "sync-replicas",
-            "synchronous replicas with backup workers: aggregate the first k of N gradients",
-            {
-                "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
-                "total_num_replicas": "workers taking part (default: workers)",
-                "num_tokens": "initial tokens (TF's num_tokens; default -1: "
-                "replicas_to_aggregate; 0 with replicas_to_aggregate = workers: lockstep)",
-            },
-            min_workers=2,
-        ),
-    )
-}
-
-
-def _has(name: str) -> bool:
-    return hasattr(gfd, name)
-
-
-def available(name: str) -> bool:
-    """Whether gradfleet.distributed provides what strategy ``name`` needs."""
-    if name == "sync-replicas":
-        return _has("SyncReplicasOptimizer")
-    return True
-
-
-def _int(spec: str, key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"strategy {spec}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _easgd_modes() -> dict[str, str]:
-    """CLI mode name -> ElasticAverageOptimizer mode, for the modes this build has."""
-    from gradfleet.distributed import CENTRE_MODES
-
-    modes = {"sync": "allreduce"}
-    for name in CENTRE_MODES:
-        if name != "allreduce":
-            modes["async"] = name
-    return modes
-
-
-def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
-    """Reject unknown strategies/arguments and impossible worker counts (before any launch)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
-    info = STRATEGIES[name]
-    if not available(name):
-        raise ValueError(f"strategy {name!r} is not available in this gradfleet build yet")
-    unknown = sorted(set(args) - set(info.args))
-    if unknown:
-        allowed = ", ".join(info.args) or "none"
-        raise ValueError(f"strategy {name} does not take {unknown}; its arguments: {allowed}")
-    if workers < info.min_workers:
-        raise ValueError(f"strategy {name} needs --workers >= {info.min_workers}, got {workers}")
-    if info.max_workers is not None and workers > info.max_workers:
-        raise ValueError(f"strategy {name} runs {info.max_workers} worker, got --workers {workers}")
-    if name == "model-average":
-        _int(name, "interval", args.get("interval", 8), 1)
-    if name == "easgd":
-        _int(name, "period", args.get("period", 4), 1)
-        mode = args.get("mode", "sync")
-        if mode not in _easgd_modes():
-            have = list(_easgd_modes())
-            raise ValueError(f"strategy easgd: mode {mode!r} not available; have {have}")
-        rate = args.get("moving_rate")
-        if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate <= 1):
-            raise ValueError(f"strategy easgd: moving_rate must be in (0, 1], got {rate!r}")
-        rho = args.get("rho", DEFAULT_RHO)
-        if rho != "tf" and not (isinstance(rho, (int, float)) and rho >= 0):
-            raise ValueError(f"strategy easgd: rho must be >= 0 or 'tf', got {rho!r}")
-    if name == "sync-replicas":
-        total = _int(name, "total_num_replicas", args.get("total_num_replicas", workers), 1)
-        k = _int(name, "replicas_to_aggregate", args.get("replicas_to_aggregate", workers - 1), 1)
-        if total > workers:
-            raise ValueError(
-                f"strategy sync-replicas: total_num_replicas={total} needs --workers >= {total}, "
-                f"got {workers}"
-            )
-        if k > total:
-            raise ValueError(
-                f"strategy sync-replicas: replicas_to_aggregate={k} > total_num_replicas={total}"
-            )
-        tokens = args.get("num_tokens", -1)
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < -1:
-            raise ValueError(
-                f"strategy sync-replicas: num_tokens must be an integer >= -1, got {tokens!r}"
-            )
-
-
-def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
-    """How many workers other than rank 0 the job can lose and still finish its steps.
-
-    Rank 0 hosts the wrappers' servers and writes the results, so its loss is always fatal.
-    Sync-replicas keeps training while a backup is left (N - R of them); asynchronous EASGD
-    workers never wait for each other; every other strategy runs collectives in lockstep,
-    where one missing member stops all.
-    """
-    if workers < 2:
-        return 0
-    if name == "sync-replicas":
-        total = int(args.get("total_num_replicas", workers))
-        return max(total - int(args.get("replicas_to_aggregate", workers - 1)), 0)
-    if name == "easgd" and args.get("mode", "sync") == "async":
-        return workers - 1
-    return 0
+__all__ = ["Strategy", "make_strategy"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -303,9 +150,6 @@ class ModelAverage(Strategy):
             self.opt.average()
 
 
-DEFAULT_RHO = 0.1
-
-
 def _rho(value: Any) -> float | None:
     return None if value == "tf" else float(value)
 
@@ -315,7 +159,7 @@ class Easgd(Strategy):
         from gradfleet.distributed import CENTRE_MODES
 
         self.period = int(self.args.get("period", 4))
-        mode = _easgd_modes()[self.args.get("mode", "sync")]
+        mode = easgd_modes()[self.args.get("mode", "sync")]
         self._centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
             self._centre = CENTRE_MODES[mode](

@@ -25,26 +25,16 @@ from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
 from .logs import configure_logging
+from .run_files import Metrics, atomic_save, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
-from .strategies import STRATEGIES, Strategy, make_strategy, tolerated_losses
+from .strategies import Strategy, make_strategy
+from .strategy_table import STRATEGIES, tolerated_losses
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
-__all__ = ["run_worker", "latest_checkpoint"]
+__all__ = ["run_worker"]
 
 log = logging.getLogger(__name__)
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def latest_checkpoint(out: Path) -> int | None:
-    """The step of the newest complete checkpoint in run directory ``out`` (or None)."""
-    pointer = out / "checkpoints" / "latest"
-    return int(pointer.read_text()) if pointer.is_file() else None
 
 
 @torch.no_grad()
@@ -63,52 +53,6 @@ def evaluate(workload: Workload, state: dict[str, torch.Tensor]) -> dict[str, fl
     return result
 
 
-def truncate_metrics(path: Path, resume_step: int) -> None:
-    """Drop what an interrupted run logged after its last checkpoint (and a line its death
-    cut short). The kept lines are written aside and renamed over the file, so that a reader
-    (the CLI's progress thread) sees the old file or the new one, never a half-truncated one."""
-    if not path.is_file():
-        return
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            dropped += 1  # the last line a killed rank 0 was writing
-            continue
-        if rec["step"] <= resume_step and not rec.get("final"):
-            kept.append(line + "\n")
-        else:
-            dropped += 1
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
-    log.info(
-        "resume at step %d: kept %d metrics lines, dropped %d", resume_step, len(kept), dropped
-    )
-
-
-class _Metrics:
-    """Rank 0's metrics file; other ranks write nothing."""
-
-    def __init__(self, path: Path | None, resume_step: int | None) -> None:
-        self._f = None
-        if path is None:
-            return
-        if resume_step is not None:
-            truncate_metrics(path, resume_step)
-        self._f = open(path, "a" if resume_step is not None else "w")  # noqa: SIM115
-
-    def write(self, **record: Any) -> None:
-        if self._f:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()  # the CLI's progress bar tails this file
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
-
-
 def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra: dict) -> None:
     rank = job.rank
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
@@ -120,7 +64,7 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         "bytes_sent": strategy.bytes_sent,
         **extra,
     }
-    _atomic_save(state, ckpt_dir / f"rank-{rank}.pt")
+    atomic_save(state, ckpt_dir / f"rank-{rank}.pt")
     # every (live) rank's file exists before the pointer moves; no collective where a
     # worker may be lost
     if job.control is None:
@@ -216,7 +160,7 @@ class _Job:
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}
 
-    def poll(self, metrics: _Metrics, step: int, now: bool = False) -> None:
+    def poll(self, metrics: Metrics, step: int, now: bool = False) -> None:
         """Rank 0, about twice a second: publish progress, log newly lost / rejoined workers."""
         self.step = step
         control = self.control
@@ -319,7 +263,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         state = _load_checkpoint(out, job, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
         log.info("resumed from the checkpoint of step %d", start)
-    metrics = _Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
+    metrics = Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
     x_train, y_train = workload.train
     batch = spec.batch_size or workload.batch_size
     assert spec.steps is not None
@@ -363,7 +307,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     if rank == 0:
         final_state = strategy.export()
         # model.pt loads on any machine, with or without the GPU it was trained on
-        _atomic_save({k: v.detach().cpu() for k, v in final_state.items()}, out / "model.pt")
+        atomic_save({k: v.detach().cpu() for k, v in final_state.items()}, out / "model.pt")
         result = _summary(spec, workload, strategy, loss, wall, samples, workers)
         result["median_step_ms"] = clock.median_ms()
         result["lost_workers"] = sorted(job.lost.values(), key=lambda w: w["rank"])
@@ -376,7 +320,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     return result
 
 
-def _finish(job: _Job, strategy: Strategy, metrics: _Metrics) -> None:
+def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
     """End of training on every rank. Lockstep strategies: the wrapper's collective end and a
     barrier. Tolerant ones must not touch the process group again (a dead member breaks
     gloo's collectives): workers say they finished through the store, and rank 0 waits for
