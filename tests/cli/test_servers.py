@@ -13,6 +13,7 @@ exit 2, nothing written.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gradfleet.cli.launch import _reported_error
+from gradfleet.cli import launch
+from gradfleet.cli.launch import _let_workers_fail, _reported_error
 from gradfleet.cli.main import app
 
 from .launching import (
@@ -190,6 +192,55 @@ def test_a_workers_reported_error_counts_before_its_process_ends(tmp_path: Path)
     payload = {"message": {"message": f"Traceback\n{said}", "extraInfo": {}}}
     (attempt / "error.json").write_text(json.dumps(payload))
     assert _reported_error(tmp_path, 1) == said
+
+
+class _Running:
+    """A worker process that has not ended (what it failed with is in its error file)."""
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+def _report(log_dir: Path, rank: int, said: str) -> None:
+    """Write rank ``rank``'s torch elastic error file, as a failing worker does."""
+    attempt = log_dir / f"rank-{rank}" / "run_abc" / "attempt_0" / "0"
+    attempt.mkdir(parents=True, exist_ok=True)
+    (attempt / "stderr.log").write_text("")
+    payload = {"message": {"message": f"Traceback\n{said}", "extraInfo": {}}}
+    (attempt / "error.json").write_text(json.dumps(payload))
+
+
+def test_every_worker_reports_its_own_error_before_the_survivors_are_ended(
+    tmp_path: Path,
+) -> None:
+    """After a server loss the launcher ends the workers once each has failed on its own: the
+    first to report does not cut the others short (each worker's log must name the server)."""
+    said = "ServerUnreachable: server rank 2 at 127.0.0.1:5 closed the connection"
+    _report(tmp_path, 1, said)
+    later = threading.Timer(0.5, _report, (tmp_path, 0, said))
+    running = {0: _Running(), 1: _Running(), 2: _Running()}  # 2 workers, rank 2 serves
+    start = time.monotonic()
+    later.start()
+    try:
+        seen = _let_workers_fail(running, 2, tmp_path)
+        took = time.monotonic() - start
+    finally:
+        later.join()
+    assert took >= 0.5  # it waited for worker 0's own error
+    assert seen == f"; worker rank 1: {said}"  # the first to fail
+    assert set(running) == {0, 1, 2}  # still running: the caller ends them
+
+
+def test_a_worker_that_never_reports_is_ended_after_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launch, "SERVER_LOSS_GRACE_S", 0.3)
+    said = "ServerUnreachable: server rank 2 at 127.0.0.1:5 closed the connection"
+    _report(tmp_path, 1, said)
+    start = time.monotonic()
+    seen = _let_workers_fail({0: _Running(), 1: _Running()}, 2, tmp_path)
+    assert 0.3 <= time.monotonic() - start < 5
+    assert seen == f"; worker rank 1: {said}"
 
 
 @pytest.mark.slow

@@ -134,34 +134,36 @@ def _reported_error(log_dir: Path, rank: int) -> str | None:
 
 
 def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> str:
-    """Wait (at most the grace) for the workers to end or report an error; what the first
-    failed one said."""
+    """Wait (at most the grace) until every worker has ended or reported an error: each is to
+    fail on its own, with an error naming the lost server, before the survivors are ended.
+    Returns what the first worker to fail said (or "")."""
     deadline = time.monotonic() + SERVER_LOSS_GRACE_S
-    results: dict[int, Any] = {}
-    while time.monotonic() < deadline:
+    ended: dict[int, Any] = {}
+    said: dict[int, str] = {}  # in the order the workers failed
+    while True:
         for r, pc in running.items():
-            if r < workers and r not in results:
-                result = pc.wait(0)
-                if result is not None:
-                    results[r] = result
-        if len(results) == sum(1 for r in running if r < workers) or any(
-            result.is_failed() for result in results.values()
-        ):
+            if r >= workers or r in ended:
+                continue
+            result = pc.wait(0)
+            if result is not None:
+                ended[r] = result
+                if result.is_failed() and r not in said:
+                    said[r] = _cause(result.failures[0])
+            elif r not in said and (reported := _reported_error(log_dir, r)) is not None:
+                said[r] = reported  # failed, still tearing down: closed by the caller
+        if all(r in ended or r in said for r in running if r < workers):
             break
-        for r in sorted(r for r in running if r < workers and r not in results):
-            reported = _reported_error(log_dir, r)
-            if reported is not None:  # failed, still tearing down: closed by the caller
-                return f"; worker rank {r}: {reported}"
+        if time.monotonic() >= deadline:
+            log.info(
+                "workers still running %.0fs after a server loss: ending them",
+                SERVER_LOSS_GRACE_S,
+            )
+            break
         time.sleep(0.1)
-    else:
-        log.info(
-            "workers still running %.0fs after a server loss: ending them", SERVER_LOSS_GRACE_S
-        )
-    for r, result in sorted(results.items()):
+    for r in ended:
         running.pop(r)
-        if result.is_failed():
-            return f"; worker rank {r}: {_cause(result.failures[0])}"
-    return ""
+    first = next(iter(said), None)
+    return "" if first is None else f"; worker rank {first}: {said[first]}"
 
 
 def launch(spec: RunSpec) -> dict[str, Any] | None:
