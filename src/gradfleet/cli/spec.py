@@ -18,6 +18,7 @@ from typing import Any
 from . import strategy_table as strat
 from .config import ConfigError, load_config, optimizer_config, parse_spec, parse_straggler
 from .devices import check_device, parse_device
+from .run_files import latest_checkpoint
 from .servers import lockstep, validate_servers
 from .workloads import load_workload
 
@@ -290,8 +291,6 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
 
 def resume_spec(run: Path, steps: int | None, log_level: str | None) -> RunSpec:
     """The spec saved in run directory ``run``, to continue from its last checkpoint."""
-    from .run_files import latest_checkpoint
-
     cfg = run / "config.json"
     if not cfg.is_file():
         raise ConfigError(f"--resume {run}: not a gradfleet run directory (no config.json)")

@@ -10,8 +10,9 @@
 """
 
 from .client import MailboxClient
-from .mailbox import MailboxServer, Reply, ServerUnreachable
+from .mailbox import MailboxServer, ServerUnreachable
 from .pairs import LocalLink, PairLink, local_address_towards
+from .peer import Reply
 from .wire import Packer, copy_received, join, split
 
 __all__ = [

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .mailbox import IN_PROCESS, LAYOUT, REQUESTS, MailboxServer, ServerUnreachable, push_control
+from .mailbox import IN_PROCESS, REQUESTS, MailboxServer, ServerUnreachable, push_control
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
+from .peer import LAYOUT
 from .wire import Packer, dumps, join, loads, split
 
 __all__ = ["MailboxClient"]

@@ -52,7 +52,7 @@ from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT, Peer, Reply
 from .wire import Packer, dumps, join, loads
 
-__all__ = ["MailboxServer", "Reply", "ServerUnreachable", "REQUESTS", "LAYOUT", "push_control"]
+__all__ = ["MailboxServer", "ServerUnreachable", "REQUESTS", "push_control"]
 
 log = logging.getLogger(__name__)
 
