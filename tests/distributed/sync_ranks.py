@@ -311,8 +311,11 @@ def sync_bad_shapes(ctx: RankContext) -> str:
             timeout=5,
         )
     except ValueError as exc:
+        ctx.signal("answered")
         return f"ValueError: {exc}"
-    time.sleep(1.0)  # the chief stays up until rank 1 had its answer
+    # the chief serves until rank 1 had its answer: a rank slow to start (a loaded machine)
+    # may connect later than the chief's close would wait for a silent worker (timeout)
+    ctx.wait_signal(1, "answered", timeout=45.0)
     opt.close()
     return "ok"
 
