@@ -522,10 +522,12 @@ def easgd_server_dies(ctx: RankContext) -> str:
     from gradfleet.distributed import AsyncCentre
 
     model = make_model()
-    strategy = AsyncCentre(timeout=5)
-    opt = _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05)
     start = time.monotonic()
     try:
+        # built inside the try: rank 0 makes its 6 steps without waiting for rank 1, so a
+        # rank 1 slow to connect meets the dead centre here, and must name it all the same
+        strategy = AsyncCentre(timeout=5)
+        opt = _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05)
         for s in range(10_000):
             opt.zero_grad()
             loss_of(model, ctx.rank, s).backward()
