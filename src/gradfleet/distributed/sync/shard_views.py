@@ -4,7 +4,7 @@ shard's values and gradients as views of the worker's own tensors.
 
 A shard is a list of piece numbers (``_parts[k]``); a piece is a whole parameter or a block of
 its rows (:mod:`.pieces`).  Views, not copies: a shard's values are received in place into the
-parameters, and its gradients are pushed straight from ``.grad``.
+parameters, and its gradients are views of ``.grad``, read when the push is packed.
 """
 
 from __future__ import annotations
