@@ -241,7 +241,7 @@ def test_restarted_client_gets_a_new_pair_and_ignores_old_replies(in_process):
 @IN_PROCESS
 def test_dead_server_raises_server_unreachable_naming_it(in_process):
     server = MailboxServer(Echo().handle)
-    client = MailboxClient(server.address, "w0", 3.0, "server rank 7", in_process=in_process)
+    client = MailboxClient(server.address, "w0", 30.0, "server rank 7", in_process=in_process)
     server.close()
     start = time.monotonic()
     with pytest.raises(ServerUnreachable, match="server rank 7"):
