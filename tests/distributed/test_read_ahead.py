@@ -11,6 +11,8 @@ or after the worker's token, as a TF worker's read after its token sees.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -206,6 +208,66 @@ def test_a_token_request_waits_for_the_push_it_names():
     serve(chief, dict(push, seq=5))
     assert token.payload is not None and token.payload["token"] == 0
     assert "params" not in token.payload  # values=False: the push's answer brings them
+
+
+def test_a_push_that_a_token_request_follows_keeps_its_workers_place_in_line():
+    """R = N = 2, no initial tokens, two shards.  Worker 1's push to shard 0 is in, its token
+    request not yet, when the update completes: one of its 2 tokens is kept for worker 1, and
+    worker 0's next request (its next step, as fast as it likes) waits for the next update
+    instead of taking it.  Without the place in line the run leaves lockstep: worker 0 takes
+    both tokens, and worker 1 waits for an update that needs its own next gradient."""
+    make = _model_opt("sgd")
+    chief = SyncChief(make(), 2, 2, 0, 10, indices=[0, 1], num_shards=2)
+    grads = [torch.ones(2, dtype=F64), torch.ones(3, 2, dtype=F64)]
+
+    def push(w, seq, tag):
+        msg = {"op": "push", "worker": w, "tag": tag, "inc": f"i{w}", "seq": seq,
+               "grads": grads, "ahead": 0, "token_follows": True}  # fmt: skip
+        return serve(chief, msg)
+
+    def ask(w, seq, tag):
+        msg = {"op": "step", "worker": w, "tag": tag, "version": -1, "values": False,
+               "after_inc": f"i{w}", "after_seq": seq}  # fmt: skip
+        return serve(chief, msg)
+
+    push(0, 1, 0)
+    first = ask(0, 1, 0)
+    push(1, 1, 0)  # worker 1's token request is still on its way
+    assert first.payload is None  # shard 1 has not applied yet
+    serve(chief, {"op": "applied", "shard": 1, "step": 1})
+    assert chief.global_step == 1 and first.payload["token"] == 1
+    push(0, 2, 1)
+    second = ask(0, 2, 1)  # worker 0 at once again: no token left for it
+    assert second.payload is None
+    late = ask(1, 1, 0)  # worker 1's request: the token kept for it
+    assert late.payload is not None and late.payload["token"] == 1
+    push(1, 2, 1)
+    serve(chief, {"op": "applied", "shard": 1, "step": 2})
+    assert second.payload["token"] == 2
+
+
+def test_a_place_in_line_never_asked_for_times_out_or_goes_back():
+    """A placeholder whose worker's request never comes: past ``timeout`` its error waits for
+    that request; a worker that leaves gives back a token it never asked for."""
+    make = _model_opt("sgd")
+    chief = SyncChief(make(), 1, 2, 0, 10, indices=[0, 1], num_shards=2)
+    grads = [torch.ones(2, dtype=F64), torch.ones(3, 2, dtype=F64)]
+    push = {"op": "push", "worker": 1, "tag": 0, "inc": "i", "seq": 1, "grads": grads,
+            "ahead": 0, "token_follows": True}  # fmt: skip
+    serve(chief, push)
+    assert chief.tick(now=time.monotonic() + 11) == []  # nobody to tell yet
+    ask = {"op": "step", "worker": 1, "tag": 0, "version": -1, "values": False,
+           "after_inc": "i", "after_seq": 1}  # fmt: skip
+    late = serve(chief, ask)
+    assert late.payload["error"] == "TimeoutError"
+    assert "worker rank 1 waited" in late.payload["message"]
+
+    chief = SyncChief(make(), 1, 2, 0, 10, indices=[0, 1], num_shards=2)
+    serve(chief, push)
+    serve(chief, {"op": "applied", "shard": 1, "step": 1})  # 2 tokens: one kept for worker 1
+    assert len(chief.tokens) == 1
+    serve(chief, {"op": "done", "worker": 1})
+    assert len(chief.tokens) == 2  # it left without asking: its token is back in the queue
 
 
 def _held(worker, seq, tag, accepted=True):

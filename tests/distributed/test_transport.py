@@ -24,6 +24,7 @@ from gradfleet.distributed.transport import (
     split,
 )
 from gradfleet.distributed.transport.pairs import DEVICES_PER_PROCESS
+from gradfleet.distributed.transport.pairs import STANDING_BYTES as PAIR_STANDING_BYTES
 from gradfleet.distributed.transport.wire import ALIGN, DIRECT, dumps, layout, views
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,6 +130,85 @@ def test_pair_link_moves_raw_buffers_both_ways():
     links[0].send([payload.flip(0).contiguous()])
     links[1].recv([got])
     assert torch.equal(got, payload.flip(0))
+
+
+def _pair_links(name: str) -> dict[int, PairLink]:
+    store = _store()
+    links: dict[int, PairLink] = {}
+
+    def make(rank):
+        own = store if rank == 0 else store.clone()
+        links[rank] = PairLink(own, f"gf/pair/{name}/0", rank, "127.0.0.1", 20.0)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    return links
+
+
+def _sent_within(link: PairLink, seconds: float) -> bool:
+    """Does ``link``'s last send complete within ``seconds`` (no receive posted meanwhile)?"""
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (link.wait_sent(), done.set()), daemon=True)
+    waiter.start()
+    return done.wait(seconds)
+
+
+def test_small_message_travels_before_its_receive_is_asked_for():
+    """Gloo sends a message only once its receive is posted.  After a small message the
+    receiver posts the next one of the same sizes at once (a standing receive), so that one
+    leaves as soon as it is sent; a message of other sizes still waits for its receive."""
+    links = _pair_links("standing")
+    small = torch.arange(1000, dtype=torch.float32).view(torch.uint8)
+    got = torch.empty_like(small)
+    links[1].send([small])
+    assert not _sent_within(links[1], 0.5)  # the first: nothing posted yet
+    links[0].recv([got])
+    links[1].wait_sent()
+    assert torch.equal(got, small)
+    links[1].send([small + 1])  # same sizes: the standing receive takes it
+    assert _sent_within(links[1], 10.0)
+    links[0].recv([got])
+    assert torch.equal(got, small + 1)
+    other = torch.ones(10, dtype=torch.uint8)
+    links[1].send([other])  # other sizes: waits for its own receive, as before
+    assert not _sent_within(links[1], 0.5)
+    head = torch.empty(10, dtype=torch.uint8)
+    links[0].recv([head])
+    links[1].wait_sent()
+    assert torch.equal(head, other)
+    large = torch.zeros(PAIR_STANDING_BYTES + 16, dtype=torch.uint8)
+    links[1].send([large])  # too large to post ahead
+    assert not _sent_within(links[1], 0.5)
+    links[0].recv([torch.empty_like(large)])
+    links[1].wait_sent()
+    links[1].send([large])
+    assert not _sent_within(links[1], 0.5)
+    links[0].recv([torch.empty_like(large)])
+    links[1].wait_sent()
+    for link in links.values():  # with standing receives still posted
+        link.close()
+
+
+def test_standing_receives_keep_every_message_in_order_whatever_the_sizes():
+    """Both ends decide alone which receive a message meets: any sequence of sizes (repeats,
+    alternations, several messages, messages too large to post ahead) arrives intact, through
+    ``begin_receive`` with a layout as the mailbox uses it, both ways."""
+    links = _pair_links("standing-order")
+    g = torch.Generator().manual_seed(0)
+    big = (PAIR_STANDING_BYTES // 4 + 1,)
+    shapes = [[(100,)], [(100,)], [(7,), (300,)], [(100,)], [(7,), (300,)], [(7,), (300,)],
+              [big], [(100,)], [(100,)], [(20_000,)], [(100,)]]  # fmt: skip
+    inboxes = {0: Packer(), 1: Packer()}
+    for n, sizes in enumerate(shapes * 3):
+        src, dst = n % 2, 1 - n % 2  # both directions, each with its own state
+        tensors = [torch.randn(*s, generator=g) for s in sizes]
+        spec, messages = Packer().pack(tensors, direct=True, copy=True)
+        finish = links[dst].begin_receive(spec, inboxes[dst])
+        links[src].send(messages)
+        got = finish()
+        links[src].wait_sent()
+        assert all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True)), n
 
 
 def _gloo_loop_threads() -> int:

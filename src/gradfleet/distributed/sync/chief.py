@@ -112,6 +112,12 @@ class SyncChief:
         # served only once that push is in, as TF dequeues a token after its push
         self.last_push: dict[int, tuple[str, int]] = {}
         self.early: dict[int, tuple[dict[str, Any], Any]] = {}  # worker -> token request
+        # a push to shard 0 that a token request follows (``token_follows``) puts its worker
+        # in the token line at once (a placeholder: ticket None), as if the request came with
+        # it: else the update that push completes could hand a faster worker's next request
+        # the token meant for this one, which TF allows but breaks R = N lockstep.  A token
+        # (or an error) served to a placeholder waits here for the request.
+        self.granted: dict[int, tuple[str, Any]] = {}
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -138,6 +144,7 @@ class SyncChief:
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
             left = self.held.drop(worker)
+            self._forget_placeholder(worker)
             done = [Answer(ticket, {"global_step": self.global_step})]
             return done + ([] if left is None else [values_answer(self.shard, left)])
         if op == "release":
@@ -158,12 +165,16 @@ class SyncChief:
             updated = self.shard.step != before
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
+            if msg.get("token_follows") and worker not in self.early:
+                self._wait_for_token({"worker": worker, "values": False}, None, True)
             if worker in self.early and self._pushed_before(self.early[worker][0]):
                 self._wait_for_token(*self.early.pop(worker), True)
             return [*answers, *self._serve_tokens()]
         if op == "step" and not self._pushed_before(msg):
             self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
             return []
+        if op == "step" and "grads" not in msg and self._placeholder_of(worker, ticket):
+            return self._granted(worker, ticket)
         if op == "step":
             accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
             self._wait_for_token(msg, ticket, accepted)
@@ -191,6 +202,42 @@ class SyncChief:
         version = int(msg["version"]) if msg.get("values", True) else None
         self.waiting.append((int(msg["worker"]), ticket, time.monotonic(), accepted, version))
 
+    def _placeholder_of(self, worker: int, ticket: Any) -> bool:
+        """Is ``worker``'s token request answered by its placeholder?  One still in line now
+        waits with this request's ticket."""
+        if worker in self.granted:
+            return True
+        for i, (w, held, since, accepted, version) in enumerate(self.waiting):
+            if w == worker and held is None:
+                self.waiting[i] = (w, ticket, since, accepted, version)
+                return True
+        return False
+
+    def _granted(self, worker: int, ticket: Any) -> list[Answer]:
+        """The answer a placeholder got, now that its request came (none yet: in line)."""
+        if worker not in self.granted:
+            return []
+        kind, payload = self.granted.pop(worker)
+        return [Answer(ticket, payload) if kind == "token" else error(ticket, kind, payload)]
+
+    def _forget_placeholder(self, worker: int) -> None:
+        """``worker`` left: its place in line goes, and a token it never asked for goes back."""
+        self.waiting = deque(e for e in self.waiting if e[0] != worker or e[1] is not None)
+        kind, payload = self.granted.pop(worker, ("", None))
+        if kind == "token":
+            self.tokens.put(int(payload["token"]), 1)
+
+    def _answer(self, entry: tuple, kind: str, payload: Any) -> list[Answer]:
+        """Answer one waiting entry, or keep the answer for a placeholder's request."""
+        worker, ticket = entry[0], entry[1]
+        if ticket is None:
+            self.granted[worker] = (kind, payload)
+            return []
+        if kind == "token":
+            key = self.shard.values_key if "params" in payload else None
+            return [Answer(ticket, payload, key)]
+        return [error(ticket, kind, payload)]
+
     def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:
         """Offer shard 0's gradients; update when ``R`` are in.  True iff accepted."""
         accepted, updated = self.shard.push(worker, tag, grads)
@@ -216,7 +263,8 @@ class SyncChief:
             token = self.take_token()
             if token is None:
                 break
-            worker, ticket, _, accepted, version = self.waiting.popleft()
+            entry = self.waiting.popleft()
+            _, _, _, accepted, version = entry
             answer = {
                 "token": token,
                 "accepted": accepted,
@@ -225,9 +273,7 @@ class SyncChief:
             }
             if version is not None and version != self.shard.step:
                 answer["params"] = self.params
-            out.append(
-                Answer(ticket, answer, self.shard.values_key if "params" in answer else None)
-            )
+            out += self._answer(entry, "token", answer)
         return out
 
     # ------------------------------------------------------------------ liveness
@@ -244,13 +290,12 @@ class SyncChief:
         out = []
         if self.broken is not None:
             while self.waiting:
-                out.append(error(self.waiting.popleft()[1], "ServerUnreachable", self.broken))
+                out += self._answer(self.waiting.popleft(), "ServerUnreachable", self.broken)
         while self.waiting and now - self.waiting[0][2] > self.timeout:
-            worker, ticket, since, _, _ = self.waiting[0]
+            worker, _, since, _, _ = self.waiting[0]
             message = self.stall_message(worker, now - since)  # it still counts as waiting
-            self.waiting.popleft()
             log.error("%s", message)
-            out.append(error(ticket, "TimeoutError", message))
+            out += self._answer(self.waiting.popleft(), "TimeoutError", message)
         return out
 
     def silent_workers(self, now: float | None = None) -> list[int]:

@@ -160,9 +160,10 @@ class SyncLinks(ReadAheadLinks):
         if self.ahead and tag >= 0:
             client = self.clients[k]
             receipt = receipt and client.receipts
+            follows = {"token_follows": True} if k == 0 else {}  # (the chief's placeholder)
             client.request(
                 "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k],
-                **extra, **({"receipt": True} if receipt else {}),
+                **extra, **({"receipt": True} if receipt else {}), **follows,
             )  # fmt: skip
             with self._sent_lock:  # start_taking() may run on the worker's thread meanwhile
                 self._ahead_sent[k] = client.last_request

@@ -86,6 +86,34 @@ def _device(bind: str) -> Any:
         return _DEVICES[key]
 
 
+# Standing receives: gloo sends a message only once the receiver has posted its receive, and
+# the receiver posts it when the message's control part arrives; for a small message that
+# wait (the control's trip, the "ready" notice back, each side's loop thread woken in turn)
+# costs more than the bytes.  So after a small message the receiver posts the receive of the
+# next message of the same sizes at once, into buffers of its own, on tags of their own.
+# Both ends follow the same rule (the sender knows what the receiver has posted), so no message
+# says which receive it meets.  Two sets of buffers, used in turn: a message lands only when
+# its sender sends it, after the reply to the one before, as with the peer's two inboxes.
+STANDING_BYTES = 1 << 20
+_STANDING_TAGS = 1 << 16  # turn t's message k: tag _STANDING_TAGS * (1 + t) + k
+
+
+def _standable(sizes: tuple[int, ...]) -> bool:
+    return bool(sizes) and sum(sizes) <= STANDING_BYTES
+
+
+def _standing_tag(turn: int) -> int:
+    """The first tag of a standing message of this turn (0 or 1)."""
+    return _STANDING_TAGS * (1 + turn)
+
+
+class _Standing:
+    """A receive posted ahead: the message sizes it takes, its buffers and gloo works."""
+
+    def __init__(self, sizes: tuple[int, ...], buffers: list[torch.Tensor], works: list) -> None:
+        self.sizes, self.buffers, self.works = sizes, buffers, works
+
+
 class PairLink:
     """Both ends of one server-client data channel (``rank`` 0: server, 1: client)."""
 
@@ -108,14 +136,28 @@ class PairLink:
         self._in = groups["to-server" if rank == SERVER else "to-client"]
         self._sending: list[dist.Work] = []
         self.bytes_sent = self.bytes_received = 0
+        # standing receives (above): the sizes the peer has posted one for, and the turn of
+        # the next message sent to it; the one this side has posted, and its next turn
+        self._peer_standing: tuple[int, ...] | None = None
+        self._send_turn = 0
+        self._standing: _Standing | None = None
+        self._post_turn = 0
+        self._standing_buffers: dict[int, list[torch.Tensor]] = {}
 
     def send(self, messages: list[torch.Tensor]) -> None:
         """Start sending ``messages`` (contiguous host byte buffers, message ``k`` with tag
         ``k``); they must stay untouched until :meth:`wait_sent` (called before the next
         send on this link)."""
         self.wait_sent()
-        self._sending = [self._out.send([m], self.peer, k) for k, m in enumerate(messages)]
-        self.bytes_sent += sum(m.numel() for m in messages)
+        sizes = tuple(m.numel() for m in messages)
+        tag = 0
+        if sizes and sizes == self._peer_standing:  # the peer's standing receive takes it
+            tag = _standing_tag(self._send_turn)
+            self._send_turn ^= 1
+        self._sending = [self._out.send([m], self.peer, tag + k) for k, m in enumerate(messages)]
+        self.bytes_sent += sum(sizes)
+        if self._peer_standing in (None, sizes):  # the peer posts one for the next such
+            self._peer_standing = sizes if _standable(sizes) else None
 
     def wait_sent(self) -> None:
         works, self._sending = self._sending, []
@@ -124,10 +166,28 @@ class PairLink:
 
     def recv(self, messages: list[torch.Tensor]) -> None:
         """Receive the peer's next messages into ``messages`` (sizes must match the send)."""
-        works = [self._in.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        landed, works = self._post(messages)
         for work in works:
             work.wait()
+        for m, got in zip(messages, landed, strict=True):
+            if got is not m:
+                m.copy_(got)
         self.bytes_received += sum(m.numel() for m in messages)
+
+    def _post(self, messages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Post the receives of the peer's next message (``messages``: buffers of its sizes),
+        or take the standing receive that matches it: ``(buffers it lands in, works)``."""
+        sizes = tuple(m.numel() for m in messages)
+        standing, self._standing = self._standing, None
+        if standing is not None and standing.sizes == sizes:
+            landed, works = standing.buffers, standing.works  # posted before it was sent
+        else:
+            self._standing = standing  # (None, or for messages of other sizes)
+            landed = messages
+            works = [self._in.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        if self._standing is None and _standable(sizes):
+            self._post_standing(sizes)
+        return landed, works
 
     def begin_receive(
         self, spec: dict[str, Any], inbox: Packer, into: Sequence[Any] | None = None
@@ -136,8 +196,7 @@ class PairLink:
         for direct tensors that match them, into the ``into`` tensors: ``Packer.receive``);
         the returned function waits for it and gives its tensors (views of those buffers,
         valid until the next message into ``inbox``)."""
-        messages = inbox.receive(spec, into)
-        works = [self._in.recv([m], self.peer, k) for k, m in enumerate(messages)]
+        messages, works = self._post(inbox.receive(spec, into))
 
         def finish() -> list[torch.Tensor]:
             for work in works:
@@ -152,6 +211,18 @@ class PairLink:
     ) -> list[torch.Tensor]:
         """:meth:`begin_receive`, then wait for the message."""
         return self.begin_receive(spec, inbox, into)()
+
+    def _post_standing(self, sizes: tuple[int, ...]) -> None:
+        """Post the receive of the peer's next message of these ``sizes`` now, before it is
+        sent, so that its data travels as soon as the peer sends it (module docstring)."""
+        turn, self._post_turn = self._post_turn, self._post_turn ^ 1
+        tag = _standing_tag(turn)
+        buffers = self._standing_buffers.get(turn)
+        if buffers is None or tuple(b.numel() for b in buffers) != sizes:
+            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+            self._standing_buffers[turn] = buffers
+        works = [self._in.recv([b], self.peer, tag + k) for k, b in enumerate(buffers)]
+        self._standing = _Standing(sizes, buffers, works)
 
     def close(self) -> None:
         try:
