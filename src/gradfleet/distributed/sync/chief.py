@@ -11,7 +11,8 @@ no I/O:
   (TF's ``local_step_init_op``: ``local_step := global_step``).
 * ``push``:   (sharded jobs) only the push below, answered with ``accepted``; with ``ahead``
   (read-ahead, :mod:`.read_ahead`) held until shard 0 applied the update it could join, then
-  answered with shard 0's values.
+  answered with shard 0's values; with ``token_follows`` its worker takes its place in the
+  token line at once (its token request comes next and gets what that place was given).
 * ``release``: the worker has its token: answer its held push now.
 * ``read``:   shard 0's values unless the worker holds that version (read-ahead: a worker whose
   answer was older than its token reads again).

@@ -7,7 +7,9 @@ them at the same time (the client asks the server with a ``_pair`` control messa
 block in the constructors until gloo has connected, at most ``timeout`` seconds).  The
 groups of all a process's pairs run on two gloo devices, taken in turn
 (``DEVICES_PER_PROCESS``).  Tensors travel with gloo ``send``/``recv`` on raw buffers: no
-pickling, received into preallocated memory.
+pickling, received into preallocated memory.  After a small message the receiver posts the
+receive of the next one of the same sizes at once (standing receives, below), so that its data
+need not wait for its control part.
 
 Why pairs and not one group of every rank: a process group of fixed membership cannot admit a
 restarted process, and a dead member breaks every collective.  A pair involves one client:
@@ -146,7 +148,8 @@ class PairLink:
 
     def send(self, messages: list[torch.Tensor]) -> None:
         """Start sending ``messages`` (contiguous host byte buffers, message ``k`` with tag
-        ``k``); they must stay untouched until :meth:`wait_sent` (called before the next
+        ``k``, or with a standing receive's tags when the peer has posted one for these
+        sizes); they must stay untouched until :meth:`wait_sent` (called before the next
         send on this link)."""
         self.wait_sent()
         sizes = tuple(m.numel() for m in messages)
@@ -195,7 +198,8 @@ class PairLink:
         """Start receiving the peer's next message of layout ``spec`` into ``inbox`` (or,
         for direct tensors that match them, into the ``into`` tensors: ``Packer.receive``);
         the returned function waits for it and gives its tensors (views of those buffers,
-        valid until the next message into ``inbox``)."""
+        valid until the next message into ``inbox``; a small message whose receive was
+        posted ahead lands in this link's own buffers instead, valid at least as long)."""
         messages, works = self._post(inbox.receive(spec, into))
 
         def finish() -> list[torch.Tensor]:
