@@ -174,8 +174,10 @@ class SyncChief:
         if op == "step" and not self._pushed_before(msg):
             self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
             return []
-        if op == "step" and "grads" not in msg and self._placeholder_of(worker, ticket):
-            return self._granted(worker, ticket)
+        if op == "step" and "grads" not in msg:
+            placed = self._claim_place(worker, ticket)
+            if placed is not None:
+                return placed
         if op == "step":
             accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
             self._wait_for_token(msg, ticket, accepted)
@@ -203,23 +205,16 @@ class SyncChief:
         version = int(msg["version"]) if msg.get("values", True) else None
         self.waiting.append((int(msg["worker"]), ticket, time.monotonic(), accepted, version))
 
-    def _placeholder_of(self, worker: int, ticket: Any) -> bool:
-        """Is ``worker``'s token request answered by its placeholder?  One still in line now
-        waits with this request's ticket."""
+    def _claim_place(self, worker: int, ticket: Any) -> list[Answer] | None:
+        """A token request of a worker with a place in line: what that place was given, or
+        nothing yet (the place now waits with this request's ticket); None: no place."""
         if worker in self.granted:
-            return True
-        for i, (w, held, since, accepted, version) in enumerate(self.waiting):
+            return self._answer((worker, ticket), *self.granted.pop(worker))
+        for i, (w, held, *rest) in enumerate(self.waiting):
             if w == worker and held is None:
-                self.waiting[i] = (w, ticket, since, accepted, version)
-                return True
-        return False
-
-    def _granted(self, worker: int, ticket: Any) -> list[Answer]:
-        """The answer a placeholder got, now that its request came (none yet: in line)."""
-        if worker not in self.granted:
-            return []
-        kind, payload = self.granted.pop(worker)
-        return [Answer(ticket, payload) if kind == "token" else error(ticket, kind, payload)]
+                self.waiting[i] = (w, ticket, *rest)
+                return []
+        return None
 
     def _forget_placeholder(self, worker: int) -> None:
         """``worker`` left: its place in line goes, and a token it never asked for goes back."""
@@ -229,7 +224,8 @@ class SyncChief:
             self.tokens.put(int(payload["token"]), 1)
 
     def _answer(self, entry: tuple, kind: str, payload: Any) -> list[Answer]:
-        """Answer one waiting entry, or keep the answer for a placeholder's request."""
+        """Answer a waiting entry (``worker, ticket, ...``), or keep the answer for a
+        placeholder's request (ticket None)."""
         worker, ticket = entry[0], entry[1]
         if ticket is None:
             self.granted[worker] = (kind, payload)
