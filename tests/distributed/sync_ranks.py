@@ -272,9 +272,6 @@ def sync_error(
     count = 0
     start = time.monotonic()
     try:
-        # Built inside the try: with R of N gradients from any workers, the others can make
-        # die_at updates before a slow rank connects, and that rank's constructor then meets
-        # the dead server. It must raise the same error naming it.
         opt = SyncReplicasOptimizer(
             gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
             R,
@@ -282,6 +279,15 @@ def sync_error(
             timeout=3.0,
             server_ranks=server_ranks,
         )
+        # the victim trains (and dies) only once every rank is connected: else, with R of N
+        # gradients from any workers, a rank slow to start (a loaded host) meets the dead
+        # server in its constructor, whose store connection retries for its whole timeout.
+        # The time measured is from here: training, then the loss noticed, not the start-up
+        ctx.signal("connected")
+        if ctx.rank == victim:
+            for r in set(range(ctx.world_size)) - {victim}:
+                ctx.wait_signal(r, "connected", timeout=60.0)
+        start = time.monotonic()
         while True:
             opt.zero_grad()
             loss_of(model, ctx.rank, count).backward()
