@@ -159,6 +159,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--link", default="200mbit")
+    p.add_argument("--queue-ms", type=int, default=20,
+                   help="each link's queue (tbf latency): packets that would wait longer are "
+                   "dropped, as a switch port's buffer drops them")  # fmt: skip
     p.add_argument("--params", type=float, default=10e6)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--device-time", type=float, default=0.0,
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     load, started, results = os.getloadavg()[0], time.time(), []
     args.out.mkdir(parents=True, exist_ok=True)
     servers = max([r.server_hosts for r in chosen], default=0)
-    with Cluster(args.hosts + servers, args.link) as cluster:
+    with Cluster(args.hosts + servers, args.link, latency_ms=args.queue_ms) as cluster:
         for scenario in scenarios:
             slow_rate = quarter(args.link) if scenario == "slow-link" else args.link
             for h in range(args.hosts + servers):

@@ -11,7 +11,10 @@
 #      CUDA) -> cuda-tests.log
 #   3. the optimizer speed benchmark on the GPU set (transformer-134m), one optimizer per
 #      process so a cut-off run keeps the rows done -> speed.log, speed.tar.gz (the JSONs)
-#   4. the test suite's fast part (-m "not slow"; without the TensorFlow and RETURNN
+#   4. with GPU_CHECK_CLUSTER=1, the emulated cluster on this machine's cores (uniform links;
+#      where `ip` and `tc` are missing, iproute2's .deb files in GPU_CHECK_IPROUTE, default
+#      .ipr/, are unpacked under /tmp and used from there) -> cluster.log, cluster.tar.gz
+#   5. the test suite's fast part (-m "not slow"; without the TensorFlow and RETURNN
 #      conformance suites where those are not installed) in the time left -> suite.log
 #      (verbose: a cut-off run still says which tests passed)
 # Logs go straight to OUT_DIR, so what a killed run had written still comes back.
@@ -44,6 +47,7 @@ cat "$out/env.txt"
 echo "== CUDA tests ($(left) s left)"
 timeout 170 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 150 -rfEs \
     tests/test_cuda.py tests/distributed/test_towers_cuda.py tests/cli/test_device.py \
+    tests/distributed/test_transport.py -k "cuda or device or towers" \
     >"$out/cuda-tests.log" 2>&1
 echo "rc $?"
 tail -15 "$out/cuda-tests.log"
@@ -62,6 +66,23 @@ for name in $optimizers; do
     tar -czf "$out/speed.tar.gz" -C "$scratch" speed
 done
 grep -E "^[A-Z][A-Za-z0-9]+ +(foreach|fused) |^torch Adam|^ceiling|start-up" "$out/speed.log" 2>/dev/null
+
+if [ "${GPU_CHECK_CLUSTER:-0}" = 1 ]; then
+    echo "== emulated cluster ($(left) s left)"
+    if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+        mkdir -p /tmp/iproute2
+        for f in "${GPU_CHECK_IPROUTE:-.ipr}"/*.deb; do dpkg -x "$f" /tmp/iproute2; done
+        export PATH="/tmp/iproute2/bin:/tmp/iproute2/sbin:/tmp/iproute2/usr/sbin:$PATH"
+        export LD_LIBRARY_PATH=/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu
+    fi
+    mkdir -p "$scratch/cluster"
+    timeout 240 python3 benchmarks/cluster.py --only ddp,sr-shard-order4-ovs,sr-ded-order4-ovs \
+        --scenarios uniform --updates 10 --out "$scratch/cluster" --name cluster-gpu-host \
+        >"$out/cluster.log" 2>&1
+    echo "rc $?"
+    tail -8 "$out/cluster.log"
+    tar -czf "$out/cluster.tar.gz" -C "$scratch" cluster
+fi
 
 echo "== tests, -m 'not slow' ($(left) s left)"
 # the live references (TensorFlow, RETURNN) are test dependencies a GPU image may lack

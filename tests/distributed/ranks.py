@@ -29,6 +29,12 @@ def fail_on_rank1(ctx: RankContext) -> None:
     dist.barrier()  # rank 0 waits for a peer that is gone
 
 
+def fail_rank1_alone(ctx: RankContext) -> str:
+    if ctx.rank == 1:
+        raise ValueError("rank 1 exploded")
+    return "done"  # rank 0 needs no peer
+
+
 def sleep_forever(ctx: RankContext) -> None:
     time.sleep(600)
 

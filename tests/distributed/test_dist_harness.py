@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -25,6 +26,22 @@ def test_failure_reports_every_rank():
     reports = info.value.reports
     assert "rank 1 exploded" in reports[1]
     assert 0 in reports  # the peer's story (its failed barrier) is reported too
+    # each failure says when, on one clock: rank 1 raised before its peer's barrier broke
+    stamp = r"failed at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})"
+    at = {r: re.search(stamp, reports[r]).group(1) for r in (0, 1)}
+    assert at[1] <= at[0], at
+    summary = str(info.value).splitlines()[0]
+    assert re.search(r"rank 0 raised at [\d:. -]+; rank 1 raised at [\d:. -]+\)$", summary), summary
+
+
+def test_a_peer_that_returned_is_named_beside_the_failure():
+    """A rank that ends early (say, one collective short of its peers) shows in the summary:
+    its peer's "connection closed" is then no mystery."""
+    with pytest.raises(MultiProcessError) as info:
+        run_ranks(ranks.fail_rank1_alone, 2, init_process_group=False, grace=2)
+    assert list(info.value.reports) == [1]
+    summary = str(info.value).splitlines()[0]
+    assert re.search(r"\(rank 0 returned at [\d:. -]+; rank 1 raised at [\d:. -]+\)$", summary)
 
 
 def test_deadline_kills_and_dumps_stacks():

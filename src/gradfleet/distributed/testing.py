@@ -137,6 +137,7 @@ def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg:
     # Second line of defence if the parent itself dies: dump and exit on our own.
     faulthandler.dump_traceback_later(cfg.deadline_s + 10, exit=True, file=stacks)
     code = 0
+    started = time.monotonic()
     try:
         import torch
         import torch.distributed as dist
@@ -156,10 +157,13 @@ def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg:
             # while a slower peer is still connecting (bounded by pg_timeout).
             dist.barrier()
         result = fn(RankContext(rank, world_size, workdir), *args)
-        _write(Path(workdir, f"result-{rank}.pkl"), ("ok", result))
+        _write(Path(workdir, f"result-{rank}.pkl"), ("ok", result, time.time()))
     except BaseException:  # the traceback goes to the parent, which reports it
         log.info("rank %d failed", rank)
-        _write(Path(workdir, f"result-{rank}.pkl"), ("error", traceback.format_exc()))
+        # when it failed (one clock for all ranks): the rank that failed first has the cause
+        now = time.time()
+        when = f"failed at {_clock(now)}, {time.monotonic() - started:.2f} s after its start\n"
+        _write(Path(workdir, f"result-{rank}.pkl"), ("error", when + traceback.format_exc(), now))
         code = ERROR_EXIT
     finally:
         try:
@@ -303,8 +307,10 @@ def _supervise(procs, workdir, timeout, grace, kill_on, kill_after) -> dict:
 def _collect(procs, workdir: str, status: dict) -> list[Any]:
     results: list[Any] = []
     reports: dict[int, str] = {}
+    fates: list[str] = []  # every rank's end, for the error's summary
     for r, p in enumerate(procs):
         outcome = _read(Path(workdir, f"result-{r}.pkl"))
+        fates.append(_fate(r, p.exitcode, outcome, r in status["killed"]))
         stacks_path = Path(workdir, f"stacks-{r}.txt")
         stacks = stacks_path.read_text() if stacks_path.exists() else ""
         if r in status["killed"]:
@@ -318,5 +324,20 @@ def _collect(procs, workdir: str, status: dict) -> list[Any]:
             reports[r] = f"no result (exit code {p.exitcode}); stacks:\n{stacks or '(none)'}"
     if reports:
         what = "deadline exceeded" if status["timeout"] else "rank failure"
-        raise MultiProcessError(f"run_ranks: {what} on ranks {sorted(reports)}", reports)
+        summary = f"run_ranks: {what} on ranks {sorted(reports)} ({'; '.join(fates)})"
+        raise MultiProcessError(summary, reports)
     return results
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
+def _fate(rank: int, exitcode: int | None, outcome: tuple | None, killed: bool) -> str:
+    """How one rank ended, in a few words (a peer that returned early, say, shows here)."""
+    if killed:
+        return f"rank {rank} killed as asked"
+    if outcome is None:
+        return f"rank {rank}: no result, exit code {exitcode}"
+    at = f" at {_clock(outcome[2])}" if len(outcome) > 2 else ""
+    return f"rank {rank} {'returned' if outcome[0] == 'ok' else 'raised'}{at}"
