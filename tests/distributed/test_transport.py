@@ -4,6 +4,7 @@ the request/reply mailbox with tensors on the data plane, rejoin, errors, dead s
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradfleet.distributed.hosting import probe
 from gradfleet.distributed.transport import (
     LocalLink,
     MailboxClient,
@@ -329,6 +331,33 @@ def test_dead_server_raises_server_unreachable_naming_it(in_process):
     assert time.monotonic() - start < 10
     with pytest.raises(ServerUnreachable, match="server rank 7"):
         MailboxClient("127.0.0.1:1", "w0", 2.0, "server rank 7")
+
+
+def test_a_dead_or_closed_server_is_unreachable_at_once():
+    """A store client retries a refused connection for its whole timeout (30 s here).  A
+    server's address is shared only once it listens, so a refusal means it died: the client
+    says so at once, naming it; so does a server that stopped serving in a process that lives
+    on (its store still answers)."""
+    closed = MailboxServer(Echo().handle)
+    closed.close()
+    with socket.socket() as s:  # a port nothing listens on any more: a dead server's
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(ServerUnreachable, match="server rank 3 at .* stopped serving"):
+        MailboxClient(closed.address, "w1", 30.0, "server rank 3", in_process=False)
+    with pytest.raises(ServerUnreachable, match=f"server rank 3 at {dead} .*refused"):
+        MailboxClient(dead, "w1", 30.0, "server rank 3")
+    with pytest.raises(ConnectionRefusedError, match="refused"):
+        probe(dead, 5.0, connect_s=30.0)
+    assert time.monotonic() - start < 10  # not the 30 s of a store client's retries
+    live = MailboxServer(Echo().handle)
+    try:  # a live server still connects, and the check costs it nothing
+        client = MailboxClient(live.address, "w0", 30.0, "server rank 3", in_process=False)
+        assert client.call("double", x=[torch.ones(2)], n=0)["y"][0].tolist() == [2.0, 2.0]
+        probe(live.address, 5.0)()
+    finally:
+        live.close()
 
 
 def test_in_process_client_is_served_on_its_own_thread_unless_the_server_is_busy():

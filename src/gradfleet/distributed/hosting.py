@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .membership import Membership
 from .replies import Answer, error
-from .transport import MailboxServer
+from .transport import MailboxServer, store_client
 
 __all__ = [
     "HostedServer",
@@ -183,7 +183,7 @@ def probe(address: str, seconds: float, connect_s: float | None = None) -> Calla
     loaded machine, while a dead one refuses at once."""
     host, port = address.rsplit(":", 1)
     wait = seconds if connect_s is None else max(seconds, connect_s)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=wait))
+    store = store_client(host, int(port), wait)
     store.set_timeout(timedelta(seconds=seconds))
 
     def check() -> None:

@@ -121,9 +121,12 @@ class SyncServers:
         for r, ks in hosted.items():
             shards = f"shard {ks[0]}" if len(ks) == 1 else f"shards {', '.join(map(str, ks))}"
             name = f"shard server rank {r} ({shards}) at {addresses[ks[0]]}"
-            self._probes[name] = probe(
-                addresses[ks[0]], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
-            )
+            try:
+                self._probes[name] = probe(
+                    addresses[ks[0]], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
+                )
+            except Exception as exc:  # died since it shared its address
+                raise ServerUnreachable(f"{name} is unreachable: {exc}") from None
         if self._probes:
             threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True).start()
 

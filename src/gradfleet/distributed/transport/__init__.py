@@ -9,7 +9,7 @@
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
 """
 
-from .client import MailboxClient
+from .client import MailboxClient, store_client
 from .mailbox import MailboxServer, ServerUnreachable
 from .pairs import LocalLink, PairLink, local_address_towards
 from .peer import Reply
@@ -27,4 +27,5 @@ __all__ = [
     "join",
     "local_address_towards",
     "split",
+    "store_client",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,12 +20,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .mailbox import IN_PROCESS, REQUESTS, MailboxServer, ServerUnreachable, push_control
+from .mailbox import CLOSED, IN_PROCESS, REQUESTS, MailboxServer, ServerUnreachable, push_control
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT
 from .wire import Packer, dumps, join, loads, split
 
-__all__ = ["MailboxClient"]
+__all__ = ["MailboxClient", "store_client"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,24 @@ _ERRORS = {
     "RuntimeError": RuntimeError,
     "ServerUnreachable": ServerUnreachable,
 }
+
+
+def store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A store client of the server at ``host:port``; a refused connection raises at once.
+
+    A store client retries a refused connection for its whole ``timeout``, as it must while a
+    job starts.  A server's address is shared only once it listens, so here a refusal means
+    the server is gone: the caller hears so now instead of ``timeout`` seconds later.  A
+    connection that is slow rather than refused (a loaded or distant host) is left to the
+    store client's own timeout."""
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout, 5.0)):
+            pass
+    except ConnectionRefusedError:
+        raise ConnectionRefusedError(f"connection to {host}:{port} refused") from None
+    except OSError:
+        pass
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
 class MailboxClient:
@@ -70,9 +89,9 @@ class MailboxClient:
         self._local: MailboxServer | None = None
         self._replies: queue.SimpleQueue | None = None
         try:
-            self.store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout)
-            )
+            self.store = store_client(host, int(port), timeout)
+            if self.store.check([CLOSED]):
+                raise ConnectionError("it has stopped serving")
             # a restarted client reuses its name: forget replies meant for the previous one
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)

@@ -57,6 +57,7 @@ __all__ = ["MailboxServer", "ServerUnreachable", "REQUESTS", "push_control"]
 log = logging.getLogger(__name__)
 
 REQUESTS = "gf/req"
+CLOSED = "gf/closed"  # set when the server stops serving
 MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages are tiny
 # Servers of this process by address: a client of one of them talks to it in-process.
 IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
@@ -355,7 +356,11 @@ class MailboxServer:
             return
         self._stopping.set()
         IN_PROCESS.pop(self.address, None)
-        push_control(self.store.clone(), REQUESTS, {"op": "_stop"})
+        stopping = self.store.clone()  # (the receiving thread is blocked on self.store)
+        # the store lives on until the process exits: a client connecting now learns from
+        # this key that no one serves (see MailboxClient), instead of waiting out its timeout
+        stopping.set(CLOSED, "1")
+        push_control(stopping, REQUESTS, {"op": "_stop"})
         for thread in self._threads:
             thread.join(5)
         if self._tick is not None:
