@@ -1,0 +1,166 @@
+"""Each emulated host's link, every 10 ms: how a strategy fills its links over time.
+
+`benchmarks/cluster.py` reports each link's average use; this shows how the use is made up.
+While a cluster run is going, as root:
+
+    python benchmarks/link_timeline.py watch --seconds 170 --out /tmp/links.txt
+    python benchmarks/link_timeline.py summarize /tmp/links.txt --rate 200mbit --last 46
+
+``watch`` finds the running cluster's bridge namespace and samples, from inside it, every
+host's bridge-side interface (its ``tx`` is the host's download, its ``rx`` the host's upload),
+one line per sample, flushed as it goes (the cluster's teardown ends the sampler).
+``summarize`` takes the last ``--last`` seconds of traffic (a run's training phase comes
+last) and prints per host and direction the mean use of the rate, the share of 100 ms bins
+under half the rate, and the time with the link idle (under 5% in a 10 ms sample); then, for
+the times a host's upload runs under half its rate, how often some host's download was full
+meanwhile (the traffic was not spread evenly over the links) and how often its own was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.netcluster import PREFIX, rate_bits  # noqa: E402
+
+
+def sample(out: Path, seconds: float, interval: float = 0.01) -> None:
+    """Sample this namespace's interfaces (not ``lo``, not the bridge) into ``out``."""
+    names = sorted(i for i in os.listdir("/sys/class/net") if i != "lo" and not i.startswith("br"))
+    files = {
+        i: [open(f"/sys/class/net/{i}/statistics/{c}_bytes") for c in ("tx", "rx")]  # noqa: SIM115
+        for i in names
+    }
+    with open(out, "w") as f:
+        f.write(" ".join(names) + "\n")
+        end, n = time.time() + seconds, 0
+        while time.time() < end:
+            t = time.time()
+            row = [f"{t:.4f}"]
+            for i in names:
+                for counter in files[i]:
+                    counter.seek(0)
+                    row.append(counter.read().strip())
+            f.write(" ".join(row) + "\n")
+            n += 1
+            if n % 50 == 0:  # the sampler is killed with the cluster: keep what it has
+                f.flush()
+            time.sleep(max(0.0, interval - (time.time() - t)))
+
+
+def watch(out: Path, seconds: float) -> None:
+    """Wait for a cluster's bridge namespace, then sample inside it."""
+    for _ in range(600):
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        bridges = [n.split()[0] for n in names.splitlines() if n.startswith(PREFIX)]
+        bridges = [b for b in bridges if b.endswith("-br")]
+        if bridges:
+            break
+        time.sleep(0.5)
+    else:
+        raise SystemExit("no emulated cluster appeared in 300 s")
+    me = [sys.executable, __file__, "sample", str(out), "--seconds", str(seconds)]
+    subprocess.run(["ip", "netns", "exec", bridges[0], *me], check=False)
+
+
+def read(path: Path) -> tuple[list[str], np.ndarray]:
+    """Interface names and the rows (time, then tx and rx bytes per interface); a torn last
+    line (the sampler killed mid-write) is skipped."""
+    lines = path.read_text().splitlines()
+    names = lines[0].split()
+    rows = [[float(x) for x in line.split()] for line in lines[1:]]
+    return names, np.array([r for r in rows if len(r) == 1 + 2 * len(names)])
+
+
+def summarize(path: Path, rate: str, last: float) -> dict[str, dict[str, float]]:
+    """Per interface and direction: ``use`` (mean share of the rate), ``under_half`` (share
+    of 100 ms bins below half the rate) and ``idle_s`` (seconds of 10 ms samples below 5%),
+    over the last ``last`` seconds before the traffic ended."""
+    names, rows = read(path)
+    bytes_per_s = rate_bits(rate) / 8
+    t = rows[:, 0]
+    step = np.diff(t)
+    fine = np.diff(rows[:, 1:], axis=0) / step[:, None] / bytes_per_s
+    ends = t[1:]
+    busy = np.nonzero(fine.sum(axis=1) > 0.5)[0]
+    if len(busy) == 0:
+        raise ValueError(f"{path}: no traffic")
+    stop = ends[busy[-1]]
+    window = (ends > stop - last) & (ends <= stop)
+    edges = np.arange(stop - last, stop + 1e-9, 0.1)
+    at = np.searchsorted(t, edges).clip(max=len(t) - 1)
+    coarse = np.diff(rows[at, 1:], axis=0) / np.diff(t[at])[:, None] / bytes_per_s
+    out: dict[str, dict[str, float]] = {}
+    for k, name in enumerate(names):
+        for c, direction in ((0, "down"), (1, "up")):  # bridge side: tx = the host's download
+            col = 2 * k + c
+            out[f"{name} {direction}"] = {
+                "use": float(coarse[:, col].mean()),
+                "under_half": float(np.mean(coarse[:, col] < 0.5)),
+                "idle_s": float(np.sum(step[window] * (fine[window, col] < 0.05))),
+            }
+    return out
+
+
+def slack_uploads(path: Path, rate: str, last: float) -> dict[str, dict[str, float]]:
+    """Per interface, over the same window in 50 ms bins: ``low`` (share of bins with the
+    host's upload under half the rate), and of those bins the share where some other host's
+    download was over 85% (``other_down_full``: that host's download was the bottleneck) and
+    where its own was (``own_down_full``: the host was receiving with little to send)."""
+    names, rows = read(path)
+    bytes_per_s = rate_bits(rate) / 8
+    t = rows[:, 0]
+    fine = np.diff(rows[:, 1:], axis=0) / np.diff(t)[:, None]
+    stop = t[1:][np.nonzero(fine.sum(axis=1) > 0.5 * bytes_per_s)[0][-1]]
+    at = np.searchsorted(t, np.arange(stop - last, stop + 1e-9, 0.05)).clip(max=len(t) - 1)
+    bins = np.diff(rows[at, 1:], axis=0) / np.diff(t[at])[:, None] / bytes_per_s
+    down, up = bins[:, 0::2], bins[:, 1::2]
+    out = {}
+    for k, name in enumerate(names):
+        low = up[:, k] < 0.5
+        others = np.delete(down, k, axis=1)[low]
+        out[name] = {
+            "low": float(low.mean()),
+            "other_down_full": float(np.mean(others.max(axis=1) > 0.85)) if low.any() else 0.0,
+            "own_down_full": float(np.mean(down[low, k] > 0.85)) if low.any() else 0.0,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("watch", help="sample the running cluster's links (root)")
+    w.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("sample", help="sample this namespace's links (what watch runs)")
+    s.add_argument("out", type=Path)
+    for q in (w, s):
+        q.add_argument("--seconds", type=float, default=170.0)
+    m = sub.add_parser("summarize", help="per host and direction: use, bins under half, idle")
+    m.add_argument("path", type=Path)
+    m.add_argument("--rate", default="200mbit")
+    m.add_argument("--last", type=float, default=45.0, help="seconds of traffic, from its end")
+    args = p.parse_args(argv)
+    if args.cmd == "sample":
+        sample(args.out, args.seconds)
+    elif args.cmd == "watch":
+        watch(args.out, args.seconds)
+    else:
+        for key, v in summarize(args.path, args.rate, args.last).items():
+            print(f"{key:>8}: use {v['use']:4.0%}, 100 ms bins under half {v['under_half']:4.0%}, "
+                  f"idle {v['idle_s']:5.1f} s")  # fmt: skip
+        for key, v in slack_uploads(args.path, args.rate, args.last).items():
+            print(f"{key:>8}: upload under half in {v['low']:4.0%} of 50 ms bins; of those, "
+                  f"another host's download over 85% in {v['other_down_full']:4.0%}, "
+                  f"its own in {v['own_down_full']:4.0%}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
