@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.netcluster import PREFIX, rate_bits  # noqa: E402
+from benchmarks.netcluster import PREFIX, process_alive, rate_bits  # noqa: E402
 
 
 def sample(out: Path, seconds: float, interval: float = 0.01) -> None:
@@ -55,12 +55,20 @@ def sample(out: Path, seconds: float, interval: float = 0.01) -> None:
             time.sleep(max(0.0, interval - (time.time() - t)))
 
 
+def _live(namespace: str) -> bool:
+    """Whether the process that made ``namespace`` (``gfc<pid>-...``) still runs."""
+    digits = namespace[len(PREFIX) :].split("-")[0]
+    return digits.isdigit() and int(digits) > 0 and process_alive(int(digits))
+
+
 def watch(out: Path, seconds: float) -> None:
     """Wait for a cluster's bridge namespace, then sample inside it."""
     for _ in range(600):
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         bridges = [n.split()[0] for n in names.splitlines() if n.startswith(PREFIX)]
-        bridges = [b for b in bridges if b.endswith("-br")]
+        # a live run's bridge (a dead run's leftovers are removed by the next run, maybe
+        # while we would sample them): the name holds the creating process's pid
+        bridges = [b for b in bridges if b.endswith("-br") and _live(b)]
         if bridges:
             break
         time.sleep(0.5)

@@ -65,7 +65,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a namespace's name holds its creator's pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -88,7 +89,7 @@ def remove_leftovers() -> list[str]:
     gone = []
     for name in names:
         m = _NAME.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
             _kill_inside(name)
             _run("ip", "netns", "del", name, check=False)
             gone.append(name)

@@ -3,13 +3,15 @@ and, where namespaces can be made, a sampler inside a cluster's bridge that sees
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from benchmarks.link_timeline import read, slack_uploads, summarize
+from benchmarks.link_timeline import _live, read, slack_uploads, summarize
+from benchmarks.netcluster import PREFIX
 
 from .netns import ROOT, transfer
 
@@ -51,6 +53,14 @@ def test_summary_of_a_timeline_built_by_hand(tmp_path: Path) -> None:
     _write(path, [(0.0, 0.0, 0.0, 0.0)] * 10)
     with pytest.raises(ValueError, match="no traffic"):
         summarize(path, "8mbit", last=1.0)
+
+
+def test_watch_takes_only_a_live_runs_bridge() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert _live(f"{PREFIX}{os.getpid()}-123-br")
+    assert not _live(f"{PREFIX}{gone.pid}-123-br")  # a dead run's leftover
+    assert not _live(f"{PREFIX}x-br") and not _live(f"{PREFIX}0-1-br")
 
 
 @pytest.mark.slow
