@@ -13,7 +13,9 @@
 #      process so a cut-off run keeps the rows done -> speed.log, speed.tar.gz (the JSONs)
 #   4. with GPU_CHECK_CLUSTER=1, the emulated cluster on this machine's cores (uniform links;
 #      where `ip` and `tc` are missing, iproute2's .deb files in GPU_CHECK_IPROUTE, default
-#      .ipr/, are unpacked under /tmp and used from there) -> cluster.log, cluster.tar.gz
+#      .ipr/, are unpacked under /tmp and used from there; on a Debian or Ubuntu machine with a
+#      package index: `mkdir .ipr && cd .ipr && apt-get download iproute2 libbpf1 libelf1
+#      libmnl0 libcap2 libxtables12 libbsd0 libmd0`) -> cluster.log, cluster.tar.gz
 #   5. the test suite's fast part (-m "not slow"; without the TensorFlow and RETURNN
 #      conformance suites where those are not installed) in the time left -> suite.log
 #      (verbose: a cut-off run still says which tests passed)
