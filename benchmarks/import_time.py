@@ -9,7 +9,7 @@ start to exit; the commands run in rounds (torch, gradfleet, --help, list, bad i
 ...) so a slow spell of a shared machine hits all of them alike; one warm-up round (disk
 cache) is not counted.  Reported: the median of ``--runs`` rounds, and each command's median
 minus ``python -c "import torch"``'s median (wall clock, and CPU time user+sys, which a
-busy shared machine distorts far less), against the targets (issue 16): ``import
+busy shared machine distorts far less), against the start-up targets: ``import
 gradfleet`` adds at most 0.3 s, ``--help``, ``list`` and a bad-input error at most 1.0 s.
 Writes ``import_time.json`` under ``--out`` and prints a table; exit code 1 if a target is
 missed.

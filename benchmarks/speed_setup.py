@@ -5,7 +5,7 @@ Presets (``--preset``), all float32 and shaped like transformer parameters:
 * ``default``: 16.8M parameters in 41 tensors (d=512, 4 layers, 8192 rows of embedding;
   per layer the q/k/v/o and MLP matrices, the MLP biases and two norm scales).
 * ``transformer-134m``: the same shape at d=1024, 8 layers, 32768 rows: 134M parameters in
-  81 tensors, the set issue 12's GPU figures were measured on.
+  81 tensors, the set the GPU figures (docs/speed.md) were measured on.
 * ``small-tensors``: a complete pre-norm transformer block stack at d=256 (6 layers, 8192
   rows): every projection has its bias and every norm its scale and shift, so 62 of the
   99 tensors hold 256 or 1024 elements (6.8M parameters): the regime where per-tensor costs
