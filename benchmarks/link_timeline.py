@@ -87,32 +87,41 @@ def read(path: Path) -> tuple[list[str], np.ndarray]:
     return names, np.array([r for r in rows if len(r) == 1 + 2 * len(names)])
 
 
+class _Window:
+    """The last ``last`` seconds of traffic in a sampler's file, as shares of ``rate``."""
+
+    def __init__(self, path: Path, rate: str, last: float) -> None:
+        self.names, rows = read(path)
+        self.t, self.counters = rows[:, 0], rows[:, 1:] / (rate_bits(rate) / 8)
+        self.step = np.diff(self.t)
+        self.fine = np.diff(self.counters, axis=0) / self.step[:, None]  # per sample
+        busy = np.nonzero(self.fine.sum(axis=1) > 0.5)[0]
+        if len(busy) == 0:
+            raise ValueError(f"{path}: no traffic")
+        self.stop, self.last = self.t[1:][busy[-1]], last
+        self.inside = (self.t[1:] > self.stop - last) & (self.t[1:] <= self.stop)
+
+    def bins(self, width: float) -> np.ndarray:
+        """Each column's use in bins of ``width`` seconds over the window."""
+        edges = np.arange(self.stop - self.last, self.stop + 1e-9, width)
+        at = np.searchsorted(self.t, edges).clip(max=len(self.t) - 1)
+        return np.diff(self.counters[at], axis=0) / np.diff(self.t[at])[:, None]
+
+
 def summarize(path: Path, rate: str, last: float) -> dict[str, dict[str, float]]:
     """Per interface and direction: ``use`` (mean share of the rate), ``under_half`` (share
     of 100 ms bins below half the rate) and ``idle_s`` (seconds of 10 ms samples below 5%),
     over the last ``last`` seconds before the traffic ended."""
-    names, rows = read(path)
-    bytes_per_s = rate_bits(rate) / 8
-    t = rows[:, 0]
-    step = np.diff(t)
-    fine = np.diff(rows[:, 1:], axis=0) / step[:, None] / bytes_per_s
-    ends = t[1:]
-    busy = np.nonzero(fine.sum(axis=1) > 0.5)[0]
-    if len(busy) == 0:
-        raise ValueError(f"{path}: no traffic")
-    stop = ends[busy[-1]]
-    window = (ends > stop - last) & (ends <= stop)
-    edges = np.arange(stop - last, stop + 1e-9, 0.1)
-    at = np.searchsorted(t, edges).clip(max=len(t) - 1)
-    coarse = np.diff(rows[at, 1:], axis=0) / np.diff(t[at])[:, None] / bytes_per_s
+    w = _Window(path, rate, last)
+    coarse = w.bins(0.1)
     out: dict[str, dict[str, float]] = {}
-    for k, name in enumerate(names):
+    for k, name in enumerate(w.names):
         for c, direction in ((0, "down"), (1, "up")):  # bridge side: tx = the host's download
             col = 2 * k + c
             out[f"{name} {direction}"] = {
                 "use": float(coarse[:, col].mean()),
                 "under_half": float(np.mean(coarse[:, col] < 0.5)),
-                "idle_s": float(np.sum(step[window] * (fine[window, col] < 0.05))),
+                "idle_s": float(np.sum(w.step[w.inside] * (w.fine[w.inside, col] < 0.05))),
             }
     return out
 
@@ -122,16 +131,11 @@ def slack_uploads(path: Path, rate: str, last: float) -> dict[str, dict[str, flo
     host's upload under half the rate), and of those bins the share where some other host's
     download was over 85% (``other_down_full``: that host's download was the bottleneck) and
     where its own was (``own_down_full``: the host was receiving with little to send)."""
-    names, rows = read(path)
-    bytes_per_s = rate_bits(rate) / 8
-    t = rows[:, 0]
-    fine = np.diff(rows[:, 1:], axis=0) / np.diff(t)[:, None]
-    stop = t[1:][np.nonzero(fine.sum(axis=1) > 0.5 * bytes_per_s)[0][-1]]
-    at = np.searchsorted(t, np.arange(stop - last, stop + 1e-9, 0.05)).clip(max=len(t) - 1)
-    bins = np.diff(rows[at, 1:], axis=0) / np.diff(t[at])[:, None] / bytes_per_s
+    w = _Window(path, rate, last)
+    bins = w.bins(0.05)
     down, up = bins[:, 0::2], bins[:, 1::2]
     out = {}
-    for k, name in enumerate(names):
+    for k, name in enumerate(w.names):
         low = up[:, k] < 0.5
         others = np.delete(down, k, axis=1)[low]
         out[name] = {
