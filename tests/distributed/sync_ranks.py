@@ -173,6 +173,7 @@ def sync_train(
         "elapsed": elapsed,
         "counters": dict(opt.counters),
         "bytes": opt.bytes_sent,
+        "withheld": opt.withheld_pushes,
         "params": [p.detach().clone() for p in model.parameters()],
     }
     if ctx.rank == 0:

@@ -18,6 +18,7 @@ import torch
 
 from gradfleet.distributed.sync.aggregator import init_tokens
 from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.links import push_data
 from gradfleet.distributed.sync.read_ahead import Held, HeldPushes
 from gradfleet.distributed.sync.shards import Shard, ShardServer, round_robin
 
@@ -38,10 +39,14 @@ class CopyingReply(FakeReply):
 class AheadCluster:
     """Workers driving a chief + shard servers with read-ahead, in script order."""
 
-    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
+    def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None, withhold=False):
         opt = make_opt()
-        self.count = len([p for g in opt.param_groups for p in g["params"]])
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self.count = len(params)
         self.parts = round_robin(self.count, shards)
+        # ``withhold``: a push its shard is known to drop goes without gradients (push_data)
+        self.withhold, self.withheld = withhold, 0
+        self.shapes = [[tuple(params[i].shape) for i in part] for part in self.parts]
         tokens = init_tokens(num_tokens, R, N)
         self.chief = SyncChief(
             opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0], num_shards=shards
@@ -87,9 +92,14 @@ class AheadCluster:
         pushes, token = {}, CopyingReply()
         for k in range(len(self.history)):
             self.seq[w] += 1
+            part = [grads[i] for i in self.parts[k]]
+            data = {"grads": part}
+            if self.withhold:
+                data = push_data(self.local[w], self.versions[w][k], part, self.shapes[k])
+                self.withheld += "withheld" in data
             msg = {
                 "op": "push", "worker": w, "tag": self.local[w], "inc": "i", "seq": self.seq[w],
-                "grads": [grads[i] for i in self.parts[k]], "ahead": self.versions[w][k],
+                **data, "ahead": self.versions[w][k],
             }  # fmt: skip
             pushes[k] = (self.seq[w], self._serve(k, msg))
             if k == 0:
@@ -149,22 +159,38 @@ def _drive(cluster, schedule, grads_of, N):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("withhold", [False, True])
 @pytest.mark.parametrize("seed", range(16))
-def test_random_schedules_equal_the_single_server(seed):
+def test_random_schedules_equal_the_single_server(seed, withhold):
     """Same arrival order (backups, N < R, initial and surplus tokens, stale drops,
-    last_step): the same updates, acceptances, local steps and variables, bit for bit, as one
-    server; every value a worker loads is its shard's at a step no older than its token."""
+    last_step): the same updates, acceptances, local steps, counters and variables, bit for
+    bit, as one server; every value a worker loads is its shard's at a step no older than its
+    token.  ``withhold``: pushes a worker knows stale go without their gradients."""
     N, R, tokens, kind, schedule, last_step, grads_of = random_job(seed, 240)
     ref = Cluster(_model_opt(kind), R, N, tokens, 0, last_step)
     ref_accepted = _ref_drive(ref, schedule, grads_of, N)
     for shards in (2, 3):
-        ahead = AheadCluster(_model_opt(kind), R, N, tokens, shards, last_step)
+        ahead = AheadCluster(_model_opt(kind), R, N, tokens, shards, last_step, withhold)
         accepted = _drive(ahead, schedule, grads_of, N)
         assert ahead.chief.global_step == ref.chief.global_step
         assert accepted == ref_accepted and ahead.local == ref.local
         for got, want in zip(ahead.values(), ref.values(), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert all(version >= token for token, _, version in ahead.seen)
+        stats = [ahead.chief.aggregator.stats] + [s.shard.aggregator.stats for s in ahead.shards]
+        assert all(st == ref.chief.aggregator.stats for st in stats)
+
+
+def test_the_random_schedules_withhold_pushes():
+    """The schedules above do exercise withholding: with backup workers and surplus tokens,
+    workers see shards past their tag before they push (the count is deterministic)."""
+    withheld = 0
+    for seed in range(16):
+        N, R, tokens, kind, schedule, last_step, grads_of = random_job(seed, 240)
+        ahead = AheadCluster(_model_opt(kind), R, N, tokens, 3, last_step, withhold=True)
+        _drive(ahead, schedule, grads_of, N)
+        withheld += ahead.withheld
+    assert withheld > 20
 
 
 def test_release_lets_a_lone_worker_give_two_gradients_to_one_update():

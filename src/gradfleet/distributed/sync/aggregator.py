@@ -221,6 +221,20 @@ class GradientAggregator:
         self._count(worker, "accepted")
         return True
 
+    def drop_withheld(self, worker: int, step_tag: int) -> None:
+        """A push whose gradients the worker withheld, having seen these accumulators past
+        ``step_tag`` already: counted as a dropped stale gradient, as ``push`` would count it.
+        Raises ``ValueError`` (nothing counted) if the accumulators are not past it, for the
+        worker cannot have seen that; its gradients are not here to accumulate."""
+        if step_tag >= self.global_step:
+            raise ValueError(
+                f"worker {worker} withheld its gradient computed at step {step_tag} as stale, "
+                f"but the accumulators are at step {self.global_step}: the worker saw a later "
+                "step than this server holds (were the servers' variables loaded from a "
+                "checkpoint behind the workers' backs?)"
+            )
+        self._count(worker, "dropped")
+
     def ready(self) -> bool:
         return self.counter >= self.replicas_to_aggregate
 

@@ -162,7 +162,7 @@ class SyncChief:
             self.shard.follow(msg.get("hyper"))
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
             before = self.shard.step
-            accepted = self.push(worker, int(msg["tag"]), msg["grads"])
+            accepted = self.push(worker, int(msg["tag"]), msg.get("grads"))
             updated = self.shard.step != before
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
@@ -174,12 +174,13 @@ class SyncChief:
         if op == "step" and not self._pushed_before(msg):
             self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
             return []
-        if op == "step" and "grads" not in msg:
+        pushes = "grads" in msg or bool(msg.get("withheld"))  # a "step" with its push
+        if op == "step" and not pushes:
             placed = self._claim_place(worker, ticket)
             if placed is not None:
                 return placed
         if op == "step":
-            accepted = self.push(worker, int(msg["tag"]), msg["grads"]) if "grads" in msg else True
+            accepted = self.push(worker, int(msg["tag"]), msg.get("grads")) if pushes else True
             self._wait_for_token(msg, ticket, accepted)
             return self._serve_tokens()
         if op == "read":  # read-ahead: shard 0 read again after a later token
@@ -235,8 +236,9 @@ class SyncChief:
             return [Answer(ticket, payload, key)]
         return [error(ticket, kind, payload)]
 
-    def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> bool:
-        """Offer shard 0's gradients; update when ``R`` are in.  True iff accepted."""
+    def push(self, worker: int, tag: int, grads: list[torch.Tensor | None] | None) -> bool:
+        """Offer shard 0's gradients (None: withheld as stale); update when ``R`` are in.
+        True iff accepted."""
         accepted, updated = self.shard.push(worker, tag, grads)
         if updated:
             self.applied[0] = self.shard.step

@@ -29,7 +29,7 @@ from .ahead_links import IN_FLIGHT, PACED_BYTES, ReadAheadLinks
 from .answer_taker import AnswerTaker
 from .pieces import rank_places
 
-__all__ = ["SyncLinks", "push_order", "IN_FLIGHT", "PACED_BYTES"]
+__all__ = ["SyncLinks", "push_data", "push_order", "IN_FLIGHT", "PACED_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,28 @@ def push_order(ranks: Sequence[int], turn: int) -> list[int]:
     return order
 
 
+def push_data(
+    tag: int, version: int, grads: Grads, shapes: Sequence[tuple[int, ...]] | None
+) -> dict[str, Any]:
+    """A push's data: ``{"grads": grads}``, or ``{"withheld": True}`` when its shard is certain
+    to drop them as stale.
+
+    TF's accumulators drop a gradient whose tag is below their step; a worker that has loaded
+    the shard's values of step ``version`` > ``tag`` knows the shard is past ``tag`` (a shard's
+    step never goes back, and a checkpoint load forgets the versions).  A backup worker, or
+    one holding a surplus token, then sends a few bytes instead of gradients that would cross
+    its link only to be dropped; the shard counts the push as dropped all the same
+    (``GradientAggregator.drop_withheld``).  Gradients the shard should judge travel: bad
+    input (``tag < 0``), shapes other than the shard's (``shapes``, from ``hello``), sparse."""
+    if 0 <= tag < version and shapes is not None and len(shapes) == len(grads):
+        if all(
+            g is None or (not g.is_sparse and tuple(g.shape) == tuple(s))
+            for g, s in zip(grads, shapes, strict=True)
+        ):
+            return {"withheld": True}
+    return {"grads": grads}
+
+
 class SyncLinks(ReadAheadLinks):
     """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them).
     ``targets(k)``/``load(k, values)``: shard ``k``'s tensors to receive into, and what to do
@@ -82,6 +104,8 @@ class SyncLinks(ReadAheadLinks):
             for k, a in enumerate(addresses)
         }
         self.versions = dict.fromkeys(self.clients, -1)
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}  # each shard's, from hello
+        self.withheld = 0  # pushes sent without their gradients (push_data)
         self._carried: Grads | None = None  # one server: the push travels with the token request
         self._carried_extra: dict[str, Any] = {}
         self._pending: list[int] = []  # shards whose push answers are not read yet
@@ -124,6 +148,7 @@ class SyncLinks(ReadAheadLinks):
                 dtypes=[str(p.dtype) for p in parts[k]],
             )
             self.versions[k] = int(reply["version"])
+            self._shapes[k] = [tuple(p.shape) for p in parts[k]]
             out[k] = reply["params"]
             step = int(reply["global_step"]) if k == 0 else step
         return step, out
@@ -159,10 +184,11 @@ class SyncLinks(ReadAheadLinks):
         read with the token.  ``receipt``: ask the shard to confirm the arrival (:meth:`_pace`)."""
         if self.ahead and tag >= 0:
             client = self.clients[k]
-            receipt = receipt and client.receipts
+            data = self._push_data(k, tag, grads)
+            receipt = receipt and client.receipts and "grads" in data
             follows = {"token_follows": True} if k == 0 else {}  # (the chief's placeholder)
             client.request(
-                "push", worker=self.worker, tag=tag, grads=grads, ahead=self.versions[k],
+                "push", worker=self.worker, tag=tag, **data, ahead=self.versions[k],
                 **extra, **({"receipt": True} if receipt else {}), **follows,
             )  # fmt: skip
             with self._sent_lock:  # start_taking() may run on the worker's thread meanwhile
@@ -173,8 +199,18 @@ class SyncLinks(ReadAheadLinks):
             if receipt:
                 self._unreceived.append((k, client.last_request[1]))
             return
-        self.clients[k].request("push", worker=self.worker, tag=tag, grads=grads, **extra)
+        data = self._push_data(k, tag, grads)
+        self.clients[k].request("push", worker=self.worker, tag=tag, **data, **extra)
         self._pending.append(k)
+
+    def _push_data(self, k: int, tag: int, grads: Grads) -> dict[str, Any]:
+        """:func:`push_data` for shard ``k``; a withheld push is counted and logged."""
+        data = push_data(tag, self.versions[k], grads, self._shapes.get(k))
+        if "withheld" in data:
+            self.withheld += 1
+            log.debug("worker rank %d: shard %d is at step %d: gradients of step %d withheld",
+                      self.worker, k, self.versions[k], tag)  # fmt: skip
+        return data
 
     def carry(self, grads: Grads, extra: dict[str, Any]) -> None:
         """Shard 0's gradients travel with the token request (:meth:`token_and_read`; reading
@@ -194,7 +230,7 @@ class SyncLinks(ReadAheadLinks):
             grads, self._carried = self._carried, None
             extra = self._carried_extra
         if grads is not None:
-            fields["grads"] = list(grads)
+            fields.update(self._push_data(0, tag, list(grads)))
             fields.update(extra)
         self.chief.request("step", **fields)
         self._token_sent = True

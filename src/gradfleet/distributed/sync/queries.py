@@ -69,6 +69,13 @@ class SyncQueries:
             return self._allreduce.bytes_sent
         return self._links.bytes_out if self._links is not None else 0
 
+    @property
+    def withheld_pushes(self) -> int:
+        """Pushes this worker sent without their gradients because it had seen their shard
+        past their step already (TF's accumulators drop such stale gradients; the shard
+        counts each as dropped): the bytes a backup worker or a surplus token saves."""
+        return self._links.withheld if self._links is not None else 0
+
     def worker_silence(self) -> dict[int, float]:
         """Seconds since the chief last heard from each worker that has not left (a worker
         that never said hello: since the chief started).  Job control can declare a worker

@@ -264,10 +264,17 @@ class Shard:
         for group, values in zip(self.source.param_groups, hyper, strict=True):
             group.update(values)
 
-    def push(self, worker: int, tag: int, grads: list[torch.Tensor | None]) -> tuple[bool, bool]:
-        """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in."""
+    def push(
+        self, worker: int, tag: int, grads: list[torch.Tensor | None] | None
+    ) -> tuple[bool, bool]:
+        """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in.
+        ``grads`` None: the worker withheld them, knowing them stale (``withheld`` pushes,
+        see ``SyncLinks``): counted as dropped."""
         if self.last_step is not None and self.step >= self.last_step:
             log.debug("worker rank %d: gradient after last_step=%d ignored", worker, self.last_step)
+            return False, False
+        if grads is None:
+            self.aggregator.drop_withheld(worker, tag)
             return False, False
         accepted = self.aggregator.push(worker, tag, grads)
         if not self.aggregator.ready():
@@ -358,7 +365,7 @@ class ShardServer:
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
             self.shard.follow(msg.get("hyper"))
-            accepted, updated = self.shard.push(worker, int(msg["tag"]), msg["grads"])
+            accepted, updated = self.shard.push(worker, int(msg["tag"]), msg.get("grads"))
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             return [Applied(self.k, self.shard.step), *answers] if updated else list(answers)
         if op == "read":
