@@ -37,6 +37,8 @@ def grads(scale: float = 1.0) -> list[torch.Tensor]:
         (5, 5, grads(), SHAPES, False),  # the shard may still be at the tag: it may join
         (6, 5, grads(), SHAPES, False),
         (-1, 5, grads(), SHAPES, False),  # bad input: the shard must see and report it
+        (3, 5, grads(float("nan")), SHAPES, False),  # reported even when stale (nonfinite)
+        (3, 5, [None, torch.tensor([1.0, float("inf"), 0.0])], SHAPES, False),
         (3, 5, [torch.ones(3, 2), torch.ones(3)], SHAPES, False),  # wrong shape: reported there
         (3, 5, grads()[:1], SHAPES, False),  # wrong count: reported there
         (3, 5, grads(), None, False),  # before hello: nothing known of the shard

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..transport import MailboxClient
+from .aggregator import all_finite
 from .ahead_links import IN_FLIGHT, PACED_BYTES, ReadAheadLinks
 from .answer_taker import AnswerTaker
 from .pieces import rank_places
@@ -69,10 +70,12 @@ def push_data(
     one holding a surplus token, then sends a few bytes instead of gradients that would cross
     its link only to be dropped; the shard counts the push as dropped all the same
     (``GradientAggregator.drop_withheld``).  Gradients the shard should judge travel: bad
-    input (``tag < 0``), shapes other than the shard's (``shapes``, from ``hello``), sparse."""
+    input (``tag < 0``, NaN or Inf, which the shard reports under ``nonfinite="raise"`` or
+    ``"drop"`` even when stale), shapes other than the shard's (``shapes``, from ``hello``),
+    sparse ones."""
     if 0 <= tag < version and shapes is not None and len(shapes) == len(grads):
         if all(
-            g is None or (not g.is_sparse and tuple(g.shape) == tuple(s))
+            g is None or (not g.is_sparse and tuple(g.shape) == tuple(s) and all_finite(g))
             for g, s in zip(grads, shapes, strict=True)
         ):
             return {"withheld": True}
