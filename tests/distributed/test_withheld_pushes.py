@@ -87,7 +87,10 @@ def test_a_shard_answers_a_withheld_push_as_a_stale_one():
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="withheld"):  # a tag the shard is not past
         serve(server, {"op": "push", "worker": 2, "tag": 1, "withheld": True, "ahead": 1})
+    with pytest.raises(KeyError):  # neither gradients nor withheld: malformed, not a drop
+        serve(server, {"op": "push", "worker": 2, "tag": 0, "ahead": 1})
     assert server.shard.aggregator.counter == 0
+    assert server.shard.aggregator.stats[2] == {"accepted": 0, "dropped": 1, "nonfinite": 0}
 
 
 def test_the_chief_takes_a_withheld_gradient_with_a_token_request():

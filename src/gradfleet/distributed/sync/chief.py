@@ -51,7 +51,7 @@ from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
-from .shards import Shard
+from .shards import Shard, pushed_gradients
 
 __all__ = ["SyncChief"]
 
@@ -162,7 +162,7 @@ class SyncChief:
             self.shard.follow(msg.get("hyper"))
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
             before = self.shard.step
-            accepted = self.push(worker, int(msg["tag"]), msg.get("grads"))
+            accepted = self.push(worker, int(msg["tag"]), pushed_gradients(msg))
             updated = self.shard.step != before
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
@@ -174,13 +174,13 @@ class SyncChief:
         if op == "step" and not self._pushed_before(msg):
             self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
             return []
-        pushes = "grads" in msg or bool(msg.get("withheld"))  # a "step" with its push
+        pushes = "grads" in msg or "withheld" in msg  # a "step" that carries its push
         if op == "step" and not pushes:
             placed = self._claim_place(worker, ticket)
             if placed is not None:
                 return placed
         if op == "step":
-            accepted = self.push(worker, int(msg["tag"]), msg.get("grads")) if pushes else True
+            accepted = self.push(worker, int(msg["tag"]), pushed_gradients(msg)) if pushes else True
             self._wait_for_token(msg, ticket, accepted)
             return self._serve_tokens()
         if op == "read":  # read-ahead: shard 0 read again after a later token

@@ -73,12 +73,12 @@ def push_data(
     input (``tag < 0``, NaN or Inf, which the shard reports under ``nonfinite="raise"`` or
     ``"drop"`` even when stale), shapes other than the shard's (``shapes``, from ``hello``),
     sparse ones."""
-    if 0 <= tag < version and shapes is not None and len(shapes) == len(grads):
-        if all(
-            g is None or (not g.is_sparse and tuple(g.shape) == tuple(s) and all_finite(g))
-            for g, s in zip(grads, shapes, strict=True)
-        ):
-            return {"withheld": True}
+    stale = 0 <= tag < version and shapes is not None and len(shapes) == len(grads)
+    if stale and all(
+        g is None or (not g.is_sparse and tuple(g.shape) == tuple(s) and all_finite(g))
+        for g, s in zip(grads, shapes, strict=True)
+    ):
+        return {"withheld": True}
     return {"grads": grads}
 
 

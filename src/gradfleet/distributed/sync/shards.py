@@ -59,6 +59,7 @@ from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, 
 __all__ = [
     "Applied",
     "Shard",
+    "pushed_gradients",
     "ShardServer",
     "round_robin",
     "by_bytes",
@@ -328,6 +329,12 @@ class Shard:
                 self.ema.shadows[int(i)] = s.clone()
 
 
+def pushed_gradients(msg: dict[str, Any]) -> list[torch.Tensor | None] | None:
+    """A push's gradients, or None when the worker withheld them as stale (``withheld``:
+    ``SyncLinks.push_data``); a push with neither is malformed (``KeyError``)."""
+    return None if msg.get("withheld") else msg["grads"]
+
+
 @dataclass(frozen=True)
 class Applied:
     """Effect: shard ``shard`` applied its update number ``step``.  The hosting code reports it
@@ -365,7 +372,7 @@ class ShardServer:
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
             self.shard.follow(msg.get("hyper"))
-            accepted, updated = self.shard.push(worker, int(msg["tag"]), msg.get("grads"))
+            accepted, updated = self.shard.push(worker, int(msg["tag"]), pushed_gradients(msg))
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             return [Applied(self.k, self.shard.step), *answers] if updated else list(answers)
         if op == "read":
