@@ -131,6 +131,11 @@ def easgd_train(ctx: RankContext, N: int, server_rank: int, steps: int) -> dict:
         opt.zero_grad()
         loss_of(model, ctx.rank, count).backward()
         opt.step()
+    # asynchronous: a fast worker may finish before a slow one joined; the counters are
+    # read once every worker is done, so each sees every join
+    ctx.signal("trained")
+    for r in range(N):
+        ctx.wait_signal(r, "trained", timeout=60)
     out = {
         "params": [p.detach().clone() for p in model.parameters()],
         "local_centre": [c.clone() for c in opt.local_centre()],
