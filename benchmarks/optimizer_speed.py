@@ -50,6 +50,7 @@ import torch
 
 from benchmarks import speed_setup
 from benchmarks.speed_setup import parameter_shapes
+from gradfleet import kernels
 
 __all__ = ["main", "parameter_shapes", "peak_extra_mib"]
 
@@ -205,7 +206,12 @@ def gradfleet_configs() -> dict[type, tuple[dict, Any]]:
 
 
 def build(cls, config, make, params, path: str):
-    options = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    options = {
+        "loop": {"foreach": False},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "default": {},  # what a user gets without flags (gradfleet.kernels.resolve_path)
+    }
     if make is None:
         return cls(params, **config, **options[path])
     opt = make(params, dict(config))
@@ -246,10 +252,15 @@ def run(args) -> dict[str, Any]:
         f"elements) on {device}; {torch.get_num_threads()} threads",
         flush=True,
     )
-    startup = inductor_startup_s(device) if "fused" in args.paths else None
+    compiles = {"fused", "default"} & set(args.paths)
+    startup = inductor_startup_s(device) if compiles else None
     adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
     baselines = {"Adam(fused=True)": ref}
+    if "default" in args.paths:  # what a torch user gets without flags (foreach on CUDA)
+        plain = torch.optim.Adam([*_fresh(params, grads)])
+        plain_params = plain.param_groups[0]["params"]
+        baselines["Adam()"] = measure(plain, plain_params, args.warmup, args.reps)
     ceilings = memory_ceilings(params, grads, args.warmup, args.reps, adam.step, device)
     rows = []
     for cls, (config, make) in gradfleet_configs().items():
@@ -268,7 +279,9 @@ def run(args) -> dict[str, Any]:
             except NotImplementedError:
                 break  # abstract base class
             stats.update(optimizer=cls.__name__, path=path, config=repr(config))
-            if path == "fused":
+            if path == "default":
+                stats["resolved"] = kernels.resolve_path(opt, opt.param_groups[0])
+            if "fused" in (path, stats.get("resolved")):
                 stats["compile_s"] = stats["first_s"] - stats["median_s"]
             # Ratios against torch's fused Adam timed in alternation with this row.
             ratio = stats["time_ratio_to_partner"]
@@ -371,7 +384,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = result["rows"]
     names = sorted({r["optimizer"] for r in rows}, key=[r["optimizer"] for r in rows].index)
-    paths = [p for p in ("loop", "foreach", "fused") if any(r["path"] == p for r in rows)]
+    every = ("loop", "foreach", "fused", "default")
+    paths = [p for p in every if any(r["path"] == p for r in rows)]
     fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.8), 5))
     width = 0.8 / max(len(paths), 1)
     for k, p in enumerate(paths):

@@ -29,15 +29,19 @@ import pytest
 import torch
 
 import gradfleet as gf
+from gradfleet.kernels import _torch_private as private
 from gradfleet.kernels import fused
 from tests.test_fast_paths import (
     FIRST_CONFIGS,
     FUSED_TOL,
     PARTIAL_NONE_FUSED,
+    SHAPES32,
+    SHAPES64,
     _build,
     _compare,
     _reference,
     _run,
+    _snapshot,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -114,3 +118,92 @@ def test_cuda_sparse_gradients_match_cpu_loop(cls, config, path, dtype):
     assert len(ref) == len(got)
     for i, (a, b) in enumerate(zip(ref, got)):
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=f"tensor {i}")
+
+
+def test_cuda_default_path_is_the_fused_kernel():
+    """Without ``fused=``/``foreach=`` a CUDA group takes the fused kernel (where Triton and
+    correctly rounded division are there; torch 2.8 keeps foreach): the same compiled maths
+    as ``fused=True``, so the same bits, step after step."""
+    cls, config = gf.AdamOptimizer, {"learning_rate": 0.01}
+    opt = _build(cls, [torch.nn.Parameter(torch.zeros(2, device="cuda"))], config)
+    want = "fused" if private.fused_by_default_on_cuda() else "foreach"
+    assert gf.kernels.resolve_path(opt, opt.param_groups[0]) == want
+    default = _run(cls, config, partial_none=False, device="cuda")
+    explicit = _run(cls, config, partial_none=False, device="cuda", **PATHS[want])
+    _compare(explicit, default, exact=True)
+
+
+# CUDA graphs: ``step()`` captured once and replayed, as RETURNN's engine and torch's
+# ``capturable`` users run it.  A replay runs only the recorded kernels, so every counter the
+# maths reads (beta powers, AMSGrad's t, AdagradDA's step) must live on the device and be
+# advanced by a kernel; anything kept or decided on the host would freeze at its captured value.
+WARMUP, REPLAYS = 3, 4
+
+
+def _graph_run(cls, config, options, capture: bool, lrs=None) -> list[torch.Tensor]:
+    """``WARMUP`` eager steps then ``REPLAYS`` more, replayed from one captured step (or eager
+    where ``capture`` is False), on the float32 and float64 groups of ``_run``; ``lrs``: a value
+    per step for the first group's lr, held in a 0-dim CUDA tensor updated in place."""
+    gen = torch.Generator().manual_seed(4321)
+
+    def draw(shape, dtype=torch.float32):
+        return torch.randn(shape, generator=gen, dtype=dtype).to("cuda")
+
+    p32 = [torch.nn.Parameter(draw(s)) for s in SHAPES32]
+    p64 = [torch.nn.Parameter(draw(s, torch.float64)) for s in SHAPES64]
+    opt = _build(cls, [{"params": p32}, {"params": p64}], config, **options)
+    params = p32 + p64
+    for p in params:  # static gradients: a replay reads them where the capture did
+        p.grad = torch.zeros_like(p)
+    lr = None
+    if lrs is not None:
+        lr = torch.tensor(lrs[0], device="cuda")
+        opt.param_groups[0]["lr"] = lr
+
+    def feed(step: int) -> None:
+        for p in params:
+            p.grad.copy_(draw(p.shape, p.dtype))
+        if lr is not None:
+            lr.fill_(lrs[step])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        for step in range(WARMUP):
+            feed(step)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            opt.step()
+    for step in range(WARMUP, WARMUP + REPLAYS):
+        feed(step)
+        graph.replay() if capture else opt.step()
+    torch.cuda.synchronize()
+    return _snapshot(opt)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("cls,config", FIRST_CONFIGS)
+def test_cuda_graph_replay_of_step_matches_eager_steps(cls, config, path):
+    """Every optimizer and path: a captured ``step()`` replayed equals the same steps run
+    eagerly (loop and foreach: the same kernels, so the same bits; fused: the kernel is
+    compiled again for the eager run, within the fused tolerance)."""
+    options = _options(cls, path)
+    eager = _graph_run(cls, config, options, capture=False)
+    replayed = _graph_run(cls, config, options, capture=True)
+    _compare([eager], [replayed], exact=path != "fused")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cuda_graph_replay_follows_a_device_lr_tensor(path):
+    """RETURNN's ``use_device_lr_tensors``: the lr is a 0-dim CUDA tensor changed in place
+    between replays; each replay uses the value it holds then (Adam, a new lr every step)."""
+    lrs = [0.1 * 0.7**k for k in range(WARMUP + REPLAYS)]
+    options = _options(gf.AdamOptimizer, path)
+    eager = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, False, lrs)
+    replayed = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, True, lrs)
+    _compare([eager], [replayed], exact=path != "fused")
+    frozen = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, False, [lrs[0]] * 7)
+    assert not torch.equal(frozen[0], replayed[0])  # the lr did change the steps

@@ -131,14 +131,58 @@ def test_foreach_matches_loop_bitwise(cls, config):
 
 
 @pytest.mark.parametrize("cls,config", ALL_CONFIGS)
-def test_default_path_follows_torch(cls, config):
-    """The default (foreach=None, fused=None) is torch's rule: the loop on CPU (measured
-    faster there), foreach on CUDA; both give the reference loop's bits."""
+def test_default_path(cls, config):
+    """The default (foreach=None, fused=None): the loop on CPU (measured faster there, the
+    reference's bits); on CUDA the fused kernel where it compiles with eager CUDA's numbers,
+    else foreach (the rule itself: ``test_default_path_rule``)."""
     opt = _build(cls, [torch.nn.Parameter(torch.zeros(2))], config)
     assert gf.kernels.resolve_path(opt, opt.param_groups[0]) == "loop"
     if torch.cuda.is_available() and "foreach" in cls.fast_paths:
         opt = _build(cls, [torch.nn.Parameter(torch.zeros(2, device="cuda"))], config)
-        assert gf.kernels.resolve_path(opt, opt.param_groups[0]) == "foreach"
+        fused_ok = "fused" in cls.fast_paths and private.fused_by_default_on_cuda()
+        want = "fused" if fused_ok else "foreach"
+        assert gf.kernels.resolve_path(opt, opt.param_groups[0]) == want
+
+
+class _Where:
+    """A parameter as ``resolve_path`` sees it: only where it lives."""
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+
+
+class _Fast:
+    def __init__(self, fast_paths=("foreach", "fused")) -> None:
+        self.fast_paths = fast_paths
+
+
+CUDA, CPU = _Where(True), _Where(False)
+
+
+@pytest.mark.parametrize(
+    "params,flags,fast_paths,compiles,compiling,want",
+    [
+        ([CPU, CPU], {}, ("foreach", "fused"), True, False, "loop"),
+        ([CUDA, CUDA], {}, ("foreach", "fused"), True, False, "fused"),
+        ([CUDA, CUDA], {}, ("foreach", "fused"), False, False, "foreach"),  # no Triton, 2.8
+        ([CUDA, CPU], {}, ("foreach", "fused"), True, False, "foreach"),  # mixed devices
+        ([CUDA], {}, ("foreach",), True, False, "foreach"),  # no fused path
+        ([CUDA], {}, ("foreach", "fused"), True, True, "foreach"),  # under torch.compile
+        ([CUDA], {"fused": False}, ("foreach", "fused"), True, False, "foreach"),
+        ([CUDA], {"foreach": False}, ("foreach", "fused"), True, False, "loop"),
+        ([CUDA], {"foreach": True}, ("foreach", "fused"), True, False, "foreach"),
+        ([CPU], {"fused": True}, ("foreach", "fused"), False, False, "fused"),
+        ([CUDA], {}, (), True, False, "loop"),
+    ],
+)
+def test_default_path_rule(params, flags, fast_paths, compiles, compiling, want, monkeypatch):
+    """``resolve_path``'s decision for each kind of group, on any machine: where the
+    parameters live, the user's flags, the optimizer's fast paths, whether the fused kernel
+    compiles for the GPU with eager numerics, and whether torch.compile is tracing."""
+    monkeypatch.setattr(private, "fused_by_default_on_cuda", lambda: compiles)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    group = {"params": params, "foreach": None, "fused": None, **flags}
+    assert gf.kernels.resolve_path(_Fast(fast_paths), group) == want
 
 
 @pytest.mark.parametrize("cls,config", FIRST_CONFIGS)

@@ -12,6 +12,8 @@ Entry points (all used by the fused path, ``kernels/fused.py``):
 * ``torch._inductor.decomposition.select_decomp_table``: inductor's decompositions,
   applied while tracing as AOTAutograd would.
 * ``torch._inductor.compile_fx.compile_fx_inner``: inductor's graph compiler.
+* ``torch.utils._triton.has_triton``: whether Triton can compile for this machine's GPU
+  (``fused_by_default_on_cuda``).
 * ``torch._inductor.config`` options ``INDUCTOR_OPTIONS``; ``emulate_precision_casts``
   decides the half-precision bits (float16/bfloat16 intermediates rounded like eager).
   ``fused.CUDA_OPTIONS`` (``combo_kernels`` from torch 2.11 on, plus what the benchmark's
@@ -30,6 +32,7 @@ and they are not wrapped here.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +85,21 @@ HALF_PRECISION_EXACT = torch.__version__ >= "2.13"
 #: 2.11), so there the option is left off: half precision is then computed in float32 and
 #: rounded when stored, within the same bound as on 2.11 and 2.12.
 _PRECISION_CASTS_COMPILE = torch.__version__ >= "2.11"
+
+
+@functools.cache
+def fused_by_default_on_cuda() -> bool:
+    """Whether a CUDA group without ``fused=``/``foreach=`` takes the fused path
+    (``dispatch.resolve_path``): Triton compiles for this machine's GPU, and inductor can be
+    asked for correctly rounded division, so the kernel keeps eager CUDA's numbers (torch 2.8
+    cannot: there the default stays foreach).  Asked once per process, on the first CUDA step,
+    when the compile it leads to loads inductor anyway."""
+    try:
+        from torch.utils._triton import has_triton
+
+        return bool(has_triton() and exact_division_option())
+    except (ImportError, TorchPrivateAPIError):
+        return False
 
 
 class TorchPrivateAPIError(RuntimeError):

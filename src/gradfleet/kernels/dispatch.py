@@ -5,13 +5,17 @@
 * ``fused=True``: one compiled kernel per (device, dtype) bucket (``fused.py``);
 * ``foreach=True``: ``TensorList`` maths over ``torch._foreach_*`` per bucket;
 * ``foreach=False`` (and fused not True): the per-parameter reference loop;
-* both ``None`` (the default): torch's own rule, ``foreach`` when the group's parameters are
-  on CUDA, the loop otherwise.  Both give the loop's bits on CPU; on CPU ``_foreach_*`` runs
-  the same per-tensor ATen kernels plus list overhead, so the loop is measured faster there
-  (benchmarks/optimizer_speed.py: Adam 52 vs 69 ms on 16.8M parameters).  ``fused`` is
-  opt-in: it is the fastest path (about torch's fused Adam) but compiles on the first step
-  (seconds) and may differ from the loop in the last bit (see
-  ``kernels/__init__.py``), so it is never chosen silently.
+* both ``None`` (the default): the loop on CPU, the fused path on CUDA.  On CPU the loop
+  is measured faster than foreach (``_foreach_*`` runs the same per-tensor ATen kernels plus
+  list overhead; benchmarks/optimizer_speed.py: Adam 52 vs 69 ms on 16.8M parameters).  On
+  CUDA foreach is a launch and a pass over memory per operation of the maths (Adam: 12, four
+  times torch's fused Adam's time on an H200) where the fused kernel reads and writes each
+  tensor once (0.92x torch's fused Adam); its price is a compile on the first step (seconds,
+  cached on disk by inductor for later processes).  CUDA stays on foreach where the fused
+  kernel would not keep eager CUDA's numbers or cannot compile
+  (``_torch_private.fused_by_default_on_cuda``: no Triton for the GPU, torch 2.8's
+  approximate division), for groups with parameters on other devices too, for optimizers
+  without a fused path, and under ``torch.compile``, which fuses the foreach maths itself.
 
 Sparse gradients never reach this module: the base class sends them to ``_apply_sparse``.
 
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gradfleet.kernels import _torch_private as private
 from gradfleet.kernels import dtensor
 from gradfleet.kernels.fused import run_fused
 from gradfleet.kernels.tensorlist import TensorList
@@ -53,8 +58,18 @@ def resolve_path(opt: Any, group: dict[str, Any]) -> str:
         return wanted
     if foreach is False or "foreach" not in supported:
         return "loop"
-    on_cuda = any(p.is_cuda for p in group["params"])
-    return "foreach" if on_cuda else "loop"
+    on_cuda = [p.is_cuda for p in group["params"]]
+    if not any(on_cuda):
+        return "loop"
+    if (
+        fused is None
+        and "fused" in supported
+        and all(on_cuda)
+        and not torch.compiler.is_compiling()
+        and private.fused_by_default_on_cuda()
+    ):
+        return "fused"
+    return "foreach"
 
 
 def buckets(params: list[torch.Tensor]) -> dict[Any, list[int]]:
