@@ -66,3 +66,45 @@ def test_missing_tracer_is_a_clear_error(monkeypatch):
 
     monkeypatch.delattr(proxy_tensor, "make_fx")
     assert "torch.fx.experimental.proxy_tensor.make_fx" in _fused_step_error()
+
+
+_COMPILE_IN_A_NEW_PROCESS = """
+import torch
+from torch._dynamo.utils import counters
+
+import gradfleet as gf
+
+gen = torch.Generator().manual_seed(7)
+params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(40, 30), (30,), (9,)]]
+for p in params:
+    p.grad = torch.randn(p.shape, generator=gen)
+gf.AdamOptimizer(params, learning_rate=0.01, fused=True).step()
+print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+print(*(float.hex(x) for p in params for x in p.detach().flatten()[:5].tolist()))
+"""
+
+
+def test_a_new_process_takes_the_fused_kernel_from_inductors_disk_cache(tmp_path):
+    """The first fused step of a process compiles; the next process with the same maths and
+    tensors loads the kernel from inductor's FX graph cache instead (no "No shape env" bypass:
+    the graph is compiled in a tracing context, as AOTAutograd does), with the same result."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", _COMPILE_IN_A_NEW_PROCESS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout.splitlines()
+        runs.append((out[0].split(), out[1]))
+    (first_counts, first_values), (second_counts, second_values) = runs
+    assert first_counts == ["0", "1"]  # compiled, and stored
+    assert second_counts == ["1", "0"]  # loaded, not compiled
+    assert second_values == first_values

@@ -140,7 +140,29 @@ def compile_fx_inner(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]):
         from torch._inductor.compile_fx import compile_fx_inner as _compile
     except ImportError as exc:
         raise _missing("torch._inductor.compile_fx.compile_fx_inner", exc) from exc
-    return _compile(graph, inputs)
+    fake_mode, fakes = _traced_inputs(graph)
+    if fake_mode is None or fake_mode.shape_env is None:
+        return _compile(graph, inputs)
+    # As AOTAutograd hands graphs to inductor: inside a tracing context holding the fake mode
+    # ``make_fx`` traced in, with that mode's fake inputs.  Without the context's shape
+    # environment inductor's on-disk FX graph cache bypasses the graph ("No shape env"), and
+    # every process compiles it from scratch.
+    try:
+        from torch._guards import TracingContext, tracing
+    except ImportError as exc:
+        raise _missing("torch._guards.tracing and TracingContext", exc) from exc
+    with tracing(TracingContext(fake_mode)):
+        return _compile(graph, fakes)
+
+
+def _traced_inputs(graph: torch.fx.GraphModule) -> tuple[Any, list[Any]]:
+    """The fake mode ``make_fx`` traced ``graph`` in, and its placeholders' fake values."""
+    try:
+        from torch._guards import detect_fake_mode
+    except ImportError as exc:
+        raise _missing("torch._guards.detect_fake_mode", exc) from exc
+    fakes = [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode(fakes), fakes
 
 
 def inductor_config() -> Any:

@@ -102,7 +102,11 @@ class _Foreach:
     """One ``torch._foreach_*`` mapping: ``arity`` leading operands, the first a list.
 
     ``scalar``: which non-list operands the op takes besides lists ("none"; "number":
-    Python numbers; "tensor": also 0-dim tensors on the list's device).  ``inplace``: the
+    Python numbers; "tensor": also 0-dim tensors on the list's device).  While a CUDA graph
+    is being captured a 0-dim CUDA tensor operand takes the per-tensor loop instead: some
+    ``_foreach_*`` ops with a tensor scalar wait for the device (``_foreach_add`` on torch
+    2.11, found by tests/test_cuda.py), which a capture refuses; the loop's kernels read
+    the scalar on the device, and a replay is as cheap per launch.  ``inplace``: the
     op returns its first operand.  Reflected operators (``__radd__``) map to the same op
     only where it is commutative bit for bit (IEEE ``+`` and ``*`` are).
     """
@@ -128,6 +132,7 @@ class _Foreach:
                 and isinstance(other, _T)
                 and other.dim() == 0
                 and other.device == args[0].device
+                and not (other.is_cuda and torch.cuda.is_current_stream_capturing())
             ):
                 ops.append(other)
             else:

@@ -94,7 +94,9 @@ class AMSGradOptimizer(Optimizer):
         def with_complements(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
             hp = hp_for(dtype, device)
             for k, beta in betas.items():
-                hp.setdefault(f"1-{k}", _hyper.scalar(1 - beta, dtype, device))
+                # cached like the hyperparameters: no host-to-device copy per step, which a
+                # CUDA graph could not capture
+                hp.setdefault(f"1-{k}", self._scalar(f"1-{k}", 1 - beta, dtype, device))
             return hp
 
         return with_complements
