@@ -220,6 +220,17 @@ def test_torch_only_arguments_are_refused_with_the_alternative(cls, kwargs, alte
     cls(_params(), lr=0.1, **off, **rest)  # the "off" value is torch's default: accepted
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_capturable_is_accepted_either_way(value):
+    """torch's ``capturable=True`` asks for a step a CUDA graph can replay; every gradfleet
+    step already is one (tests/test_cuda.py replays each optimizer on each path), so both
+    values build the same optimizer, and anything but a bool is still refused."""
+    opt = gf.AdamOptimizer(_params(), lr=0.1, capturable=value)
+    assert "capturable" not in opt.defaults
+    with pytest.raises(TypeError, match="capturable='yes'"):
+        gf.AdamOptimizer(_params(), lr=0.1, capturable="yes")
+
+
 def test_param_groups_take_both_names_but_not_together():
     a, b, c = _params() + [torch.nn.Parameter(torch.zeros(2))]
     opt = gf.AdamOptimizer([{"params": [a], "betas": (0.5, 0.6)}, {"params": [b], "beta1": 0.7}])

@@ -9,6 +9,7 @@ Two kinds of torch names reach a gradfleet constructor from code written for ``t
 * **torch-only arguments** (:data:`TORCH_ONLY`): maths TF's optimizer does not have.  The
   value that switches it off (``weight_decay=0``, ``maximize=False``, ...) is accepted and
   changes nothing; any other value is a ``TypeError`` that says so and names the alternative.
+  ``capturable`` is accepted either way: every step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-#: torch-only argument -> (the value that means "off", what to use instead).
+#: torch-only argument -> (the value that means "off", or a tuple of the values accepted, what
+#: to use instead).
 TORCH_ONLY: dict[str, tuple[Any, str]] = {
     "weight_decay": (
         0,
@@ -35,7 +37,8 @@ TORCH_ONLY: dict[str, tuple[Any, str]] = {
     "momentum": (0, "momentum is MomentumOptimizer's (or RMSPropOptimizer's)"),
     "dampening": (0, "TF's momentum accumulator has no dampening (a = momentum * a + g)"),
     "lr_decay": (0, "use a learning-rate scheduler or a callable learning_rate"),
-    "capturable": (False, "gradfleet's steps never read a tensor back; no option is needed"),
+    # Either value: every step already captures in a CUDA graph (tests/test_cuda.py).
+    "capturable": ((False, True), "gradfleet's steps never read a tensor back"),
     "differentiable": (False, "gradfleet's steps run under torch.no_grad"),
 }
 
@@ -45,7 +48,7 @@ def check_torch_only(owner: str, options: dict[str, Any]) -> None:
     for name in [k for k in options if k in TORCH_ONLY]:
         off, alternative = TORCH_ONLY[name]
         value = options.pop(name)
-        if type(value) in (bool, int, float) and value == off:
+        if type(value) in (bool, int, float) and value in (off if type(off) is tuple else (off,)):
             continue
         raise TypeError(
             f"{owner} got {name}={value!r}: torch's {name} has no counterpart in the TF "

@@ -1,6 +1,7 @@
 """Fast implementations of every optimizer's dense step, from the optimizer's own maths.
 
-Three paths, chosen per param group by ``foreach``/``fused`` exactly as in ``torch.optim``
+Three paths, chosen per param group by ``foreach``/``fused`` as in ``torch.optim``, except that
+the default on CUDA is the fused kernel where it keeps eager CUDA's numbers
 (see ``dispatch.resolve_path``): the per-parameter reference loop (ground truth), the
 multi-tensor path (``TensorList`` over ``torch._foreach_*``) and the fused path (one
 inductor kernel per device/dtype bucket, traced from the maths with ``make_fx``).  Nothing
