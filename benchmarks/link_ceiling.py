@@ -1,0 +1,219 @@
+"""What the emulated links can carry per step, with no optimizer and no protocol around it.
+
+    python benchmarks/link_ceiling.py [--link 200mbit] [--params 10e6] [--steps 6]
+                                      [--patterns allreduce,dedicated,over-workers]
+                                      [--shards-per-server 4] [--out DIR] [--name NAME]
+
+The cluster benchmark (``benchmarks/cluster.py``) compares whole training strategies. This one
+moves only the bytes of one synchronous step of each, with torch.distributed's gloo
+collectives and point-to-point calls, over the same namespaces and ``tc tbf`` links
+(``netcluster``), so that a strategy's measured step can be set against the fastest step its
+traffic allows here:
+
+* ``allreduce``: the 4 workers all-reduce ``P`` float32 values in one call (gloo's ring: what
+  DDP moves, without its buckets or the overlap with backward);
+* ``dedicated``: each worker pushes its ``P`` values, cut into ``S`` equal shards, to 4 server
+  hosts (``--shards-per-server`` each; a worker's pushes rotated so that the workers start on
+  different servers), every request posted at once; a server sums a shard once all 4 pushes
+  of it are in and sends the sum back to every worker (SyncReplicas on dedicated hosts, R = N,
+  with read-ahead);
+* ``over-workers``: the same with the shards served by the 4 workers themselves (a worker's
+  own shards do not cross its link).
+
+A step's time is the slowest worker's, from a barrier until all its sends and receives are
+done; the figure is the median over ``--steps`` steps after one warm-up step. Each host's
+bytes per step come from its interface counters. Writes ``<out>/<name>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason, wait_all  # noqa: E402
+
+WORKERS = 4
+PATTERNS = ("allreduce", "dedicated", "over-workers")
+
+
+def servers_of(pattern: str) -> list[int]:
+    """The ranks serving shards: 4 hosts after the workers, or the workers themselves."""
+    return list(range(WORKERS, 2 * WORKERS)) if pattern == "dedicated" else list(range(WORKERS))
+
+
+def push_order(worker: int, num_shards: int, num_servers: int) -> list[int]:
+    """Shard ``k`` lives on server ``k % num_servers``; each group of ``num_servers``
+    consecutive shards is pushed rotated by the worker's number, so at every position of the
+    order the workers push to different servers."""
+    groups = num_shards // num_servers
+    return [g * num_servers + (i + worker) % num_servers for g in range(groups)
+            for i in range(num_servers)]  # fmt: skip
+
+
+def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: int, tag: int):
+    """One step of the push/pull pattern on this rank (worker, server, or both)."""
+    works = []
+    mine = [k for k in range(shards) if servers[k % len(servers)] == rank]
+    incoming = {k: [] for k in mine}
+    for k in mine:  # a server's receives, posted first
+        for w in range(WORKERS):
+            if w != rank:
+                buf = torch.empty(n)
+                incoming[k].append((buf, dist.irecv(buf, src=w, tag=tag + k)))
+    replies = []
+    if rank < WORKERS:
+        grad = torch.ones(n)
+        for k in range(shards):
+            if servers[k % len(servers)] != rank:
+                out = torch.empty(n)
+                replies.append(dist.irecv(out, src=servers[k % len(servers)], tag=tag + shards + k))
+        for k in push_order(rank, shards, len(servers)):
+            if servers[k % len(servers)] != rank:
+                works.append(dist.isend(grad, dst=servers[k % len(servers)], tag=tag + k))
+    for k in mine:  # shards complete roughly in their order: answer each once it is whole
+        total = torch.ones(n) if rank < WORKERS else torch.zeros(n)
+        for buf, work in incoming[k]:
+            work.wait()
+            total += buf
+        works += [
+            dist.isend(total, dst=w, tag=tag + shards + k) for w in range(WORKERS) if w != rank
+        ]
+    for work in works + replies:
+        work.wait()
+
+
+def rank_main() -> None:
+    """One rank under torchrun (``GF_CEILING``: the JSON of pattern, params, steps, shards)."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = json.loads(os.environ["GF_CEILING"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pattern, steps = cfg["pattern"], cfg["steps"] + 1  # the first is a warm-up
+    servers = servers_of(pattern)
+    shards = cfg["shards_per_server"] * len(servers)
+    n = int(cfg["params"]) // shards
+    group = dist.new_group(list(range(WORKERS)))
+    x = torch.ones(n * shards)
+    times = []
+    for step in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        if pattern == "allreduce":
+            if rank < WORKERS:
+                dist.all_reduce(x, group=group)
+        else:
+            _push_pull_step(torch, dist, rank, servers, shards, n, tag=step * 4 * shards)
+        times.append(time.perf_counter() - start)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times[1:] if rank < WORKERS else [])
+    if rank == 0:
+        steps_s = [max(t) for t in zip(*gathered[:WORKERS], strict=True)]
+        Path(cfg["result"]).write_text(json.dumps({"steps_s": steps_s, "elements": n * shards}))
+    dist.destroy_process_group()
+
+
+def measure(pattern: str, args, workdir: Path) -> dict:
+    """Run ``pattern`` on a fresh cluster; the step times and each host's bytes per step."""
+    hosts = 2 * WORKERS if pattern == "dedicated" else WORKERS
+    result = workdir / f"{pattern}.json"
+    cfg = {"pattern": pattern, "params": args.params, "steps": args.steps, "result": str(result),
+           "shards_per_server": args.shards_per_server}  # fmt: skip
+    env = {"GF_CEILING": json.dumps(cfg), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with Cluster(hosts, args.link) as cluster:
+        before = cluster.counters()
+        procs = cluster.torchrun(
+            [__file__, "--rank"], cwd=workdir, port=29533, static=True, logs=workdir,
+            env_per_host={h: env for h in range(hosts)},
+        )  # fmt: skip
+        codes = wait_all(procs, time.monotonic() + args.deadline)
+        if codes is None:
+            stop(procs)
+        after = cluster.counters()
+    if codes != [0] * hosts:
+        logs = "\n".join((workdir / f"host{h}.log").read_text()[-2000:] for h in range(hosts))
+        raise RuntimeError(f"{pattern}: ranks ended {codes}\n{logs}")
+    out = json.loads(result.read_text())
+    per_step = args.steps + 1
+    out["bytes_per_step"] = {
+        h: ((after[h][0] - before[h][0]) / per_step, (after[h][1] - before[h][1]) / per_step)
+        for h in after
+    }
+    out["median_s"] = statistics.median(out["steps_s"])
+    return out
+
+
+def report(results: dict, args) -> str:
+    rate = rate_bits(args.link) / 8
+    p = args.params * 4
+    from benchmarks.cluster_report import machine
+
+    lines = [
+        f"Machine: {machine()}. Command: `python benchmarks/link_ceiling.py "
+        f"{' '.join(sys.argv[1:])}`.",
+        "",
+        f"Links {args.link} ({rate / 1e6:.0f} MB/s), {args.params:.0e} float32 parameters "
+        f"({p / 1e6:.0f} MB), {args.shards_per_server} shards per server, median of "
+        f"{args.steps} steps.",
+        "",
+        "| pattern | step s (median) | steps s | x all-reduce "
+        "| busiest host MB per step, up / down |",
+        "|---|---|---|---|---|",
+    ]
+    base = results.get("allreduce", {}).get("median_s")
+    for name, r in results.items():
+        busiest = max(r["bytes_per_step"].values(), key=lambda b: max(b))
+        ratio = f"{base / r['median_s']:.2f}" if base else "-"
+        steps = ", ".join(f"{s:.2f}" for s in r["steps_s"])
+        lines.append(f"| {name} | {r['median_s']:.2f} | {steps} | {ratio} | "
+                     f"{busiest[0] / 1e6:.1f} / {busiest[1] / 1e6:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--link", default="200mbit")
+    parser.add_argument("--params", type=float, default=10e6)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--shards-per-server", type=int, default=4)
+    parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--deadline", type=float, default=300.0, help="seconds per pattern")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--name", default="link-ceiling")
+    args = parser.parse_args(argv)
+    if args.rank:
+        return rank_main()
+    patterns = args.patterns.split(",")
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown:
+        parser.error(f"--patterns: unknown {unknown}; choose from {', '.join(PATTERNS)}")
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"link_ceiling: no emulated cluster here: {reason}")
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pattern in patterns:
+            results[pattern] = measure(pattern, args, Path(tmp))
+            print(f"{pattern}: {results[pattern]['median_s']:.2f} s per step", flush=True)
+    text = report(results, args)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"args": vars(args) | {"out": str(args.out)}, "results": results}
+    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
+    (args.out / f"{args.name}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""``benchmarks/link_ceiling.py``: each pattern moves exactly the bytes of the strategy it
+stands for (each host's interface counters against the pattern's arithmetic), and the push
+order spreads the workers over the servers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from benchmarks import link_ceiling
+from benchmarks.netcluster import unavailable_reason
+
+PARAMS = 4e5  # 1.6 MB a step: seconds per pattern at 200 Mbit/s
+
+
+def test_push_order_puts_the_workers_on_different_servers_at_every_position() -> None:
+    orders = [link_ceiling.push_order(w, 16, 4) for w in range(4)]
+    for order in orders:
+        assert sorted(order) == list(range(16))
+    for position in range(16):
+        assert len({orders[w][position] % 4 for w in range(4)}) == 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no emulated cluster here: {reason}")
+    link_ceiling.main(["--params", str(PARAMS), "--steps", "2", "--out", str(tmp_path),
+                       "--name", "t", "--deadline", "120"])  # fmt: skip
+    results = json.loads((tmp_path / "t.json").read_text())["results"]
+    p = PARAMS * 4  # bytes of one worker's gradient (float32)
+    # per host and step, (up, down): the ring's 2(n-1)/n P on every worker; P each way on
+    # every worker and every dedicated server; over the workers, 3/4 P of pushes plus 3/4 P
+    # of sums each way (a worker's own shard stays on its host)
+    want = {
+        "allreduce": {h: 1.5 * p for h in range(4)},
+        "dedicated": {h: 1.0 * p for h in range(8)},
+        "over-workers": {h: 1.5 * p for h in range(4)},
+    }
+    for pattern, hosts in want.items():
+        got = results[pattern]
+        assert len(got["steps_s"]) == 2 and all(s > 0 for s in got["steps_s"])
+        for h, nbytes in hosts.items():
+            for direction, measured in zip(("up", "down"), got["bytes_per_step"][str(h)]):
+                # TCP/IP and gloo headers, the barriers: a few percent on top, never less
+                assert nbytes <= measured <= 1.1 * nbytes, (pattern, h, direction, measured)
