@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -306,9 +307,20 @@ def run(args) -> dict[str, Any]:
         "ceilings": ceilings,
         "inductor_startup_s": startup,
         "fused_cuda_options": args.fused_options,
+        # FX graph cache hits, misses and bypasses of this process's compiles: whether a
+        # first step's time was a compile or a load from inductor's on-disk cache
+        "inductor_counters": _inductor_counters(),
         "full_steps": args.full_steps,
         "rows": rows,
     }
+
+
+def _inductor_counters() -> dict[str, int]:
+    if "torch._dynamo.utils" not in sys.modules:  # nothing compiled in this process
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {k: int(v) for k, v in counters["inductor"].items() if k.startswith("fxgraph")}
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -366,6 +378,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"one-time inductor start-up (first fused compile in a process, fresh cache): "
             f"{result['inductor_startup_s']:.1f} s"
         )
+    if result.get("inductor_counters"):
+        print(f"inductor FX graph cache: {result['inductor_counters']}")
     for name, c in result.get("ceilings", {}).items():
         print(
             f"ceiling, {name}: {c['median_s'] * 1e3:.1f} ms, {c['gbps']:.1f} GB/s, "
