@@ -21,6 +21,11 @@ loop (``foreach=False``) run on the same numbers:
 Sparse: ``_apply_sparse`` on CUDA (scatter-adds with duplicate indices, whose atomics add
 in any order) against the CPU loop on the same gradients, in every path (sparse gradients
 always take ``_apply_sparse``; the dense parameter beside them takes the path).
+
+The default path on CUDA (the fused kernel where it keeps eager CUDA's numbers) against
+``fused=True``, bit for bit; and CUDA graphs: every optimizer's ``step()`` on every path,
+captured and replayed, against the same steps run eagerly, also with a device lr tensor that
+changes between replays.
 """
 
 from __future__ import annotations
@@ -205,5 +210,6 @@ def test_cuda_graph_replay_follows_a_device_lr_tensor(path):
     eager = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, False, lrs)
     replayed = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, True, lrs)
     _compare([eager], [replayed], exact=path != "fused")
-    frozen = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, False, [lrs[0]] * 7)
+    constant = [lrs[0]] * len(lrs)
+    frozen = _graph_run(gf.AdamOptimizer, {"learning_rate": 0.1}, options, False, constant)
     assert not torch.equal(frozen[0], replayed[0])  # the lr did change the steps
