@@ -13,10 +13,10 @@ traffic allows here:
 * ``allreduce``: the 4 workers all-reduce ``P`` float32 values in one call (gloo's ring: what
   DDP moves, without its buckets or the overlap with backward);
 * ``dedicated``: each worker pushes its ``P`` values, cut into ``S`` equal shards, to 4 server
-  hosts (``--shards-per-server`` each; a worker's pushes rotated so that the workers start on
-  different servers), every request posted at once; a server sums a shard once all 4 pushes
-  of it are in and sends the sum back to every worker (SyncReplicas on dedicated hosts, R = N,
-  with read-ahead);
+  hosts (``--shards-per-server`` each), in gradfleet's push order (``push_order``: the
+  workers start on different servers), every request posted at once; a server sums a shard
+  once all 4 pushes of it are in and sends the sum back to every worker (SyncReplicas on
+  dedicated hosts, R = N, with read-ahead);
 * ``over-workers``: the same with the shards served by the 4 workers themselves (a worker's
   own shards do not cross its link).
 
@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason, wait_all  # noqa: E402
+from gradfleet.distributed.sync.links import push_order  # noqa: E402
 
 WORKERS = 4
 PATTERNS = ("allreduce", "dedicated", "over-workers")
@@ -46,15 +47,6 @@ PATTERNS = ("allreduce", "dedicated", "over-workers")
 def servers_of(pattern: str) -> list[int]:
     """The ranks serving shards: 4 hosts after the workers, or the workers themselves."""
     return list(range(WORKERS, 2 * WORKERS)) if pattern == "dedicated" else list(range(WORKERS))
-
-
-def push_order(worker: int, num_shards: int, num_servers: int) -> list[int]:
-    """Shard ``k`` lives on server ``k % num_servers``; each group of ``num_servers``
-    consecutive shards is pushed rotated by the worker's number, so at every position of the
-    order the workers push to different servers."""
-    groups = num_shards // num_servers
-    return [g * num_servers + (i + worker) % num_servers for g in range(groups)
-            for i in range(num_servers)]  # fmt: skip
 
 
 def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: int, tag: int):
@@ -74,7 +66,10 @@ def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: 
             if servers[k % len(servers)] != rank:
                 out = torch.empty(n)
                 replies.append(dist.irecv(out, src=servers[k % len(servers)], tag=tag + shards + k))
-        for k in push_order(rank, shards, len(servers)):
+        # gradfleet's own order: every server's first shard, then every server's second, the
+        # servers rotated by the worker's number, so the workers start on different servers
+        hosts = [servers[k % len(servers)] for k in range(shards)]
+        for k in push_order(hosts, rank):
             if servers[k % len(servers)] != rank:
                 works.append(dist.isend(grad, dst=servers[k % len(servers)], tag=tag + k))
     for k in mine:  # shards complete roughly in their order: answer each once it is whole

@@ -14,14 +14,6 @@ from benchmarks.netcluster import unavailable_reason
 PARAMS = 4e5  # 1.6 MB a step: seconds per pattern at 200 Mbit/s
 
 
-def test_push_order_puts_the_workers_on_different_servers_at_every_position() -> None:
-    orders = [link_ceiling.push_order(w, 16, 4) for w in range(4)]
-    for order in orders:
-        assert sorted(order) == list(range(16))
-    for position in range(16):
-        assert len({orders[w][position] % 4 for w in range(4)}) == 4
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:

@@ -145,14 +145,15 @@ def _float32_test(value, as_float32: torch.Tensor, test) -> bool:
     Under torch.compile a Python number is tested as it is (a guard; reading the float32
     tensor back would be a graph break): the same answer for -0.5 and 0, the values that
     matter, and for every other value except within half a float32 ulp of them.
-    Otherwise a Python number is rounded to float32 on the host: reading ``as_float32`` back
-    from a GPU would wait for the device every step and cannot be captured in a CUDA graph.
+    A Python number held on an accelerator is rounded to float32 on the host instead: reading
+    ``as_float32`` back from a GPU would wait for the device every step and cannot be captured
+    in a CUDA graph.
     """
-    if not isinstance(value, torch.Tensor):
-        if torch.compiler.is_compiling():
-            return bool(test(value))
-        return bool(test(float(torch.tensor(float(value), dtype=torch.float32))))
-    return bool(test(float(as_float32)))
+    if torch.compiler.is_compiling() and not isinstance(value, torch.Tensor):
+        return bool(test(value))
+    if isinstance(value, torch.Tensor) or as_float32.is_cpu:
+        return bool(test(float(as_float32)))
+    return bool(test(float(torch.tensor(float(value), dtype=torch.float32))))
 
 
 def _l2_eff(hp32: dict[str, torch.Tensor]) -> torch.Tensor:
