@@ -18,11 +18,16 @@ traffic allows here:
   once all 4 pushes of it are in and sends the sum back to every worker (SyncReplicas on
   dedicated hosts, R = N, with read-ahead);
 * ``over-workers``: the same with the shards served by the 4 workers themselves (a worker's
-  own shards do not cross its link).
+  own shards do not cross its link);
+* ``dedicated-pushes``: ``dedicated``'s pushes alone, no sums sent back: each link carries one
+  direction, so the pushes' own rate can be set against the rate they get while the sums flow
+  the other way (its step ends once the pushes are handed to the kernel: read "pushes in").
 
 A step's time is the slowest worker's, from a barrier until all its sends and receives are
-done; the figure is the median over ``--steps`` steps after one warm-up step. Each host's
-bytes per step come from its interface counters. Writes ``<out>/<name>.json`` and ``.md``.
+done; the figure is the median over ``--steps`` steps after one warm-up step.  "Pushes in" is
+the time, from the same barrier, at which the last server had every push of its shards.  Each
+host's bytes per step come from its interface counters.  Writes ``<out>/<name>.json`` and
+``.md``.
 """
 
 from __future__ import annotations
@@ -41,16 +46,23 @@ from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason, 
 from gradfleet.distributed.sync.links import push_order  # noqa: E402
 
 WORKERS = 4
-PATTERNS = ("allreduce", "dedicated", "over-workers")
+PATTERNS = ("allreduce", "dedicated", "over-workers", "dedicated-pushes")
 
 
 def servers_of(pattern: str) -> list[int]:
     """The ranks serving shards: 4 hosts after the workers, or the workers themselves."""
-    return list(range(WORKERS, 2 * WORKERS)) if pattern == "dedicated" else list(range(WORKERS))
+    dedicated = pattern.startswith("dedicated")
+    return list(range(WORKERS, 2 * WORKERS)) if dedicated else list(range(WORKERS))
 
 
-def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: int, tag: int):
-    """One step of the push/pull pattern on this rank (worker, server, or both)."""
+def _push_pull_step(
+    torch, dist, rank: int, servers: list[int], shards: int, n: int, tag: int, pull: bool
+) -> float | None:
+    """One step of the push/pull pattern on this rank (worker, server, or both), the sums sent
+    back if ``pull``; returns when this rank had every push of its shards (None: it serves
+    none), in seconds from the call."""
+    start = time.perf_counter()
+    pushes_in = None
     works = []
     mine = [k for k in range(shards) if servers[k % len(servers)] == rank]
     incoming = {k: [] for k in mine}
@@ -63,7 +75,7 @@ def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: 
     if rank < WORKERS:
         grad = torch.ones(n)
         for k in range(shards):
-            if servers[k % len(servers)] != rank:
+            if pull and servers[k % len(servers)] != rank:
                 out = torch.empty(n)
                 replies.append(dist.irecv(out, src=servers[k % len(servers)], tag=tag + shards + k))
         # gradfleet's own order: every server's first shard, then every server's second, the
@@ -77,11 +89,14 @@ def _push_pull_step(torch, dist, rank: int, servers: list[int], shards: int, n: 
         for buf, work in incoming[k]:
             work.wait()
             total += buf
-        works += [
-            dist.isend(total, dst=w, tag=tag + shards + k) for w in range(WORKERS) if w != rank
-        ]
+        pushes_in = time.perf_counter() - start
+        if pull:
+            works += [
+                dist.isend(total, dst=w, tag=tag + shards + k) for w in range(WORKERS) if w != rank
+            ]
     for work in works + replies:
         work.wait()
+    return pushes_in
 
 
 def rank_main() -> None:
@@ -99,7 +114,7 @@ def rank_main() -> None:
     n = int(cfg["params"]) // shards
     group = dist.new_group(list(range(WORKERS)))
     x = torch.ones(n * shards)
-    times = []
+    times, pushes_in = [], []
     for step in range(steps):
         dist.barrier()
         start = time.perf_counter()
@@ -107,19 +122,24 @@ def rank_main() -> None:
             if rank < WORKERS:
                 dist.all_reduce(x, group=group)
         else:
-            _push_pull_step(torch, dist, rank, servers, shards, n, tag=step * 4 * shards)
+            pull = pattern != "dedicated-pushes"
+            tag = step * 4 * shards
+            pushes_in.append(_push_pull_step(torch, dist, rank, servers, shards, n, tag, pull))
         times.append(time.perf_counter() - start)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times[1:] if rank < WORKERS else [])
+    dist.all_gather_object(gathered, (times[1:], pushes_in[1:]))
     if rank == 0:
-        steps_s = [max(t) for t in zip(*gathered[:WORKERS], strict=True)]
-        Path(cfg["result"]).write_text(json.dumps({"steps_s": steps_s, "elements": n * shards}))
+        steps_s = [max(t) for t in zip(*(g[0] for g in gathered[:WORKERS]), strict=True)]
+        served = [g[1] for r, g in enumerate(gathered) if r in servers]
+        ins = [max(t) for t in zip(*served, strict=True)] if pattern != "allreduce" else []
+        out = {"steps_s": steps_s, "pushes_in_s": ins, "elements": n * shards}
+        Path(cfg["result"]).write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
 def measure(pattern: str, args, workdir: Path) -> dict:
     """Run ``pattern`` on a fresh cluster; the step times and each host's bytes per step."""
-    hosts = 2 * WORKERS if pattern == "dedicated" else WORKERS
+    hosts = len(set(range(WORKERS)) | set(servers_of(pattern)))
     result = workdir / f"{pattern}.json"
     cfg = {"pattern": pattern, "params": args.params, "steps": args.steps, "result": str(result),
            "shards_per_server": args.shards_per_server}  # fmt: skip
@@ -144,6 +164,8 @@ def measure(pattern: str, args, workdir: Path) -> dict:
         for h in after
     }
     out["median_s"] = statistics.median(out["steps_s"])
+    ins = out["pushes_in_s"]
+    out["pushes_in_median_s"] = statistics.median(ins) if ins else None
     return out
 
 
@@ -160,16 +182,18 @@ def report(results: dict, args) -> str:
         f"({p / 1e6:.0f} MB), {args.shards_per_server} shards per server, median of "
         f"{args.steps} steps.",
         "",
-        "| pattern | step s (median) | steps s | x all-reduce "
+        "| pattern | step s (median) | steps s | x all-reduce | pushes in s (median) "
         "| busiest host MB per step, up / down |",
-        "|---|---|---|---|---|",
+        "|---|---|---|---|---|---|",
     ]
     base = results.get("allreduce", {}).get("median_s")
     for name, r in results.items():
         busiest = max(r["bytes_per_step"].values(), key=lambda b: max(b))
         ratio = f"{base / r['median_s']:.2f}" if base else "-"
         steps = ", ".join(f"{s:.2f}" for s in r["steps_s"])
-        lines.append(f"| {name} | {r['median_s']:.2f} | {steps} | {ratio} | "
+        pushed = r.get("pushes_in_median_s")
+        pushed = "-" if pushed is None else f"{pushed:.2f}"
+        lines.append(f"| {name} | {r['median_s']:.2f} | {steps} | {ratio} | {pushed} | "
                      f"{busiest[0] / 1e6:.1f} / {busiest[1] / 1e6:.1f} |")  # fmt: skip
     return "\n".join(lines)
 

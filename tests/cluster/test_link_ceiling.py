@@ -1,6 +1,6 @@
 """``benchmarks/link_ceiling.py``: each pattern moves exactly the bytes of the strategy it
-stands for (each host's interface counters against the pattern's arithmetic), and the push
-order spreads the workers over the servers."""
+stands for (each host's interface counters against the pattern's arithmetic), the pushes-only
+pattern one direction of each link, and the time the pushes were in is recorded."""
 
 from __future__ import annotations
 
@@ -39,3 +39,16 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
             for direction, measured in zip(("up", "down"), got["bytes_per_step"][str(h)]):
                 # TCP/IP and gloo headers, the barriers: a few percent on top, never less
                 assert nbytes <= measured <= 1.1 * nbytes, (pattern, h, direction, measured)
+    # the pushes alone: P up from every worker and into every server host, and back only
+    # what TCP acknowledges and the barriers carry (well under a tenth)
+    alone = results["dedicated-pushes"]
+    for h in range(8):
+        up, down = alone["bytes_per_step"][str(h)]
+        sent, acks = (up, down) if h < 4 else (down, up)
+        assert p <= sent <= 1.1 * p and acks < 0.1 * p, (h, up, down)
+    # when the last server had all its pushes: recorded for every measured step of the
+    # push patterns (the ring has none)
+    for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
+        got = results[pattern]
+        assert len(got["pushes_in_s"]) == 2 and all(t > 0 for t in got["pushes_in_s"])
+    assert results["allreduce"]["pushes_in_s"] == []
