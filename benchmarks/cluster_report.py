@@ -26,9 +26,14 @@ def machine() -> str:
         pass
     import os
 
+    # every namespace inherits the machine's congestion control; it shapes how flows share a link
+    try:
+        tcp = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        tcp = "unknown"
     return (
         f"{os.cpu_count()}-core {cpu} VM, Linux {platform.release()}, torch {torch.__version__}, "
-        "gloo, links shaped with tc tbf in network namespaces"
+        f"gloo, TCP congestion control {tcp}, links shaped with tc tbf in network namespaces"
     )
 
 
