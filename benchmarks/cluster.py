@@ -51,6 +51,7 @@ class Row:
     options: dict[str, Any] = field(default_factory=dict)
     kind: str = "sync"
     transfer_updates: int = 2
+    warmup_updates: int = 1  # before the transfer-only time: one update, or one cycle
     server_hosts: int = 0
 
 
@@ -135,12 +136,13 @@ def rows(world: int) -> list[Row]:
             f"server hosts, 8 per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **dedicated, **order, "per_rank": 8, **overlap, **stream}, server_hosts=n),
         Row("easgd", "async EASGD, centre on a worker, period 4", "easgd-async",
-            {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4),
+            {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4, warmup_updates=4),
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",
             "easgd-async", {"period": 4, "steps_scale": 2, "centre": "dedicated"}, kind="local",
-            transfer_updates=4, server_hosts=1),
+            transfer_updates=4, warmup_updates=4, server_hosts=1),
         Row("ma8", "ModelAverage, interval 8", "model-average",
-            {"interval": 8, "steps_scale": 2}, kind="local", transfer_updates=8),
+            {"interval": 8, "steps_scale": 2}, kind="local", transfer_updates=8,
+            warmup_updates=8),
     ]  # fmt: skip
 
 
@@ -236,7 +238,8 @@ def run_job(
     fast = [h for h in range(args.hosts) if not (scenario == "slow-link" and h == SLOW)]
     factor = {SLOW: {"GF_CLUSTER_COMPUTE_FACTOR": "2"}} if scenario == "slow-compute" else {}
     plan = [{"key": r.key, "strategy": r.strategy, "options": r.options,
-             "transfer_updates": r.transfer_updates} for r in chosen]  # fmt: skip
+             "transfer_updates": r.transfer_updates, "warmup_updates": r.warmup_updates}
+            for r in chosen]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gfc-run-") as tmp:
         out = Path(tmp)
         script = [str(WORKER), "--rows", json.dumps(plan), "--params", str(args.params),

@@ -10,7 +10,8 @@ rank draws its own batches.  Phases:
    in backward, spread over the layers), during which the CPU is free, as while a GPU
    computes; ``c`` includes it.  A host with ``GF_CLUSTER_COMPUTE_FACTOR=f`` sleeps ``(f - 1) * c``
    before every forward (a machine ``f`` times slower).
-2. transfer-only: ``transfer_updates`` updates of communication alone on zero gradients.
+2. transfer-only: ``warmup_updates`` updates of communication alone on zero gradients, not
+   timed (connections, first messages, TCP's slow start), then ``transfer_updates`` timed.
 3. training: ``--updates`` more updates; every step's wall clock, loss and update count
    is recorded.
 
@@ -170,17 +171,20 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     factor = float(os.environ.get("GF_CLUSTER_COMPUTE_FACTOR", "1"))
     options = dict(row.get("options", {}))
     scale = int(options.pop("steps_scale", 1))
-    first = int(row.get("transfer_updates", 2))
+    warmup = int(row.get("warmup_updates", 1))
+    first = warmup + int(row.get("transfer_updates", 2))
     total = first + args.updates * scale
     strategy = STRATEGIES[row["strategy"]](ctx, model, args.lr, last_step=total, **options)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     record = {"rank": ctx.rank, "host": ctx.host, "compute_s": compute_s, "factor": factor}
     dist.barrier()
-    start = time.time()
+    while strategy.updates() < warmup:  # not timed: a transfer of a job already running
+        strategy.transfer_step()
+    start, done = time.time(), strategy.updates()
     while strategy.updates() < first:
         strategy.transfer_step()
-    record["transfer"] = {"seconds": time.time() - start, "updates": strategy.updates()}
+    record["transfer"] = {"seconds": time.time() - start, "updates": strategy.updates() - done}
     dist.barrier()
     steps, local = [], 0
     record["train_start"] = time.time()
