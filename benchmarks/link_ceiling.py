@@ -21,7 +21,7 @@ traffic allows here:
   own shards do not cross its link);
 * ``dedicated-pushes``: ``dedicated``'s pushes alone, no sums sent back: each link carries one
   direction, so the pushes' own rate can be set against the rate they get while the sums flow
-  the other way (its step ends once the pushes are handed to the kernel: read "pushes in").
+  the other way (its step ends when the last server host has all its pushes).
 
 A step's time is the slowest worker's, from a barrier until all its sends and receives are
 done; the figure is the median over ``--steps`` steps after one warm-up step.  "Pushes in" is
@@ -129,7 +129,10 @@ def rank_main() -> None:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (times[1:], pushes_in[1:]))
     if rank == 0:
-        steps_s = [max(t) for t in zip(*(g[0] for g in gathered[:WORKERS]), strict=True)]
+        # a worker's sends end when the kernel has the bytes: without sums to wait for, the
+        # step ends at the servers' last receive
+        timed = gathered if pattern == "dedicated-pushes" else gathered[:WORKERS]
+        steps_s = [max(t) for t in zip(*(g[0] for g in timed), strict=True)]
         served = [g[1] for r, g in enumerate(gathered) if r in servers]
         ins = [max(t) for t in zip(*served, strict=True)] if pattern != "allreduce" else []
         out = {"steps_s": steps_s, "pushes_in_s": ins, "elements": n * shards}

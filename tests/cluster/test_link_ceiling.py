@@ -51,4 +51,6 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
         got = results[pattern]
         assert len(got["pushes_in_s"]) == 2 and all(t > 0 for t in got["pushes_in_s"])
+    # the pushes alone: a step lasts until the last server host has them all
+    assert all(s >= t for s, t in zip(alone["steps_s"], alone["pushes_in_s"], strict=True))
     assert results["allreduce"]["pushes_in_s"] == []
