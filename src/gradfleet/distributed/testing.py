@@ -231,7 +231,7 @@ def run_ranks(
     *,
     args: tuple = (),
     timeout: float = 60.0,
-    pg_timeout: float = 10.0,
+    pg_timeout: float = 30.0,
     grace: float = 3.0,
     backend: str = "gloo",
     init_process_group: bool = True,
@@ -241,7 +241,12 @@ def run_ranks(
     env: dict[str, str] | None = None,
     start_method: str = "forkserver",
 ) -> list[Any]:
-    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return the per-rank results."""
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; return the per-rank results.
+
+    ``pg_timeout`` is 30 s, not less: a server rank's start opens several c10d store
+    connections, and c10d looks each one's address up by name; with a slow resolver one lookup
+    waits for its timeout (5 s, once in about 50, on the VM the suite runs on), and a start
+    with two such waits outlasted a 10 s collective timeout (docs/failures.md)."""
     if world_size < 1:
         raise ValueError(f"run_ranks: world_size must be >= 1, got {world_size}")
     if rendezvous not in ("file", "env"):
