@@ -161,6 +161,25 @@ def test_ftrl_zero_gradient_at_step_one_sets_w_to_zero():
     assert w.tolist() == [0.0, 0.0]
 
 
+def test_ftrl_rounds_its_power_to_float32_on_the_host_as_torch_does():
+    """FTRL's choice of the sqrt path tests ``learning_rate_power`` in float32.  Where the
+    float32 copy lives on an accelerator (``meta`` stands in: not on the CPU), it rounds the
+    Python number on the host instead of reading the copy back; torch's float32 conversion
+    is the reference, ties, subnormals and overflow included."""
+    from gradfleet.optimizers.ftrl import _float32_test, _round_to_float32
+
+    rng = np.random.default_rng(3)
+    near = -0.5 + rng.uniform(-1e-7, 1e-7, 200)  # within a few float32 ulps of -0.5
+    special = [0.0, -0.0, 1e-45, -3e-39, 3.4028235e38, 3.5e38, -1e39, 1.0 + 2**-24]
+    for x in [*near.tolist(), *rng.standard_normal(200).tolist(), *special]:
+        want = float(torch.tensor(x, dtype=torch.float32))
+        assert _round_to_float32(x) == want, x
+    away = torch.empty((), device="meta")
+    for x in near.tolist():
+        want = float(torch.tensor(x, dtype=torch.float32)) == -0.5
+        assert _float32_test(x, away, lambda v: v == -0.5) is want, x
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_ftrl_sqrt_path_is_bit_exact_with_tensorflow_in_float32(mode):
     # The conformance row's float32 tolerance is loosened for the pow path only; the

@@ -18,6 +18,8 @@ the ``- (...) * w`` term: after one step ``w`` is the closed-form solution.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any
 
 import torch
@@ -153,7 +155,16 @@ def _float32_test(value, as_float32: torch.Tensor, test) -> bool:
         return bool(test(value))
     if isinstance(value, torch.Tensor) or as_float32.is_cpu:
         return bool(test(float(as_float32)))
-    return bool(test(float(torch.tensor(float(value), dtype=torch.float32))))
+    return bool(test(_round_to_float32(float(value))))
+
+
+def _round_to_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (IEEE, ties to even), on the host, with no tensor
+    made; beyond float32's range, infinity (as torch's conversion gives)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _l2_eff(hp32: dict[str, torch.Tensor]) -> torch.Tensor:
