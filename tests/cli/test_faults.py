@@ -61,7 +61,10 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
     summary = json.loads((out / "summary.json").read_text())
     (lost,) = summary["lost_workers"]
     assert lost["rank"] == 2 and lost["cause"] == "killed by signal 9"
-    assert 40 <= lost["step"] < steps and Path(lost["log"]).is_file()
+    # The step is rank 0's when it learned of the loss (it polls the launcher's report twice a
+    # second): on a loaded machine the two survivors can finish every step first, and the
+    # loss is then recorded at the last one.
+    assert 40 <= lost["step"] <= steps and Path(lost["log"]).is_file()
     events = [r for r in metrics(out) if r.get("event") == "worker_lost"]
     assert events == [{**lost, "event": "worker_lost"}]
     trained = [r["step"] for r in metrics(out) if "loss" in r]
