@@ -25,9 +25,12 @@ traffic allows here:
 
 A step's time is the slowest worker's, from a barrier until all its sends and receives are
 done; the figure is the median over ``--steps`` steps after one warm-up step.  "Pushes in" is
-the time, from the same barrier, at which the last server had every push of its shards.  Each
-host's bytes per step come from its interface counters.  Writes ``<out>/<name>.json`` and
-``.md``.
+the time, from the same barrier, at which the last server had every push of its shards, and
+"shard groups in" the same for each server's first shards, its second, and so on (the groups
+the pushes go out in), so a group's pushes can be timed while the group before it is summed and
+sent back.  Each host's bytes per step come from its interface counters, and the TCP segments
+it sent and retransmitted from its namespace's ``/proc/net/snmp``.  Writes
+``<out>/<name>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ def servers_of(pattern: str) -> list[int]:
 
 def _push_pull_step(
     torch, dist, rank: int, servers: list[int], shards: int, n: int, tag: int, pull: bool
-) -> float | None:
+) -> list[float]:
     """One step of the push/pull pattern on this rank (worker, server, or both), the sums sent
-    back if ``pull``; returns when this rank had every push of its shards (None: it serves
-    none), in seconds from the call."""
+    back if ``pull``; returns when this rank had every push of each of its shards, in their
+    order (empty: it serves none), in seconds from the call."""
     start = time.perf_counter()
-    pushes_in = None
+    shards_in = []
     works = []
     mine = [k for k in range(shards) if servers[k % len(servers)] == rank]
     incoming = {k: [] for k in mine}
@@ -89,14 +92,14 @@ def _push_pull_step(
         for buf, work in incoming[k]:
             work.wait()
             total += buf
-        pushes_in = time.perf_counter() - start
+        shards_in.append(time.perf_counter() - start)
         if pull:
             works += [
                 dist.isend(total, dst=w, tag=tag + shards + k) for w in range(WORKERS) if w != rank
             ]
     for work in works + replies:
         work.wait()
-    return pushes_in
+    return shards_in
 
 
 def rank_main() -> None:
@@ -114,7 +117,7 @@ def rank_main() -> None:
     n = int(cfg["params"]) // shards
     group = dist.new_group(list(range(WORKERS)))
     x = torch.ones(n * shards)
-    times, pushes_in = [], []
+    times, shards_in = [], []
     for step in range(steps):
         dist.barrier()
         start = time.perf_counter()
@@ -124,18 +127,22 @@ def rank_main() -> None:
         else:
             pull = pattern != "dedicated-pushes"
             tag = step * 4 * shards
-            pushes_in.append(_push_pull_step(torch, dist, rank, servers, shards, n, tag, pull))
+            shards_in.append(_push_pull_step(torch, dist, rank, servers, shards, n, tag, pull))
         times.append(time.perf_counter() - start)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (times[1:], pushes_in[1:]))
+    dist.all_gather_object(gathered, (times[1:], shards_in[1:]))
     if rank == 0:
         # a worker's sends end when the kernel has the bytes: without sums to wait for, the
         # step ends at the servers' last receive
         timed = gathered if pattern == "dedicated-pushes" else gathered[:WORKERS]
         steps_s = [max(t) for t in zip(*(g[0] for g in timed), strict=True)]
+        # a server's j-th shard is in group j (every server's first shards go out first):
+        # per step, the time the last server had its shards of each group
         served = [g[1] for r, g in enumerate(gathered) if r in servers]
-        ins = [max(t) for t in zip(*served, strict=True)] if pattern != "allreduce" else []
-        out = {"steps_s": steps_s, "pushes_in_s": ins, "elements": n * shards}
+        groups = [[max(g) for g in zip(*per_server, strict=True)]
+                  for per_server in zip(*served, strict=True)]  # fmt: skip
+        out = {"steps_s": steps_s, "groups_in_s": groups, "elements": n * shards,
+               "pushes_in_s": [g[-1] for g in groups]}  # fmt: skip
         Path(cfg["result"]).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -148,7 +155,7 @@ def measure(pattern: str, args, workdir: Path) -> dict:
            "shards_per_server": args.shards_per_server}  # fmt: skip
     env = {"GF_CEILING": json.dumps(cfg), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with Cluster(hosts, args.link) as cluster:
-        before = cluster.counters()
+        before, tcp_before = cluster.counters(), cluster.tcp_counters()
         procs = cluster.torchrun(
             [__file__, "--rank"], cwd=workdir, port=29533, static=True, logs=workdir,
             env_per_host={h: env for h in range(hosts)},
@@ -156,7 +163,7 @@ def measure(pattern: str, args, workdir: Path) -> dict:
         codes = wait_all(procs, time.monotonic() + args.deadline)
         if codes is None:
             stop(procs)
-        after = cluster.counters()
+        after, tcp_after = cluster.counters(), cluster.tcp_counters()
     if codes != [0] * hosts:
         logs = "\n".join((workdir / f"host{h}.log").read_text()[-2000:] for h in range(hosts))
         raise RuntimeError(f"{pattern}: ranks ended {codes}\n{logs}")
@@ -166,9 +173,15 @@ def measure(pattern: str, args, workdir: Path) -> dict:
         h: ((after[h][0] - before[h][0]) / per_step, (after[h][1] - before[h][1]) / per_step)
         for h in after
     }
+    out["tcp_segments"] = {  # per host, the whole run: (sent, retransmitted)
+        h: (tcp_after[h][0] - tcp_before[h][0], tcp_after[h][1] - tcp_before[h][1])
+        for h in tcp_after
+    }
     out["median_s"] = statistics.median(out["steps_s"])
     ins = out["pushes_in_s"]
     out["pushes_in_median_s"] = statistics.median(ins) if ins else None
+    groups = out["groups_in_s"]
+    out["groups_in_median_s"] = [statistics.median(g) for g in zip(*groups)] if groups else []
     return out
 
 
@@ -186,8 +199,9 @@ def report(results: dict, args) -> str:
         f"{args.steps} steps.",
         "",
         "| pattern | step s (median) | steps s | x all-reduce | pushes in s (median) "
-        "| busiest host MB per step, up / down |",
-        "|---|---|---|---|---|---|",
+        "| shard groups in s (median) | busiest host MB per step, up / down "
+        "| segments retransmitted, all hosts / most |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = results.get("allreduce", {}).get("median_s")
     for name, r in results.items():
@@ -196,8 +210,13 @@ def report(results: dict, args) -> str:
         steps = ", ".join(f"{s:.2f}" for s in r["steps_s"])
         pushed = r.get("pushes_in_median_s")
         pushed = "-" if pushed is None else f"{pushed:.2f}"
-        lines.append(f"| {name} | {r['median_s']:.2f} | {steps} | {ratio} | {pushed} | "
-                     f"{busiest[0] / 1e6:.1f} / {busiest[1] / 1e6:.1f} |")  # fmt: skip
+        groups = ", ".join(f"{t:.2f}" for t in r["groups_in_median_s"]) or "-"
+        segs = r["tcp_segments"].values()
+        total = 100 * sum(b for _, b in segs) / max(sum(a for a, _ in segs), 1)
+        most = max(100 * b / max(a, 1) for a, b in segs)
+        lines.append(f"| {name} | {r['median_s']:.2f} | {steps} | {ratio} | {pushed} | {groups} "
+                     f"| {busiest[0] / 1e6:.1f} / {busiest[1] / 1e6:.1f} "
+                     f"| {total:.2f}% / {most:.2f}% |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -190,6 +190,19 @@ class Cluster:
         _run("tc", "-n", self.bridge, "qdisc", verb, "dev", h.peer, *tbf)
         self.rates[host] = rate
 
+    def tcp_counters(self) -> dict[int, tuple[int, int]]:
+        """TCP segments each host has sent and retransmitted so far, from its namespace's
+        ``/proc/net/snmp``: ``{host: (out_segs, retrans_segs)}`` (a host's loopback traffic,
+        such as host 0's ranks talking to its own store, is counted too)."""
+        out = {}
+        for h in self.hosts:
+            text = _run("ip", "netns", "exec", h.netns, "cat", "/proc/net/snmp").stdout
+            rows = [line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:")]
+            names, values = rows  # a header line, then its values
+            tcp = dict(zip(names, values, strict=True))
+            out[h.index] = (int(tcp["OutSegs"]), int(tcp["RetransSegs"]))
+        return out
+
     def counters(self) -> dict[int, tuple[int, int]]:
         """Bytes each host's interface has sent and received so far: ``{host: (tx, rx)}``."""
         out = {}

@@ -51,6 +51,20 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
         got = results[pattern]
         assert len(got["pushes_in_s"]) == 2 and all(t > 0 for t in got["pushes_in_s"])
+    # each server's shards are in group by group, the last group when the last push is in
+    for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
+        got = results[pattern]
+        assert len(got["groups_in_s"]) == 2
+        for groups, pushed in zip(got["groups_in_s"], got["pushes_in_s"], strict=True):
+            assert len(groups) == 4 and groups == sorted(groups) and groups[-1] == pushed
+        assert len(got["groups_in_median_s"]) == 4
+    # TCP segments per host: every host sent at least one per 1514 bytes on its interface
+    # (an MTU-sized frame) and retransmitted at most what it sent
+    for pattern, got in results.items():
+        steps = len(got["steps_s"]) + 1  # the warm-up step's bytes are counted too
+        for h, (sent, again) in got["tcp_segments"].items():
+            up = got["bytes_per_step"][h][0] * steps
+            assert sent * 1514 >= up and 0 <= again <= sent, (pattern, h, sent, again, up)
     # the pushes alone: a step lasts until the last server host has them all
     assert all(s >= t for s, t in zip(alone["steps_s"], alone["pushes_in_s"], strict=True))
     assert results["allreduce"]["pushes_in_s"] == []
