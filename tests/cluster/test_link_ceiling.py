@@ -21,6 +21,7 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     if reason:
         pytest.skip(f"no emulated cluster here: {reason}")
     link_ceiling.main(["--params", str(PARAMS), "--steps", "2", "--out", str(tmp_path),
+                       "--link", "200mbit",
                        "--name", "t", "--deadline", "120"])  # fmt: skip
     results = json.loads((tmp_path / "t.json").read_text())["results"]
     p = PARAMS * 4  # bytes of one worker's gradient (float32)
@@ -51,12 +52,19 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
         got = results[pattern]
         assert len(got["pushes_in_s"]) == 2 and all(t > 0 for t in got["pushes_in_s"])
-    # each server's shards are in group by group, the last group when the last push is in
-    for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
+    # each server's shards are in group by group, and no group sooner than its bytes can cross
+    # a server host's link: group j needs (j + 1) groups of pushes, each P/16 from every worker
+    # but the server itself (4 dedicated, 3 over the workers), less tbf's 64 KiB burst and 5 ms
+    # for the ranks leaving the barrier at different moments
+    rate = 200e6 / 8
+    for pattern, senders in (("dedicated", 4), ("over-workers", 3), ("dedicated-pushes", 4)):
         got = results[pattern]
         assert len(got["groups_in_s"]) == 2
-        for groups, pushed in zip(got["groups_in_s"], got["pushes_in_s"], strict=True):
-            assert len(groups) == 4 and groups == sorted(groups) and groups[-1] == pushed
+        for groups in got["groups_in_s"]:
+            assert len(groups) == 4 and groups == sorted(groups), (pattern, groups)
+            for j, t in enumerate(groups):
+                least = ((j + 1) * senders * p / 16 - 65536) / rate - 0.005
+                assert t >= least, (pattern, j, groups, least)
         assert len(got["groups_in_median_s"]) == 4
     # TCP segments per host: every host sent at least one per 1514 bytes on its interface
     # (an MTU-sized frame) and retransmitted at most what it sent
