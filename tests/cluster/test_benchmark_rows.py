@@ -39,6 +39,8 @@ def test_rows_name_their_server_hosts() -> None:
         o = rows[key].options
         assert o["assignment"] == "backward_order" and o["per_rank"] == n and o["stream"]
     assert rows["sr-shard-order4-ovs-b"].options == dict(rows["sr-shard-order4-ovs"].options, R=3)
+    assert rows["sr-ded-order4-ovs-b"].options == dict(rows["sr-ded-order4-ovs"].options, R=3)
+    assert rows["sr-ded-order4-ovs-b"].server_hosts == WORKERS
     # the transfer-only time starts after one untimed update, or one exchange cycle
     for key, r in rows.items():
         cycle = r.options.get("period", r.options.get("interval", 1))
