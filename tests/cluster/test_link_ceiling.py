@@ -52,7 +52,7 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     for pattern in ("dedicated", "over-workers", "dedicated-pushes"):
         got = results[pattern]
         assert len(got["pushes_in_s"]) == 2 and all(t > 0 for t in got["pushes_in_s"])
-    # each server's shards are in group by group, and no group sooner than its bytes can cross
+    # no shard group is in sooner than its bytes can cross
     # a server host's link: group j needs (j + 1) groups of pushes, each P/16 from every worker
     # but the server itself (4 dedicated, 3 over the workers), less tbf's 64 KiB burst and 5 ms
     # for the ranks leaving the barrier at different moments
@@ -61,7 +61,7 @@ def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
         got = results[pattern]
         assert len(got["groups_in_s"]) == 2
         for groups in got["groups_in_s"]:
-            assert len(groups) == 4 and groups == sorted(groups), (pattern, groups)
+            assert len(groups) == 4, (pattern, groups)
             for j, t in enumerate(groups):
                 least = ((j + 1) * senders * p / 16 - 65536) / rate - 0.005
                 assert t >= least, (pattern, j, groups, least)
