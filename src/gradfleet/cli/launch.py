@@ -27,6 +27,7 @@ from typing import Any
 
 from gradfleet.distributed.job_control import JobControl
 
+from .exit_times import ExitTimes
 from .spec import RunSpec
 from .strategy_table import tolerated_losses
 from .worker import run_worker
@@ -193,14 +194,14 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
         "started %d worker and %d dedicated server ranks: pids %s, logs under %s",
         workers, spec.servers, pids, log_dir,
     )  # fmt: skip
+    exits = ExitTimes(pids)
     lost: dict[int, str] = {}
     summary = None
     try:
         while running:
-            for rank, pc in list(running.items()):
-                result = pc.wait(0)
-                if result is None:
-                    continue
+            ended = {r: res for r, pc in running.items() if (res := pc.wait(0)) is not None}
+            for rank in exits.in_exit_order(ended):  # the first to die is the cause
+                result = ended[rank]
                 del running[rank]
                 if not result.is_failed():
                     summary = result.return_values.get(0) if rank == 0 else summary

@@ -1,0 +1,45 @@
+"""The launcher names the rank that died first: ExitTimes orders ranks that ended in one
+polling round by when the kernel saw each process exit, not by rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from gradfleet.cli.exit_times import ExitTimes
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_ranks_come_in_the_order_their_processes_exited() -> None:
+    procs = {0: _sleeper(), 1: _sleeper(), 2: _sleeper()}
+    try:
+        exits = ExitTimes({r: p.pid for r, p in procs.items()})
+        for rank in (2, 0, 1):  # killed in this order, 50 ms apart, then all reaped at once
+            procs[rank].kill()
+            time.sleep(0.05)
+        for p in procs.values():
+            p.wait(10)
+        assert exits.in_exit_order([0, 1, 2]) == [2, 0, 1]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(10)
+
+
+def test_a_rank_without_an_exit_time_comes_last_in_the_order_given() -> None:
+    gone = _sleeper()
+    gone.kill()
+    gone.wait(10)  # reaped: its pid cannot be watched (or belongs to no process of ours)
+    live = _sleeper()
+    try:
+        exits = ExitTimes({5: gone.pid, 7: live.pid})
+        live.kill()
+        live.wait(10)
+        assert exits.in_exit_order([5, 7], wait=1.0) == [7, 5]
+    finally:
+        live.kill()
+        live.wait(10)
