@@ -18,9 +18,11 @@ no I/O:
   answer was older than its token reads again).
 * ``step``:   push the gradients (if given) with the worker's tag; if ``R`` are in, take the
   averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables,
-  enqueue ``max(N, R)`` tokens, update the moving averages; then answer with a token (held
-  while the queue is empty) and the current variables (not with ``values=False``: a token
-  request that travels apart from the push, whose answer brings the values).
+  update the moving averages; then answer with a token once the token line's rule allows
+  (:mod:`.token_line`: one gradient per worker per update, or TF's shared queue of
+  ``max(N, R)`` tokens per update) and the current variables (not with ``values=False``: a
+  token request that travels apart from the push, whose answer brings the values).  When the
+  live workers can never make the pending update, every worker in line gets the reason.
 * ``applied``: a shard server finished an update (sharded jobs).
 * ``done``:   the worker left (``forgotten``: another rank reports it dead for good).
 * ``tick``:   a worker that waited ``timeout`` seconds for a token gets a ``TimeoutError``
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 from .shards import Shard, pushed_gradients
+from .token_line import TokenLine, unfillable
 
 __all__ = ["SyncChief"]
 
@@ -66,6 +68,8 @@ class SyncChief:
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
     ``global_step``: the step to start from (a restored one: TF's ``chief_init_op`` sets the
     accumulators to it, ``get_init_tokens_op`` fills the initial tokens with it).
+    ``tokens``: the token line's rule, ``"shared"`` (TF's queue, this machine's default) or
+    ``"distinct"`` (:mod:`.token_line`).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class SyncChief:
         num_shards: int = 1,
         pieces: Sequence[Piece] | None = None,
         global_step: int = 0,
+        tokens: str = "shared",
     ) -> None:
         count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
         self.shard = Shard(
@@ -96,17 +101,17 @@ class SyncChief:
             pieces,
         )
         self.R, self.N = replicas_to_aggregate, total_num_replicas
-        self.tokens_per_step = max(total_num_replicas, replicas_to_aggregate)
-        self.tokens = TokenQueue()
         self.global_step = int(global_step)
         self.shard.aggregator.set_global_step(self.global_step)
-        self.tokens.put(self.global_step, num_tokens)
+        per_update = max(total_num_replicas, replicas_to_aggregate)
+        self.line = TokenLine(tokens, self.global_step, num_tokens, per_update)
         self.applied = [self.global_step] * num_shards  # each shard's step as last reported
         self.timeout = timeout
         self.ema = variable_averages
         self.last_step = last_step
-        self.waiting: deque[tuple[int, Any, float, bool, int | None]] = deque()
         self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief")
+        self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
+        self.contributors: set[int] = set()  # workers whose gradient is in shard 0's pending update
         self.broken: str | None = None
         self.held = HeldPushes()  # read-ahead pushes to shard 0
         # read-ahead: a token request names the worker's push to shard 0 (``after``) and is
@@ -133,6 +138,11 @@ class SyncChief:
     def opt(self) -> torch.optim.Optimizer:
         return self.shard.opt
 
+    @property
+    def tokens(self) -> TokenQueue:
+        """The shared rule's queue of tokens (TF's ``sync_token_q``; empty for "distinct")."""
+        return self.line.queue
+
     # ------------------------------------------------------------------ requests
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
         op = msg["op"]
@@ -143,11 +153,14 @@ class SyncChief:
             return [*self._serve_tokens(), Answer(ticket, {})]
         worker = int(msg["worker"])
         if op == "done":
-            self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
+            forgotten = bool(msg.get("forgotten", False))
+            self.members.leave(worker, forgotten=forgotten)
+            self.left_at[worker] = (self.global_step, forgotten)
             left = self.held.drop(worker)
             self._forget_placeholder(worker)
             done = [Answer(ticket, {"global_step": self.global_step})]
-            return done + ([] if left is None else [values_answer(self.shard, left)])
+            held = [] if left is None else [values_answer(self.shard, left)]
+            return done + held + self._serve_tokens()
         if op == "release":
             return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
@@ -156,6 +169,7 @@ class SyncChief:
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
             self.members.hello(worker)
+            self.left_at.pop(worker, None)
             values = {"global_step": self.global_step, "params": self.params}
             return [Answer(ticket, dict(values, version=self.shard.step), self.shard.values_key)]
         if op in ("push", "step"):
@@ -167,7 +181,8 @@ class SyncChief:
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
             if msg.get("token_follows") and worker not in self.early:
-                self._wait_for_token({"worker": worker, "values": False}, None, True)
+                place = {"worker": worker, "tag": msg["tag"], "values": False}
+                self._wait_for_token(place, None, True)
             if worker in self.early and self._pushed_before(self.early[worker][0]):
                 self._wait_for_token(*self.early.pop(worker), True)
             return [*answers, *self._serve_tokens()]
@@ -204,30 +219,29 @@ class SyncChief:
 
     def _wait_for_token(self, msg: dict[str, Any], ticket: Any, accepted: bool) -> None:
         version = int(msg["version"]) if msg.get("values", True) else None
-        self.waiting.append((int(msg["worker"]), ticket, time.monotonic(), accepted, version))
+        self.line.join(int(msg["worker"]), ticket, int(msg["tag"]), accepted, version)
 
     def _claim_place(self, worker: int, ticket: Any) -> list[Answer] | None:
         """A token request of a worker with a place in line: what that place was given, or
         nothing yet (the place now waits with this request's ticket); None: no place."""
         if worker in self.granted:
-            return self._answer((worker, ticket), *self.granted.pop(worker))
-        for i, (w, held, *rest) in enumerate(self.waiting):
-            if w == worker and held is None:
-                self.waiting[i] = (w, ticket, *rest)
+            return self._answer(worker, ticket, *self.granted.pop(worker))
+        for entry in self.line:
+            if entry.worker == worker and entry.ticket is None:
+                entry.ticket = ticket
                 return []
         return None
 
     def _forget_placeholder(self, worker: int) -> None:
         """``worker`` left: its place in line goes, and a token it never asked for goes back."""
-        self.waiting = deque(e for e in self.waiting if e[0] != worker or e[1] is not None)
+        self.line.remove(lambda e: e.worker != worker or e.ticket is not None)
         kind, payload = self.granted.pop(worker, ("", None))
         if kind == "token":
-            self.tokens.put(int(payload["token"]), 1)
+            self.line.give_back(int(payload["token"]))
 
-    def _answer(self, entry: tuple, kind: str, payload: Any) -> list[Answer]:
-        """Answer a waiting entry (``worker, ticket, ...``), or keep the answer for a
-        placeholder's request (ticket None)."""
-        worker, ticket = entry[0], entry[1]
+    def _answer(self, worker: int, ticket: Any, kind: str, payload: Any) -> list[Answer]:
+        """Answer a worker in line, or keep the answer for a place whose request is still on
+        its way (ticket None)."""
         if ticket is None:
             self.granted[worker] = (kind, payload)
             return []
@@ -241,38 +255,51 @@ class SyncChief:
         True iff accepted."""
         accepted, updated = self.shard.push(worker, tag, grads)
         if updated:
+            self.contributors.clear()
             self.applied[0] = self.shard.step
             self._advance()
+        elif accepted:
+            self.contributors.add(worker)
         return accepted
 
     def _advance(self) -> None:
         """``global_step += 1`` once every shard applied the update, then the tokens."""
         while min(self.applied) > self.global_step:
             self.global_step += 1
-            self.tokens.put(self.global_step, self.tokens_per_step)
-
-    def take_token(self) -> int | None:
-        if self.last_step is not None and self.global_step >= self.last_step:
-            return self.global_step
-        return self.tokens.get()
+            self.line.updated(self.global_step)
 
     def _serve_tokens(self) -> list[Answer]:
+        """Serve every worker in line that can go on (:mod:`.token_line`); if the live workers
+        can never make the pending update, fail the others at once, naming why."""
+        released = self.last_step is not None and self.global_step >= self.last_step
         out = []
-        while self.waiting:
-            token = self.take_token()
-            if token is None:
-                break
-            entry = self.waiting.popleft()
-            _, _, _, accepted, version = entry
+        for entry, token in self.line.serve(self.global_step, released):
             answer = {
                 "token": token,
-                "accepted": accepted,
+                "accepted": entry.accepted,
                 "global_step": self.global_step,
                 "version": self.shard.step,
             }
-            if version is not None and version != self.shard.step:
+            if entry.version is not None and entry.version != self.shard.step:
                 answer["params"] = self.params
-            out += self._answer(entry, "token", answer)
+            out += self._answer(entry.worker, entry.ticket, "token", answer)
+        if len(self.line) and not released:
+            why = unfillable(
+                rule=self.line.rule,
+                replicas_to_aggregate=self.R,
+                total_num_replicas=self.N,
+                gradients_in=self.aggregator.counter,
+                contributors=self.contributors,
+                left=self.left_at,
+                waiting={e.worker for e in self.line},
+                tokens_left=len(self.line.queue),
+                others_pending=bool(self.early) or self.global_step < self.shard.step,
+                global_step=self.global_step,
+            )
+            if why is not None:
+                log.error("%s", why)
+                for entry in self.line.take_all():
+                    out += self._answer(entry.worker, entry.ticket, "RuntimeError", why)
         return out
 
     # ------------------------------------------------------------------ liveness
@@ -288,26 +315,28 @@ class SyncChief:
         now = time.monotonic() if now is None else now
         out = []
         if self.broken is not None:
-            while self.waiting:
-                out += self._answer(self.waiting.popleft(), "ServerUnreachable", self.broken)
-        while self.waiting and now - self.waiting[0][2] > self.timeout:
-            worker, _, since, _, _ = self.waiting[0]
-            message = self.stall_message(worker, now - since)  # it still counts as waiting
+            for entry in self.line.take_all():
+                out += self._answer(entry.worker, entry.ticket, "ServerUnreachable", self.broken)
+        while len(self.line) and now - self.line.waiting[0].since > self.timeout:
+            first = self.line.waiting[0]
+            message = self.stall_message(first.worker, now - first.since)  # still waiting
             log.error("%s", message)
-            out += self._answer(self.waiting.popleft(), "TimeoutError", message)
+            self.line.waiting.popleft()
+            out += self._answer(first.worker, first.ticket, "TimeoutError", message)
         return out
 
     def silent_workers(self, now: float | None = None) -> list[int]:
         """Workers silent for over ``timeout`` s (those waiting for a token are blocked, not
         silent)."""
-        return self.members.silent(now, busy=[w for w, *_ in self.waiting])
+        return self.members.silent(now, busy=[e.worker for e in self.line])
 
     def stall_message(self, worker: int, waited: float) -> str:
         silent = self.silent_workers()
         who = (
             f"no message from worker rank(s) {silent} for over {self.timeout:g}s (dead or stuck)"
             if silent
-            else "every live worker is waiting too (not enough tokens: check num_tokens)"
+            else "every live worker is waiting too"
+            + (" (not enough tokens: check num_tokens)" if self.line.rule == "shared" else "")
         )
         shards = f"; shard steps {self.applied}" if len(self.applied) > 1 else ""
         return (
@@ -323,7 +352,7 @@ class SyncChief:
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.opt.state_dict(),
             "aggregator": self.aggregator.state_dict(),
-            "tokens": self.tokens.state(),
+            "tokens": self.line.state(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
         if len(self.applied) > 1:
@@ -348,6 +377,6 @@ class SyncChief:
         )
         self.global_step = int(state["global_step"])
         self.applied = [int(a) for a in applied]
-        self.tokens.load(state["tokens"])
+        self.line.load(state["tokens"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
