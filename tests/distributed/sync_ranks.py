@@ -316,6 +316,7 @@ def sync_bad_shapes(ctx: RankContext) -> str:
             2,
             2,
             timeout=5,
+            server_rank=0,
         )
     except ValueError as exc:
         ctx.signal("answered")

@@ -85,7 +85,8 @@ def test_worker_silence_reports_every_expected_worker():
     from gradfleet.distributed import SyncReplicasOptimizer
 
     x = torch.zeros(2, requires_grad=True)
-    opt = SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, timeout=5)
+    inner = gradfleet.GradientDescentOptimizer([x], 1.0)
+    opt = SyncReplicasOptimizer(inner, 1, timeout=5, server_rank=0)
     try:
         silence = opt.worker_silence()
         assert list(silence) == [0] and 0 <= silence[0] < 5.0

@@ -272,8 +272,7 @@ def test_one_server_keeps_nonfinite_raise():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"overlap": "yes"}, r"overlap must be True or False, got 'yes'"),
-        ({"overlap": True, "transport": "allreduce"}, r"overlap=True needs transport='server'"),
+        ({"overlap": "yes"}, r"overlap must be True, False or None, got 'yes'"),
         (
             {"overlap": True, "server_ranks": [0, 0], "nonfinite": "raise"},
             r"overlap=True with 2 shards needs nonfinite='apply' \(got 'raise'\)",

@@ -328,7 +328,8 @@ def test_constructor_errors(kwargs, match):
 
 def test_single_worker_needs_global_step_and_reports_acceptance():
     x = torch.zeros(2, requires_grad=True)
-    with SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1) as opt:
+    inner = gradfleet.GradientDescentOptimizer([x], 1.0)
+    with SyncReplicasOptimizer(inner, 1, tokens="shared") as opt:
         with pytest.raises(ValueError, match="Global step is required"):
             opt.apply_gradients([(torch.ones(2), x)])
         gs = torch.zeros((), dtype=torch.int64)
@@ -378,7 +379,11 @@ def test_nonfinite_gradient_from_one_worker_over_processes():
 def test_starts_from_a_restored_global_step(transport):
     x = torch.zeros(2, requires_grad=True)
     opt = SyncReplicasOptimizer(
-        gradfleet.GradientDescentOptimizer([x], 1.0), 1, global_step=5, transport=transport
+        gradfleet.GradientDescentOptimizer([x], 1.0),
+        1,
+        global_step=5,
+        transport=transport,
+        tokens="shared",
     )
     with opt:
         assert (opt.local_step, opt.global_step) == (5, 5)

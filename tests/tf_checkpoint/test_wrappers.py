@@ -130,7 +130,9 @@ def _sync_gradfleet(prefix):
     at = CheckpointReader(prefix)
     _assert_same(tf_tensors(model, adam, tf_run.NAME_MAP, global_step=loaded.global_step),
                  {n: at.get(n) for n in at.names()}, 0, 0, f"loaded {prefix}")  # fmt: skip
-    opt = SyncReplicasOptimizer(adam, 1, 1, global_step=loaded.global_step, timeout=30)
+    opt = SyncReplicasOptimizer(
+        adam, 1, 1, global_step=loaded.global_step, timeout=30, tokens="shared"
+    )
     assert (opt.local_step, opt.global_step) == (loaded.global_step,) * 2
     return model, opt, loaded
 
@@ -324,7 +326,7 @@ def test_sync_replicas_is_loaded_before_wrapping_and_saved_from_its_chief(tmp_pa
     tf_run.torch_step(model, adam, first)  # slots to write
     prefix = save_tf_checkpoint(tmp_path / "a" / "model.ckpt", model, adam, tf_run.NAME_MAP,
                                 global_step=7)  # fmt: skip
-    with SyncReplicasOptimizer(adam, 1, 1, global_step=7) as opt:
+    with SyncReplicasOptimizer(adam, 1, 1, global_step=7, server_rank=0) as opt:
         before = _state(model, opt)
         with pytest.raises(TypeError, match="load into the model and the optimizer to wrap"):
             load_tf_checkpoint(prefix, model, opt, tf_run.NAME_MAP)

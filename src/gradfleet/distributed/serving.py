@@ -176,7 +176,7 @@ class ParameterServer:
             num_tokens=spec["tokens"], timeout=spec["timeout"], ema=spec["ema"],
             average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
             last_step=spec["last_step"], hyperparameters_from_workers=True,
-            pieces=self._pieces,
+            pieces=self._pieces, tokens=spec.get("token_rule", "shared"),
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:

@@ -11,8 +11,15 @@ import torch.distributed as dist
 
 from ..wrapper import check_int
 from .aggregator import NONFINITE_POLICIES, init_tokens
+from .token_line import TOKEN_RULES
 
-__all__ = ["average_indices", "check_arguments", "check_overlap", "resolve_worker"]
+__all__ = [
+    "average_indices",
+    "check_arguments",
+    "check_overlap",
+    "choose_transport",
+    "resolve_worker",
+]
 
 _OWNER = "SyncReplicasOptimizer"
 
@@ -25,13 +32,33 @@ def check_arguments(
     nonfinite: Any,
     timeout: Any,
     last_step: Any,
-) -> tuple[int, int, int]:
-    """``(R, N, initial tokens)`` after checking every scalar argument."""
+    tokens: Any = None,
+) -> tuple[int, int, int, str]:
+    """``(R, N, initial tokens, token rule)`` after checking every scalar argument.
+
+    ``tokens`` None: ``"distinct"`` unless an update needs several gradients of one worker
+    (R > N) or ``num_tokens`` sets TF's initial tokens: both are the shared queue's."""
     R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
     N = R if total_num_replicas is None else total_num_replicas
     N = check_int(_OWNER, "total_num_replicas", N, 1)
-    tokens = init_tokens(num_tokens, R, N)
-    if transport not in ("server", "allreduce"):
+    initial = init_tokens(num_tokens, R, N)
+    if tokens is None:
+        tokens = "shared" if R > N or num_tokens != -1 else "distinct"
+    if tokens not in TOKEN_RULES:
+        raise ValueError(f"{_OWNER}: tokens must be one of {TOKEN_RULES}, got {tokens!r}")
+    if tokens == "distinct" and R > N:
+        raise ValueError(
+            f"{_OWNER}: tokens='distinct' takes one gradient per worker per update, so it needs "
+            f"replicas_to_aggregate <= total_num_replicas, got {R} > {N} (tokens='shared' lets "
+            "a worker give several)"
+        )
+    if tokens == "distinct" and num_tokens != -1:
+        raise ValueError(
+            f"{_OWNER}: num_tokens={num_tokens} sets TF's shared token queue; with "
+            "tokens='distinct' every worker gets its next step after the update it joined "
+            "(leave num_tokens out, or pass tokens='shared')"
+        )
+    if transport not in (None, "server", "allreduce"):
         raise ValueError(f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}")
     if transport == "allreduce" and R != N:
         raise ValueError(
@@ -46,7 +73,24 @@ def check_arguments(
         raise ValueError(f"{_OWNER}: timeout must be a positive number of seconds, got {timeout!r}")
     if last_step is not None:
         check_int(_OWNER, "last_step", last_step, 0)
-    return R, N, tokens
+    return R, N, initial, tokens
+
+
+def choose_transport(
+    transport: str | None,
+    replicas_to_aggregate: int,
+    total_num_replicas: int,
+    tokens: str,
+    servers_named: bool,
+) -> str:
+    """The exchange when ``transport`` is not given: all-reduce where it gives the server's
+    numbers faster -- every worker in every update (R == N) with one gradient each
+    (``tokens="distinct"``), no server named, one process per worker -- else the server."""
+    if transport is not None:
+        return transport
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    lockstep = replicas_to_aggregate == total_num_replicas == world and tokens == "distinct"
+    return "allreduce" if lockstep and not servers_named else "server"
 
 
 def average_indices(index: dict[int, int], variables: Iterable[torch.Tensor] | None) -> list[int]:
@@ -90,11 +134,15 @@ def resolve_worker(worker: int | None, address: Any, N: int) -> int:
 
 
 def check_overlap(overlap: Any, transport: str, num_shards: int, nonfinite: str) -> bool:
-    """``overlap`` checked against the other arguments (ValueError naming it)."""
+    """``overlap`` checked against the other arguments (ValueError naming it); None: on for
+    the all-reduce exchange, whose overlap never changes the numbers (:mod:`.allreduce`),
+    off for servers, where it does (what is pushed is ``.grad`` as backward left it)."""
+    if overlap is None:
+        return transport == "allreduce"
     if not isinstance(overlap, bool):
-        raise ValueError(f"{_OWNER}: overlap must be True or False, got {overlap!r}")
-    if overlap and transport != "server":
-        raise ValueError(f"{_OWNER}: overlap=True needs transport='server', got {transport!r}")
+        raise ValueError(f"{_OWNER}: overlap must be True, False or None, got {overlap!r}")
+    if transport == "allreduce":
+        return overlap
     # Sharded with nonfinite "raise"/"drop", a non-finite gradient anywhere makes the worker
     # tag every shard's push stale, so that no shard applies part of a rejected gradient set.
     # That needs every gradient before the first push; a shard pushed during backward has

@@ -56,10 +56,16 @@ from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .aggregator import all_finite
-from .arguments import average_indices, check_arguments, check_overlap, resolve_worker
+from .allreduce import AllReduceExchange
+from .arguments import (
+    average_indices,
+    check_arguments,
+    check_overlap,
+    choose_transport,
+    resolve_worker,
+)
 from .checkpoint import SyncCheckpoints
 from .links import SyncLinks
-from .lockstep import AllReduceSync
 from .overlap import OverlappedPushes, ShardReadiness
 from .pieces import whole
 from .queries import SyncQueries
@@ -157,27 +163,32 @@ class SyncReplicasOptimizer(
         name: str = "sync_replicas",
         *,
         num_tokens: int = -1,
-        transport: str = "server",
+        tokens: str | None = None,
+        transport: str | None = None,
         timeout: float = 60.0,
         last_step: int | None = None,
         nonfinite: str = "raise",
-        server_rank: int = 0,
+        server_rank: int | None = None,
         host: str | None = None,
         server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
         shard_assignment: str = "bytes",
-        overlap: bool = False,
+        overlap: bool | None = None,
         global_step: int = 0,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        R, N, tokens = check_arguments(
+        R, N, initial, rule = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
-            timeout, last_step,
+            timeout, last_step, tokens,
         )  # fmt: skip
+        named = server_rank is not None or server_ranks is not None or server_address is not None
+        transport = choose_transport(transport, R, N, rule, named)
+        server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
         self._init_streaming()
         self.replicas_to_aggregate, self.total_num_replicas = R, N
-        self.timeout, self.transport = float(timeout), transport
+        self.timeout, self.transport, self.tokens = float(timeout), transport, rule
         self._nonfinite = nonfinite
         start = check_int(_OWNER, "global_step", global_step, 0)
         self.local_step = self.global_step = start
@@ -187,7 +198,7 @@ class SyncReplicasOptimizer(
         averaged = average_indices(self._index, variables_to_average)
         self._servers: SyncServers | None = None
         self._links: SyncLinks | None = None
-        self._allreduce: AllReduceSync | None = None
+        self._allreduce: AllReduceExchange | None = None
         self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
         # split: a shard per piece at most, and pieces may outnumber the parameters
@@ -211,18 +222,22 @@ class SyncReplicasOptimizer(
             )
         self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
         if transport == "allreduce":
-            self._allreduce = AllReduceSync(
-                self.optimizer, R, N, tokens, nonfinite, variable_averages, averaged, start
-            )
+            self._allreduce = AllReduceExchange(
+                self.optimizer, N, rule, initial, nonfinite, variable_averages, averaged, start,
+                last_step, self.overlap,
+            )  # fmt: skip
+            self.local_step = self.global_step = self._allreduce.global_step
             return
         self._split = self._plan_split(shard_assignment, variable_averages, len(ranks))
         self._pieces = self._split or whole(len(self._index))
         self._parts = assign(self._piece_views(self.params()), len(ranks), shard_assignment, ranks)
         given = [server_address] if isinstance(server_address, str) else server_address
-        self._connect(opt, tokens, variable_averages, averaged, nonfinite, last_step, host, given)
+        self._connect(opt, initial, variable_averages, averaged, nonfinite, last_step, host, given)
         if self.overlap:
             owners = [[self._pieces[j].index for j in idx] for idx in self._parts]
             self._readiness = ShardReadiness(self.params(), owners, self._push_early, _OWNER)
+        if model is not None and self._links is not None and self._links.ahead:
+            self.stream_reads(model)
 
     # ----------------------------------------------------------------- set-up
     def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
@@ -238,6 +253,7 @@ class SyncReplicasOptimizer(
                     N=self.total_num_replicas, tokens=tokens, timeout=self.timeout, ema=ema,
                     averaged=averaged, nonfinite=nonfinite, last_step=last_step,
                     ranks=self.server_ranks, parts=self._parts, pieces=self._split,
+                    token_rule=self.tokens,
                 )  # fmt: skip
                 announce(spec, self._piece_views(self.params()), self.server_ranks, self._parts)
             host = server_host(host, _OWNER)  # collective: every rank of the group calls it
@@ -248,7 +264,7 @@ class SyncReplicasOptimizer(
                     total_num_replicas=self.total_num_replicas, num_tokens=tokens,
                     timeout=self.timeout, ema=ema, average_indices=averaged,
                     nonfinite=nonfinite, last_step=last_step, pieces=self._split,
-                    global_step=self.global_step,
+                    global_step=self.global_step, tokens=self.tokens,
                 )  # fmt: skip
             mine = self._servers.addresses() if self._servers is not None else {}
             if len(ranks) == 1:  # one server: its rank tells the others
@@ -372,6 +388,8 @@ class SyncReplicasOptimizer(
         if self._links is not None:
             self._links.leave()
             self._links = None
+        if self._allreduce is not None:
+            self._allreduce.close()
         if self._servers is not None:
             self._servers.close()
 

@@ -31,6 +31,11 @@ class SyncQueries:
 
     def _settled_links(self, what: str) -> Any:
         """The links, once the last step's streamed reads are in (they share the links)."""
+        if self._allreduce is not None:
+            raise RuntimeError(
+                f"{_OWNER}.{what}: this job has no server (transport='allreduce': R == N "
+                "workers all-reduce); name server_rank= or server_ranks= to have one"
+            )
         if self._links is None:
             raise RuntimeError(f"{_OWNER}.{what}: the optimizer is closed")
         self.wait_reads()

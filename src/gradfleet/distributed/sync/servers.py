@@ -61,6 +61,7 @@ class SyncServers:
         hyperparameters_from_workers: bool = False,
         pieces: Sequence[Piece] | None = None,
         global_step: int = 0,
+        tokens: str = "shared",
     ) -> None:
         R, N = replicas_to_aggregate, total_num_replicas
         self.ranks, self.timeout = list(ranks), timeout
@@ -76,7 +77,7 @@ class SyncServers:
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
-                parts[0], len(self.ranks), pieces, global_step,
+                parts[0], len(self.ranks), pieces, global_step, tokens,
             )  # fmt: skip
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(

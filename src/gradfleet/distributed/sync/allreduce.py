@@ -1,0 +1,446 @@
+"""SyncReplicas without a server: R == N workers sum their gradients with all-reduces.
+
+When every one of the N workers contributes to every update (no backup workers), the server's
+state machine is the same on every rank, so each rank keeps a replica of it and the gradients
+travel as DDP's do: in buckets, all-reduced, and -- with ``overlap`` -- while backward still
+computes the earlier layers.
+
+* **Buckets** (:class:`Buckets`): the parameters in reverse order (the order backward usually
+  produces their gradients), one device and dtype per bucket, the first about 1 MiB and the
+  others about 25 MiB (DDP's defaults: the first bucket leaves early, the others amortise a
+  collective's fixed cost).  A parameter's slot holds its dense gradient, or its sparse
+  gradient's rows summed into it.
+* **Overlap**: a post-accumulate-grad hook copies each gradient into its slot; a bucket whose
+  slots are all in is all-reduced at once, asynchronously, buckets strictly in order so that
+  every rank issues the same collectives in the same order.  ``step()`` fills and sends the
+  buckets backward did not complete (a parameter that got no gradient), then one small
+  all-reduce of flags per parameter and rank: which ranks had a gradient (dense or sparse), a
+  non-finite one, or **changed a gradient after it was sent** (clipping, ``GradScaler``
+  unscaling, a second backward: the gradient's version counter moved, or it is another
+  tensor).  If any rank changed one, every rank sends all buckets again from the gradients as
+  ``step()`` sees them and overlap is off from then on (logged once): the update is always
+  made from the gradients as they stand at ``step()``, as TF's ``apply_gradients`` makes it,
+  never from a copy taken earlier.
+* **The update**: dense sums divided by N (a gradient that is None counts as zeros; a
+  parameter with no gradient on any rank stays untouched), sparse rows divided by the number of
+  ranks that sent the row (their counts travel in one more small all-reduce, only when some
+  rank had a sparse gradient) -- the server's accumulator rule -- applied with each rank's own
+  copy of the wrapped optimizer (identical on every rank: the parameters are broadcast from
+  rank 0 at the start, as the server's variables are read by every worker).
+* **Tokens**: ``"distinct"``, every update takes one gradient per worker, so ``local_step ==
+  global_step`` always; ``"shared"`` replays TF's token queue (``num_tokens`` initial tokens, N
+  per update): a round whose tag is stale (TF's wasted round after start-up) is dropped by every
+  rank without communication.
+
+The numbers are the server's with the workers in lockstep, up to the order in which the N
+gradients are summed; there is no straggler tolerance: every update waits for the slowest
+rank.  A dead rank makes the all-reduce fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..apply import apply_gradients
+from ..moving_average import ExponentialMovingAverage
+from .aggregator import TokenQueue, all_finite
+
+__all__ = ["AllReduceExchange", "Buckets"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = "SyncReplicasOptimizer"
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's defaults
+BUCKET_BYTES = 25 << 20
+
+
+class Buckets:
+    """Parameters laid out in flat buffers for all-reduce (module docstring)."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        first_bytes: int = FIRST_BUCKET_BYTES,
+        bytes_each: int = BUCKET_BYTES,
+    ) -> None:
+        self.members: list[list[int]] = []
+        open_: dict[tuple[torch.device, torch.dtype], int] = {}  # key -> bucket being filled
+        sizes: list[int] = []
+        for i in reversed(range(len(params))):
+            p = params[i]
+            key = (p.device, p.dtype)
+            b = open_.get(key)
+            if b is None:
+                b = open_[key] = len(self.members)
+                self.members.append([])
+                sizes.append(0)
+            self.members[b].append(i)
+            sizes[b] += p.numel() * p.element_size()
+            if sizes[b] >= (first_bytes if b == 0 else bytes_each):
+                del open_[key]
+        self.flat = [
+            torch.zeros(
+                sum(params[i].numel() for i in idx),
+                dtype=params[idx[0]].dtype,
+                device=params[idx[0]].device,
+            )
+            for idx in self.members
+        ]
+        self.bucket_of: dict[int, int] = {}
+        self.slot: dict[int, torch.Tensor] = {}  # parameter index -> view of its bucket
+        for b, idx in enumerate(self.members):
+            offset = 0
+            for i in idx:
+                n = params[i].numel()
+                self.slot[i] = self.flat[b][offset : offset + n].view(params[i].shape)
+                self.bucket_of[i] = b
+                offset += n
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def fill(self, i: int, g: torch.Tensor | None) -> None:
+        """Parameter ``i``'s slot := its gradient (None: zeros; sparse: its rows summed in)."""
+        slot = self.slot[i]
+        with torch.no_grad():
+            if g is None:
+                slot.zero_()
+            elif g.is_sparse:
+                g = g.coalesce()
+                slot.zero_()
+                slot.index_add_(0, g.indices()[0].to(slot.device), g.values().to(slot))
+            else:
+                slot.copy_(g)
+
+
+def _mark(g: torch.Tensor | None) -> tuple[int, int] | None:
+    """What identifies a gradient's contents: its storage and its version counter (an
+    in-place change moves the counter; a ``detach()``ed view shares both)."""
+    if g is None:
+        return None
+    data = g._values() if g.is_sparse else g
+    return data.data_ptr(), g._version
+
+
+class AllReduceExchange:
+    """R == N SyncReplicas with all-reduces and a replica of the server's state on every rank
+    (module docstring)."""
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        total_num_replicas: int,
+        tokens: str,
+        num_tokens: int,
+        nonfinite: str,
+        ema: ExponentialMovingAverage | None,
+        average_indices: Sequence[int],
+        global_step: int = 0,
+        last_step: int | None = None,
+        overlap: bool = True,
+    ) -> None:
+        N = total_num_replicas
+        if tokens == "shared" and num_tokens % N:
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with tokens='shared' needs num_tokens to be a "
+                f"multiple of total_num_replicas ({N}), got {num_tokens}"
+            )
+        if nonfinite == "drop":
+            raise ValueError(
+                f"{_OWNER}: nonfinite='drop' needs a server (transport='server'): without one "
+                "a dropped gradient would leave its update short"
+            )
+        self.opt, self.N, self.nonfinite, self.rule = opt, N, nonfinite, tokens
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.world != N:
+            raise ValueError(
+                f"{_OWNER}: total_num_replicas={N} must equal the world size {self.world} "
+                "without a server (name server_ranks for dedicated servers)"
+            )
+        self._check_layout()
+        self.buckets = Buckets(self.params)
+        self._broadcast_parameters()
+        self.tokens = TokenQueue()
+        self.global_step = int(global_step)  # a restored step: the tokens carry it
+        if tokens == "shared":
+            self.tokens.put(self.global_step, num_tokens)
+        self.local_step = self.global_step
+        self.last_step = last_step
+        self.ema, self.average_indices = ema, list(average_indices)
+        self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(N)}
+        self.bytes_sent = 0
+        self.overlap = overlap and self.world > 1
+        self._hooks: list[Any] = []
+        self._sent: dict[int, tuple[int, int] | None] = {}  # parameter -> what was sent
+        self._works: list[Any] = []  # the buckets' all-reduces this round, in order
+        self._filled: list[set[int]] = [set() for _ in range(len(self.buckets))]
+        self._waiting_for: list[set[int]] = []
+        if self.overlap:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._hook, i)))
+        self._new_round()
+
+    # ------------------------------------------------------------------ set-up
+    def _check_layout(self) -> None:
+        mine = [(list(p.shape), str(p.dtype)) for p in self.params]
+        if self.world == 1:
+            return
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                raise ValueError(
+                    f"{_OWNER}: rank {r} has parameters {theirs}, rank "
+                    f"{self.rank} has {mine}; every worker must build the same model"
+                )
+
+    def _broadcast_parameters(self) -> None:
+        """Every rank starts from rank 0's values (the server path's workers read the chief's)."""
+        if self.world == 1:
+            return
+        with torch.no_grad():
+            for b, idx in enumerate(self.buckets.members):
+                for i in idx:
+                    self.buckets.slot[i].copy_(self.params[i])
+                self._collective(dist.broadcast, self.buckets.flat[b], src=0)
+                for i in idx:
+                    self.params[i].copy_(self.buckets.slot[i])
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.overlap = False
+
+    # ------------------------------------------------------------------ overlap
+    def _new_round(self) -> None:
+        """Forget the last round's sends; re-read trainability (a parameter unfrozen since
+        gets counted, a frozen one no longer holds its bucket back)."""
+        self._sent.clear()
+        self._works = []
+        for s in self._filled:
+            s.clear()
+        self._waiting_for = [
+            {i for i in idx if self.params[i].requires_grad} for idx in self.buckets.members
+        ]
+
+    def _armed(self) -> bool:
+        """Will this round's gradients be all-reduced (so hooks may send them early)?"""
+        return self.overlap and not self._released() and not self._stale()
+
+    def _hook(self, i: int, param: torch.Tensor) -> None:
+        b = self.buckets.bucket_of[i]
+        if not self._armed() or b < len(self._works) or param.grad is None:
+            return  # bucket already sent: step() sees the changed gradient and resends
+        self.buckets.fill(i, param.grad)
+        self._sent[i] = _mark(param.grad)
+        self._filled[b].add(i)
+        self._waiting_for[b].discard(i)
+        while len(self._works) < len(self.buckets) and not self._waiting_for[len(self._works)]:
+            self._send(len(self._works))
+
+    def _send(self, b: int) -> None:
+        """All-reduce bucket ``b`` (asynchronously); a slot that backward left empty (a
+        frozen parameter) goes as its current gradient, noted like the others."""
+        for i in self.buckets.members[b]:
+            if i not in self._filled[b]:
+                g = self.params[i].grad
+                self.buckets.fill(i, g)
+                self._sent[i] = _mark(g)
+        work = self._collective(dist.all_reduce, self.buckets.flat[b], async_op=True)
+        self._works.append(work)
+        flat = self.buckets.flat[b]
+        self.bytes_sent += flat.numel() * flat.element_size()
+
+    # ------------------------------------------------------------------ the round
+    def _released(self) -> bool:
+        return self.last_step is not None and self.global_step >= self.last_step
+
+    def _stale(self) -> bool:
+        return self.local_step < self.global_step
+
+    def _take_token(self) -> int:
+        if self.rule == "distinct" or self._released():
+            return self.global_step
+        values = [self.tokens.get() for _ in range(self.N)]
+        if values[0] is None:
+            raise RuntimeError(f"{_OWNER}: no token left (num_tokens too small)")
+        return int(values[self.rank])  # type: ignore[arg-type]
+
+    def step(self, local_step: int, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
+        """One round with this rank's ``grads``; returns ``(accepted, local_step,
+        global_step)``."""
+        self.local_step = int(local_step)
+        try:
+            return self._round(grads)
+        finally:
+            self._new_round()
+
+    def _round(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
+        if self._released():  # every rank knows: nothing is sent, nothing applied
+            return False, self.global_step, self.global_step
+        if self._stale():  # every rank holds the same stale tag
+            log.debug(
+                "rank %d: stale round dropped on every rank (tag %d, global step %d)",
+                self.rank, self.local_step, self.global_step,
+            )  # fmt: skip
+            for s in self.stats.values():
+                s["dropped"] += 1
+            return False, self._take_token(), self.global_step
+        averages = self._reduce(grads)
+        pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
+        if pairs:
+            apply_gradients(self.opt, pairs)
+        self.global_step += 1
+        if self.rule == "shared":
+            self.tokens.put(self.global_step, self.N)
+        if self.ema is not None:
+            chosen = self.average_indices or range(len(self.params))
+            self.ema.apply({i: self.params[i] for i in chosen}, num_updates=self.global_step)
+        for s in self.stats.values():
+            s["accepted"] += 1
+        return True, self._take_token(), self.global_step
+
+    def _reduce(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Sum every rank's gradients; the averages (module docstring)."""
+        n = len(grads)
+        changed = False
+        for i, g in enumerate(grads):
+            b = self.buckets.bucket_of[i]
+            if b < len(self._works):  # sent during backward: is it still what step() sees?
+                changed |= _mark(g) != self._sent[i]
+            else:
+                self.buckets.fill(i, g)
+                self._filled[b].add(i)
+        # the buckets backward did not complete, in order, then the flags
+        while len(self._works) < len(self.buckets):
+            self._send(len(self._works))
+        flags = torch.zeros(2 * n + 2 * self.world, dtype=torch.float64, device=self._device())
+        for i, g in enumerate(grads):
+            if g is not None:
+                flags[n * g.is_sparse + i] = 1.0
+        if self.nonfinite == "raise" and not all(g is None or all_finite(g) for g in grads):
+            flags[2 * n + self.rank] = 1.0
+        flags[2 * n + self.world + self.rank] = float(changed)
+        self._wait()
+        self._collective(dist.all_reduce, flags)
+        flags = flags.cpu()
+        bad = [r for r in range(self.world) if flags[2 * n + r] > 0]
+        if bad:
+            raise FloatingPointError(
+                f"{_OWNER}: non-finite gradient from rank(s) {bad}; it was not applied "
+                "(nothing changed)"
+            )
+        if flags[2 * n + self.world :].any():
+            self._resend(grads, [r for r in range(self.world) if flags[2 * n + self.world + r]])
+        mixed = [i for i in range(n) if flags[i] > 0 and flags[n + i] > 0]
+        if mixed:
+            raise ValueError(
+                f"{_OWNER}: variables {mixed} got dense gradients on some ranks and sparse ones "
+                "on others"
+            )
+        rows = self._row_counts(grads, [i for i in range(n) if flags[n + i] > 0])
+        out: list[torch.Tensor | None] = []
+        for i, p in enumerate(self.params):
+            total = self.buckets.slot[i]
+            if flags[i] == 0 and flags[n + i] == 0:
+                out.append(None)
+            elif i not in rows:  # None counts as zeros: divide by the N gradients
+                out.append(total / self.N)
+            else:
+                idx = rows[i].nonzero().reshape(-1)
+                div = rows[i][idx].to(p.dtype).reshape(-1, *[1] * (p.dim() - 1))
+                values = total[idx] / div
+                out.append(torch.sparse_coo_tensor(idx.unsqueeze(0), values, p.shape).coalesce())
+        return out
+
+    def _resend(self, grads: list[torch.Tensor | None], ranks: list[int]) -> None:
+        """Some rank's gradients changed after backward sent them: every rank sends all
+        buckets again from ``grads``, and stops overlapping."""
+        if self.overlap:
+            log.warning(
+                "%s: rank(s) %s changed gradients after backward had sent them (clipping, "
+                "unscaling or a second backward before step()); the update uses the gradients "
+                "as step() sees them, all-reduced again, and overlap is off from now on",
+                _OWNER, ranks,
+            )  # fmt: skip
+        self.overlap = False
+        for i, g in enumerate(grads):
+            self.buckets.fill(i, g)
+            self._filled[self.buckets.bucket_of[i]].add(i)
+        self._works = []
+        for b in range(len(self.buckets)):
+            self._send(b)
+        self._wait()
+
+    def _row_counts(
+        self, grads: list[torch.Tensor | None], sparse: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """For the parameters some rank sent a sparse gradient for: how many ranks sent each
+        row (one more all-reduce, of those parameters' rows only)."""
+        if not sparse:
+            return {}
+        rows = {
+            i: torch.zeros(self.params[i].shape[0], dtype=torch.float64, device=self._device())
+            for i in sparse
+        }
+        for i in sparse:
+            g = grads[i]
+            if g is not None and g.is_sparse:
+                rows[i][g.coalesce().indices()[0].to(rows[i].device)] = 1.0
+        flat = torch.cat(list(rows.values()))
+        self._collective(dist.all_reduce, flat)
+        offset = 0
+        for i in sparse:
+            n = rows[i].numel()
+            rows[i] = flat[offset : offset + n].to(self.params[i].device)
+            offset += n
+        return rows
+
+    def _device(self) -> torch.device:
+        """Where small tensors go: NCCL reduces CUDA tensors only, gloo CPU ones too."""
+        if self.world > 1 and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _wait(self) -> None:
+        for work in self._works:
+            if work is not None:
+                self._collective(work.wait)
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.world == 1:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            log.error("rank %d: the all-reduce failed: %s", self.rank, exc)
+            raise RuntimeError(
+                f"{_OWNER}(transport='allreduce'): rank {self.rank}: a peer did not join the "
+                f"all-reduce (dead, stuck, or it ran fewer steps: without a server every "
+                f"worker runs the same number of steps): {str(exc).splitlines()[0]}"
+            ) from None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "tokens": self.tokens.state(),
+            "stats": {int(k): dict(v) for k, v in self.stats.items()},
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+        self.tokens.load(state["tokens"] if self.rule == "shared" else [])
+        self.stats = {int(k): dict(v) for k, v in state["stats"].items()}
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
