@@ -71,6 +71,8 @@ def rows(world: int) -> list[Row]:
         Row("compute", "compute only (no communication)", "compute", kind="local"),
         Row("ddp", "DDP (bucketed all-reduce, overlapped)", "ddp"),
         Row("allreduce", "gloo all-reduce after backward", "allreduce"),
+        Row("sr-default", f"SyncReplicas, default options, R={n}", "sync-replicas",
+            {"R": n, "servers": "default"}),
         Row("sr-one", f"SyncReplicas, one server, R={n}", "sync-replicas", {"R": n}),
         Row("sr-one-b", f"SyncReplicas, one server, R={r} of {n}", "sync-replicas", {"R": r}),
         Row("sr-shard", f"SyncReplicas, sharded over workers, R={n}", "sync-replicas",

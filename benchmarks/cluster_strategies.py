@@ -145,7 +145,8 @@ class DDP(Strategy):
 
 @register("sync-replicas")
 class SyncReplicas(Strategy):
-    """``SyncReplicasOptimizer``; ``servers="one"`` (on host 0), ``"sharded"`` (one shard per
+    """``SyncReplicasOptimizer``; ``servers="default"`` (no server named: the quick start's
+    layout, all-reduce for R = N), ``"one"`` (on host 0), ``"sharded"`` (one shard per
     fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
     server rank); ``R`` gradients per update of N = world; ``overlap``, ``nonfinite`` and
     ``assignment`` (``shard_assignment``) as the optimizer's; ``stream``: the reads stream into
@@ -156,6 +157,16 @@ class SyncReplicas(Strategy):
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx, o = self.ctx, self.options
         servers = o.get("servers", "one")
+        if servers == "default":  # the quick start: no server named, every option left out
+            self.sync = gfd.SyncReplicasOptimizer(
+                opt,
+                replicas_to_aggregate=int(o.get("R", ctx.world)),
+                total_num_replicas=ctx.world,
+                timeout=ctx.timeout,
+                last_step=int(o["last_step"]),
+                host=ctx.address,
+            )
+            return self.sync
         if servers == "dedicated":
             ranks = list(ctx.server_ranks)
         else:

@@ -131,6 +131,7 @@ def sync_train(
     adam: bool = False,
     forget_dead: bool = False,
     assignment: str = "bytes",
+    tokens: str | None = None,
 ) -> dict:
     """Train until global_step == steps; rank ``slow`` sleeps ``delay`` after each step;
     rank 1 SIGKILLs itself after ``die_at`` of its own steps (right after getting a token);
@@ -151,6 +152,7 @@ def sync_train(
         server_ranks=server_ranks,
         num_tokens=num_tokens,
         shard_assignment=assignment,
+        tokens=tokens,
     )
     if die_at is not None:  # every worker joined before any trains: rank 1 starts with them
         _joined(ctx)
@@ -278,7 +280,7 @@ def sync_error(
             R,
             N,
             timeout=3.0,
-            server_ranks=server_ranks,
+            server_ranks=[0] if server_ranks is None else server_ranks,
         )
         # the victim trains (and dies) only once every rank is connected: else, with R of N
         # gradients from any workers, a rank slow to start (a loaded host) meets the dead

@@ -108,9 +108,10 @@ def test_the_chief_takes_a_withheld_gradient_with_a_token_request():
 @pytest.mark.timeout(120)
 def test_a_backup_job_withholds_and_trains_to_the_same_variables():
     """R = 2 of N = 3, two shards on each of ranks 0 and 1, rank 2 slowed: surplus tokens
-    send the fast workers' pushes stale, known so from the values they read, and withheld;
-    every rank reaches the last step on the same variables."""
+    (TF's shared queue) send the fast workers' pushes stale, known so from the values they
+    read, and withheld; every rank reaches the last step on the same variables."""
     args = (2, 3, 20, "server", 2, 0.15, 16, None, 20.0, [0, 1, 0, 1])
+    args += (-1, False, False, "bytes", "shared")
     out = run_ranks(sync_ranks.sync_train, 3, args=args, timeout=100)
     for r in range(3):
         assert out[r]["global_step"] == 20

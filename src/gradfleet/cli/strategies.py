@@ -248,17 +248,28 @@ class SyncReplicas(Strategy):
     so a straggler's remaining steps return at once."""
 
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        total = int(self.args.get("total_num_replicas", self.world))
+        ranks = self.args.get("server_ranks")  # dedicated ranks (--servers)
+        if ranks is None and int(self.args.get("shards", 1)) > 1:
+            ranks = [k % total for k in range(int(self.args["shards"]))]
+        elif ranks is None and "shards" in self.args:
+            ranks = [0]  # shards=1 asks for the one server on rank 0
         wrapped = gfd.SyncReplicasOptimizer(  # type: ignore[attr-defined]
             opt,
             replicas_to_aggregate=int(self.args.get("replicas_to_aggregate", self.world - 1)),
-            total_num_replicas=int(self.args.get("total_num_replicas", self.world)),
+            total_num_replicas=total,
             timeout=float(self.args.get("timeout", 60.0)),
             last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
             num_tokens=int(self.args.get("num_tokens", -1)),
+            tokens=self.args.get("tokens"),
+            transport=self.args.get("transport"),
+            overlap=self.args.get("overlap"),
             host=self.args.get("host", "127.0.0.1"),
             server_address=self.args.get("server_address"),
             worker=self.args.get("worker"),
-            server_ranks=self.args.get("server_ranks"),  # dedicated ranks (--servers)
+            server_ranks=ranks,
+            shard_assignment=self.args.get("shard_assignment", "bytes"),
+            model=model,
         )
         # sharded (--servers K > 1): a rejoining worker needs every shard's address
         addresses = wrapped.server_addresses

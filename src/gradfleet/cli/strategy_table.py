@@ -69,8 +69,18 @@ STRATEGIES: dict[str, StrategyInfo] = {
             {
                 "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
                 "total_num_replicas": "workers taking part (default: workers)",
-                "num_tokens": "initial tokens (TF's num_tokens; default -1: "
-                "replicas_to_aggregate; 0 with replicas_to_aggregate = workers: lockstep)",
+                "num_tokens": "initial tokens of TF's shared queue (TF's num_tokens; "
+                "giving it selects tokens=shared)",
+                "tokens": "distinct (default: each update takes one gradient from each of "
+                "replicas_to_aggregate workers) or shared (TF's token queue: first come, "
+                "first served)",
+                "transport": "allreduce (default where replicas_to_aggregate = workers and "
+                "no server is asked for: DDP-style buckets, no server) or server",
+                "overlap": "true/false: send gradients during backward (default: on for "
+                "allreduce, where it never changes the numbers; off for servers)",
+                "shards": "parameter shards over the worker ranks, shard k on worker "
+                "k mod workers (default 1: one server on rank 0; asks for a server)",
+                "shard_assignment": "bytes (default), round_robin, split or backward_order",
             },
             min_workers=2,
         ),
@@ -152,6 +162,19 @@ def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
             raise ValueError(
                 f"strategy sync-replicas: num_tokens must be an integer >= -1, got {tokens!r}"
             )
+        _int(name, "shards", args.get("shards", 1), 1)
+        choices = {
+            "tokens": ("distinct", "shared"),
+            "transport": ("allreduce", "server"),
+            "overlap": (True, False),
+            "shard_assignment": ("bytes", "round_robin", "split", "backward_order"),
+        }
+        for key, allowed in choices.items():
+            if key in args and args[key] not in allowed:
+                shown = ", ".join(str(a).lower() for a in allowed)
+                raise ValueError(
+                    f"strategy sync-replicas: {key} must be one of {shown}, got {args[key]!r}"
+                )
 
 
 def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:

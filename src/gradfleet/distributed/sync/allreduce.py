@@ -177,6 +177,7 @@ class AllReduceExchange:
         self.ema, self.average_indices = ema, list(average_indices)
         self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(N)}
         self.bytes_sent = 0
+        self.sent_in_backward = 0  # buckets a gradient hook sent (overlap at work)
         self.overlap = overlap and self.world > 1
         self._hooks: list[Any] = []
         self._sent: dict[int, tuple[int, int] | None] = {}  # parameter -> what was sent
@@ -246,6 +247,7 @@ class AllReduceExchange:
         self._waiting_for[b].discard(i)
         while len(self._works) < len(self.buckets) and not self._waiting_for[len(self._works)]:
             self._send(len(self._works))
+            self.sent_in_backward += 1
 
     def _send(self, b: int) -> None:
         """All-reduce bucket ``b`` (asynchronously); a slot that backward left empty (a

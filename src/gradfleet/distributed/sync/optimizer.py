@@ -12,16 +12,26 @@ worker computes gradients on its copy of the model and calls ``step()`` (or
              tokens carrying the new step, update ``variable_averages``
 
 N = ``total_num_replicas`` > R gives N - R backup workers: the first R fresh gradients make the
-update, late ones are dropped.  N < R: workers push several batches per update.  Tokens are
-shared, so a fast worker may contribute several gradients to one update.  The initial token fill
-is TF's ``get_init_tokens_op(num_tokens)`` (``-1`` -> R; fewer than R - N is an error) and leads
-to TF's "one wasted round" right after the first update.
+update, late ones are dropped.  By default (``tokens="distinct"``) every update takes its R
+gradients from R different workers, each computed on the current variables: a worker whose
+gradient joined the pending update gets its next token once that update is made
+(:mod:`.token_line`).  ``tokens="shared"`` is TF's queue: tokens go to whoever asks first, so a
+fast worker may contribute several gradients to one update (the default where R > N, or where
+``num_tokens`` is given); its initial fill is TF's ``get_init_tokens_op(num_tokens)`` (``-1`` ->
+R; fewer than R - N is an error) and leads to TF's "one wasted round" after the first update.
+When the live workers can never make the pending update (one left after its last step, one was
+reported dead), every waiting worker gets a ``RuntimeError`` naming who left when.
 
 Beyond TF: ``last_gradient_accepted`` and per-worker ``counters`` (accepted / dropped /
 nonfinite); ``nonfinite`` policy; ``last_step`` releases every worker at the end; a worker that
 waits ``timeout`` seconds gets an error naming the silent ranks, a dead server an error naming
-the server rank.  ``transport="allreduce"`` (R == N only) replaces the server by one all-reduce
-per round with the same numerics in lockstep, including the wasted round.
+the server rank.
+
+The exchange is chosen once, at construction: ``transport="allreduce"`` -- the default where
+every worker joins every update (R == N == the world size, ``tokens="distinct"``) and no server
+is named (``server_rank``, ``server_ranks``, ``server_address``) -- replaces the server by
+all-reduces in buckets overlapped with backward, as DDP's (:mod:`.allreduce`): the same numbers
+up to the order of summation.  Otherwise ``transport="server"``.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
 ``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
@@ -98,13 +108,18 @@ class SyncReplicasOptimizer(
             after every update (read them with :meth:`averaged_variables` on the chief).
         variables_to_average: the parameters of this optimizer that ``variable_averages``
             tracks (default: none).
-        num_tokens: initial tokens (TF hook's ``num_tokens``; -1 means R).
-        transport: ``"server"`` (default) or ``"allreduce"`` (R == N, lockstep, no server).
+        num_tokens: initial tokens of TF's shared queue (TF hook's ``num_tokens``; -1 means
+            R); giving it selects ``tokens="shared"``.
+        tokens: ``"distinct"`` (default for R <= N): one gradient per worker per update;
+            ``"shared"``: TF's token queue, first come first served (module docstring).
+        transport: ``"server"`` or ``"allreduce"`` (R == N, lockstep, no server); default:
+            ``"allreduce"`` where it gives the same numbers (module docstring).
         timeout: seconds a worker waits for a token / the server before failing.
         last_step: once ``global_step`` reaches it, every worker is released at once.
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
             ``"drop"`` (treated like a stale gradient) or ``"apply"`` (TF: NaN flows in).
-        server_rank: the rank that hosts the server.
+        server_rank: the rank that hosts the server (default 0 where there is one; naming
+            it asks for a server).
         host: the interface the server listens on.  Default: loopback while every rank is on
             this host, else this host's address on the route to ``MASTER_ADDR``
             (``GRADFLEET_SERVER_HOST`` overrides it); ranks on several hosts without such an
@@ -127,15 +142,17 @@ class SyncReplicasOptimizer(
             after another during backward; list every server rank several times
             (``[4, 5, 6, 7] * 2``) so the runs that complete together sit on every rank
             (:func:`.pieces.in_backward_order`).
-        overlap: push each shard's gradients from backward's gradient hooks as soon as the
-            shard's are all in, while backward goes on (DDP's overlap, per shard; see
-            :mod:`.overlap`).  Off by default: what is pushed is ``.grad`` as backward left
-            it, so clipping, ``GradScaler`` unscaling or any other change between
-            ``backward()`` and ``step()`` is not seen, and one backward per step only (a
-            second raises).  Leave ``.grad`` untouched until ``step()`` returns.  Needs
-            ``transport="server"``; sharded, it needs ``nonfinite="apply"`` (a shard
-            pushed during backward cannot be withdrawn when a later shard's gradient turns
-            out non-finite).
+        overlap: send gradients from backward's gradient hooks while backward goes on.
+            Default None: on for the all-reduce exchange, where it never changes the numbers
+            (a gradient changed after it left is sent again, :mod:`.allreduce`); off with
+            servers.  With servers it pushes each shard's gradients as soon as the shard's
+            are all in (DDP's overlap, per shard; see :mod:`.overlap`); what is pushed is
+            ``.grad`` as backward left it, so clipping, ``GradScaler`` unscaling or any
+            other change between ``backward()`` and ``step()`` is not seen, and one backward
+            per step only (a second raises).  Leave ``.grad`` untouched until ``step()``
+            returns.  Sharded, it needs ``nonfinite="apply"`` (a shard pushed during
+            backward cannot be withdrawn when a later shard's gradient turns out
+            non-finite).
         global_step: the step the job starts from (TF: the ``global_step`` a restarted chief
             restored, e.g. ``load_tf_checkpoint(...).global_step`` of the model and optimizer
             loaded before wrapping): the chief's ``global_step``, its initial tokens and every
@@ -146,6 +163,9 @@ class SyncReplicasOptimizer(
             server's ``"host:port"`` (``server_address`` property of a running optimizer;
             sharded: the list ``server_addresses``).
         worker: that process's worker id (with ``server_address``).
+        model: the model whose parameters ``opt`` holds: with several shards, each module's
+            next forward waits for its own shards' values (:meth:`stream_reads`); nothing
+            to stream otherwise.
 
     ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
     another server rank's the shards it hosts (``"shards"``), a plain worker's only its own
@@ -227,6 +247,8 @@ class SyncReplicasOptimizer(
                 last_step, self.overlap,
             )  # fmt: skip
             self.local_step = self.global_step = self._allreduce.global_step
+            self.server_addresses: list[str] = []  # no server: nothing to rejoin through
+            self.server_address: str | None = None
             return
         self._split = self._plan_split(shard_assignment, variable_averages, len(ranks))
         self._pieces = self._split or whole(len(self._index))
@@ -275,7 +297,7 @@ class SyncReplicasOptimizer(
                 self._servers.connect(addresses)
             given = [addresses[k] for k in range(len(ranks))]
         self.server_addresses = list(given)
-        self.server_address: str = given[0]
+        self.server_address = given[0]
         self._links = SyncLinks(
             given, ranks, self.worker, self.timeout, self._shard_params, self._load_shard
         )

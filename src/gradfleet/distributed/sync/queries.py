@@ -92,8 +92,8 @@ class SyncQueries:
         """Count the workers ``ranks`` as having left (they died and will not come back), on
         every server: a server rank's :meth:`close` then stops waiting for them at once
         instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
-        forgotten worker that does come back (``hello``) is counted again."""
-        links = self._settled_links("forget_workers")
+        forgotten worker that does come back (``hello``) is counted again.  Without a server
+        (``transport="allreduce"``) there is nobody to tell: the ranks are only checked."""
         ranks = [int(r) for r in ranks]
         bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
         if bad:
@@ -101,4 +101,5 @@ class SyncQueries:
                 f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
                 f"got {bad}"
             )
-        links.forget(ranks)
+        if self._allreduce is None:
+            self._settled_links("forget_workers").forget(ranks)

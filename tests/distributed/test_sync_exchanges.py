@@ -1,0 +1,142 @@
+"""SyncReplicas's exchanges over real ranks against float64 references: the default all-reduce
+exchange (R == N, no server named; overlapped with backward, resent when a gradient changed
+after it left), a named server with one gradient per worker per update, and plain ``for``
+loops that either finish or fail at once naming the cause."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradfleet.distributed.sync.allreduce import Buckets
+from gradfleet.distributed.testing import RankKilled, run_ranks
+
+from . import exchange_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+# float64 throughout: the exchanges sum N gradients in another order than the reference, so
+# each update differs by a few ulps of its terms; Adam's step is about lr per element, so
+# 1e-10 leaves a margin of 1e4 over that rounding and is far below any real difference
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["plain", "clip", "accumulate"])
+def test_default_allreduce_exchange_matches_the_reference(mode):
+    steps = 4
+    out = run_ranks(exchange_ranks.lockstep_job, 3, args=(steps, mode, {}), timeout=120)
+    want = exchange_ranks.simulate_lockstep(3, steps, mode)
+    for o in out:
+        assert o["transport"] == "allreduce" and o["global_step"] == steps
+        for got, ref in zip(o["params"], want, strict=True):
+            torch.testing.assert_close(got, ref, **TOL)
+        assert o["counters"] == {"accepted": steps, "dropped": 0}
+    # plain: the buckets went out during backward and overlap stayed on; clipping or a
+    # second backward changed the gradients after they left: sent again, overlap off
+    assert all(o["sent_in_backward"] > 0 for o in out)
+    assert all(o["overlap"] is (mode == "plain") for o in out)
+
+
+@pytest.mark.slow
+def test_default_allreduce_exchange_without_overlap_matches_the_reference():
+    out = run_ranks(exchange_ranks.lockstep_job, 2, args=(3, "clip", {"overlap": False}))
+    want = exchange_ranks.simulate_lockstep(2, 3, "clip")
+    for o in out:
+        assert o["sent_in_backward"] == 0
+        for got, ref in zip(o["params"], want, strict=True):
+            torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.slow
+def test_named_server_takes_one_gradient_from_each_worker():
+    """R = N = 4 with the server inside rank 0, which reaches it first every time: every
+    update takes one gradient from each worker, computed on the current variables (TF's
+    shared tokens let rank 0 fill updates alone and waste a round at the start)."""
+    steps = 5
+    out = run_ranks(exchange_ranks.lockstep_job, 4, args=(steps, "plain", {"server_rank": 0}))
+    want = exchange_ranks.simulate_lockstep(4, steps, "plain")
+    assert out[0]["server_counters"] == {
+        r: {"accepted": steps, "dropped": 0, "nonfinite": 0} for r in range(4)
+    }
+    for o in out:
+        assert o["transport"] == "server" and o["global_step"] == steps
+        for got, ref in zip(o["params"], want, strict=True):
+            torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.slow
+def test_allreduce_exchange_sparse_rows_and_missing_gradients():
+    out = run_ranks(exchange_ranks.sparse_and_missing, 3)
+    # the server's rule: rows averaged over the ranks that sent them, dense None as zeros,
+    # a parameter without any gradient untouched
+    emb = torch.zeros(4, 2, dtype=torch.float64)
+    for r in range(3):
+        emb[r] -= torch.tensor([1.0, 2.0], dtype=torch.float64)
+    emb[3] -= torch.tensor([(10.0 + 20.0 + 30.0) / 3, 1.0], dtype=torch.float64)
+    bias = -torch.tensor([3.0, 6.0, 9.0], dtype=torch.float64) / 3
+    for o in out:
+        assert o["transport"] == "allreduce" and o["global_step"] == 1
+        torch.testing.assert_close(o["emb"], emb, rtol=0, atol=1e-15)
+        torch.testing.assert_close(o["bias"], bias, rtol=0, atol=1e-15)
+        torch.testing.assert_close(o["unused"], torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [{}, {"server_rank": 0}, {"server_ranks": [0, 1]}])
+def test_a_fixed_length_loop_finishes(kwargs):
+    out = run_ranks(
+        exchange_ranks.fixed_loop, 2, args=(12, dict(kwargs, replicas_to_aggregate=2), None)
+    )
+    for o in out:
+        assert o["error"] is None and o["steps"] == 12 and o["global_step"] == 12
+
+
+@pytest.mark.slow
+def test_a_fixed_length_loop_with_a_backup_fails_at_once_naming_the_cause():
+    """R = 2 of N = 3, rank 2 slow: ranks 0 and 1 finish their 8 steps and leave; rank 2's
+    next gradient can never be joined by a second one, and it hears so at once (the timeout
+    is 30 s)."""
+    kwargs = {"replicas_to_aggregate": 2, "total_num_replicas": 3, "server_rank": 0}
+    out = run_ranks(exchange_ranks.fixed_loop, 3, args=(8, kwargs, 2), timeout=120)
+    assert out[0]["error"] is None and out[1]["error"] is None
+    assert out[0]["steps"] == out[1]["steps"] == 8
+    error = out[2]["error"]
+    assert error is not None and error.startswith("RuntimeError"), error
+    assert "can never be made" in error and "left at global step" in error
+    assert "global_step reaches" in error
+    assert out[2]["end"] - max(out[0]["end"], out[1]["end"]) < 10.0
+
+
+@pytest.mark.slow
+def test_shared_tokens_loop_never_waits_for_the_timeout():
+    """TF's shared tokens (the issue's plain loop): a fast worker may give two gradients to
+    one update and finish first; the other then fails at once naming the cause, or finishes
+    -- never a wait for the 30 s timeout."""
+    kwargs = {"replicas_to_aggregate": 2, "tokens": "shared", "server_rank": 0}
+    out = run_ranks(exchange_ranks.fixed_loop, 2, args=(30, kwargs, None), timeout=120)
+    for o in out:
+        if o["error"] is not None:
+            assert o["error"].startswith("RuntimeError") and "can never be made" in o["error"]
+    assert max(o["end"] for o in out) - min(o["end"] for o in out) < 10.0
+
+
+def test_buckets_follow_ddp_layout():
+    params = [torch.zeros(1 << 17), torch.zeros(8, dtype=torch.float64), torch.zeros(1 << 18)]
+    b = Buckets(params, first_bytes=1 << 20, bytes_each=1 << 21)
+    # reverse order; the 1 MiB float32 tensor fills the first bucket; dtypes never mix
+    assert b.members == [[2], [1], [0]]
+    assert [f.dtype for f in b.flat] == [torch.float32, torch.float64, torch.float32]
+    b.fill(0, torch.ones(1 << 17))
+    b.fill(1, torch.sparse_coo_tensor([[1, 1, 5]], [1.0, 2.0, 4.0], (8,)))
+    assert b.flat[2].sum() == 1 << 17
+    assert b.flat[1].tolist() == [0, 3, 0, 0, 0, 4, 0, 0]
+    b.fill(1, None)
+    assert not b.flat[1].any()
+
+
+@pytest.mark.slow
+def test_default_allreduce_exchange_names_a_lost_peer():
+    out = run_ranks(exchange_ranks.lost_peer, 2, timeout=90, kill_on={1: "die"})
+    assert out[1] == RankKilled(1)
+    assert out[0].startswith("RuntimeError") and "did not join the all-reduce" in out[0], out[0]
