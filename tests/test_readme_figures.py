@@ -44,39 +44,43 @@ def _cluster_machine(name: str) -> str:
     return _json(name)["machine"]
 
 
-GPU_DEFAULT = [f"gpu_h200_default/AdamOptimizer{s}.json" for s in
-               ("", "-warm", "-cache-first", "-cache-second")]  # fmt: skip
+GPU_DEFAULT = [
+    f"gpu_h200_default/AdamOptimizer{run}.json"
+    for run in ("", "-warm", "-cache-first", "-cache-second")
+]
+
+
+def _gpu_default_adam() -> tuple[str, str]:
+    ratios = [r["time_vs_torch_fused_adam"] for n in GPU_DEFAULT for r in _speed_rows(n, "default")]
+    return _span(ratios), "{gpu}, torch {torch}".format(**_json(GPU_DEFAULT[0])["machine"])
+
+
+def _cpu_fused_bandwidth() -> tuple[str, str]:
+    name = "cpu_replayed/default.json"
+    rows = [r for r in _speed_rows(name, "fused") if r["optimizer"] != "NormalizedSGD"]
+    lowest = min(r["bw_vs_torch_fused_adam"] for r in rows)
+    return _span([lowest]), "{cores}-core {cpu}".format(**_json(name)["machine"])
+
+
+def _cluster(key: str, *names: str) -> tuple[str, str]:
+    ratios = [ratio for name in names for ratio in _x_ddp(f"{name}.json", key)]
+    return _span(ratios), _cluster_machine(f"{names[0]}.json")
+
 
 # the start of each row's first cell -> (its figure from the results, their machine)
 FIGURES = {
-    "fused `AdamOptimizer` step, the CUDA default path": lambda: (
-        _span([r["time_vs_torch_fused_adam"] for n in GPU_DEFAULT
-               for r in _speed_rows(n, "default")]),  # fmt: skip
-        "{gpu}, torch {torch}".format(**_json(GPU_DEFAULT[0])["machine"]),
-    ),
-    "fused step bandwidth, 16.8M parameters in 41 tensors": lambda: (
-        _span([min(r["bw_vs_torch_fused_adam"]
-                   for r in _speed_rows("cpu_replayed/default.json", "fused")
-                   if r["optimizer"] != "NormalizedSGD")]),  # fmt: skip
-        "{cores}-core {cpu}".format(**_json("cpu_replayed/default.json")["machine"]),
-    ),
-    "SyncReplicas, R = 3 of 4 over the fast hosts, host 3's link at 1/4": lambda: (
-        _span(_x_ddp("cluster-withheld-slow.json", "sr-shard-order4-ovs-b")),
-        _cluster_machine("cluster-withheld-slow.json"),
+    "fused `AdamOptimizer` step, the CUDA default path": _gpu_default_adam,
+    "fused step bandwidth, 16.8M parameters in 41 tensors": _cpu_fused_bandwidth,
+    "SyncReplicas, R = 3 of 4 over the fast hosts, host 3's link at 1/4": lambda: _cluster(
+        "sr-shard-order4-ovs-b", "cluster-withheld-slow"
     ),
     "SyncReplicas on 4 dedicated server hosts, R = 3 of 4, host 3 computing 2x slower": lambda: (
-        _span(_x_ddp("cluster-slow-compute-dt3.json", "sr-ded-order4-ovs-b")
-              + _x_ddp("cluster-slow-compute-dt3b.json", "sr-ded-order4-ovs-b")),  # fmt: skip
-        _cluster_machine("cluster-slow-compute-dt3.json"),
+        _cluster("sr-ded-order4-ovs-b", "cluster-slow-compute-dt3", "cluster-slow-compute-dt3b")
     ),
-    "SyncReplicas on 4 dedicated server hosts, R = 4, even hosts": lambda: (
-        _span(_x_ddp("cluster-paced.json", "sr-ded-split-w4")),
-        _cluster_machine("cluster-paced.json"),
+    "SyncReplicas on 4 dedicated server hosts, R = 4, even hosts": lambda: _cluster(
+        "sr-ded-split-w4", "cluster-paced"
     ),
-    "ModelAverage, interval 8, even hosts": lambda: (
-        _span(_x_ddp("cluster-uniform.json", "ma8")),
-        _cluster_machine("cluster-uniform.json"),
-    ),
+    "ModelAverage, interval 8, even hosts": lambda: _cluster("ma8", "cluster-uniform"),
 }
 
 
