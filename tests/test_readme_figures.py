@@ -86,7 +86,7 @@ FIGURES = {
 
 def _readme_rows() -> list[list[str]]:
     text = (ROOT / "README.md").read_text()
-    table = text.split("\n## Figures\n", 1)[1].split("\n## ", 1)[0]
+    table = text.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in table.splitlines() if line.startswith("|")][2:]
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
 
