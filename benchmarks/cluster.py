@@ -12,7 +12,8 @@ Per strategy and scenario: updates/s and samples/s in the training phase, the tr
 time of one update (communication on zero gradients), the compute-only time of one step (the
 ``compute`` row: no communication), wall time until host 0's loss (mean of 4 steps) reaches
 ``--target-loss``, and each link's bytes/s (host-side interface counters, sampled every
-0.25 s) against its shaped rate.  Writes ``<out>/<name>.json``, ``.md`` and ``.png``.
+0.25 s) against its shaped rate.  Writes ``<out>/<name>.json``, ``.md`` and ``.png`` (updates/s,
+updates/s over DDP's, busiest link use); ``--replot JSON...`` redraws a PNG from its JSON.
 """
 
 from __future__ import annotations
@@ -181,11 +182,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds per scenario")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="cluster")
+    p.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                   help="redraw each given result's PNG from its JSON, beside it, and exit "
+                   "(runs nothing, needs no root)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.replot:
+        for report in args.replot:
+            print(cluster_report.replot(report))
+        return 0
     reason = unavailable_reason()
     if reason:
         print(f"cluster benchmark skipped: {reason}")

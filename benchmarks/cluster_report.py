@@ -153,6 +153,19 @@ def _ref(results: list[dict], scenario: str, key: str) -> dict | None:
     return None
 
 
+def ratios_to_ddp(results: list[dict]) -> dict[tuple[str, str], float]:
+    """Each row's updates/s over DDP's in the same scenario, keyed by (scenario, row key).
+
+    Rows that failed, and rows of a scenario whose DDP row is missing or failed, have none:
+    a ratio is only taken against the anchor measured in the same run and scenario."""
+    ratios = {}
+    for r in results:
+        ddp = _ref(results, r["scenario"], "ddp")
+        if "error" not in r and ddp is not None:
+            ratios[r["scenario"], r["row"]["key"]] = r["updates_s"] / ddp["updates_s"]
+    return ratios
+
+
 def _cpu(result: dict) -> str:
     cpu = result.get("cpu")  # results written before the column have none
     if cpu is None:
@@ -190,16 +203,15 @@ def markdown(report: dict) -> str:
         "| compute-only s | busiest link use | CPU busy | to target loss s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ratios = ratios_to_ddp(report["results"])
     for r in report["results"]:
         label = r["row"]["label"]
         if "error" in r:
             out.append(f"| {r['scenario']} | {label} | failed: {r['error']} ||||||||| ")
             continue
-        ddp, comp = (
-            _ref(report["results"], r["scenario"], "ddp"),
-            _ref(report["results"], r["scenario"], "compute"),
-        )
-        rel = f"{r['updates_s'] / ddp['updates_s']:.2f}" if ddp else "-"
+        comp = _ref(report["results"], r["scenario"], "compute")
+        ratio = ratios.get((r["scenario"], r["row"]["key"]))
+        rel = "-" if ratio is None else f"{ratio:.2f}"
         comp_s = f"{comp['step_s']:.2f}" if comp else "-"
         ttt = r["time_to_target_s"]
         out.append(
@@ -212,33 +224,62 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(report: dict, path: Path) -> None:
+def figure(report: dict) -> Any:
+    """Three panels, one bar per row and scenario: updates/s (log scale, so rows a hundredfold
+    apart share an axis), the same over DDP's in that scenario (linear, a line at 1.0: on the
+    log scale a 0.7x row looks level with DDP) and the busiest link's use of its rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in report["results"] if "error" not in r]
+    ratios = ratios_to_ddp(ok)
     scenarios = list(dict.fromkeys(r["scenario"] for r in ok))
     keys = list(dict.fromkeys(r["row"]["key"] for r in ok))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
+    # The compute-only row has no communication at all, often 10x DDP or more: the ratio axis
+    # ends above the strategies' rows, so that 0.7x and 1.0x stay apart, and clips it.
+    top = 1.25 * max([v for (_, k), v in ratios.items() if k != "compute"], default=1.0)
     width = 0.8 / max(len(scenarios), 1)
     for j, s in enumerate(scenarios):
         found = {r["row"]["key"]: r for r in ok if r["scenario"] == s}
         xs = [i + j * width for i in range(len(keys))]
         axes[0].bar(xs, [found[k]["updates_s"] if k in found else 0 for k in keys], width,
                     label=s)  # fmt: skip
-        axes[1].bar(xs, [100 * found[k]["busiest_use"] if k in found else 0 for k in keys],
+        heights = [ratios.get((s, k), 0) for k in keys]
+        axes[1].bar(xs, heights, width, label=s)
+        for x, h in zip(xs, heights):
+            if h and h <= top:  # the value above the bar
+                axes[1].text(x, h, f" {h:.2f}", ha="center", va="bottom", fontsize=7,
+                             rotation=90)  # fmt: skip
+            elif h:  # a clipped bar (the compute row): its value inside, below the axis' top
+                axes[1].text(x, 0.98 * top, f"{h:.2f} ", ha="center", va="top", fontsize=7,
+                             rotation=90, color="white")  # fmt: skip
+        axes[2].bar(xs, [100 * found[k]["busiest_use"] if k in found else 0 for k in keys],
                     width, label=s)  # fmt: skip
-    for ax, title in zip(axes, ("updates per second", "busiest link, % of shaped rate")):
+    titles = ("updates per second", "updates/s x DDP's (same scenario)",
+              "busiest link, % of shaped rate")  # fmt: skip
+    for ax, title in zip(axes, titles):
         ax.set_xticks([i + width * (len(scenarios) - 1) / 2 for i in range(len(keys))])
         ax.set_xticklabels(keys, rotation=30, ha="right")
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
+    axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    axes[1].set_ylim(0, top)
+    if not ratios:
+        axes[1].text(0.5, 0.5, "no DDP row in this run", ha="center", transform=axes[1].transAxes)
     cfg = report["config"]
     fig.suptitle(f"{cfg['hosts']} hosts, {cfg['link']} links, MLP {cfg['params']:.3g} params")
     fig.tight_layout()
+    return fig
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -250,3 +291,11 @@ def write(report: dict, out: Path, name: str) -> None:
     if any("error" not in r for r in report["results"]):
         plot(report, out / f"{name}.png")
     print(table)
+
+
+def replot(report_path: Path) -> Path:
+    """Redraws a run's PNG from its JSON, beside it (``cluster.py --replot``): the figure's
+    layout can change without running the benchmark again."""
+    png = report_path.with_suffix(".png")
+    plot(json.loads(report_path.read_text()), png)
+    return png

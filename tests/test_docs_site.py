@@ -50,9 +50,12 @@ def test_api_reference_lists_every_public_name():
     assert set(gradfleet.distributed.__all__) - _documented("distributed.md") == set()
 
 
-# The pages describe the project, not how or by whom it was made (that is CHANGELOG.md's).
+# The pages describe the project, not how or by whom it was made (that is CHANGELOG.md's), nor
+# how a measurement came about (benchmarks/results/cluster-history.md keeps that log).
 DEVELOPMENT_NOTES = re.compile(
-    r"\bsessions? (that|which) wrote|\bwas lent\b|\bissue [0-9]+\b", re.IGNORECASE
+    r"\bsessions? (that|which) wrote|\bwas lent\b|\bissue [0-9]+\b|\bscratch\b|not committed"
+    r"|next thing to try|none was kept",
+    re.IGNORECASE,
 )
 
 
@@ -65,3 +68,24 @@ def test_pages_speak_of_the_project_only():
         if DEVELOPMENT_NOTES.search(line)
     ]
     assert found == []
+
+
+def test_no_heading_is_dated():
+    """A page says what is so; when a figure was taken is the result file's business."""
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    dated = [
+        f"{page.relative_to(ROOT)}: {line}"
+        for page in pages
+        for line in page.read_text().splitlines()
+        if line.startswith("#") and re.search(r"\b(19|20)[0-9]{2}-[0-9]{2}-[0-9]{2}\b", line)
+    ]
+    assert dated == []
+
+
+def test_the_measurement_log_is_not_a_page():
+    assert "cluster-history" not in (ROOT / "mkdocs.yml").read_text()
+    assert not list(DOCS.rglob("cluster-history*"))
+    assert (ROOT / "benchmarks" / "results" / "cluster-history.md").is_file()
+    # a comment says why itself, rather than pointing at the log
+    code = sorted((ROOT / "src").rglob("*.py"))
+    assert [p for p in code if "cluster-history" in p.read_text()] == []

@@ -1,7 +1,9 @@
-"""docs/cluster.md: every ```python block runs, and does what the page says it does."""
+"""docs/cluster.md: every ```python block runs, and does what the page says it does; its table of
+updates/s against DDP quotes the stored results."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -15,6 +17,62 @@ PAGE = ROOT / "docs" / "cluster.md"
 
 def _blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+
+
+# "Updates per second against DDP": each row's label -> per column, (stored result, row key)
+TABLE = {
+    "DDP (bucketed all-reduce, overlapped with backward)": {
+        "uniform": ("cluster-uniform", "ddp"),
+        "slow-link": ("cluster-slow-link", "ddp"),
+    },
+    "SyncReplicas, split shards over the workers, R = 4": {
+        "uniform": ("cluster-uniform", "sr-shard-split"),
+    },
+    "SyncReplicas, split shards over the fast workers, R = 3 of 4": {
+        "slow-link": ("cluster-slow-link", "sr-shard-split-b"),
+    },
+    "the same in backward order, 4 shards per host, overlap, streamed reads, AMD VM": {
+        "slow-link": ("cluster-withheld-slow", "sr-shard-order4-ovs-b"),
+    },
+    "SyncReplicas, split shards on 4 dedicated server hosts, R = 4": {
+        "uniform": ("cluster-uniform", "sr-ded-split"),
+    },
+    "the same, 4 shards per server host (read-ahead, paced pushes), AMD VM": {
+        "uniform": ("cluster-paced", "sr-ded-split-w4"),
+    },
+    "async EASGD, centre on a dedicated host, period 4": {
+        "uniform": ("cluster-uniform", "easgd-ded"),
+    },
+    "ModelAverage, interval 8": {
+        "uniform": ("cluster-uniform", "ma8"),
+        "slow-link": ("cluster-slow-link", "ma8"),
+    },
+}
+
+
+def _quoted(result: str, scenario: str, key: str) -> str:
+    """A cell as the page writes it: updates/s (its ratio to DDP's in the same run)."""
+    report = json.loads((ROOT / "benchmarks" / "results" / f"{result}.json").read_text())
+    runs = {r["row"]["key"]: r for r in report["results"] if r["scenario"] == scenario}
+    assert "AMD" in report["machine"] or "Intel" in report["machine"]
+    updates_s = runs[key]["updates_s"]
+    return f"{updates_s:.3f} ({updates_s / runs['ddp']['updates_s']:.2f})"
+
+
+def test_the_updates_table_quotes_the_stored_results() -> None:
+    section = PAGE.read_text().split("### Updates per second against DDP")[1].split("\n#")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    cells = {r.strip("| ").split(" | ")[0]: r.strip("|").split("|")[1:] for r in rows}
+    assert set(cells) == set(TABLE)
+    for label, columns in TABLE.items():
+        uniform, slow_link = (c.strip() for c in cells[label])
+        expected = {s: _quoted(result, s, key) for s, (result, key) in columns.items()}
+        assert uniform == expected.get("uniform", ""), label
+        assert slow_link == expected.get("slow-link", ""), label
+        machine = "AMD" if label.endswith("AMD VM") else "Intel"
+        for result, _ in columns.values():  # the row names the machine its result ran on
+            report = json.loads((ROOT / "benchmarks" / "results" / f"{result}.json").read_text())
+            assert machine in report["machine"], (label, result)
 
 
 def test_the_page_has_python_blocks() -> None:

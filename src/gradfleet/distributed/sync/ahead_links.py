@@ -108,8 +108,8 @@ class ReadAheadLinks:
         Paced, a worker's pushes follow each other in :func:`push_order`, the shards update
         one after another, and their values travel back while later gradients still go out,
         as BytePS schedules its partitions with a credit of bytes.  Unlike waves (each sent
-        once the last one's shards answered), no push waits for another worker.  Measured on
-        the emulated cluster, both run at the same speed (docs/cluster-history.md, paced pushes)."""
+        once the last one's shards answered), no push waits for another worker, and on the
+        emulated cluster pacing is no slower than waves."""
         while len(self._unreceived) >= IN_FLIGHT:
             k, seq = self._unreceived.popleft()
             self.clients[k].wait_receipt(seq, self.timeout + 10.0)
