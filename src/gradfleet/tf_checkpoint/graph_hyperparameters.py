@@ -20,7 +20,7 @@ RETURNN's own optimizers update with plain ops too: their hyperparameters are ne
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +130,7 @@ _BY_OP_TYPE: dict[str, tuple[type, _ApplyOp]] = {
 #: dtype is TF's ``math_ops.cast``; the value before it is the one TF's Python level made).
 _PASS_THROUGH = ("Identity", "Cast", "Snapshot", "StopGradient")
 _FED = ("Placeholder", "PlaceholderV2", "PlaceholderWithDefault")
+_VARIABLES = ("VarHandleOp", "VariableV2", "Variable")
 
 
 class GraphMismatch(ValueError):
@@ -285,9 +286,8 @@ def tf_sees(optimizer_class: type, values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     if optimizer_class is _opts.FtrlOptimizer and {_L2, "beta", _LR} <= set(out):
         f32 = np.float32
-        out[_L2] = float(
-            f32(out[_L2]) + f32(out["beta"]) / (f32(2) * np.maximum(f32(out[_LR]), f32(1e-36)))
-        )
+        l2 = f32(out[_L2]) + f32(out["beta"]) / (f32(2) * np.maximum(f32(out[_LR]), f32(1e-36)))
+        out[_L2] = _as_python(l2, np.dtype(np.float32))
         out["beta"] = 0.0
     return out
 
@@ -394,21 +394,25 @@ class _Graph:
         """Why ``tensor`` does not depend on constants only ("" if it does)."""
         from tensorflow.python.framework import op_def_registry
 
-        for name in self._ancestors([tensor]):
-            node = self.nodes.get(name)
-            if node is None:
-                return f"{tensor} reads {name}, which the graph lacks"
-            if node.op in _FED:
-                return f"{tensor} is fed through the placeholder {name!r}"
+        nodes = [(name, self.nodes.get(name)) for name in self._ancestors([tensor])]
+        absent = [name for name, node in nodes if node is None]
+        if absent:
+            return f"{tensor} reads {absent[0]!r}, which the graph lacks"
+        fed = sorted(name for name, node in nodes if node.op in _FED)
+        if fed:
+            return f"{tensor} is fed through the placeholder {fed[0]!r}"
+        variables = sorted(name for name, node in nodes if node.op in _VARIABLES)
+        if variables:
+            return (
+                f"{tensor} is computed from the variable {', '.join(map(repr, variables))}: "
+                f"its value changes while training (a schedule, or set by the training loop)"
+            )
+        for name, node in nodes:
             op_def = op_def_registry.get(node.op)
             if op_def is None:
                 return f"{tensor} is computed by {name!r}, an op ({node.op}) TF does not know"
             if op_def.is_stateful:
-                what = "the variable" if "Variable" in node.op or "VarHandle" in node.op else "op"
-                return (
-                    f"{tensor} is computed from {what} {name!r} ({node.op}): its value is set "
-                    f"while training (a schedule or a variable), not by the graph"
-                )
+                return f"{tensor} is computed by the stateful op {name!r} ({node.op})"
         return ""
 
     def _ancestors(self, tensors: list[str]) -> list[str]:
@@ -433,3 +437,48 @@ def _output(tensor: str) -> int:
 
 def _tensor_name(tensor: str) -> str:
     return tensor if ":" in tensor else f"{tensor}:0"
+
+
+def tf_keywords(optimizer_class: type, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` constructor arguments under TF's names: torch's aliases (``lr``, ``betas``,
+    ``eps``, ``nesterov``, ``alpha``) renamed, ``betas`` unpacked."""
+    out = {}
+    for key, value in given.items():
+        tf = "learning_rate" if key == "lr" else optimizer_class.torch_names.get(key, key)
+        if isinstance(tf, tuple):
+            out.update(zip(tf, value))
+        else:
+            out[tf] = value
+    return out
+
+
+def disagreements(
+    optimizer_class: type, given: Mapping[str, Any], graph: GraphHyperparameters
+) -> list[str]:
+    """Each hyperparameter for which ``given`` (constructor keywords, TF's names; the graph's
+    values fill the rest) makes TF's apply ops receive another value than the graph's, as
+    ``"learning_rate 0.001, the TF graph's 0.01 (input lr of ...)"``.  Values compare at TF's
+    precision (a float32 constant: after rounding to float32); callables are not compared."""
+    mine = tf_sees(optimizer_class, {**graph.values, **given})
+    theirs = tf_sees(optimizer_class, graph.values)
+    out = []
+    for key, value in theirs.items():
+        if key not in mine or _same(mine[key], value, graph.dtypes.get(key)):
+            continue
+        if key in given:
+            told = f"{key} {given[key]!r}"
+        else:  # FTRL's l2 from a given beta or learning rate
+            told = f"{key} as TF's op takes it (l2 + beta / (2 lr)) {mine[key]!r}"
+        out.append(f"{told}, the TF graph's {value!r} ({graph.sources[key]})")
+    return out
+
+
+def _same(a: Any, b: Any, dtype: np.dtype | None) -> bool:
+    if callable(a) and not hasattr(a, "item"):
+        return True  # a schedule: its value is not known before it is called
+    if hasattr(a, "item"):  # a one-element tensor or numpy scalar
+        a = a.item()
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a) == bool(b)
+    dtype = dtype or np.dtype(np.float64)
+    return bool(np.asarray(a, dtype=dtype) == np.asarray(b, dtype=dtype))
