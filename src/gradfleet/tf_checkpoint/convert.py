@@ -344,13 +344,18 @@ def _name_other_optimizer(plan: _Plan, opt, tf_by_param, unused: list[str]) -> N
             found.setdefault(re.sub(r"_\d+$", "", suffix), []).append(name)
     if found:
         known = _default_names()
-        theirs = "; ".join(
-            f"{known.get(base, 'an optimizer')}'s, named {base!r} ({', '.join(names[:4])}"
-            f"{', ...' if len(names) > 4 else ''})"
-            for base, names in sorted(found.items())
-        )
+        theirs = []
+        for base, names in sorted(found.items()):
+            listing = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            if base in known:
+                theirs.append(f"{known[base]} slots named {base!r} ({listing})")
+            else:  # TF optimizers take a name=: perhaps this optimizer under another name
+                theirs.append(
+                    f"slots named {base!r} ({listing}; if the TF optimizer was named "
+                    f"{base!r}, build {type(opt).__name__} with name={base!r})"
+                )
         plan.problems["optimizer mismatch"].append(
-            f"the checkpoint holds the slots of {theirs}; {owner} expects {expected}"
+            f"the checkpoint holds {'; '.join(theirs)}; {owner} expects {expected}"
         )
     elif plan.problems["no slots"] and not any(
         n.startswith(f"{v}/") for v in variables for n in plan.reader.names()
