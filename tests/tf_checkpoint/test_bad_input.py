@@ -163,3 +163,27 @@ def test_another_optimizers_slots_are_named(tmp_path):
     assert "AdamOptimizer (name 'MyAdam') expects m = <var>/MyAdam, v = <var>/MyAdam_1" in str(
         info.value
     )
+
+
+def test_slots_not_created_yet_are_written_as_tf_creates_them(tmp_path):
+    """TF's graph has every slot from the start, and its Saver restores all of them: a
+    parameter without a gradient yet gets the slots TF would initialise."""
+    from gradfleet.tf_checkpoint import save_tf_checkpoint
+
+    model = tf_run.Model()
+    opt = gf.AdagradOptimizer(model.parameters(), 0.1, initial_accumulator_value=0.3)
+    model.dense.weight.grad, model.dense.bias.grad = torch.ones(2, 3), torch.ones(2)
+    opt.step()  # the embedding: no gradient, no slot yet
+    prefix = save_tf_checkpoint(tmp_path / "model.ckpt", model, opt, tf_run.NAME_MAP, global_step=1)
+    init = {n: np.zeros(s, np.float32) for n, s in tf_run.SHAPES.items()}
+    run = tf_run.TFRun(lambda train, _: train.AdagradOptimizer(0.1, 0.3), init)
+    try:
+        initial = run.values()["emb/Adagrad"]
+        run.restore(prefix)  # "Key emb/Adagrad not found" without it
+        restored = run.values()
+    finally:
+        run.close()
+    np.testing.assert_array_equal(restored["emb/Adagrad"], initial)
+    np.testing.assert_array_equal(
+        restored["dense/bias/Adagrad"], opt.get_slot(model.dense.bias, "accumulator").numpy()
+    )

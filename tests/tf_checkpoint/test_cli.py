@@ -249,8 +249,8 @@ def test_tensorflow_logging_is_quiet(tmp_path):
     """A fresh process (TF imported by the conversion): the error is the only line."""
     (tmp_path / "map.py").write_text(MAP_FILE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    source = Path(gf.__file__).resolve().parents[1]  # the gradfleet under test
+    env["PYTHONPATH"] = os.pathsep.join([str(source), str(Path(__file__).resolve().parents[2])])
     out = subprocess.run(
         [sys.executable, "-m", "gradfleet", "convert", "tf-checkpoint", "nothing",
          "--optimizer", "adam", "--map", "map.py", "-o", "out"],
