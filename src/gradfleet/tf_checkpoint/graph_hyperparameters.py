@@ -239,10 +239,9 @@ def read_graph_hyperparameters(
     result = GraphHyperparameters(meta)
     if not updated:
         scope = "the variables" if wanted is None else f"any of {sorted(wanted)}"
-        kinds = "/".join(f"Apply{op.base}" for op in _APPLY_OPS[optimizer_class])
         why = (
-            f"the TF graph {meta} has no {kinds} op that updates {scope} (TF's sparse Adam "
-            f"and GradientDescent updates are plain ops)"
+            f"the TF graph {meta} has no {_kinds_of(optimizer_class)} op that updates "
+            f"{scope} (TF's sparse Adam and GradientDescent updates are plain ops)"
         )
         result.missing = dict.fromkeys(keywords, why)
         return result
@@ -253,7 +252,7 @@ def read_graph_hyperparameters(
     for keyword in keywords:
         readings = found.get(keyword)
         if not readings:  # not an input of this optimizer's kernels
-            result.missing[keyword] = f"TF's {kinds_of(optimizer_class)} ops do not take it"
+            result.missing[keyword] = f"TF's {_kinds_of(optimizer_class)} ops do not take it"
             continue
         unknown = [(where, why) for where, value, _, why in readings if value is None]
         if unknown:
@@ -276,7 +275,8 @@ def read_graph_hyperparameters(
     return result
 
 
-def kinds_of(optimizer_class: type) -> str:
+def _kinds_of(optimizer_class: type) -> str:
+    """``"ApplyFtrl/ApplyFtrlV2"``: the apply-op families of ``optimizer_class``."""
     return "/".join(f"Apply{op.base}" for op in _APPLY_OPS.get(optimizer_class, ()))
 
 
@@ -285,6 +285,9 @@ def tf_sees(optimizer_class: type, values: dict[str, Any]) -> dict[str, Any]:
     into l2 (``l2 + beta / (2 * max(lr, 1e-36))`` in float32, TF's ``_prepare``)."""
     out = dict(values)
     if optimizer_class is _opts.FtrlOptimizer and {_L2, "beta", _LR} <= set(out):
+        if any(_is_schedule(out[k]) for k in (_L2, "beta", _LR)):
+            out[_L2], out["beta"] = None, 0.0  # not known before the schedule is called
+            return out
         f32 = np.float32
         l2 = f32(out[_L2]) + f32(out["beta"]) / (f32(2) * np.maximum(f32(out[_LR]), f32(1e-36)))
         out[_L2] = _as_python(l2, np.dtype(np.float32))
@@ -473,8 +476,12 @@ def disagreements(
     return out
 
 
+def _is_schedule(value: Any) -> bool:
+    return callable(value) and not hasattr(value, "item")
+
+
 def _same(a: Any, b: Any, dtype: np.dtype | None) -> bool:
-    if callable(a) and not hasattr(a, "item"):
+    if a is None or _is_schedule(a):
         return True  # a schedule: its value is not known before it is called
     if hasattr(a, "item"):  # a one-element tensor or numpy scalar
         a = a.item()
