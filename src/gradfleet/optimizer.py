@@ -31,9 +31,11 @@ slots and counters untouched.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from gradfleet import _groups, _hyper, _torch_names, kernels
@@ -41,6 +43,11 @@ from gradfleet._hyper import Range
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _OPTIONS = ("foreach", "fused", "check_finite")
+
+
+class HyperparametersReplacedWarning(UserWarning):
+    """``load_state_dict`` gave the optimizer the saved param groups' hyperparameters (torch's
+    rule) where they differ from the ones it was built with; the message names each."""
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -543,6 +550,12 @@ class Optimizer(torch.optim.Optimizer):
 
         Refuses (``ValueError``, nothing changed) a state dict from another optimizer class
         or a parameter list of different shapes, instead of loading it by position.
+
+        The saved param groups' hyperparameters replace the optimizer's, as in torch; each
+        that differs from the value the optimizer had (at the precision its maths uses: TF's
+        float32 rounding) is named in a :class:`HyperparametersReplacedWarning`.  Under a
+        torch learning-rate scheduler the learning rate is compared at the schedule's start
+        (``initial_lr``), so a resumed schedule is not reported.
         """
         owner = type(self).__name__
         meta = state_dict.get("gradfleet")
@@ -588,12 +601,42 @@ class Optimizer(torch.optim.Optimizer):
                     )
         # Param groups saved before ``betas`` was stored as torch's tuple hold TF's names.
         groups = [_groups.canonical(self, g) for g in state_dict["param_groups"]]
+        replaced = self._replaced_hyperparameters(groups)
         state_dict = dict(state_dict, param_groups=groups)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
         self._step_plan = None  # it holds the replaced slots; the next step records anew
         for group in self.param_groups:
             device = group["params"][0].device if group["params"] else None
             group["non_slot"] = {k: v.to(device) for k, v in group["non_slot"].items()}
+        if replaced:
+            warnings.warn(
+                f"{owner}.load_state_dict: the saved param groups' hyperparameters replace "
+                f"this optimizer's (torch's rule), and differ: {'; '.join(replaced)}. Build the "
+                f"optimizer with the saved values, or set them after loading",
+                HyperparametersReplacedWarning,
+                stacklevel=2,
+            )
+
+    def _replaced_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> list[str]:
+        """``"group 0: learning_rate 0.001 replaces 0.01"`` for each saved value that is not
+        the optimizer's own."""
+        out = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            try:
+                theirs = self._values({**group, **saved})
+            except (TypeError, KeyError):  # malformed: super().load_state_dict says so
+                continue
+            mine = self._values(group)
+            theirs.update({f: saved.get(f, group.get(f)) for f in self.flags})
+            mine.update({f: group.get(f) for f in self.flags})
+            if "initial_lr" in saved or "initial_lr" in group:  # a torch scheduler's start
+                theirs["lr"] = saved.get("initial_lr", theirs["lr"])
+                mine["lr"] = group.get("initial_lr", mine["lr"])
+            for key, value in theirs.items():
+                rounded = key not in self.unrounded and key not in self.flags
+                if not _same_hyperparameter(value, mine[key], rounded):
+                    out.append(f"group {gi}: {_tf_name(key)} {value!r} replaces {mine[key]!r}")
+        return out
 
     def _check_named_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Structural checks for a state dict keyed by parameter names, as
@@ -663,6 +706,26 @@ def sparse_rows(g: torch.Tensor, sum_duplicates: bool) -> tuple[torch.Tensor, to
     if sum_duplicates:
         g = g.coalesce()
     return g._indices()[0], g._values()
+
+
+def _same_hyperparameter(a: Any, b: Any, through_float32: bool) -> bool:
+    """Whether two hyperparameter values give the same maths (Python floats as TF sees them:
+    rounded to float32 unless the class keeps them ``unrounded``)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        try:
+            return bool(torch.equal(torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()))
+        except (TypeError, RuntimeError):
+            return False
+    if isinstance(a, bool) or isinstance(b, bool) or callable(a) or callable(b):
+        return a == b
+    try:
+        if through_float32:
+            return bool(np.float32(a) == np.float32(b))
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _tf_name(key: str) -> str:

@@ -24,6 +24,18 @@ def test_settings_table_is_the_run_specification() -> None:
     assert f"| `timeout` | yes | `--timeout` | `{RunSpec.timeout!r}` |" in table.group(1)
 
 
+def test_command_table_lists_every_command() -> None:
+    from gradfleet.cli.main import app
+
+    commands = [c.name or c.callback.__name__ for c in app.registered_commands]
+    commands += [g.name for g in app.registered_groups]
+    assert sorted(commands) == ["compare", "convert", "list", "train"]
+    text = DOC.read_text()
+    table = text[text.index("| command | what it does |") :].split("\n\n")[0]
+    listed = re.findall(r"^\| `gradfleet (\w+)` \|", table, re.M)
+    assert sorted(listed) == sorted(commands)
+
+
 def test_every_python_block_runs() -> None:
     blocks = _python_blocks()
     assert len(blocks) == 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -62,17 +63,73 @@ def _model_and_map(map_file: Path) -> tuple[Any, Any]:
     return model, namespace.get("NAME_MAP")
 
 
-def _optimizer(spec: str, model: Any) -> Any:
-    from gradfleet.registry import create_optimizer
-    from gradfleet.tf_checkpoint.slot_names import optimizer_class
+def _optimizer_spec(spec: str) -> tuple[type, dict[str, Any]]:
+    """``--optimizer`` as (gradfleet class, the arguments given)."""
+    from gradfleet.registry import get_optimizer_class
+    from gradfleet.tf_checkpoint.slot_names import SLOT_ORDER
+
+    from .config import ConfigError, parse_spec
 
     try:
-        config = json.loads(spec) if spec.lstrip().startswith("{") else spec
-        opt = create_optimizer(model.parameters(), config)
-        optimizer_class(opt)
+        if spec.lstrip().startswith("{"):
+            given = json.loads(spec)
+            if not isinstance(given, dict) or "class" not in given:
+                raise ValueError("a JSON config needs a 'class' entry")
+            name = given.pop("class")
+        else:
+            name, given = parse_spec(spec, "optimizer")
+        cls = get_optimizer_class(name)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise _fail(f"--optimizer {spec}: {exc}") from None
+    if not any(issubclass(cls, known) for known in SLOT_ORDER):
+        known = ", ".join(sorted(c.__name__ for c in SLOT_ORDER))
+        raise _fail(
+            f"--optimizer {spec}: {cls.__name__} has no TensorFlow checkpoint layout; "
+            f"gradfleet knows {known}"
+        )
+    return cls, given
+
+
+def _build(spec: str, cls: type, given: dict[str, Any], model: Any) -> Any:
+    from gradfleet.registry import create_optimizer
+
+    try:
+        return create_optimizer(model.parameters(), {"class": cls, **given})
     except (ValueError, TypeError) as exc:
         raise _fail(f"--optimizer {spec}: {exc}") from None
-    return opt
+
+
+def _from_graph(spec: str, cls: type, given: dict[str, Any], prefix: str, variables) -> Any:
+    """The TF run's hyperparameters: those of TF's graph (``PREFIX.meta``) with those given
+    in ``--optimizer``, which must agree with the graph; one required where the graph has
+    none.  Returns (constructor arguments, the graph's findings)."""
+    from gradfleet.tf_checkpoint import graph_hyperparameters as gh
+
+    try:
+        graph = gh.read_graph_hyperparameters(prefix, cls, variables)
+    except gh.GraphMismatch as exc:
+        raise _fail(f"--optimizer {spec}: {exc}") from None
+    given_tf = gh.tf_keywords(cls, given)
+    clashes = gh.disagreements(cls, given_tf, graph)
+    if clashes:
+        raise _fail(
+            f"--optimizer {spec}: the TF run trained with other values: "
+            + "; ".join(clashes)
+            + ". Leave them out to continue the TF run (change them after loading to change it)"
+        )
+    absent = {k: why for k, why in graph.missing.items() if k not in given_tf}
+    if absent:
+        by_reason: dict[str, list[str]] = {}
+        for key, why in absent.items():
+            by_reason.setdefault(why, []).append(key)
+        reasons = "; ".join(f"{', '.join(keys)}: {why}" for why, keys in by_reason.items())
+        name = cls.__name__.removesuffix("Optimizer").lower()
+        example = ",".join(f"{k}=VALUE" for k in absent)
+        raise _fail(
+            f"--optimizer {spec}: the TF graph does not hold {', '.join(absent)} ({reasons}). "
+            f"Give the values the TF run used: --optimizer '{name}:{example}'"
+        )
+    return {**graph.values, **given}, graph
 
 
 class _ProgressLine:
@@ -95,33 +152,74 @@ class _ProgressLine:
             self.bar.close()
 
 
+FreshSlotsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fresh-slots",
+        help="a parameter (torch name) whose optimizer slots start afresh where the "
+        "checkpoint has none (repeat for several)",
+    ),
+]
+
+
 @app.command("tf-checkpoint")
 def tf_checkpoint(
     prefix: Annotated[str, typer.Argument(help="TF checkpoint prefix or directory")],
     optimizer: OptimizerOpt,
     map_file: MapOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="output directory")],
+    fresh_slots: FreshSlotsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """TF checkpoint -> OUT/checkpoint.pt (model, optimizer state, global_step)."""
+    """TF checkpoint -> OUT/checkpoint.pt (model, optimizer state, global_step), with the
+    hyperparameters of the TF graph (PREFIX.meta)."""
+    from gradfleet.tf_checkpoint.bundle import quiet_tensorflow
+
+    with quiet_tensorflow():
+        _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots or [], quiet)
+
+
+def _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots, quiet) -> None:
     import torch
 
-    from gradfleet.tf_checkpoint import CheckpointMismatch, TensorFlowMissing, load_tf_checkpoint
+    from gradfleet.tf_checkpoint import (
+        CheckpointMismatch,
+        CheckpointReader,
+        TensorFlowMissing,
+        load_tf_checkpoint,
+    )
+    from gradfleet.tf_checkpoint.names import resolve
 
+    cls, given = _optimizer_spec(optimizer)
     model, name_map = _model_and_map(map_file)
-    opt = _optimizer(optimizer, model)
+    try:
+        prefix = CheckpointReader(prefix).prefix  # a directory: its latest checkpoint
+        variables = [e[0] for k in model.state_dict() if (e := resolve(name_map, k))]
+    except (FileNotFoundError, TensorFlowMissing, TypeError) as exc:
+        raise _fail(str(exc)) from None
+    kwargs, graph = _from_graph(optimizer, cls, given, prefix, variables)
+    opt = _build(optimizer, cls, kwargs, model)
     progress = _ProgressLine("reading", quiet)
     try:
-        loaded = load_tf_checkpoint(prefix, model, opt, name_map, progress=progress)
+        loaded = load_tf_checkpoint(
+            prefix, model, opt, name_map, progress=progress, fresh_slots=fresh_slots
+        )
     except (CheckpointMismatch, FileNotFoundError, TensorFlowMissing, TypeError) as exc:
         raise _fail(str(exc).replace("\n", " ")) from None
+    except ValueError as exc:  # --fresh-slots naming no parameter
+        raise _fail(f"--fresh-slots: {exc}") from None
     finally:
         progress.close()
     out.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     state["global_step"] = loaded.global_step
     torch.save(state, out / "checkpoint.pt")
+    used = ", ".join(
+        f"{k}={v!r} ({'TF graph' if k in graph.values and k not in given else 'given'})"
+        for k, v in kwargs.items()
+    )
     print(f"wrote {out / 'checkpoint.pt'} ({len(loaded.used)} TF variables)")
+    print(f"{cls.__name__}: {used}")
 
 
 @app.command("torch-checkpoint")
@@ -133,16 +231,28 @@ def torch_checkpoint(
     quiet: QuietOpt = False,
 ) -> None:
     """OUT/checkpoint.pt -> a TF checkpoint that TF's Saver restores."""
+    from gradfleet.tf_checkpoint.bundle import quiet_tensorflow
+
+    with quiet_tensorflow():
+        _torch_checkpoint(path, optimizer, map_file, out, quiet)
+
+
+def _torch_checkpoint(path, optimizer, map_file, out, quiet) -> None:
     import torch
 
+    from gradfleet.optimizer import HyperparametersReplacedWarning
     from gradfleet.tf_checkpoint import TensorFlowMissing, save_tf_checkpoint
 
+    cls, given = _optimizer_spec(optimizer)
     model, name_map = _model_and_map(map_file)
-    opt = _optimizer(optimizer, model)
+    opt = _build(optimizer, cls, given, model)
     try:
         state = torch.load(path, weights_only=True)
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        with warnings.catch_warnings():
+            # A TF checkpoint holds no hyperparameters: which ones the groups hold is moot.
+            warnings.simplefilter("ignore", HyperparametersReplacedWarning)
+            opt.load_state_dict(state["optimizer"])
     except (OSError, KeyError, RuntimeError, ValueError) as exc:
         raise _fail(f"{path}: {type(exc).__name__}: {exc}".replace("\n", " ")) from None
     progress = _ProgressLine("writing", quiet)

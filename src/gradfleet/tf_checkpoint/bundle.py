@@ -10,10 +10,12 @@ TF's ``SaveV2`` op, the op ``Saver.save`` runs, with the tensors fed through pla
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,38 @@ def import_tensorflow() -> Any:
             "pip install 'gradfleet[tf]' (or tensorflow-cpu)"
         ) from exc
     return tf
+
+
+#: Environment that keeps TensorFlow's C++ side quiet when it is first imported: INFO and
+#: WARNING lines off, and oneDNN's kernels off, whose "oneDNN custom operations are on" line
+#: ignores the log level.  Reading and writing checkpoints runs no maths oneDNN would speed up.
+QUIET_TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
+
+
+@contextlib.contextmanager
+def quiet_tensorflow() -> Iterator[None]:
+    """TensorFlow's own logging quiet inside the block, for a conversion whose output is one
+    line: :data:`QUIET_TF_ENV` (where the caller has not set those variables) while TF is
+    first imported, and the ``tensorflow`` and ``absl`` Python loggers at ERROR.  Both are
+    restored afterwards; TF's C++ side keeps what it read at import for the process's life,
+    so a process that imported TF before the block is left as it was."""
+    added = []
+    if "tensorflow" not in sys.modules:
+        for key, value in QUIET_TF_ENV.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                added.append(key)
+    loggers = [logging.getLogger(name) for name in ("tensorflow", "absl")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        for key in added:
+            os.environ.pop(key, None)
 
 
 class CheckpointReader:

@@ -1,20 +1,28 @@
 """Load a TF checkpoint into a torch model + gradfleet optimizer, and write one back.
 
 Everything is checked before anything changes: names the map asks for that the checkpoint
-lacks, checkpoint variables nothing claims, shape and dtype mismatches and partial slot sets
-are collected into ONE :class:`CheckpointMismatch`, and then nothing is loaded.
+lacks, checkpoint variables nothing claims, shape and dtype mismatches, partial or absent slot
+sets and another optimizer's slots are collected into ONE :class:`CheckpointMismatch`, and
+then nothing is loaded.  A parameter without any slot in the checkpoint is refused, as TF's
+``Saver`` refuses a checkpoint without the slot variables its graph has, unless the caller
+names it in ``fresh_slots``.  Where TF's graph (``PREFIX.meta``) is next to the checkpoint,
+the optimizer must be the one the graph trains with, and hyperparameters that differ from the
+graph's are named in a :class:`GraphHyperparametersWarning`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from gradfleet.tf_checkpoint import graph_hyperparameters as _graph
 from gradfleet.tf_checkpoint import names as _names
 from gradfleet.tf_checkpoint import object_graph as _object_graph
 from gradfleet.tf_checkpoint import slot_names as _slots
@@ -24,6 +32,11 @@ from gradfleet.tf_checkpoint.bundle import CheckpointReader, Progress
 GLOBAL_STEP = "global_step"
 
 log = logging.getLogger(__name__)
+
+
+class GraphHyperparametersWarning(UserWarning):
+    """The optimizer's hyperparameters differ from those TF's graph (``PREFIX.meta``) trained
+    with: the loaded run continues with other values than TF's."""
 
 
 class CheckpointMismatch(ValueError):
@@ -92,6 +105,7 @@ def load_tf_checkpoint(
     non_slot_names: Mapping[str, str] | None = None,
     global_step: torch.Tensor | None = None,
     progress: Progress | None = None,
+    fresh_slots: Iterable[str] = (),
 ) -> LoadedCheckpoint:
     """Load the TF checkpoint ``prefix`` (or a directory: its latest) into ``model`` and
     ``optimizer``: parameters/buffers by ``name_map`` (see :mod:`.names`), each parameter's
@@ -105,7 +119,15 @@ def load_tf_checkpoint(
     ``ignore``: checkpoint names (or a predicate) that are deliberately not loaded;
     ``non_slot_names``: gradfleet non-slot key -> TF name, where the last-component lookup is
     ambiguous; ``global_step``: a 0-dim int64 tensor that receives the checkpoint's
-    ``global_step``.  Replaces the optimizer's whole state.  Not into a
+    ``global_step``; ``fresh_slots``: torch names of parameters (``"dense.bias"``) whose
+    slots may be absent from the checkpoint, and then start afresh (as the optimizer creates
+    them at the parameter's first gradient); any other parameter without its slots is refused,
+    as TF's ``Saver`` refuses it.
+
+    Where the checkpoint's TF graph (``PREFIX.meta``) is next to it, an optimizer that is not
+    the one the graph trains the variables with is refused, and each hyperparameter that
+    differs from the graph's (see :mod:`.graph_hyperparameters`) is named in a
+    :class:`GraphHyperparametersWarning`.  Replaces the optimizer's whole state.  Not into a
     ``SyncReplicasOptimizer`` (TypeError): load the model and the optimizer to wrap, then
     build it with ``global_step=`` the loaded step.
     """
@@ -121,8 +143,12 @@ def load_tf_checkpoint(
         reader, locals_saved = _wrapper.restore_view(reader, centres)
     plan = _Plan(reader, {k: [] for k in _PROBLEM_KINDS})
     tf_by_param = _plan_model(plan, model, name_map)
+    fresh = _fresh_slot_names(model, opt, fresh_slots)
+    graph_notes: list[str] = []
     if opt is not None:
-        _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names or {}, locals_saved)
+        _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names or {}, locals_saved, fresh)
+        if not object_based:
+            graph_notes = _check_graph(plan, opt, tf_by_param)
     finish_wrapper = _wrapper.plan_wrapper(plan, centres) if centres is not None else None
     step_name = _find(reader, GLOBAL_STEP, (non_slot_names or {}).get(GLOBAL_STEP))
     if step_name:
@@ -134,8 +160,18 @@ def load_tf_checkpoint(
         plan.claimed.add(_object_graph.SAVE_COUNTER)
     unused = sorted(n for n in reader.names() if n not in plan.claimed and not skip(n))
     plan.problems["unused checkpoint variables"] += unused
+    if opt is not None:
+        _name_other_optimizer(plan, opt, tf_by_param, unused)
     if any(plan.problems.values()):
         raise CheckpointMismatch(reader.prefix, plan.problems)
+    if graph_notes:
+        warnings.warn(
+            f"load_tf_checkpoint: {type(opt).__name__}'s hyperparameters differ from those "
+            f"TF's graph {_graph.meta_path(reader.prefix)} trained with, so the loaded run "
+            f"does not continue TF's: {'; '.join(graph_notes)}",
+            GraphHyperparametersWarning,
+            stacklevel=2,
+        )
     values = _read(plan, progress)
     step_value = int(reader.get(step_name)) if step_name else None
     with torch.no_grad():
@@ -153,10 +189,12 @@ def load_tf_checkpoint(
 
 
 _PROBLEM_KINDS = (
+    "optimizer mismatch",
     "missing in the checkpoint",
     "unused checkpoint variables",
     "shape mismatch",
     "dtype mismatch",
+    "no slots",
     "incomplete slots",
     "not in the model",
     "ambiguous",
@@ -181,7 +219,9 @@ def _plan_model(plan: _Plan, model: torch.nn.Module, name_map) -> dict[int, tupl
     return out
 
 
-def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=True) -> None:
+def _plan_optimizer(
+    plan, model, opt, tf_by_param, non_slot_names, locals_saved=True, fresh=frozenset()
+) -> None:
     param_names = {id(p): n for n, p in model.named_parameters()}
     # position in RETURNN's var_list; by identity (list.index would compare tensors)
     position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
@@ -205,7 +245,14 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=
                 plan.claimed.update(names[s] for s in present)
                 continue
             if not present:
-                continue  # TF creates slots only for variables that got a gradient
+                # TF's Saver refuses a checkpoint without the slots of its graph; a variable
+                # TF never updated has none, and its slots here start afresh only by name.
+                if names and locals_saved and torch_name not in fresh:
+                    plan.problems["no slots"].append(
+                        f"{torch_name}: no {list(names.values())} (name it in fresh_slots to "
+                        f"start them afresh)"
+                    )
+                continue
             if len(present) < len(names):
                 absent = [n for s, n in names.items() if s not in present]
                 plan.problems["incomplete slots"].append(f"{torch_name}: no {absent}")
@@ -241,6 +288,110 @@ def _plan_optimizer(plan, model, opt, tf_by_param, non_slot_names, locals_saved=
             f"non-slot {key}",
             _fill_all(tensors),
         )
+
+
+def _fresh_slot_names(model, opt, fresh_slots: Iterable[str]) -> frozenset[str]:
+    """``fresh_slots`` checked: each a parameter of ``model`` that ``opt`` updates."""
+    fresh = frozenset([fresh_slots] if isinstance(fresh_slots, str) else fresh_slots)
+    if not fresh:
+        return fresh
+    mine = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
+    known = {n for n, p in model.named_parameters() if id(p) in mine}
+    unknown = sorted(fresh - known)
+    if unknown:
+        raise ValueError(
+            f"fresh_slots: {unknown} are not parameters the optimizer updates; they are "
+            f"{sorted(known)}"
+        )
+    return fresh
+
+
+def _expected_slots(opt) -> str:
+    """``"accum = <var>/Ftrl, linear = <var>/Ftrl_1"``: the slot names ``opt`` reads."""
+    if _slots.is_amsgrad(opt):
+        return "m, v, v_hat = Variable_{3i+1}, Variable_{3i+2}, Variable_{3i+3}"
+    suffixes = _slots.slot_suffixes(opt, opt.param_groups[0]) if opt.param_groups else {}
+    if not suffixes:
+        return "no slots"
+    return ", ".join(f"{slot} = <var>/{suffix}" for slot, suffix in suffixes.items())
+
+
+def _default_names() -> dict[str, str]:
+    """TF's default optimizer name (its slots' suffix) -> the gradfleet class name."""
+    import inspect
+
+    out = {}
+    for cls in _slots.SLOT_ORDER:
+        default = inspect.signature(cls.__init__).parameters.get("name")
+        if default is not None and isinstance(default.default, str):
+            out.setdefault(default.default, cls.__name__)
+    return out
+
+
+def _name_other_optimizer(plan: _Plan, opt, tf_by_param, unused: list[str]) -> None:
+    """Where the checkpoint holds another optimizer's slots (unused ``<var>/<name>[_k]``
+    variables of the model's variables), or no slot of any parameter although ``opt`` has
+    slots: one "optimizer mismatch" problem naming both optimizers and the slots expected."""
+    if plan.problems["optimizer mismatch"]:
+        return  # the graph already named the optimizer it trains with
+    owner = f"{type(opt).__name__} (name {opt.get_name()!r})"
+    expected = _expected_slots(opt)
+    variables = {entry[0] for entry in tf_by_param.values()}
+    found: dict[str, list[str]] = {}
+    for name in unused:
+        var, _, suffix = name.rpartition("/")
+        if var in variables and suffix:
+            found.setdefault(re.sub(r"_\d+$", "", suffix), []).append(name)
+    if found:
+        known = _default_names()
+        theirs = []
+        for base, names in sorted(found.items()):
+            listing = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            if base in known:
+                theirs.append(f"{known[base]} slots named {base!r} ({listing})")
+            else:  # TF optimizers take a name=: perhaps this optimizer under another name
+                theirs.append(
+                    f"slots named {base!r} ({listing}; if the TF optimizer was named "
+                    f"{base!r}, build {type(opt).__name__} with name={base!r})"
+                )
+        plan.problems["optimizer mismatch"].append(
+            f"the checkpoint holds {'; '.join(theirs)}; {owner} expects {expected}"
+        )
+    elif plan.problems["no slots"] and not any(
+        n.startswith(f"{v}/") for v in variables for n in plan.reader.names()
+    ):
+        plan.problems["optimizer mismatch"].append(
+            f"the checkpoint holds no slot of any optimizer for the model's variables (a TF "
+            f"GradientDescentOptimizer or ProximalGradientDescentOptimizer keeps none); "
+            f"{owner} expects {expected}"
+        )
+
+
+def _check_graph(plan: _Plan, opt, tf_by_param) -> list[str]:
+    """Compare ``opt`` with TF's graph next to the checkpoint, if any: another optimizer's
+    kernels are an "optimizer mismatch" problem; differing hyperparameters are returned."""
+    prefix = plan.reader.prefix
+    if not os.path.exists(_graph.meta_path(prefix)):
+        return []
+    cls = _slots.optimizer_class(opt)
+    notes = []
+    for gi, group in enumerate(opt.param_groups):
+        variables = [tf_by_param[id(p)][0] for p in group["params"] if id(p) in tf_by_param]
+        if not variables:
+            continue
+        try:
+            graph = _graph.read_graph_hyperparameters(prefix, cls, variables)
+        except _graph.GraphMismatch as exc:
+            plan.problems["optimizer mismatch"].append(str(exc))
+            return []
+        except Exception as exc:  # an unreadable graph must not stop a load the files allow
+            notes.append(f"the graph could not be read ({type(exc).__name__}: {exc})")
+            return notes
+        values = _graph.tf_keywords(cls, opt._values(group))
+        values.update({f: group[f] for f in opt.flags if f in group})
+        differ = _graph.disagreements(cls, values, graph)
+        notes += [f"group {gi}: {d}" for d in differ]
+    return notes
 
 
 def _find(reader, base: str, explicit: str | None, problems=None) -> str | None:

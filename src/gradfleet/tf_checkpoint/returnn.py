@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,11 +41,13 @@ def convert_returnn_checkpoint(
     *,
     epoch: int | None = None,
     progress: Progress | None = None,
+    fresh_slots: Iterable[str] = (),
 ) -> tuple[str, str]:
     """Load the RETURNN TF checkpoint ``prefix`` (e.g. ``net-model/network.003``) into
     ``model``/``optimizer`` (see :func:`load_tf_checkpoint`) and write RETURNN's PyTorch
     checkpoint files for ``out_model`` (the torch config's ``model`` setting) at ``epoch``
-    (default: the number at the end of ``prefix``).  Returns the two file names."""
+    (default: the number at the end of ``prefix``); ``fresh_slots`` as for
+    :func:`load_tf_checkpoint`.  Returns the two file names."""
     prefix = os.fspath(prefix)
     if epoch is None:
         match = re.search(r"\.(\d+)$", prefix)
@@ -62,7 +65,13 @@ def convert_returnn_checkpoint(
     # such a checkpoint starts its optimizer afresh, and so does the converted one.
     with_state = optimizer if _holds_optimizer_state(reader, optimizer) else None
     loaded = load_tf_checkpoint(
-        prefix, model, with_state, name_map, ignore=RETURNN_TF_EXTRAS, progress=progress
+        prefix,
+        model,
+        with_state,
+        name_map,
+        ignore=RETURNN_TF_EXTRAS,
+        progress=progress,
+        fresh_slots=fresh_slots if with_state is not None else (),
     )
     step = loaded.global_step or 0
     param_name = {id(p): n for n, p in model.named_parameters()}

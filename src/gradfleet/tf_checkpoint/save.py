@@ -1,6 +1,8 @@
 """Write a torch model + gradfleet optimizer as a TF checkpoint that TF's ``Saver`` restores
 into the TF graph the name map describes (same names, slots and non-slot variables as the
-TF optimizer creates; see :mod:`.slot_names`)."""
+TF optimizer creates; see :mod:`.slot_names`).  Every parameter the map writes gets its slots,
+those not created yet with the values its first step would create them with, as TF's graph
+has them from the start."""
 
 from __future__ import annotations
 
@@ -79,16 +81,22 @@ def _put_optimizer(opt, by_param, put, non_slot_names, step):
     position = {id(p): i for i, p in enumerate(q for g in opt.param_groups for q in g["params"])}
     for group in opt.param_groups:
         suffixes = _slots.slot_suffixes(opt, group)
+        fills = opt._slot_fills(group)
         for p in group["params"]:
-            if id(p) not in by_param or not opt.state.get(p):
+            if id(p) not in by_param:
                 continue
             tf_name, transform, torch_name = by_param[id(p)]
             if _slots.is_amsgrad(opt):
                 names = _slots.amsgrad_names(position[id(p)])
             else:
                 names = {s: f"{tf_name}/{suffix}" for s, suffix in suffixes.items()}
+            # A parameter that has had no gradient yet gets the slots TF's graph creates for
+            # it (its Saver restores every slot variable of the graph, or refuses the file):
+            # the values its first step here would create them with.
+            state = opt.state.get(p) or {}
             for slot, name in names.items():
-                put(name, f"{torch_name} slot {slot}", transform.to_tf(opt.state[p][slot]))
+                value = state[slot] if slot in state else torch.full_like(p, fills[slot])
+                put(name, f"{torch_name} slot {slot}", transform.to_tf(value.detach()))
     keys = sorted({k for group in opt.param_groups for k in group["non_slot"]})
     for key in keys:
         values = [g["non_slot"][key] for g in opt.param_groups if key in g["non_slot"]]
