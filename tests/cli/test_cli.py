@@ -85,6 +85,8 @@ STRATEGY_RUNS = [
     ("easgd:period=2", "digits"),
     ("easgd:mode=async,period=2", "digits"),
     ("sync-replicas:replicas_to_aggregate=1", "digits"),
+    ("sync-replicas:replicas_to_aggregate=2", "digits"),  # R = N: the all-reduce exchange
+    ("sync-replicas:replicas_to_aggregate=2,shards=2,tokens=shared", "digits"),
     ("towers", "digits"),
 ]
 
@@ -212,6 +214,10 @@ BAD = [
     (["-s", "sync-replicas", "-n", "1"], "sync-replicas needs --workers >= 2"),
     (["-s", "sync-replicas:total_num_replicas=3", "-n", "2"], "needs --workers >= 3"),
     (["-s", "model-average:interval=0", "-n", "2"], "interval must be an integer >= 1"),
+    (["-s", "sync-replicas:tokens=fifo", "-n", "2"], "tokens must be one of distinct, shared"),
+    (["-s", "sync-replicas:overlap=maybe", "-n", "2"], "overlap must be one of true, false"),
+    (["-s", "sync-replicas:shards=0", "-n", "2"], "shards must be an integer >= 1"),
+    (["-s", "sync-replicas:shards=2", "-n", "2", "--servers", "1"], "sync-replicas:shards=2"),
     (["--straggler", "fast"], "RANK:DELAY_MS"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
     (["--log-level", "loud"], "--log-level must be one of debug, info, warning, error"),

@@ -81,6 +81,13 @@ def validate_servers(
             f"--servers {servers}: easgd:mode=async has one centre; use --servers 1 (or 0)"
         )
     if kind == "sync":
+        for key in ("shards", "transport"):
+            if key in args and not (key == "transport" and args[key] == "server"):
+                raise ValueError(
+                    f"--servers {servers}: sync-replicas:{key}={args[key]} lays the variables "
+                    "out over the workers; with --servers the dedicated processes hold them "
+                    f"(leave out {key}= or --servers)"
+                )
         total = args.get("total_num_replicas", workers)
         if total != workers:
             raise ValueError(
