@@ -72,7 +72,7 @@ def sync_train(
         count += 1
         trace.append((opt.global_step, [p.detach().clone() for p in model.parameters()]))
     out = {"trace": trace, "counters": dict(opt.counters), "dedicated": opt.dedicated}
-    out["pieces"] = len(opt._pieces)  # the variables the shards hold (split: more)
+    out["pieces"] = len(opt.exchange.layout.pieces)  # the variables the shards hold (split: more)
     opt.close()
     return out
 

@@ -41,8 +41,8 @@ def lockstep_job(ctx: RankContext, steps: int, mode: str, kwargs: dict) -> dict:
         "counters": dict(opt.counters),
     }
     if opt.transport == "allreduce":
-        out["overlap"] = opt._allreduce.overlap
-        out["sent_in_backward"] = opt._allreduce.sent_in_backward
+        out["overlap"] = opt.exchange.overlap
+        out["sent_in_backward"] = opt.exchange.sent_in_backward
     if ctx.rank == 0:
         out["server_counters"] = opt.worker_counters()
     opt.close()

@@ -81,15 +81,16 @@ def test_with_overlap_a_shards_answer_is_taken_while_backward_computes_earlier_l
     opt = _sync(model, True, 2, shard_assignment="backward_order")
     try:
         opt.stream_reads(model)
-        assert any(opt._pieces[j].index == 4 for j in opt._parts[0])  # shard 0: last layer
+        layout = opt.exchange.layout
+        assert any(layout.pieces[j].index == 4 for j in layout.parts[0])  # shard 0: last layer
         before = last.detach().clone()
         seen = []
 
         def at_the_input(grad):  # backward's last node: the first layer is being done
             end = time.monotonic() + 10
-            while 0 not in opt._links._taker.answered and time.monotonic() < end:
+            while 0 not in opt.exchange.links._taker.answered and time.monotonic() < end:
                 time.sleep(0.01)
-            seen.append(0 in opt._links._taker.answered)
+            seen.append(0 in opt.exchange.links._taker.answered)
             return grad
 
         x, y = _batch(0)
@@ -111,7 +112,7 @@ class _HeldLoad:
     """Holds the taker's load of shard ``k`` until :meth:`release` (then loads as before)."""
 
     def __init__(self, opt, k: int) -> None:
-        self.taker, self.k = opt._links._taker, k
+        self.taker, self.k = opt.exchange.links._taker, k
         self.load, self.gate, self.released = self.taker.load, threading.Event(), False
         self.taker.load = self._load
 

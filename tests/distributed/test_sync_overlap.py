@@ -145,7 +145,7 @@ def test_shards_are_pushed_during_backward():
     model = _model()
     opt = _sync(model, True, shards=2, shard_assignment="round_robin")
     try:
-        hosted = opt._servers
+        hosted = opt.exchange.servers
         shard_steps = lambda: [hosted.chief.shard.step, hosted.shards[1][0].shard.step]  # noqa: E731
         assert shard_steps() == [0, 0]
         _loss(model, 0).backward()
@@ -182,13 +182,14 @@ def test_shard_with_missing_gradient_waits_for_step():
     try:  # round robin: parameters 0 (spare), 2, 4 on shard 0; 1, 3 on shard 1
         _loss(model, 0).backward()
         end = time.monotonic() + 10
-        while opt._servers.shards[1][0].shard.step != 1 and time.monotonic() < end:
+        while opt.exchange.servers.shards[1][0].shard.step != 1 and time.monotonic() < end:
             time.sleep(0.01)
-        assert opt._servers.shards[1][0].shard.step == 1
+        assert opt.exchange.servers.shards[1][0].shard.step == 1
         time.sleep(0.2)
-        assert opt._servers.chief.shard.step == 0, "shard 0 went before its spare's gradient"
+        chief = opt.exchange.servers.chief
+        assert chief.shard.step == 0, "shard 0 went before its spare's gradient"
         opt.step()
-        assert opt._servers.chief.shard.step == 1 and opt.global_step == 1
+        assert opt.exchange.servers.chief.shard.step == 1 and opt.global_step == 1
     finally:
         opt.close()
 

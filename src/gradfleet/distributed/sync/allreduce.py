@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..apply import apply_gradients
 from ..moving_average import ExponentialMovingAverage
 from .aggregator import TokenQueue, all_finite
+from .outcome import Outcome
 
 __all__ = ["AllReduceExchange", "Buckets"]
 
@@ -277,12 +278,11 @@ class AllReduceExchange:
             raise RuntimeError(f"{_OWNER}: no token left (num_tokens too small)")
         return int(values[self.rank])  # type: ignore[arg-type]
 
-    def step(self, local_step: int, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
-        """One round with this rank's ``grads``; returns ``(accepted, local_step,
-        global_step)``."""
+    def step(self, local_step: int, grads: list[torch.Tensor | None]) -> Outcome:
+        """One round with this rank's ``grads``."""
         self.local_step = int(local_step)
         try:
-            return self._round(grads)
+            return Outcome(*self._round(grads))
         finally:
             self._new_round()
 
@@ -430,6 +430,63 @@ class AllReduceExchange:
                 f"all-reduce (dead, stuck, or it ran fewer steps: without a server every "
                 f"worker runs the same number of steps): {str(exc).splitlines()[0]}"
             ) from None
+
+    # ------------------------------------------------------------------ the exchange's API
+    # (what SyncReplicasOptimizer asks of any exchange; :class:`.server_exchange.ServerExchange`)
+    server_addresses: list[str] = []  # no server: nothing to rejoin through
+    server_address = None
+    is_chief = False
+    dedicated: list[int] = []
+    withheld_pushes = 0
+
+    def check_own_gradients(self) -> None:
+        """``apply_gradients`` brings gradients of its own: a round backward's hooks
+        started is noticed as changed gradients and sent again, so nothing to refuse."""
+
+    def stream_reads(self, model: torch.nn.Module) -> None:
+        raise ValueError(
+            f"{_OWNER}.stream_reads: needs transport='server' with several shards: the "
+            "all-reduce exchange updates the parameters in place, there is nothing to read"
+        )
+
+    def wait_reads(self) -> None:
+        """Nothing is ever left to read."""
+
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        if shard != 0:
+            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
+        return self.stats
+
+    def averaged_variables(self) -> list[torch.Tensor | None]:
+        if self.ema is None:
+            raise RuntimeError(f"{_OWNER}: no variable_averages here")
+        return [self.ema.shadows.get(i) for i in range(len(self.params))]
+
+    def worker_silence(self) -> dict[int, float]:
+        raise RuntimeError(
+            f"{_OWNER}.worker_silence: this job has no server (transport='allreduce': R == N "
+            "workers all-reduce); name server_rank= or server_ranks= to have one"
+        )
+
+    def forget_workers(self, ranks: list[int]) -> None:
+        """No server to tell."""
+
+    def state(self) -> dict[str, Any]:
+        return {"server": None, "allreduce": self.state_dict()}
+
+    def check_state(self, counters: dict[str, Any]) -> None:
+        if counters.get("allreduce") is None:
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: the checkpoint is of an exchange with servers, "
+                "this optimizer all-reduces (transport='allreduce')"
+            )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state["allreduce"])
+
+    def applied_state(self) -> tuple[Any, dict[int, Any], int]:
+        """This rank's own optimizer: its parameters are the variables (an empty map)."""
+        return self.opt, {}, int(self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

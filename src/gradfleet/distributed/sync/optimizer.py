@@ -61,11 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dedicated import HyperparameterPusher, announce, sync_spec
-from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
-from .aggregator import all_finite
 from .allreduce import AllReduceExchange
 from .arguments import (
     average_indices,
@@ -74,15 +71,9 @@ from .arguments import (
     choose_transport,
     resolve_worker,
 )
-from .checkpoint import SyncCheckpoints
-from .links import SyncLinks
-from .overlap import OverlappedPushes, ShardReadiness
-from .pieces import whole
-from .queries import SyncQueries
-from .servers import SyncServers
-from .shard_views import ShardViews
-from .shards import SPLITTING, assign, check_server_ranks
-from .streaming import ReadStreaming
+from .outcome import Outcome
+from .server_exchange import Job, ServerExchange, as_addresses
+from .shards import SPLITTING, check_server_ranks
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -91,9 +82,7 @@ log = logging.getLogger(__name__)
 _OWNER = "SyncReplicasOptimizer"
 
 
-class SyncReplicasOptimizer(
-    SyncCheckpoints, SyncQueries, OverlappedPushes, ReadStreaming, ShardViews, WrapperOptimizer
-):
+class SyncReplicasOptimizer(WrapperOptimizer):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
     Args:
@@ -206,19 +195,15 @@ class SyncReplicasOptimizer(
         transport = choose_transport(transport, R, N, rule, named)
         server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
-        self._init_streaming()
+        # the books: this worker's steps and verdicts
         self.replicas_to_aggregate, self.total_num_replicas = R, N
         self.timeout, self.transport, self.tokens = float(timeout), transport, rule
-        self._nonfinite = nonfinite
         start = check_int(_OWNER, "global_step", global_step, 0)
         self.local_step = self.global_step = start
         self.last_gradient_accepted: bool | None = None
         self.counters = {"accepted": 0, "dropped": 0}
         self._index = {id(p): i for i, p in enumerate(self.params())}
         averaged = average_indices(self._index, variables_to_average)
-        self._servers: SyncServers | None = None
-        self._links: SyncLinks | None = None
-        self._allreduce: AllReduceExchange | None = None
         self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
         # split: a shard per piece at most, and pieces may outnumber the parameters
@@ -232,79 +217,31 @@ class SyncReplicasOptimizer(
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite)
-        self._readiness: ShardReadiness | None = None
-        self._step_extra: dict[str, Any] | None = None  # what this step's pushes carry
-        self.dedicated = sorted({r for r in ranks if r >= N})  # ranks that only serve
-        if start and self.dedicated:
-            raise ValueError(
-                f"{_OWNER}: global_step={start} with dedicated server ranks {self.dedicated} "
-                "is not supported (they start at 0; restart them with serve(state=...))"
-            )
-        self._hyper = HyperparameterPusher(self.optimizer, bool(self.dedicated))
+        # the exchange, chosen once: complete in itself
+        self.exchange: AllReduceExchange | ServerExchange
         if transport == "allreduce":
-            self._allreduce = AllReduceExchange(
+            self.exchange = AllReduceExchange(
                 self.optimizer, N, rule, initial, nonfinite, variable_averages, averaged, start,
                 last_step, self.overlap,
             )  # fmt: skip
-            self.local_step = self.global_step = self._allreduce.global_step
-            self.server_addresses: list[str] = []  # no server: nothing to rejoin through
-            self.server_address: str | None = None
-            return
-        self._split = self._plan_split(shard_assignment, variable_averages, len(ranks))
-        self._pieces = self._split or whole(len(self._index))
-        self._parts = assign(self._piece_views(self.params()), len(ranks), shard_assignment, ranks)
-        given = [server_address] if isinstance(server_address, str) else server_address
-        self._connect(opt, initial, variable_averages, averaged, nonfinite, last_step, host, given)
-        if self.overlap:
-            owners = [[self._pieces[j].index for j in idx] for idx in self._parts]
-            self._readiness = ShardReadiness(self.params(), owners, self._push_early, _OWNER)
-        if model is not None and self._links is not None and self._links.ahead:
-            self.stream_reads(model)
-
-    # ----------------------------------------------------------------- set-up
-    def _connect(self, opt, tokens, ema, averaged, nonfinite, last_step, host, given) -> None:
-        """Start the servers this rank hosts, tell every rank their addresses, join them all.
-
-        ``given`` (a process outside the process group): the running servers' addresses."""
-        ranks = self.server_ranks
-        self.is_chief = given is None and self.worker == ranks[0]
-        if given is None:
-            if self.dedicated:  # they learn the job from rank 0 (see ..serving)
-                spec = sync_spec(
-                    self.params(), opt, R=self.replicas_to_aggregate,
-                    N=self.total_num_replicas, tokens=tokens, timeout=self.timeout, ema=ema,
-                    averaged=averaged, nonfinite=nonfinite, last_step=last_step,
-                    ranks=self.server_ranks, parts=self._parts, pieces=self._split,
-                    token_rule=self.tokens,
-                )  # fmt: skip
-                announce(spec, self._piece_views(self.params()), self.server_ranks, self._parts)
-            host = server_host(host, _OWNER)  # collective: every rank of the group calls it
-            if self.worker in ranks:
-                self._servers = SyncServers(
-                    opt, self._parts, ranks, self.worker, host,
-                    replicas_to_aggregate=self.replicas_to_aggregate,
-                    total_num_replicas=self.total_num_replicas, num_tokens=tokens,
-                    timeout=self.timeout, ema=ema, average_indices=averaged,
-                    nonfinite=nonfinite, last_step=last_step, pieces=self._split,
-                    global_step=self.global_step, tokens=self.tokens,
-                )  # fmt: skip
-            mine = self._servers.addresses() if self._servers is not None else {}
-            if len(ranks) == 1:  # one server: its rank tells the others
-                addresses = {0: share_address(mine.get(0), ranks[0])}
-            else:
-                addresses = gather_addresses(mine)
-            if self._servers is not None:
-                self._servers.connect(addresses)
-            given = [addresses[k] for k in range(len(ranks))]
-        self.server_addresses = list(given)
-        self.server_address = given[0]
-        self._links = SyncLinks(
-            given, ranks, self.worker, self.timeout, self._shard_params, self._load_shard
-        )
-        step, values = self._links.hello([self._shard_params(k) for k in range(len(self._parts))])
-        self.local_step = self.global_step = step  # TF's local_step_init_op
-        for k, shard_values in values.items():
-            self._load_shard(k, shard_values)
+        else:
+            job = Job(
+                R, N, rule, initial, float(timeout), nonfinite, last_step, variable_averages,
+                averaged, start,
+            )  # fmt: skip
+            self.exchange = ServerExchange(
+                self.optimizer, job, worker=self.worker, ranks=ranks,
+                shard_assignment=shard_assignment, overlap=self.overlap, host=host,
+                given=as_addresses(server_address), settle=self._settle,
+            )  # fmt: skip
+            self.local_step = self.global_step = self.exchange.start_step
+            if model is not None and self.exchange.links is not None:
+                if self.exchange.links.ahead:
+                    self.stream_reads(model)
+        self.server_addresses = self.exchange.server_addresses
+        self.server_address = self.exchange.server_address
+        self.is_chief = self.exchange.is_chief
+        self.dedicated = self.exchange.dedicated
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -324,12 +261,7 @@ class SyncReplicasOptimizer(
         ``global_step`` (a 0-dim int tensor, required as in TF) holds the server's step."""
         pairs = check_grads_and_vars(_OWNER, grads_and_vars)
         self.wait_reads()
-        if self._readiness is not None and self._readiness.sent:
-            raise RuntimeError(
-                f"{_OWNER}.apply_gradients: with overlap=True backward already pushed shards "
-                f"{sorted(self._readiness.sent)} from .grad; use step(), or overlap=False to "
-                "push gradients of your own"
-            )
+        self.exchange.check_own_gradients()
         if global_step is None:
             raise ValueError(f"{_OWNER}: Global step is required to check staleness")
         grads: list[torch.Tensor | None] = [None] * len(self._index)
@@ -346,81 +278,145 @@ class SyncReplicasOptimizer(
             global_step.fill_(self.global_step)
 
     def _sync(self, grads: list[torch.Tensor | None]) -> None:
-        grads = [None if g is None else g.detach() for g in grads]
-        if self._allreduce is not None:
-            accepted, self.local_step, self.global_step = self._allreduce.step(
-                self.local_step, grads
-            )
-        else:
-            accepted = self._server_step(grads)
-            if accepted is None:  # streamed reads: decided once every shard's values are in
-                return
-        self._record(accepted)
-
-    def _server_step(self, grads: list[torch.Tensor | None]) -> bool | None:
-        """TF's worker train op: push the gradients, take a token, read the variables (None:
-        the reads stream into the next forward, see :mod:`.streaming`)."""
-        if self._links is None:
-            raise RuntimeError(f"{_OWNER}: the optimizer is closed")
         self.wait_reads()
-        if self._readiness is not None:
-            try:
-                return self._overlapped_step(grads)
-            finally:
-                self._readiness.reset()
-                self._step_extra = None
-        tag = self.local_step
-        if len(self._parts) > 1 and self._nonfinite != "apply" and not _all_finite(grads):
-            log.warning(
-                "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
-                "shard holding it reports it)", self.worker,
-            )  # fmt: skip
-            tag = -1
-        parts = self._grad_parts(grads)
-        accepted = self._links.push(tag, parts, self._hyper.changed())
-        return self._finish_step(tag, accepted)
+        outcome: Outcome = self.exchange.step(
+            self.local_step, [None if g is None else g.detach() for g in grads]
+        )
+        self.local_step = outcome.local_step
+        if outcome.accepted is None:  # streamed reads: decided once every shard's values are in
+            self.global_step = max(self.global_step, outcome.global_step)
+            return
+        self.global_step = outcome.global_step
+        self._record(outcome.accepted)
 
-    def _finish_step(self, tag: int, accepted: bool) -> bool | None:
-        """Take the token (answers to the pushes meanwhile), then read the shards, each
-        loaded as its reply arrives (streamed: left to the next forward, returns None)."""
-        assert self._links is not None
-        if self.streaming and self._links.ahead and tag >= 0:
-            own = accepted and tag == self.local_step
-            self.local_step = self._stream(tag, self._load_shard, own)
-            return None
-        into = {k: self._shard_params(k) for k in self._links.clients}
-        reply = self._links.token_and_read(tag, into, self._load_shard)
-        accepted = bool(reply["accepted"]) and accepted and tag == self.local_step
-        self.local_step, self.global_step = int(reply["token"]), int(reply["global_step"])
-        return accepted
+    def _settle(self, accepted: bool, global_step: int) -> None:
+        """A streamed step's verdict, once every shard's values are in."""
+        self._record(accepted)
+        self.global_step = max(self.global_step, global_step)
+
+    def _record(self, accepted: bool) -> None:
+        self.last_gradient_accepted = accepted
+        self.counters["accepted" if accepted else "dropped"] += 1
+
+    # ----------------------------------------------------------------- streamed reads
+    def stream_reads(self, model: torch.nn.Module) -> None:
+        """From now on ``step()`` returns once the token is in; each module of ``model`` waits
+        in its forward for the shards holding its own parameters (:mod:`.streaming`).
+
+        Needs several shards (``server_ranks``; one server rank may host several, e.g.
+        ``[0, 0, 0, 0]``): a single shard's values come as one answer.  Call again with
+        another model to move the hooks; :meth:`close` removes them."""
+        self.exchange.stream_reads(model)
+
+    @property
+    def streaming(self) -> bool:
+        """Does ``step()`` leave the reads to the next forward (:meth:`stream_reads`)?"""
+        return isinstance(self.exchange, ServerExchange) and self.exchange.streamed.on
+
+    @property
+    def reads_pending(self) -> bool:
+        """Are values of the last step still coming in (streamed reads)?"""
+        return isinstance(self.exchange, ServerExchange) and self.exchange.streamed.pending
+
+    def wait_reads(self) -> None:
+        """Until every value of the last step is loaded, and its verdict recorded
+        (``last_gradient_accepted``, ``counters``, ``global_step``).  Nothing to do without
+        streamed reads."""
+        self.exchange.wait_reads()
+
+    # ----------------------------------------------------------------- questions
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        """Per-worker accepted / dropped / nonfinite counts as the server (``shard``'s
+        accumulators when sharded) saw them."""
+        return self.exchange.worker_counters(shard)
+
+    def averaged_variables(self) -> list[torch.Tensor | None]:
+        """Moving averages of the variables, in parameter order (None if not averaged);
+        sharded: gathered from every shard."""
+        return self.exchange.averaged_variables()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this worker sent to the servers (all-reduce: bytes reduced)."""
+        return self.exchange.bytes_sent
+
+    @property
+    def withheld_pushes(self) -> int:
+        """Pushes this worker sent without their gradients because it had seen their shard
+        past their step already (TF's accumulators drop such stale gradients; the shard
+        counts each as dropped): the bytes a backup worker or a surplus token saves."""
+        return self.exchange.withheld_pushes
+
+    def worker_silence(self) -> dict[int, float]:
+        """Seconds since the chief last heard from each worker that has not left (a worker
+        that never said hello: since the chief started).  Job control can declare a worker
+        lost (:meth:`forget_workers`) once its silence is far above a step's time."""
+        return self.exchange.worker_silence()
+
+    def forget_workers(self, ranks: Iterable[int]) -> None:
+        """Count the workers ``ranks`` as having left (they died and will not come back), on
+        every server: a server rank's :meth:`close` then stops waiting for them at once
+        instead of after ``timeout`` seconds of their silence.  Any rank may call it; a
+        forgotten worker that does come back (``hello``) is counted again.  Without a server
+        (``transport="allreduce"``) there is nobody to tell: the ranks are only checked."""
+        ranks = [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < self.total_num_replicas]
+        if bad:
+            raise ValueError(
+                f"{_OWNER}.forget_workers: ranks must be in [0, {self.total_num_replicas}), "
+                f"got {bad}"
+            )
+        self.exchange.forget_workers(ranks)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _wrapper_state(self) -> dict[str, Any]:
+        """Per rank: this worker's books, and the exchange's part (the chief's state, the
+        shards this rank hosts, or the all-reduce replica's)."""
+        self.wait_reads()  # streamed reads: the counters and steps are final once all are in
+        return {
+            "local_step": self.local_step,
+            "global_step": self.global_step,
+            "counters": dict(self.counters),
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "total_num_replicas": self.total_num_replicas,
+            "server": None,
+            "allreduce": None,
+            **self.exchange.state(),
+        }
+
+    def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
+        super()._check_wrapper_state(counters)
+        for key in ("replicas_to_aggregate", "total_num_replicas"):
+            if counters[key] != getattr(self, key):
+                raise ValueError(
+                    f"{_OWNER}.load_state_dict: checkpoint has {key}="
+                    f"{counters[key]}, this optimizer {getattr(self, key)}"
+                )
+        self.exchange.check_state(counters)
+
+    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        self.wait_reads()
+        self.exchange.load_state(state)
+        self.local_step, self.global_step = int(state["local_step"]), int(state["global_step"])
+        self.counters = dict(state["counters"])
+
+    def applied_state(self) -> tuple[Any, dict[int, Any], int] | None:
+        """What the updates are applied with on this rank: ``(optimizer, {parameter index:
+        variable}, global_step)`` -- the chief's optimizer copy and variables with one server,
+        this rank's own optimizer with ``transport="allreduce"`` (its parameters are the
+        variables: an empty map); None on a rank that holds no such state (a plain worker,
+        or any rank of a sharded job, whose variables are spread over the shards)."""
+        return self.exchange.applied_state()
 
     # ----------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Leave: tell every server; a server rank keeps serving until every worker (also one
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then
         stops its servers (shards, then chief)."""
-        try:
-            self.wait_reads()
-        except Exception as exc:  # leaving must not fail: the step's error was the user's
-            log.info("worker rank %d: streamed reads failed at close: %s", self.worker, exc)
-        self._remove_stream_hooks()
-        if self._readiness is not None:
-            self._readiness.remove()
-            self._readiness = None
-        if self._links is not None:
-            self._links.leave()
-            self._links = None
-        if self._allreduce is not None:
-            self._allreduce.close()
-        if self._servers is not None:
-            self._servers.close()
+        self.exchange.close()
 
     def __enter__(self) -> SyncReplicasOptimizer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _all_finite(grads: list[torch.Tensor | None]) -> bool:
-    return all(g is None or all_finite(g) for g in grads)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OverlappedPushes", "ShardReadiness"]
+__all__ = ["ShardReadiness"]
 
 log = logging.getLogger(__name__)
 
@@ -100,69 +100,3 @@ class ShardReadiness:
         for handle in self._handles.values():
             handle.remove()
         self._handles = {}
-
-
-class OverlappedPushes:
-    """``SyncReplicasOptimizer``'s side of overlap (a mixin over its links): the hook's push
-    of a complete shard, and the step that pushes what backward did not."""
-
-    local_step: int
-    worker: int
-    _links: Any
-    _hyper: Any
-    _readiness: ShardReadiness | None
-    _step_extra: dict[str, Any] | None
-    _parts: list[list[int]]
-    _pieces: list[Any]
-    params: Callable[[], list[torch.Tensor]]
-    _shard_grads: Callable[..., list[torch.Tensor | None]]
-    _grad_parts: Callable[..., list[list[torch.Tensor | None]]]
-    _finish_step: Callable[[int, bool], bool | None]
-    wait_reads: Callable[[], None]
-    streaming: bool
-
-    def _extra(self) -> dict[str, Any]:
-        """What every push of this step carries (changed hyperparameters), decided once."""
-        if self._step_extra is None:
-            hyper = self._hyper.changed()
-            self._step_extra = {} if hyper is None else {"hyper": hyper}
-        return self._step_extra
-
-    def _push_early(self, shards: list[int]) -> None:
-        """A gradient hook found ``shards`` complete: push them now (shard 0 with the token
-        request).  The answers are taken from ``step()`` on; with streamed reads at once, so
-        these shards' values may land while backward computes the earlier layers."""
-        if self._links is None:
-            return  # closed: the step will say so
-        self.wait_reads()  # the last step's streamed reads use the links and the parameters
-        params = self.params()
-        jobs = {}
-        for k in shards:
-            whole: list[torch.Tensor | None] = [None] * len(params)
-            for j in self._parts[k]:  # only this shard's parameters: once per shard and step
-                g = params[self._pieces[j].index].grad
-                whole[self._pieces[j].index] = None if g is None else g.detach()
-            jobs[k] = self._shard_grads(k, whole)
-        self._links.push_early(jobs, self.local_step, self._extra())
-        if self.streaming and self._links.ahead:
-            # backward is done with these parameters (their gradients are in, so every node
-            # that saved them has run): their new values may land now, before step()
-            self._links.start_taking()
-
-    def _overlapped_step(self, grads: list[torch.Tensor | None]) -> bool | None:
-        """Push the shards backward did not complete (``grads``), then the token and read.
-        No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
-        judges its own gradients (one shard, or ``nonfinite="apply"``)."""
-        assert self._links is not None and self._readiness is not None
-        tag, sent = self.local_step, self._readiness.sent
-        log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
-        parts = self._grad_parts(grads)
-        rest = {k: part for k, part in enumerate(parts) if k not in sent}
-        if self._links.ahead:  # backward is over: the answers may be taken (in place) now
-            self._links.start_taking()
-            if rest:  # several shards: paced, in push order, as the others
-                self._links.push_early(rest, tag, self._extra())
-        elif 0 in rest:  # one server: its gradients travel with the token request
-            self._links.carry(rest[0], self._extra())
-        self._links.settle_pushes()
-        return self._finish_step(tag, True)

@@ -11,8 +11,8 @@ a step then hides much of its transfer behind compute instead of costing their s
 
 With overlap the answers are taken from the first push a gradient hook makes, so a shard
 whose gradients are all in gets its new values (received in place) while backward still
-computes the earlier layers: the parameters are in flux from then until :meth:`ReadStreaming.
-wait_reads` or the next forward, not only after ``step()``.
+computes the earlier layers: the parameters are in flux from then until
+``SyncReplicasOptimizer.wait_reads()`` or the next forward, not only after ``step()``.
 
 What a worker sees does not change: every value it loads, and when it reads again (a shard
 answered before the update its token stands for), is that of :meth:`~.links.SyncLinks.
@@ -26,7 +26,7 @@ token_and_read`; only *when* the wait happens moves, from ``step()`` to the firs
   ``close``) and overlap's gradient hooks wait for every shard first;
 * anything else that reads a parameter between ``step()`` and the next forward (the
   parameter's ``.data`` in user code, a function given a parameter directly) must call
-  :meth:`ReadStreaming.wait_reads` first.
+  ``SyncReplicasOptimizer.wait_reads()`` first.
 
 ``last_gradient_accepted``, ``counters`` and the shards' part of ``global_step`` are known once
 every shard is in: they are final after the next forward (or ``wait_reads()``); ``local_step``
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PendingReads", "ReadStreaming"]
+__all__ = ["PendingReads", "StreamedReads"]
 
 log = logging.getLogger(__name__)
 
@@ -111,30 +111,28 @@ class PendingReads:
         return self._result
 
 
-class ReadStreaming:
-    """``SyncReplicasOptimizer``'s side of streamed reads (a mixin; module docstring)."""
+class StreamedReads:
+    """A sharded worker's streamed reads (module docstring): the step whose values are still
+    coming in, and the model's hooks that wait for them.  ``settle(accepted, global_step)``
+    records a step's verdict in the optimizer's books once every value is in."""
 
-    worker: int
-    global_step: int
-    last_gradient_accepted: bool | None
-    counters: dict[str, int]
-    _links: Any
-    _parts: list[list[int]]
-    _pieces: list[Any]
-    _index: dict[int, int]
-
-    def _init_streaming(self) -> None:
+    def __init__(
+        self,
+        links: Any,
+        layout: Any,
+        index: dict[int, int],
+        worker: int,
+        settle: Callable[[bool, int], None],
+    ) -> None:
+        self.links, self.layout, self.index, self.worker = links, layout, index, worker
+        self.settle = settle
         self._pending: tuple[PendingReads, bool] | None = None  # (reads, own verdict)
-        self._stream_hooks: list[Any] = []
+        self._hooks: list[Any] = []
 
     def stream_reads(self, model: torch.nn.Module) -> None:
         """From now on ``step()`` returns once the token is in; each module of ``model`` waits
-        in its forward for the shards holding its own parameters (module docstring).
-
-        Needs several shards (``server_ranks``; one server rank may host several, e.g.
-        ``[0, 0, 0, 0]``): a single shard's values come as one answer.  Call again with
-        another model to move the hooks; :meth:`close` removes them."""
-        if self._links is None or not self._links.ahead:
+        in its forward for the shards holding its own parameters (module docstring)."""
+        if not self.links.ahead:
             raise ValueError(
                 "SyncReplicasOptimizer.stream_reads: needs transport='server' with several "
                 "shards (server_ranks, e.g. [0, 0, 0, 0] for four shards on rank 0): one "
@@ -146,9 +144,9 @@ class ReadStreaming:
                 f"{type(model).__name__}"
             )
         shards_of: dict[int, set[int]] = {}  # parameter index -> shards holding a piece
-        for k, idx in enumerate(self._parts):
+        for k, idx in enumerate(self.layout.parts):
             for j in idx:
-                shards_of.setdefault(self._pieces[j].index, set()).add(k)
+                shards_of.setdefault(self.layout.pieces[j].index, set()).add(k)
         owned = [
             (m, sorted(set().union(*[self._shards(p, shards_of) for p in m.parameters(False)])))
             for m in model.modules()
@@ -157,17 +155,17 @@ class ReadStreaming:
             raise ValueError(
                 "SyncReplicasOptimizer.stream_reads: no parameter of this optimizer is in model"
             )
-        self._remove_stream_hooks()
+        self.remove_hooks()
         for module, shards in owned:
             if shards:
                 hook = module.register_forward_pre_hook(self._forward_hook(shards))
-                self._stream_hooks.append(hook)
-            self._stream_hooks.append(module.register_state_dict_pre_hook(self._wait_all))
-            self._stream_hooks.append(module.register_load_state_dict_pre_hook(self._wait_all))
+                self._hooks.append(hook)
+            self._hooks.append(module.register_state_dict_pre_hook(self._wait_all))
+            self._hooks.append(module.register_load_state_dict_pre_hook(self._wait_all))
         log.info("worker rank %d: reads stream into the next forward", self.worker)
 
     def _shards(self, p: torch.Tensor, shards_of: dict[int, set[int]]) -> set[int]:
-        i = self._index.get(id(p))
+        i = self.index.get(id(p))
         return set() if i is None else shards_of.get(i, set())
 
     def _forward_hook(self, shards: list[int]) -> Callable[..., None]:
@@ -176,32 +174,30 @@ class ReadStreaming:
                 reads = self._pending[0]
                 reads.wait(shards)
                 if not reads.left:
-                    self.wait_reads()
+                    self.wait()
 
         return wait_for_shards
 
     def _wait_all(self, *args: Any, **kwargs: Any) -> None:
-        self.wait_reads()
+        self.wait()
 
-    def _remove_stream_hooks(self) -> None:
-        for hook in self._stream_hooks:
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
             hook.remove()
-        self._stream_hooks = []
+        self._hooks = []
 
     @property
-    def streaming(self) -> bool:
+    def on(self) -> bool:
         """Does ``step()`` leave the reads to the next forward (:meth:`stream_reads`)?"""
-        return bool(self._stream_hooks)
+        return bool(self._hooks)
 
     @property
-    def reads_pending(self) -> bool:
-        """Are values of the last step still coming in (streamed reads)?"""
+    def pending(self) -> bool:
+        """Are values of the last step still coming in?"""
         return self._pending is not None
 
-    def wait_reads(self) -> None:
-        """Until every value of the last step is loaded, and its verdict recorded
-        (``last_gradient_accepted``, ``counters``, ``global_step``).  Nothing to do without
-        streamed reads."""
+    def wait(self) -> None:
+        """Until every value of the last step is loaded; its verdict goes to ``settle``."""
         if self._pending is None:
             return
         reads, own = self._pending
@@ -209,17 +205,12 @@ class ReadStreaming:
             result = reads.finish()
         finally:
             self._pending = None
-        self._record(bool(result["accepted"]) and own)
-        self.global_step = max(self.global_step, int(result["global_step"]))
+        self.settle(bool(result["accepted"]) and own, int(result["global_step"]))
 
-    def _stream(self, tag: int, load: Callable[..., None], own: bool) -> int:
-        """The step's token; its reads are left pending.  ``own``: this worker's part of the
-        verdict (the token's and shards' are added once the reads finish)."""
-        reads = self._links.token_then_reads(tag, load)
+    def start(self, tag: int, own: bool) -> dict[str, Any]:
+        """The step's token (``token``, ``global_step``); its reads are left pending.
+        ``own``: this worker's part of the verdict (the token's and shards' are added once
+        the reads finish)."""
+        reads = self.links.token_then_reads(tag, self.layout.load_shard)
         self._pending = (reads, own)
-        self.global_step = max(self.global_step, int(reads.token["global_step"]))
-        return int(reads.token["token"])
-
-    def _record(self, accepted: bool) -> None:
-        self.last_gradient_accepted = accepted
-        self.counters["accepted" if accepted else "dropped"] += 1
+        return reads.token

@@ -1,0 +1,100 @@
+"""How a SyncReplicas worker sees its parameters shard by shard: the pieces of
+``shard_assignment="split"`` / ``"backward_order"``, which shard holds which, and each shard's
+values and gradients as views of the worker's own tensors.
+
+A shard is a list of piece numbers (``_parts[k]``); a piece is a whole parameter or a block of
+its rows (:mod:`.pieces`).  Views, not copies: a shard's values are received in place into the
+parameters, and its gradients are views of ``.grad``, read when the push is packed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..transport import copy_received
+from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
+from .shards import SPLITTING, assign
+
+__all__ = ["ShardLayout"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = "SyncReplicasOptimizer"
+Grads = list[torch.Tensor | None]
+
+
+class ShardLayout:
+    """Which pieces of which parameters each shard holds, and each shard's values and
+    gradients as views of the worker's own tensors (module docstring).
+
+    ``pieces``: every piece (the whole parameters unless split); ``parts[k]``: the piece
+    numbers of shard ``k``; ``split``: the pieces when parameters were cut, else None."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        how: str,
+        ema: Any,
+        ranks: Sequence[int],
+    ) -> None:
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.split = self._plan_split(optimizer, how, ema, len(ranks))
+        self.pieces = self.split or whole(len(self.params))
+        self.parts = assign(self.views(self.params), len(ranks), how, ranks)
+
+    def _plan_split(
+        self, optimizer: torch.optim.Optimizer, how: str, ema: Any, num_shards: int
+    ) -> list[Piece] | None:
+        """``shard_assignment="split"`` or ``"backward_order"`` over several shards: the
+        pieces (:mod:`.pieces`); None for whole parameters."""
+        if how not in SPLITTING:
+            return None
+        if num_shards == 1:
+            log.info("%s: shard_assignment=%r with one server: nothing to split", _OWNER, how)
+            return None
+        check_elementwise(optimizer)
+        if ema is not None:
+            raise ValueError(
+                f"{_OWNER}: shard_assignment={how!r} does not support variable_averages (the "
+                "moving averages are kept per whole variable); use shard_assignment='bytes'"
+            )
+        return plan(self.params, num_shards)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def views(self, tensors: Sequence[torch.Tensor | None]) -> Grads:
+        """Each piece's view of ``tensors`` (per parameter: values or gradients)."""
+        return [
+            None if tensors[pc.index] is None else view(tensors[pc.index], pc) for pc in self.pieces
+        ]
+
+    def owners(self) -> list[list[int]]:
+        """The parameter indices each shard holds a piece of."""
+        return [[self.pieces[j].index for j in idx] for idx in self.parts]
+
+    def shard_params(self, k: int) -> list[torch.Tensor]:
+        """Shard ``k``'s variables on this worker: parameters, or views of them (split)."""
+        return [view(self.params[self.pieces[j].index], self.pieces[j]) for j in self.parts[k]]
+
+    def load_shard(self, k: int, values: Sequence[torch.Tensor]) -> None:
+        """Copy shard ``k``'s new values into the parameters (those the transport received
+        in place already are skipped)."""
+        with torch.no_grad():
+            for p, v in zip(self.shard_params(k), values, strict=True):
+                copy_received(p, v)
+
+    def grad_parts(self, grads: Grads) -> list[Grads]:
+        """Each shard's gradients (all checked before the caller pushes any)."""
+        return [self.shard_grads(k, grads) for k in range(len(self.parts))]
+
+    def shard_grads(self, k: int, grads: Grads) -> Grads:
+        """Shard ``k``'s gradients: views of its pieces when split (sparse ones refused)."""
+        pieces = [self.pieces[j] for j in self.parts[k]]
+        if self.split is not None:
+            check_dense(grads, pieces)
+        return [None if grads[pc.index] is None else view(grads[pc.index], pc) for pc in pieces]

@@ -1,0 +1,371 @@
+"""SyncReplicas through servers: the chief alone, or shards over several ranks.
+
+:class:`ServerExchange` is complete in itself: it owns the parameters' layout over the shards
+(:class:`~.layout.ShardLayout`), the servers this rank hosts (:class:`~.servers.SyncServers`),
+the worker's links to every server (:class:`~.links.SyncLinks`) and the two policies over a
+step -- overlap's gradient hooks (:class:`~.overlap.ShardReadiness`) and streamed reads
+(:class:`~.streaming.StreamedReads`).  A step, from ``step()`` to the wire::
+
+    ServerExchange.step -> SyncLinks.push (every shard's gradients, paced)
+                        -> SyncLinks.token_and_read (the token, then every shard's values)
+                        or StreamedReads.start (the token now, the values in the next forward)
+
+TF's worker train op: push ``(local_step, grads)``, dequeue a token (``local_step := token``),
+read the variables.  Beyond TF: a non-finite gradient in a sharded job is pushed as stale to
+every shard (``nonfinite="raise"``/``"drop"``: no shard applies part of a rejected set).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dedicated import HyperparameterPusher, announce, sync_spec
+from ..hosting import gather_addresses, server_host, share_address
+from ..moving_average import ExponentialMovingAverage
+from .aggregator import all_finite
+from .layout import ShardLayout
+from .links import SyncLinks
+from .outcome import Outcome
+from .overlap import ShardReadiness
+from .servers import SyncServers
+from .streaming import StreamedReads
+
+__all__ = ["Job", "ServerExchange", "as_addresses"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = "SyncReplicasOptimizer"
+Grads = list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the servers need to know of the job (the optimizer's checked arguments)."""
+
+    R: int
+    N: int
+    rule: str  # the token line's: "distinct" or "shared"
+    initial_tokens: int
+    timeout: float
+    nonfinite: str
+    last_step: int | None
+    ema: ExponentialMovingAverage | None
+    averaged: list[int]
+    global_step: int
+
+
+class ServerExchange:
+    """SyncReplicas with servers for one worker (module docstring).
+
+    ``ranks``: the server ranks (shard ``k`` on ``ranks[k]``; the first is the chief);
+    ``given``: the running servers' addresses, for a process outside the process group;
+    ``settle(accepted, global_step)``: records a streamed step's verdict in the books."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        job: Job,
+        *,
+        worker: int,
+        ranks: list[int],
+        shard_assignment: str,
+        overlap: bool,
+        host: str | None,
+        given: list[str] | None,
+        settle: Callable[[bool, int], None],
+    ) -> None:
+        self.optimizer, self.job, self.worker, self.ranks = optimizer, job, worker, ranks
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.dedicated = sorted({r for r in ranks if r >= job.N})  # ranks that only serve
+        if job.global_step and self.dedicated:
+            raise ValueError(
+                f"{_OWNER}: global_step={job.global_step} with dedicated server ranks "
+                f"{self.dedicated} is not supported (they start at 0; restart them with "
+                "serve(state=...))"
+            )
+        self.hyper = HyperparameterPusher(optimizer, bool(self.dedicated))
+        self.layout = ShardLayout(optimizer, shard_assignment, job.ema, ranks)
+        self.servers: SyncServers | None = None
+        self.is_chief = given is None and worker == ranks[0]
+        self.server_addresses = self._start_servers(host) if given is None else list(given)
+        self.server_address = self.server_addresses[0]
+        self.links: SyncLinks | None = SyncLinks(
+            self.server_addresses, ranks, worker, job.timeout, self.layout.shard_params,
+            self.layout.load_shard,
+        )  # fmt: skip
+        shards = [self.layout.shard_params(k) for k in range(len(self.layout))]
+        self.start_step, values = self.links.hello(shards)  # TF's local_step_init_op
+        for k, shard_values in values.items():
+            self.layout.load_shard(k, shard_values)
+        self.streamed = StreamedReads(self.links, self.layout, self.index, worker, settle)
+        self.readiness: ShardReadiness | None = None
+        if overlap:
+            self.readiness = ShardReadiness(
+                self.params, self.layout.owners(), self._push_early, _OWNER
+            )
+        self._extra: dict[str, Any] | None = None  # what this step's pushes carry
+        self._local_step = self.start_step
+
+    def _start_servers(self, host: str | None) -> list[str]:
+        """Start the servers this rank hosts, tell every rank their addresses (collective)."""
+        job, ranks = self.job, self.ranks
+        if self.dedicated:  # they learn the job from rank 0 (see ..serving)
+            spec = sync_spec(
+                self.params, self.optimizer, R=job.R, N=job.N, tokens=job.initial_tokens,
+                timeout=job.timeout, ema=job.ema, averaged=job.averaged,
+                nonfinite=job.nonfinite, last_step=job.last_step, ranks=ranks,
+                parts=self.layout.parts, pieces=self.layout.split, token_rule=job.rule,
+            )  # fmt: skip
+            announce(spec, self.layout.views(self.params), ranks, self.layout.parts)
+        host = server_host(host, _OWNER)  # collective: every rank of the group calls it
+        if self.worker in ranks:
+            self.servers = SyncServers(
+                self.optimizer, self.layout.parts, ranks, self.worker, host,
+                replicas_to_aggregate=job.R, total_num_replicas=job.N,
+                num_tokens=job.initial_tokens, timeout=job.timeout, ema=job.ema,
+                average_indices=job.averaged, nonfinite=job.nonfinite,
+                last_step=job.last_step, pieces=self.layout.split,
+                global_step=job.global_step, tokens=job.rule,
+            )  # fmt: skip
+        mine = self.servers.addresses() if self.servers is not None else {}
+        if len(ranks) == 1:  # one server: its rank tells the others
+            addresses = {0: share_address(mine.get(0), ranks[0])}
+        else:
+            addresses = gather_addresses(mine)
+        if self.servers is not None:
+            self.servers.connect(addresses)
+        return [addresses[k] for k in range(len(ranks))]
+
+    # ----------------------------------------------------------------- the step
+    def _open_links(self) -> SyncLinks:
+        if self.links is None:
+            raise RuntimeError(f"{_OWNER}: the optimizer is closed")
+        return self.links
+
+    def step(self, local_step: int, grads: Grads) -> Outcome:
+        """Push ``grads`` tagged ``local_step``, take a token, read the variables (streamed:
+        left to the next forward)."""
+        links = self._open_links()
+        self.streamed.wait()
+        self._local_step = local_step
+        if self.readiness is not None:
+            try:
+                return self._overlapped_step(grads)
+            finally:
+                self.readiness.reset()
+                self._extra = None
+        tag = local_step
+        if len(self.layout) > 1 and self.job.nonfinite != "apply" and not _all_finite(grads):
+            log.warning(
+                "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
+                "shard holding it reports it)", self.worker,
+            )  # fmt: skip
+            tag = -1
+        accepted = links.push(tag, self.layout.grad_parts(grads), self.hyper.changed())
+        return self._finish_step(tag, accepted)
+
+    def _finish_step(self, tag: int, accepted: bool) -> Outcome:
+        """Take the token (answers to the pushes meanwhile), then read the shards, each
+        loaded as its reply arrives (streamed: the reads are left to the next forward)."""
+        links = self._open_links()
+        own = accepted and tag == self._local_step
+        if self.streamed.on and links.ahead and tag >= 0:
+            token = self.streamed.start(tag, own)
+            return Outcome(None, int(token["token"]), int(token["global_step"]))
+        into = {k: self.layout.shard_params(k) for k in links.clients}
+        reply = links.token_and_read(tag, into, self.layout.load_shard)
+        accepted = bool(reply["accepted"]) and own
+        return Outcome(accepted, int(reply["token"]), int(reply["global_step"]))
+
+    def _extras(self) -> dict[str, Any]:
+        """What every push of this step carries (changed hyperparameters), decided once."""
+        if self._extra is None:
+            hyper = self.hyper.changed()
+            self._extra = {} if hyper is None else {"hyper": hyper}
+        return self._extra
+
+    def _push_early(self, shards: list[int]) -> None:
+        """Overlap: a gradient hook found ``shards`` complete: push them now (shard 0 with
+        the token request).  The answers are taken from ``step()`` on; with streamed reads at
+        once, so these shards' values may land while backward computes the earlier layers."""
+        if self.links is None:
+            return  # closed: the step will say so
+        self.streamed.wait()  # the last step's streamed reads use the links and parameters
+        jobs = {}
+        for k in shards:
+            whole: Grads = [None] * len(self.params)
+            for j in self.layout.parts[k]:  # only this shard's parameters: once per shard
+                i = self.layout.pieces[j].index
+                g = self.params[i].grad
+                whole[i] = None if g is None else g.detach()
+            jobs[k] = self.layout.shard_grads(k, whole)
+        self.links.push_early(jobs, self._local_step, self._extras())
+        if self.streamed.on and self.links.ahead:
+            # backward is done with these parameters (their gradients are in, so every node
+            # that saved them has run): their new values may land now, before step()
+            self.links.start_taking()
+
+    def _overlapped_step(self, grads: Grads) -> Outcome:
+        """Push the shards backward did not complete (``grads``), then the token and read.
+        No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
+        judges its own gradients (one shard, or ``nonfinite="apply"``)."""
+        links = self._open_links()
+        assert self.readiness is not None
+        tag, sent = self._local_step, self.readiness.sent
+        log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
+        parts = self.layout.grad_parts(grads)
+        rest = {k: part for k, part in enumerate(parts) if k not in sent}
+        if links.ahead:  # backward is over: the answers may be taken (in place) now
+            links.start_taking()
+            if rest:  # several shards: paced, in push order, as the others
+                links.push_early(rest, tag, self._extras())
+        elif 0 in rest:  # one server: its gradients travel with the token request
+            links.carry(rest[0], self._extras())
+        links.settle_pushes()
+        return self._finish_step(tag, True)
+
+    def check_own_gradients(self) -> None:
+        """``apply_gradients`` brings gradients of its own: not after backward pushed some."""
+        if self.readiness is not None and self.readiness.sent:
+            raise RuntimeError(
+                f"{_OWNER}.apply_gradients: with overlap=True backward already pushed shards "
+                f"{sorted(self.readiness.sent)} from .grad; use step(), or overlap=False to "
+                "push gradients of your own"
+            )
+
+    # ----------------------------------------------------------------- streamed reads
+    def stream_reads(self, model: torch.nn.Module) -> None:
+        self.streamed.stream_reads(model)
+
+    def wait_reads(self) -> None:
+        self.streamed.wait()
+
+    # ----------------------------------------------------------------- questions
+    def _settled_links(self, what: str) -> SyncLinks:
+        """The links, once the last step's streamed reads are in (they share the links)."""
+        if self.links is None:
+            raise RuntimeError(f"{_OWNER}.{what}: the optimizer is closed")
+        self.streamed.wait()
+        return self.links
+
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        links = self._settled_links("worker_counters")
+        if shard not in links.clients:
+            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
+        stats = links.call(shard, "stats")["stats"]
+        return {int(k): v for k, v in stats.items()}
+
+    def averaged_variables(self) -> list[torch.Tensor | None]:
+        chief = self.servers.chief if self.servers is not None else None
+        if len(self.layout) == 1 and chief is not None:
+            if chief.ema is None:
+                raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
+            return [chief.ema.shadows.get(i) for i in range(len(self.params))]
+        links = self._settled_links("averaged_variables")
+        pairs = [p for reply in links.call_all("ema").values() for p in reply["shadows"]]
+        found = {int(i): s for i, s in pairs}
+        return [found.get(i) for i in range(len(self.params))]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.links.bytes_out if self.links is not None else 0
+
+    @property
+    def withheld_pushes(self) -> int:
+        return self.links.withheld if self.links is not None else 0
+
+    def worker_silence(self) -> dict[int, float]:
+        report = self._settled_links("worker_silence").call(0, "members")
+        return {int(w): float(s) for w, s in report["silence"].items()}
+
+    def forget_workers(self, ranks: list[int]) -> None:
+        self._settled_links("forget_workers").forget(ranks)
+
+    # ----------------------------------------------------------------- checkpoints
+    @property
+    def _chief(self) -> Any:
+        return self.servers.chief if self.servers is not None else None
+
+    @property
+    def _hosted(self) -> dict[int, Any]:
+        return self.servers.shards if self.servers is not None else {}
+
+    def state(self) -> dict[str, Any]:
+        """The servers' part of this rank's checkpoint: the chief's (``"server"``) and,
+        sharded, the other shards this rank hosts (``"shards"``)."""
+        self.streamed.wait()
+        state: dict[str, Any] = {
+            "server": self._chief.state_dict() if self._chief is not None else None
+        }
+        if len(self.ranks) > 1:  # unsharded checkpoints keep their old layout
+            state["shards"] = {k: srv.shard.state_dict() for k, (srv, _) in self._hosted.items()}
+        return state
+
+    def check_state(self, counters: dict[str, Any]) -> None:
+        if counters.get("allreduce") is not None:
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: the checkpoint is of the all-reduce exchange "
+                "(transport='allreduce'), this optimizer has servers"
+            )
+        if (counters["server"] is None) != (self._chief is None):
+            raise ValueError(f"{_OWNER}.load_state_dict: load the chief's checkpoint on the chief")
+        if set(counters.get("shards", {})) != set(self._hosted):
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: checkpoint holds shards "
+                f"{sorted(counters.get('shards', {}))}, this rank hosts {sorted(self._hosted)} "
+                "(load each server rank's own checkpoint, same server_ranks)"
+            )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.streamed.wait()
+        if self._chief is not None:
+            self._chief.load_state_dict(state["server"])
+        for k, shard_state in state.get("shards", {}).items():
+            self._hosted[int(k)][0].shard.load_state_dict(shard_state)
+        if self.links is not None:  # the next step reloads the variables from the server(s)
+            self.links.forget_versions()
+
+    def applied_state(self) -> tuple[Any, dict[int, Any], int] | None:
+        """The chief's optimizer copy and variables with one server; None elsewhere (a plain
+        worker, or any rank of a sharded job, whose variables are spread over the shards)."""
+        chief = self._chief
+        if chief is None or len(self.ranks) > 1:
+            return None
+        variables = dict(zip(chief.shard.indices, chief.params, strict=True))
+        return chief.opt, variables, int(chief.global_step)
+
+    # ----------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Leave: tell every server; a server rank keeps serving until every worker (also one
+        that has not said hello yet) left or has been silent for ``timeout`` seconds, then
+        stops its servers (shards, then chief)."""
+        try:
+            self.streamed.wait()
+        except Exception as exc:  # leaving must not fail: the step's error was the user's
+            log.info("worker rank %d: streamed reads failed at close: %s", self.worker, exc)
+        self.streamed.remove_hooks()
+        if self.readiness is not None:
+            self.readiness.remove()
+            self.readiness = None
+        if self.links is not None:
+            self.links.leave()
+            self.links = None
+        if self.servers is not None:
+            self.servers.close()
+
+
+def _all_finite(grads: Iterable[torch.Tensor | None]) -> bool:
+    return all(g is None or all_finite(g) for g in grads)
+
+
+def as_addresses(server_address: str | Sequence[str] | None) -> list[str] | None:
+    """``server_address`` (one, or the shards' list) as a list; None inside the job."""
+    if server_address is None:
+        return None
+    return [server_address] if isinstance(server_address, str) else list(server_address)
