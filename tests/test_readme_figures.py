@@ -71,6 +71,9 @@ def _cluster(key: str, *names: str) -> tuple[str, str]:
 FIGURES = {
     "fused `AdamOptimizer` step, the CUDA default path": _gpu_default_adam,
     "fused step bandwidth, 16.8M parameters in 41 tensors": _cpu_fused_bandwidth,
+    "SyncReplicas with default options, R = 4, even hosts": lambda: _cluster(
+        "sr-default", "cluster-defaults"
+    ),
     "SyncReplicas, R = 3 of 4 over the fast hosts, host 3's link at 1/4": lambda: _cluster(
         "sr-shard-order4-ovs-b", "cluster-withheld-slow"
     ),

@@ -75,6 +75,26 @@ def test_the_updates_table_quotes_the_stored_results() -> None:
             assert machine in report["machine"], (label, result)
 
 
+DEFAULTS = {  # "Default options against the best hand-set ones": label -> row key
+    "DDP": "ddp",
+    "SyncReplicas, default options": "sr-default",
+    "SyncReplicas, one server on rank 0 (the old default)": "sr-one",
+    "SyncReplicas, sharded over the workers, no other option": "sr-shard",
+    "SyncReplicas, shards in backward order, 4 per host, overlap, streamed reads (best hand-set)": (
+        "sr-shard-order4-ovs"
+    ),
+}
+
+
+def test_the_defaults_table_quotes_the_stored_result() -> None:
+    section = PAGE.read_text().split("### Default options against the best hand-set ones")[1]
+    rows = [line for line in section.split("\n#")[0].splitlines() if line.startswith("| ")][1:]
+    cells = dict(r.strip("| ").split(" | ") for r in rows)
+    assert set(cells) == set(DEFAULTS)
+    for label, key in DEFAULTS.items():
+        assert cells[label] == _quoted("cluster-defaults", "uniform", key), label
+
+
 def test_the_page_has_python_blocks() -> None:
     assert len(_blocks()) == 2
 
