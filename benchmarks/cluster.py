@@ -100,6 +100,9 @@ def rows(world: int) -> list[Row]:
         Row("sr-shard-order4-ovs", f"SyncReplicas, shards in backward order over workers, 4 "
             f"per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **shard, **order, "per_rank": 4, **overlap, **stream}),
+        Row("sr-shard-order4-s", f"SyncReplicas, shards in backward order over workers, 4 "
+            f"per host, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **shard, **order, "per_rank": 4, **stream}),
         Row("sr-shard-order4-ovs-b", f"SyncReplicas, shards in backward order over workers, 4 "
             f"per host, overlap, streamed reads, R={r} of {n}", "sync-replicas",
             {"R": r, **shard, **order, "per_rank": 4, **overlap, **stream}),

@@ -177,11 +177,14 @@ class ServerExchange:
         own = accepted and tag == self._local_step
         if self.streamed.on and links.ahead and tag >= 0:
             token = self.streamed.start(tag, own)
-            return Outcome(None, int(token["token"]), int(token["global_step"]))
-        into = {k: self.layout.shard_params(k) for k in links.clients}
-        reply = links.token_and_read(tag, into, self.layout.load_shard)
-        accepted = bool(reply["accepted"]) and own
-        return Outcome(accepted, int(reply["token"]), int(reply["global_step"]))
+            outcome = Outcome(None, int(token["token"]), int(token["global_step"]))
+        else:
+            into = {k: self.layout.shard_params(k) for k in links.clients}
+            reply = links.token_and_read(tag, into, self.layout.load_shard)
+            accepted = bool(reply["accepted"]) and own
+            outcome = Outcome(accepted, int(reply["token"]), int(reply["global_step"]))
+        self._local_step = outcome.local_step  # the tag of the pushes backward makes next
+        return outcome
 
     def _extras(self) -> dict[str, Any]:
         """What every push of this step carries (changed hyperparameters), decided once."""
@@ -324,6 +327,7 @@ class ServerExchange:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.streamed.wait()
+        self._local_step = int(state["local_step"])
         if self._chief is not None:
             self._chief.load_state_dict(state["server"])
         for k, shard_state in state.get("shards", {}).items():
