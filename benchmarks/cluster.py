@@ -100,6 +100,10 @@ def rows(world: int) -> list[Row]:
         Row("sr-shard-order4-ovs", f"SyncReplicas, shards in backward order over workers, 4 "
             f"per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **shard, **order, "per_rank": 4, **overlap, **stream}),
+        Row("sr-shard-auto", f"SyncReplicas, sharded over workers, model given, R={n}",
+            "sync-replicas", {"R": n, **shard, "auto": True}),
+        Row("sr-ded-auto", f"SyncReplicas, sharded on {n} dedicated server hosts, model given, "
+            f"R={n}", "sync-replicas", {"R": n, **dedicated, "auto": True}, server_hosts=n),
         Row("sr-shard-order4-s", f"SyncReplicas, shards in backward order over workers, 4 "
             f"per host, streamed reads, R={n}", "sync-replicas",
             {"R": n, **shard, **order, "per_rank": 4, **stream}),

@@ -149,7 +149,8 @@ class SyncReplicas(Strategy):
     layout, all-reduce for R = N), ``"one"`` (on host 0), ``"sharded"`` (one shard per
     fast host, so a slow link never serves) or ``"dedicated"`` (one shard per dedicated
     server rank); ``R`` gradients per update of N = world; ``overlap``, ``nonfinite`` and
-    ``assignment`` (``shard_assignment``) as the optimizer's; ``stream``: the reads stream into
+    ``assignment`` (``shard_assignment``) as the optimizer's (``auto``: left out, the model
+    given: laid out for the job); ``stream``: the reads stream into
     the next forward (``stream_reads``); ``per_rank``: shards per server
     rank (``server_ranks`` repeated), whose values travel back while later shards' gradients
     still go out (read-ahead, paced pushes)."""
@@ -183,7 +184,8 @@ class SyncReplicas(Strategy):
             server_ranks=ranks,
             overlap=bool(o.get("overlap", False)),
             nonfinite=str(o.get("nonfinite", "raise")),
-            shard_assignment=str(o.get("assignment", "bytes")),
+            shard_assignment=None if o.get("auto") else str(o.get("assignment", "bytes")),
+            model=self.model if o.get("auto") else None,
         )
         if o.get("stream"):
             self.sync.stream_reads(self.model)

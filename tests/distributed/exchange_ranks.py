@@ -134,3 +134,33 @@ def lost_peer(ctx: RankContext) -> str:
     except RuntimeError as exc:
         return f"RuntimeError after {time.monotonic() - start:.1f}s: {exc}"
     return "finished"
+
+
+def laid_out(ctx: RankContext, assignment: str | None) -> dict:
+    """4 steps with shards on ranks 0 and 1 and the model given; ``assignment`` None: laid
+    out for the job."""
+    from torch import nn
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Linear(512, 1))
+    opt = SyncReplicasOptimizer(
+        gradfleet.AdamOptimizer(model.parameters(), 0.01),
+        2,
+        timeout=30,
+        server_ranks=[0, 1],
+        shard_assignment=assignment,
+        model=model,
+    )
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 512, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    opt.wait_reads()
+    out = {
+        "assignment": "backward_order" if opt.exchange.layout.split else "bytes",
+        "streaming": opt.streaming,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+    opt.close()
+    return out

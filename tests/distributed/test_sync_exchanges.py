@@ -140,3 +140,43 @@ def test_default_allreduce_exchange_names_a_lost_peer():
     out = run_ranks(exchange_ranks.lost_peer, 2, timeout=90, kill_on={1: "die"})
     assert out[1] == RankKilled(1)
     assert out[0].startswith("RuntimeError") and "did not join the all-reduce" in out[0], out[0]
+
+
+def test_layout_for_the_job():
+    from torch import nn
+
+    from gradfleet import GradientDescentOptimizer, NormalizedSGD
+    from gradfleet.distributed import ExponentialMovingAverage
+    from gradfleet.distributed.sync.layout import choose_layout
+
+    big = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))  # 8 MiB
+    opt = GradientDescentOptimizer(big.parameters(), 0.1)
+    # 8 MiB over 2 ranks: 2 shards of >= 2 MiB each per rank, in backward's order
+    assert choose_layout(opt, [0, 1], big, None) == ("backward_order", [0, 1, 0, 1])
+    assert choose_layout(opt, [0, 1, 2, 3], big, None) == ("backward_order", [0, 1, 2, 3])
+    assert choose_layout(opt, [0, 1], None, None) == ("bytes", [0, 1])  # no model
+    assert choose_layout(opt, [0], big, None) == ("bytes", [0])  # one server
+    assert choose_layout(opt, [0, 1, 0, 1], big, None) == ("bytes", [0, 1, 0, 1])  # by hand
+    ema = ExponentialMovingAverage(0.9)
+    assert choose_layout(opt, [0, 1], big, ema) == ("bytes", [0, 1])
+    norm = NormalizedSGD(big.parameters(), 0.1)  # a per-tensor norm: no cut
+    assert choose_layout(norm, [0, 1], big, None) == ("bytes", [0, 1])
+    sparse = nn.Sequential(nn.Embedding(100000, 32, sparse=True), nn.Linear(32, 1))
+    opt = GradientDescentOptimizer(sparse.parameters(), 0.1)
+    assert choose_layout(opt, [0, 1], sparse, None) == ("bytes", [0, 1])
+    small = nn.Linear(8, 1)
+    opt = GradientDescentOptimizer(small.parameters(), 0.1)
+    assert choose_layout(opt, [0, 1], small, None) == ("backward_order", [0, 1])
+
+
+@pytest.mark.slow
+def test_layout_for_the_job_gives_the_numbers_of_whole_parameters():
+    """Named shards with the model given (backward order, 2 shards per rank; reads streamed
+    either way) end on the very variables of whole parameters by bytes."""
+    auto = run_ranks(exchange_ranks.laid_out, 2, args=(None,))
+    whole = run_ranks(exchange_ranks.laid_out, 2, args=("bytes",))
+    assert auto[0]["assignment"] == "backward_order" and auto[0]["streaming"]
+    assert whole[0]["assignment"] == "bytes" and whole[0]["streaming"]
+    for a, w in zip(auto, whole, strict=True):
+        for x, y in zip(a["params"], w["params"], strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)

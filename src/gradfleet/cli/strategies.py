@@ -268,7 +268,7 @@ class SyncReplicas(Strategy):
             server_address=self.args.get("server_address"),
             worker=self.args.get("worker"),
             server_ranks=ranks,
-            shard_assignment=self.args.get("shard_assignment", "bytes"),
+            shard_assignment=self.args.get("shard_assignment"),
             model=model,
         )
         # sharded (--servers K > 1): a rejoining worker needs every shard's address

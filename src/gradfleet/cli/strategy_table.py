@@ -80,7 +80,8 @@ STRATEGIES: dict[str, StrategyInfo] = {
                 "allreduce, where it never changes the numbers; off for servers)",
                 "shards": "parameter shards over the worker ranks, shard k on worker "
                 "k mod workers (default 1: one server on rank 0; asks for a server)",
-                "shard_assignment": "bytes (default), round_robin, split or backward_order",
+                "shard_assignment": "bytes, round_robin, split or backward_order (default: "
+                "backward_order, 4 per rank, with several shards where the optimizer allows)",
             },
             min_workers=2,
         ),

@@ -19,12 +19,49 @@ from ..transport import copy_received
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
 from .shards import SPLITTING, assign
 
-__all__ = ["ShardLayout"]
+__all__ = ["ShardLayout", "choose_layout"]
 
 log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
 Grads = list[torch.Tensor | None]
+
+
+SHARDS_PER_RANK = 4  # measured best on the emulated cluster (docs/cluster.md)
+MIN_SHARD_BYTES = 2 << 20  # smaller shards only add round trips
+
+
+def choose_layout(
+    optimizer: torch.optim.Optimizer,
+    ranks: Sequence[int],
+    model: torch.nn.Module | None,
+    ema: Any,
+) -> tuple[str, list[int]]:
+    """``shard_assignment`` and server ranks where the user left the assignment out.
+
+    Given the model and several server ranks, each named once: the parameters cut into runs
+    in backward's order (``"backward_order"``, the numbers of ``"bytes"``), up to
+    :data:`SHARDS_PER_RANK` shards per rank of at least :data:`MIN_SHARD_BYTES` each, so that
+    the first layers' values travel back while later gradients still go out, and each
+    module's forward waits only for its own shards.  Not where the cut would be refused: an
+    optimizer not known to update elementwise, ``variable_averages``, or a module of the
+    model with sparse gradients.  Otherwise whole parameters balanced by bytes on the ranks
+    as named."""
+    ranks = list(ranks)
+    if model is None or ema is not None or len(set(ranks)) < 2 or len(set(ranks)) < len(ranks):
+        return "bytes", ranks
+    try:
+        check_elementwise(optimizer)
+    except ValueError:
+        return "bytes", ranks
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for module in model.modules():
+        sparse = getattr(module, "sparse", False) is True
+        if sparse and any(id(p) in mine for p in module.parameters(recurse=False)):
+            return "bytes", ranks
+    total = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    per_rank = max(1, min(SHARDS_PER_RANK, total // (len(ranks) * MIN_SHARD_BYTES)))
+    return "backward_order", ranks * per_rank
 
 
 class ShardLayout:

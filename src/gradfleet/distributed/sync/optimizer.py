@@ -71,6 +71,7 @@ from .arguments import (
     choose_transport,
     resolve_worker,
 )
+from .layout import choose_layout
 from .outcome import Outcome
 from .server_exchange import Job, ServerExchange, as_addresses
 from .shards import SPLITTING, check_server_ranks
@@ -118,7 +119,10 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             twice (two shards).  Ranks ``>= total_num_replicas`` are dedicated servers
             (docs/servers.md).  A dead shard rank makes every worker raise
             ``ServerUnreachable`` naming it.
-        shard_assignment: ``"bytes"`` (default: whole parameters, largest first to the
+        shard_assignment: default: laid out for the job -- given ``model`` and several server
+            ranks each named once, ``"backward_order"`` with up to 4 shards per rank (not
+            where the cut would be refused: then, and without ``model``, ``"bytes"``;
+            :func:`.layout.choose_layout`).  ``"bytes"``: whole parameters, largest first to the
             lightest shard), ``"round_robin"`` (TF: parameter ``i`` to shard ``i % S``) or
             ``"split"`` (parameters above ``P / (2 S)`` bytes cut into contiguous row blocks,
             then the pieces balanced by bytes, so every shard carries about ``P / S``;
@@ -182,7 +186,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         server_address: str | Sequence[str] | None = None,
         worker: int | None = None,
         server_ranks: Sequence[int] | None = None,
-        shard_assignment: str = "bytes",
+        shard_assignment: str | None = None,
         overlap: bool | None = None,
         global_step: int = 0,
         model: torch.nn.Module | None = None,
@@ -206,6 +210,13 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         averaged = average_indices(self._index, variables_to_average)
         self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
+        if shard_assignment is None:  # laid out for the job (layout.choose_layout)
+            named = [server_rank] if server_ranks is None else list(server_ranks)
+            shard_assignment, chosen = choose_layout(
+                self.optimizer, named, model, variable_averages
+            )
+            if server_ranks is not None:
+                server_ranks = chosen
         # split: a shard per piece at most, and pieces may outnumber the parameters
         units = len(self._index)
         if shard_assignment in SPLITTING:
