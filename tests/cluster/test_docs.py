@@ -86,13 +86,26 @@ DEFAULTS = {  # "Default options against the best hand-set ones": label -> row k
 }
 
 
-def test_the_defaults_table_quotes_the_stored_result() -> None:
+LAID_OUT = {  # the second table of that section, from ``cluster-layout``
+    "DDP": "ddp",
+    "SyncReplicas, shards named over the workers, no model": "sr-shard",
+    "SyncReplicas, shards named over the workers, model given": "sr-shard-auto",
+    "SyncReplicas, 4 dedicated server hosts, model given": "sr-ded-auto",
+}
+
+
+def test_the_defaults_tables_quote_the_stored_results() -> None:
     section = PAGE.read_text().split("### Default options against the best hand-set ones")[1]
-    rows = [line for line in section.split("\n#")[0].splitlines() if line.startswith("| ")][1:]
-    cells = dict(r.strip("| ").split(" | ") for r in rows)
-    assert set(cells) == set(DEFAULTS)
-    for label, key in DEFAULTS.items():
-        assert cells[label] == _quoted("cluster-defaults", "uniform", key), label
+    tables = section.split("\n#")[0].split("| row (R = 4 of 4) | updates/s (x DDP) |")[1:]
+    assert len(tables) == 2
+    for table, (result, labels) in zip(
+        tables, [("cluster-defaults", DEFAULTS), ("cluster-layout", LAID_OUT)], strict=True
+    ):
+        rows = [line for line in table.split("\n\n")[0].splitlines() if line.startswith("| ")]
+        cells = dict(r.strip("| ").split(" | ") for r in rows)
+        assert set(cells) == set(labels), result
+        for label, key in labels.items():
+            assert cells[label] == _quoted(result, "uniform", key), (result, label)
 
 
 def test_the_page_has_python_blocks() -> None:
