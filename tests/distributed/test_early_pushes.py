@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gradfleet.distributed.sync.early_pushes import EarlyPushes
+from gradfleet.distributed.sync.error_latch import ErrorLatch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,7 +31,7 @@ class _Sends:
 
 def test_ready_shards_go_out_in_push_order_not_in_the_order_backward_finished_them():
     sends = _Sends()
-    pushes = EarlyPushes(sends, order=[2, 0, 3, 1])
+    pushes = EarlyPushes(sends, order=[2, 0, 3, 1], latch=ErrorLatch(0))
     try:
         pushes.submit({1: "grads 1"})  # taken at once: the thread is idle
         assert sends.started.wait(10)
@@ -45,7 +46,7 @@ def test_ready_shards_go_out_in_push_order_not_in_the_order_backward_finished_th
 
 def test_a_failed_push_stops_the_step_and_drain_raises_it_once():
     sends = _Sends(fail=0)
-    pushes = EarlyPushes(sends, order=[0, 1, 2])
+    pushes = EarlyPushes(sends, order=[0, 1, 2], latch=ErrorLatch(0))
     try:
         pushes.submit({0: "grads 0"})
         assert sends.started.wait(10)
@@ -63,7 +64,7 @@ def test_a_failed_push_stops_the_step_and_drain_raises_it_once():
 
 def test_drain_gives_up_after_its_timeout():
     sends = _Sends()
-    pushes = EarlyPushes(sends, order=[0])
+    pushes = EarlyPushes(sends, order=[0], latch=ErrorLatch(0))
     try:
         pushes.submit({0: "grads 0"})
         with pytest.raises(TimeoutError, match="overlap's pushes not sent after 0.2s"):
@@ -77,7 +78,7 @@ def test_in_step_from_the_first_submit_until_drain():
     """What tells a query between backward and step() that the links are busy: a submitted
     shard counts before its push has gone out."""
     sends = _Sends()
-    pushes = EarlyPushes(sends, order=[0])
+    pushes = EarlyPushes(sends, order=[0], latch=ErrorLatch(0))
     try:
         assert not pushes.in_step
         pushes.submit({0: "grads 0"})
@@ -94,7 +95,7 @@ def test_shards_handed_over_together_go_out_in_push_order_among_themselves():
     thread must not start with whichever shard the hook listed first."""
     sends = _Sends()
     sends.gate.set()
-    pushes = EarlyPushes(sends, order=[2, 3, 0, 1])
+    pushes = EarlyPushes(sends, order=[2, 3, 0, 1], latch=ErrorLatch(0))
     try:
         pushes.submit({k: f"grads {k}" for k in (0, 1, 2, 3)})
         pushes.drain(10)

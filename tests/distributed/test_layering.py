@@ -45,6 +45,7 @@ LAYERS = {
     "sync.answer_taker": HOSTING,
     "sync.streaming": HOSTING,
     "sync.early_pushes": HOSTING,
+    "sync.error_latch": HOSTING,
     "sync.ahead_links": HOSTING,
     "dedicated": HOSTING,
     "sync.layout": HOSTING,

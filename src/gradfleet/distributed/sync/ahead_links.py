@@ -23,6 +23,7 @@ import torch
 from ..transport import MailboxClient, ServerUnreachable
 from .answer_taker import AnswerTaker
 from .early_pushes import EarlyPushes
+from .error_latch import ErrorLatch
 from .streaming import PendingReads
 
 __all__ = ["ReadAheadLinks", "IN_FLIGHT", "PACED_BYTES"]
@@ -47,6 +48,7 @@ class ReadAheadLinks:
     _taker: AnswerTaker | None
     _token_link: MailboxClient | None
     _early: EarlyPushes | None
+    latch: ErrorLatch
     ahead: bool
     order: list[int]
     _ahead_sent: dict[int, tuple[str, int]]
@@ -81,7 +83,7 @@ class ReadAheadLinks:
         out at once (shard 0 with the token request)."""
         if self.ahead and tag >= 0:
             if self._early is None:  # only jobs with overlap need the thread
-                self._early = EarlyPushes(self._push_paced, self.order)
+                self._early = EarlyPushes(self._push_paced, self.order, self.latch)
             self._early.submit({k: (tag, list(g), extra) for k, g in jobs.items()})
             return
         for k, grads in jobs.items():

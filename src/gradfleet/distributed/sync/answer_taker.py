@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..transport import MailboxClient
+from .error_latch import ErrorLatch
 
 __all__ = ["AnswerTaker"]
 
@@ -43,14 +44,15 @@ class AnswerTaker:
     life; :meth:`end` returns ``{shard: answer without tensors}`` once every one is loaded,
     :meth:`wait_loaded` one shard's as soon as its values are."""
 
-    def __init__(self, clients: dict[int, MailboxClient], targets: Targets, load: Load) -> None:
-        self.clients, self.targets, self.load = clients, targets, load
+    def __init__(
+        self, clients: dict[int, MailboxClient], targets: Targets, load: Load, latch: ErrorLatch
+    ) -> None:
+        self.clients, self.targets, self.load, self.latch = clients, targets, load, latch
         self.answered: set[int] = set()  # shards whose answer's control part is in
         self.lock = threading.Lock()  # guards ``answered``
         self._jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[dict[int, dict[str, Any]] | BaseException] = (
-            queue.SimpleQueue()
-        )
+        # a step's answers, or None when it failed (its error is in the latch)
+        self._results: queue.SimpleQueue[dict[int, dict[str, Any]] | None] = queue.SimpleQueue()
         # this step's shards: set once the shard's values are loaded (or the step failed)
         self._loaded: dict[int, threading.Event] = {}
         self._controls: dict[int, dict[str, Any]] = {}  # written before its event is set
@@ -77,8 +79,8 @@ class AnswerTaker:
         return self._controls.get(k)
 
     def end(self, timeout: float) -> dict[int, dict[str, Any]]:
-        """Every answer of this step (each shard's control fields), loaded; re-raises the
-        first error an answer carried or its link raised."""
+        """Every answer of this step (each shard's control fields), loaded; raises the first
+        error an answer carried or its link raised (from the latch)."""
         self.close_step()
         try:
             result = self._results.get(timeout=timeout)
@@ -87,8 +89,9 @@ class AnswerTaker:
         with self.lock:
             self.answered = set()
         self._loaded, self._controls, self._closed = {}, {}, False
-        if isinstance(result, BaseException):
-            raise result
+        if result is None:
+            self.latch.raise_if_failed()
+            raise RuntimeError("read-ahead: this step's answers failed (reported before)")
         return result
 
     def _run(self) -> None:
@@ -103,8 +106,8 @@ class AnswerTaker:
                     with self.lock:
                         self.answered.add(k)
                     started.append((k, control, finish))
-                except BaseException as exc:  # reported by end() on the worker's thread
-                    log.debug("read-ahead answer of shard %d failed: %s", k, exc)
+                except BaseException as exc:  # raised by end() on the worker's thread
+                    self.latch.report(f"taking the read-ahead answer of shard {k}", exc)
                     error = exc
             answers: dict[int, dict[str, Any]] = {}
             for k, control, finish in started:
@@ -116,9 +119,9 @@ class AnswerTaker:
                     if error is None:
                         self._controls[k] = control
                         self._loaded[k].set()
-                except BaseException as exc:  # reported by end() on the worker's thread
-                    log.debug("read-ahead values of shard %d failed: %s", k, exc)
+                except BaseException as exc:  # raised by end() on the worker's thread
+                    self.latch.report(f"loading the read-ahead values of shard {k}", exc)
                     error = error or exc
             for event in list(self._loaded.values()):  # a failed step: every waiter goes on
                 event.set()
-            self._results.put(error if error is not None else answers)
+            self._results.put(None if error is not None else answers)

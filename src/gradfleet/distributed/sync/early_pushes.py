@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .error_latch import ErrorLatch
+
 __all__ = ["EarlyPushes"]
 
 log = logging.getLogger(__name__)
@@ -26,16 +28,19 @@ log = logging.getLogger(__name__)
 
 class EarlyPushes:
     """Send each submitted shard with ``send(k, job)`` on one thread, the ready ones in the
-    order of ``order``; the first error stops the sending and is raised by :meth:`drain`."""
+    order of ``order``; the first error stops the sending, goes to ``latch`` and is raised by
+    :meth:`drain`."""
 
-    def __init__(self, send: Callable[[int, Any], None], order: Sequence[int]) -> None:
-        self._send = send
+    def __init__(
+        self, send: Callable[[int, Any], None], order: Sequence[int], latch: ErrorLatch
+    ) -> None:
+        self._send, self._latch = send, latch
         self._rank = {k: i for i, k in enumerate(order)}
         self._cond = threading.Condition()
         self._ready: dict[int, Any] = {}
         self._busy = False
         self._submitted = False  # a shard was handed over since the last drain()
-        self._error: BaseException | None = None
+        self._failed = False  # this step's sending stopped at an error (in the latch)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gradfleet-pushes", daemon=True)
         self._thread.start()
@@ -45,19 +50,19 @@ class EarlyPushes:
         turn; shards handed over together go out in push order among themselves."""
         with self._cond:
             self._submitted = True
-            if self._error is None:  # after an error nothing more goes out this step
+            if not self._failed:  # after an error nothing more goes out this step
                 self._ready.update(jobs)
                 self._cond.notify_all()
 
     def drain(self, timeout: float) -> None:
-        """Until every submitted shard is sent; raises the first error a send raised (once)."""
+        """Until every submitted shard is sent; raises the first error a send raised (once,
+        from the latch)."""
         with self._cond:
             if not self._cond.wait_for(lambda: not self._ready and not self._busy, timeout):
                 raise TimeoutError(f"overlap's pushes not sent after {timeout:g}s")
-            error, self._error = self._error, None
+            self._failed = False
             self._submitted = False
-        if error is not None:
-            raise error
+        self._latch.raise_if_failed()
 
     @property
     def in_step(self) -> bool:
@@ -83,9 +88,9 @@ class EarlyPushes:
             try:
                 self._send(k, job)
             except BaseException as exc:  # raised on the worker's thread by drain()
-                log.debug("overlap's push to shard %d failed: %s", k, exc)
+                self._latch.report(f"overlap's push to shard {k}", exc)
                 with self._cond:
-                    self._error = exc
+                    self._failed = True
                     self._ready.clear()
             finally:
                 with self._cond:

@@ -28,6 +28,7 @@ from ..transport import MailboxClient
 from .aggregator import all_finite
 from .ahead_links import IN_FLIGHT, PACED_BYTES, ReadAheadLinks
 from .answer_taker import AnswerTaker
+from .error_latch import ErrorLatch
 from .pieces import rank_places
 
 __all__ = ["SyncLinks", "push_data", "push_order", "IN_FLIGHT", "PACED_BYTES"]
@@ -123,9 +124,10 @@ class SyncLinks(ReadAheadLinks):
         self._taking = False  # the taker has been told this step's pushes
         self._sent_lock = threading.Lock()  # _ahead_sent and _taking, for overlap's thread
         self._early = None  # overlap's pushing thread, started by its first push
+        self.latch = ErrorLatch(worker)  # its threads' errors, raised at the step boundary
         if self.ahead:
             assert targets is not None and load is not None
-            self._taker = AnswerTaker(self.clients, targets, load)
+            self._taker = AnswerTaker(self.clients, targets, load, self.latch)
             for client in self.clients.values():  # releases must not connect to a dead server
                 client.open_notes()
             self._token_link = MailboxClient(

@@ -153,6 +153,7 @@ class ServerExchange:
         left to the next forward)."""
         links = self._open_links()
         self.streamed.wait()
+        links.latch.raise_if_failed()  # a thread's error since the last step boundary
         self._local_step = local_step
         if self.readiness is not None:
             try:

@@ -1,0 +1,56 @@
+"""One worker's error latch: the errors of its threads, decided at one point.
+
+A sharded worker runs two threads beside its own: overlap's pushes (:mod:`.early_pushes`) and
+the taker of read-ahead answers (:mod:`.answer_taker`).  Neither may raise into the training
+loop from its own thread, and neither may lose an error.  Each reports into the worker's one
+:class:`ErrorLatch`: the first error is kept and logged once, at ERROR, naming the thread's
+job; later ones (the same failure seen again) only at DEBUG.  The worker's thread takes the
+kept error at the next step boundary -- where it waits for that thread's work -- and raises it
+there, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+__all__ = ["ErrorLatch"]
+
+log = logging.getLogger(__name__)
+
+
+class ErrorLatch:
+    """The first error reported by ``worker``'s threads since it was last taken."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def report(self, where: str, exc: BaseException) -> None:
+        """A thread's ``exc`` while doing ``where`` (e.g. "the push to shard 2")."""
+        with self._lock:
+            first = self._error is None
+            if first:
+                self._error = exc
+        if first:
+            log.error("worker rank %d: %s failed: %s", self.worker, where, exc)
+        else:
+            log.debug("worker rank %d: %s failed as well: %s", self.worker, where, exc)
+
+    @property
+    def failed(self) -> bool:
+        with self._lock:
+            return self._error is not None
+
+    def take(self) -> BaseException | None:
+        """The kept error, now cleared (the caller raises it)."""
+        with self._lock:
+            exc, self._error = self._error, None
+        return exc
+
+    def raise_if_failed(self) -> None:
+        """At a step boundary: raise the kept error, once."""
+        exc = self.take()
+        if exc is not None:
+            raise exc

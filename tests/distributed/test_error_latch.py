@@ -1,0 +1,58 @@
+"""A worker's error latch: an error of one of its threads surfaces once, at the step boundary
+where the worker waits for that thread, and is logged once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from gradfleet.distributed.sync.early_pushes import EarlyPushes
+from gradfleet.distributed.sync.error_latch import ErrorLatch
+
+
+def test_first_error_kept_logged_once_raised_once(caplog):
+    latch = ErrorLatch(3)
+    first, second = ConnectionError("shard 2 is gone"), ConnectionError("again")
+    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.error_latch"):
+        threads = [
+            threading.Thread(target=latch.report, args=(f"the push to shard {k}", exc))
+            for k, exc in ((2, first), (1, second))
+        ]
+        for t in threads:
+            t.start()
+            t.join()
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "worker rank 3: the push to shard 2 failed" in errors[0].message
+    assert latch.failed
+    with pytest.raises(ConnectionError, match="shard 2 is gone"):
+        latch.raise_if_failed()
+    latch.raise_if_failed()  # once: the next boundary goes on
+    assert not latch.failed
+
+
+def test_a_failed_early_push_surfaces_at_drain_once(caplog):
+    """Overlap's pushing thread fails on shard 1: nothing more goes out that step, the error
+    is logged once by the latch and raised by the step's drain, and the next step's drain is
+    clean."""
+    sent = []
+
+    def send(k, job):
+        if k == 1:
+            raise ConnectionError("shard 1's link broke")
+        sent.append(k)
+
+    latch = ErrorLatch(0)
+    pushes = EarlyPushes(send, [0, 1, 2], latch)
+    try:
+        with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.error_latch"):
+            pushes.submit({1: "a"})
+            with pytest.raises(ConnectionError, match="shard 1's link broke"):
+                pushes.drain(5.0)
+        assert len(caplog.records) == 1
+        pushes.submit({0: "b", 2: "c"})  # the next step
+        pushes.drain(5.0)
+        assert sent == [0, 2]
+    finally:
+        pushes.close()
