@@ -141,7 +141,7 @@ def test_algorithms_do_no_io(name):
 
 def _swallows(handler: ast.ExceptHandler) -> bool:
     """A broad handler that neither raises nor hands the exception on (stores it for the
-    caller's thread to raise)."""
+    caller's thread to raise, or reports it into the worker's error latch, which logs it)."""
     broad = handler.type is None or (
         isinstance(handler.type, ast.Name) and handler.type.id in ("Exception", "BaseException")
     )
@@ -150,7 +150,14 @@ def _swallows(handler: ast.ExceptHandler) -> bool:
         isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id == handler.name
         for n in ast.walk(handler)
     )
-    return broad and not raises and not stored
+    latched = handler.name is not None and any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "report"
+        and any(isinstance(a, ast.Name) and a.id == handler.name for a in n.args)
+        for n in ast.walk(handler)
+    )
+    return broad and not raises and not stored and not latched
 
 
 def _logs(handler: ast.ExceptHandler) -> bool:
