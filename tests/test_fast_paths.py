@@ -213,10 +213,22 @@ def test_fused_does_not_recompile():
 
 
 def test_fused_and_foreach_together_rejected():
-    opt = gf.AdamOptimizer([torch.nn.Parameter(torch.zeros(2))], foreach=True, fused=True)
-    opt.param_groups[0]["params"][0].grad = torch.ones(2)
+    """At construction (in a param group too), as torch's optimizers refuse it; and at the
+    step of a group edited into the conflict afterwards, before anything changes."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        gf.AdamOptimizer([w], foreach=True, fused=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        gf.AdamOptimizer([{"params": [w], "foreach": True}], fused=True)
+    opt = gf.AdamOptimizer([w], foreach=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "fused": True})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["fused"] = True
+    w.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="cannot be `True` together"):
         opt.step()
+    assert torch.equal(w.detach(), torch.zeros(2)) and not opt.state
 
 
 def test_sparse_gradients_take_the_reference_path():
