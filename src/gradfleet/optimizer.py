@@ -155,6 +155,14 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"{owner}: param_group must be a dict, got {type(param_group)}")
         param_group = _groups.canonical(self, param_group)  # TF and torch names both work
         _groups.check_unique(self, param_group)
+        # torch-only settings (weight_decay, maximize, ...) in a group, as in the constructor:
+        # their "off" value is dropped, any other refused (a group would ignore it silently).
+        own = {"lr", *self.hyperparameters, *self.flags, *self._packed()}
+        foreign = {k: v for k, v in param_group.items() if k in _torch_names.TORCH_ONLY}
+        foreign = {k: v for k, v in foreign.items() if k not in own}
+        _torch_names.check_torch_only(f"{owner}'s param group", dict(foreign))
+        for key in foreign:
+            del param_group[key]
         merged = {**self.defaults, **param_group}
         missing = [key for key, value in merged.items() if value is _hyper.REQUIRED]
         if missing:
@@ -354,6 +362,23 @@ class Optimizer(torch.optim.Optimizer):
                             f"{type(self).__name__}: non-finite gradient for parameter of "
                             f"shape {tuple(p.shape)}; no parameter was changed (check_finite=True)"
                         )
+        for group, pairs in zip(self.param_groups, work):
+            meta = next((p for p, _ in pairs if p.is_meta), None)
+            if meta is not None and kernels.resolve_path(self, group) == "fused":
+                raise RuntimeError(
+                    f"{type(self).__name__}: `fused=True` needs parameters that hold data, got "
+                    f"one of shape {tuple(meta.shape)} on the meta device; materialise the "
+                    f"model first (Module.to_empty(device=...)) or use foreach=False"
+                )
+        for group in self.param_groups:
+            # Non-slot state (beta powers, step counters) is made at construction, on the
+            # parameters' device: for a model built on the meta device it holds no data.  Once
+            # the parameters are materialised (Module.to_empty), it is made again on their
+            # device, with the initial values an optimizer built on them would have.
+            params = group["params"]
+            shared = group["non_slot"].values()
+            if params and not params[0].is_meta and any(t.is_meta for t in shared):
+                group["non_slot"] = self._init_shared(group)
         # Evaluate and validate every group's hyperparameters before touching anything.
         resolvers = [self._hyper_resolver(group) for group in self.param_groups]
         for group, pairs, hp_for in zip(self.param_groups, work, resolvers):
