@@ -458,6 +458,34 @@ def test_fused_half_precision_rounds_like_the_loop(cls, config, dtype):
 
 
 @HALF
+@pytest.mark.parametrize(
+    "cls,config",
+    [
+        (gf.AdagradOptimizer, {"learning_rate": 0.1}),
+        (gf.ProximalAdagradOptimizer, {"learning_rate": 0.1, "l1_regularization_strength": 0.01}),
+        (gf.RMSPropOptimizer, {"learning_rate": 0.01}),
+        (gf.AdadeltaOptimizer, {"learning_rate": 1.0}),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_loop_half_precision_does_not_depend_on_tensor_size(cls, config, dtype):
+    """Element-wise maths: a 3-element parameter gets the bits the same values get inside a
+    64-element one.  torch's CPU rsqrt on float16/bfloat16 rounds sqrt(x) to the dtype before
+    the reciprocal for tensors under 32 elements only; gradfleet's maths rounds once at every
+    size, as TF's kernels and the fused kernel do (so the fused path gives the loop's bits)."""
+    gen = torch.Generator().manual_seed(12)
+    values = torch.randn(64, generator=gen).to(dtype)
+    small, big = torch.nn.Parameter(values[:3].clone()), torch.nn.Parameter(values.clone())
+    opts = [cls([p], **config, foreach=False) for p in (small, big)]
+    for _ in range(HALF_STEPS):
+        g = torch.randn(64, generator=gen).to(dtype)
+        small.grad, big.grad = g[:3].clone(), g.clone()
+        for opt in opts:
+            opt.step()
+        assert torch.equal(small.detach(), big.detach()[:3])
+
+
+@HALF
 def test_fused_half_precision_normalized_sgd_within_bound(dtype, num_threads):
     """NormalizedSGD sums 5000 squares in float32 in another order (one that depends on the
     thread count): off by at most gamma_5000 = 3e-4 relative, far below half precision's

@@ -61,6 +61,7 @@ from torch.testing._internal.common_optimizers import (
 )
 
 import gradfleet as gf
+from gradfleet.kernels import _torch_private as private
 from tests.conformance.specs import SPECS
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
 
@@ -376,6 +377,19 @@ SKIPS: list[Skip] = [
         "(tests/test_fast_paths.py)",
     ),
 ]
+
+if not private.HALF_PRECISION_EXACT:
+    SKIPS.append(
+        Skip(
+            "test_fused_matches_forloop",
+            None,
+            f"torch {torch.__version__}: before 2.13 inductor's CPU code generator cannot take "
+            "(2.8-2.10) or drops (2.11, 2.12) the round trips to half precision that give the "
+            "loop's bits; fused float16/bfloat16 differ from the loop within the bound "
+            "docs/releases.md states (tests/test_fast_paths.py checks it on those releases)",
+            dtypes=(torch.float16, torch.bfloat16),
+        )
+    )
 
 # Sparse gradients: TF's sparse rules update the listed rows only, which equals the dense
 # update with zero rows only where a zero gradient changes neither weight nor state.
