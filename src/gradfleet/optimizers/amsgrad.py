@@ -21,7 +21,8 @@ first step gets ``m = v = v_hat = 0`` and the update ``0 / (0 + sqrt(0))``, so i
 NaN from then on, in RETURNN as here (RETURNN's configs pass ``epsilon=1e-16``; so does
 ``gradfleet.registry.create_optimizer(..., returnn_defaults=True)``).  gradfleet warns once
 (``UserWarning``) when a parameter's first step (the one that creates its slots) meets such
-an element: that step already reads its gradients once more, later steps never do.
+an element: the check reads the gradients back at that step only, never on later steps (no
+wait for the device there), and not under ``torch.compile`` or CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ class AMSGradOptimizer(Optimizer):
         """Warn if ``epsilon`` is 0 and a parameter's first step (no slots yet) has a zero
         gradient element.  Reads the gradients back once per parameter, at that step; never
         under torch.compile or while a CUDA graph is being captured."""
+        if torch.compiler.is_compiling():  # before reading self.state: no guard on it
+            return
         first = [g for p, g in zip(params, grads) if p not in self.state]
-        if not first or torch.compiler.is_compiling() or _capturing(first):
+        if not first or _capturing(first):
             return
         if _hyper.as_float(group["epsilon"]) != 0.0:
             return
