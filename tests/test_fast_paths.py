@@ -213,10 +213,22 @@ def test_fused_does_not_recompile():
 
 
 def test_fused_and_foreach_together_rejected():
-    opt = gf.AdamOptimizer([torch.nn.Parameter(torch.zeros(2))], foreach=True, fused=True)
-    opt.param_groups[0]["params"][0].grad = torch.ones(2)
+    """At construction (in a param group too), as torch's optimizers refuse it; and at the
+    step of a group edited into the conflict afterwards, before anything changes."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        gf.AdamOptimizer([w], foreach=True, fused=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        gf.AdamOptimizer([{"params": [w], "foreach": True}], fused=True)
+    opt = gf.AdamOptimizer([w], foreach=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "fused": True})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["fused"] = True
+    w.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="cannot be `True` together"):
         opt.step()
+    assert torch.equal(w.detach(), torch.zeros(2)) and not opt.state
 
 
 def test_sparse_gradients_take_the_reference_path():
@@ -443,6 +455,34 @@ def _half_compare(cls, config, dtype, exact: bool) -> None:
 def test_fused_half_precision_rounds_like_the_loop(cls, config, dtype):
     """Element-wise maths: the loop's bits (within the stated bound on torch < 2.13)."""
     _half_compare(cls, config, dtype, exact=True)
+
+
+@HALF
+@pytest.mark.parametrize(
+    "cls,config",
+    [
+        (gf.AdagradOptimizer, {"learning_rate": 0.1}),
+        (gf.ProximalAdagradOptimizer, {"learning_rate": 0.1, "l1_regularization_strength": 0.01}),
+        (gf.RMSPropOptimizer, {"learning_rate": 0.01}),
+        (gf.AdadeltaOptimizer, {"learning_rate": 1.0}),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_loop_half_precision_does_not_depend_on_tensor_size(cls, config, dtype):
+    """Element-wise maths: a 3-element parameter gets the bits the same values get inside a
+    64-element one.  torch's CPU rsqrt on float16/bfloat16 rounds sqrt(x) to the dtype before
+    the reciprocal for tensors under 32 elements only; gradfleet's maths rounds once at every
+    size, as TF's kernels and the fused kernel do (so the fused path gives the loop's bits)."""
+    gen = torch.Generator().manual_seed(12)
+    values = torch.randn(64, generator=gen).to(dtype)
+    small, big = torch.nn.Parameter(values[:3].clone()), torch.nn.Parameter(values.clone())
+    opts = [cls([p], **config, foreach=False) for p in (small, big)]
+    for _ in range(HALF_STEPS):
+        g = torch.randn(64, generator=gen).to(dtype)
+        small.grad, big.grad = g[:3].clone(), g.clone()
+        for opt in opts:
+            opt.step()
+        assert torch.equal(small.detach(), big.detach()[:3])
 
 
 @HALF

@@ -3,6 +3,8 @@ the BaseCustomOptimizer extension point, and argument checking."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,47 @@ def test_amsgrad_v_hat_keeps_the_maximum():
         opt.step()
     assert opt.get_slot(w, "v").item() == pytest.approx(1.0)  # 0.5 * (0.5 * 4)
     assert opt.get_slot(w, "v_hat").item() == pytest.approx(2.0)
+
+
+def test_amsgrad_zero_epsilon_warns_once_when_a_first_gradient_is_zero():
+    """RETURNN's default epsilon=0: an element whose gradient is exactly 0 at its parameter's
+    first step gets 0 / (0 + sqrt(0)) = NaN, as in RETURNN; gradfleet keeps the maths and says
+    so once, at that step."""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = gf.AMSGradOptimizer([w], learning_rate=0.1)
+    w.grad = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    with pytest.warns(UserWarning, match="epsilon is 0 .* 2 gradient element"):
+        opt.step()
+    assert torch.isnan(w[[1, 3]]).all() and torch.isfinite(w[[0, 2]]).all()
+    late = torch.nn.Parameter(torch.ones(2))  # a later parameter's first step: warned already
+    opt.add_param_group({"params": [late]})
+    late.grad = torch.zeros(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+def test_amsgrad_zero_epsilon_check_reads_first_steps_only():
+    """No warning without a zero element at a first step, nor with epsilon > 0; a parameter
+    that joins later is checked at its own first step; later steps are never read back."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = gf.AMSGradOptimizer([w], learning_rate=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.grad = torch.tensor([1.0, -2.0, 3.0])
+        opt.step()
+        w.grad = torch.zeros(3)  # v_hat > 0 by now: a zero gradient is harmless, and unread
+        opt.step()
+        assert torch.isfinite(w).all()
+        positive = gf.AMSGradOptimizer([torch.nn.Parameter(torch.ones(2))], epsilon=1e-16)
+        positive.param_groups[0]["params"][0].grad = torch.zeros(2)
+        positive.step()
+    late = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [late]})
+    late.grad = torch.tensor([0.0, 1.0])
+    w.grad = torch.ones(3)
+    with pytest.warns(UserWarning, match="1 gradient element"):
+        opt.step()
 
 
 def test_amsgrad_from_a_returnn_config():

@@ -4,12 +4,23 @@
 * a 0-dim tensor ``lr`` in a param group, updated in place, on every path, without
   recompiling the fused kernel;
 * ``init_state()``: the slots of the parameters with a gradient, created without a step, so
-  that the next step equals a step without it (every optimizer of the catalog, every path).
+  that the next step equals a step without it (every optimizer of the catalog, every path);
+* copies: ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)`` keep every setting, and the
+  copy steps as the original;
+* a hyperparameter without a default (TF1's ``learning_rate``, Momentum's ``momentum``) may
+  come from every param group instead of the constructor, as torch's required ones may;
+* no empty state entries: a slot-free optimizer keeps none, as torch's SGD without momentum;
+* torch-only settings in a param group are refused unless "off", as in the constructor.
+
+tests/test_torch_optim_conformance.py runs torch's own generic optimizer tests.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import io
+import pickle
 
 import pytest
 import torch
@@ -223,3 +234,151 @@ def test_wrapper_forwards_init_state_and_tensor_lr():
     plain = TowerOptimizer(torch.optim.SGD(_params(), lr=0.1))
     with pytest.raises(NotImplementedError, match="has no init_state"):
         plain.init_state()
+
+
+# ---------------------------------------------------------------- copies and pickles
+
+
+def _copies(opt) -> dict:
+    """The optimizer through ``copy.deepcopy``, ``pickle`` and ``torch.save``/``torch.load``
+    (each copy holds copies of the parameters)."""
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    return {
+        "deepcopy": copy.deepcopy(opt),
+        "pickle": pickle.loads(pickle.dumps(opt)),
+        "torch.save": torch.load(buf, weights_only=False),
+    }
+
+
+def _continue(opt, steps: range) -> list[torch.Tensor]:
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params] + [
+        opt.state[p][name].clone() for p in params for name in sorted(opt.state.get(p, {}))
+    ]
+
+
+@pytest.mark.parametrize("path", ["loop", "foreach"])
+@pytest.mark.parametrize("cls", CONCRETE, ids=lambda c: c.__name__)
+def test_copies_and_pickles_keep_settings_and_step_as_the_original(cls, path):
+    options = {"check_finite": True}
+    if cls is not gf.AMSGradOptimizer:  # RETURNN's AMSGrad takes no use_locking
+        options["use_locking"] = True
+    opt = cls(_params(7), **_config(cls), **PATHS[path], **options)
+    _continue(opt, range(2))
+    copies = _copies(opt)
+    want = _continue(opt, range(2, 4))
+    for how, twin in copies.items():
+        assert type(twin) is type(opt)
+        public = {k: v for k, v in vars(opt).items() if not k.startswith("_")}
+        assert public.keys() == {k for k in vars(twin) if not k.startswith("_")}, how
+        assert twin.check_finite is True and twin.get_name() == opt.get_name(), how
+        assert twin.defaults == opt.defaults, how
+        got = _continue(twin, range(2, 4))
+        assert len(got) == len(want), how
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), how
+
+
+def test_copy_of_a_fused_optimizer_compiles_its_own_step():
+    """The fused path's step plan (compiled kernels, the original's tensors) is not copied:
+    the copy records its own on its first step, and steps as the original does."""
+    opt = gf.AdamOptimizer(_params(8), lr=0.1, fused=True)
+    _continue(opt, range(3))  # the second and third steps replay the plan
+    twin = copy.deepcopy(opt)
+    assert "_step_plan" not in vars(twin)
+    want = _continue(opt, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(_continue(twin, range(3, 5)), want))
+
+
+# ---------------------------------------------------------------- required hyperparameters
+
+
+def _required_args(cls) -> dict:
+    """The hyperparameters ``cls`` has no default for, with values, in torch's names."""
+    values = {"learning_rate": ("lr", 0.1), "momentum": ("momentum", 0.9)}
+    required = [
+        name
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.default is p.empty and name in values
+    ]
+    return dict(values[name] for name in required)
+
+
+REQUIRED = [cls for cls in CONCRETE if _required_args(cls)]
+
+
+@pytest.mark.parametrize("cls", REQUIRED, ids=lambda c: c.__name__)
+def test_required_hyperparameters_may_come_from_every_param_group(cls):
+    required = _required_args(cls)
+    config = {k: v for k, v in _config(cls).items() if k not in ("learning_rate", "momentum")}
+    by_constructor = cls(_params(9), **required, **config)
+    params = _params(9)
+    by_groups = cls(
+        [{"params": params[:2], **required}, {"params": params[2:], **required}], **config
+    )
+    want = _continue(by_constructor, range(3))
+    got = _continue(by_groups, range(3))  # parameters and slots, as one group computes them
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    # a group without it: refused at construction, naming the value and the group
+    names = "learning_rate \\(or torch's lr\\)" if "lr" in required else "momentum"
+    with pytest.raises(TypeError, match=f"missing {names}.*param group 1"):
+        cls([{"params": _params()[:1], **required}, {"params": _params()[1:]}], **config)
+    # and in add_param_group, also on a copy (the requirement is kept in its defaults)
+    for opt in (by_groups, copy.deepcopy(by_groups), pickle.loads(pickle.dumps(by_groups))):
+        with pytest.raises(TypeError, match="missing"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        assert len(opt.param_groups) == 2
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **required})
+
+
+def test_a_given_value_serves_groups_that_lack_it():
+    """Given to the constructor, the value is every group's default (torch's rule): only the
+    group that sets its own differs."""
+    w, b = _params()[:2]
+    opt = gf.MomentumOptimizer([{"params": [w]}, {"params": [b], "lr": 0.5}], 0.1, momentum=0.9)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    assert [g["momentum"] for g in opt.param_groups] == [0.9, 0.9]
+
+
+# ---------------------------------------------------------------- state entries
+
+
+@pytest.mark.parametrize("path", ["loop", "foreach"])
+@pytest.mark.parametrize("cls", CONCRETE, ids=lambda c: c.__name__)
+def test_no_empty_state_entries(cls, path):
+    """After steps with dense and sparse gradients and ``init_state``, every state entry
+    holds slots; a slot-free optimizer keeps none at all, as torch's SGD without momentum."""
+    params = _params(3) + [torch.nn.Parameter(torch.ones(3))]
+    opt = cls(params, **_config(cls), **PATHS[path])
+    for seed in (4, 5):
+        _set_grads(cls, params, seed)
+        opt.init_state()
+        opt.step()
+    saved = opt.state_dict()["state"]
+    if opt._slot_fills(opt.param_groups[0]):
+        assert len(opt.state) == 3 and all(opt.state.values())
+        assert len(saved) == 3 and all(saved.values())
+    else:
+        assert not opt.state and saved == {}
+
+
+# ---------------------------------------------------------------- torch-only keys in groups
+
+
+def test_torch_only_settings_in_a_param_group_are_refused_unless_off():
+    w, b = _params()[:2]
+    opt = gf.AdamOptimizer([{"params": [w], "weight_decay": 0.0, "maximize": False}], lr=0.1)
+    assert "weight_decay" not in opt.param_groups[0] and "maximize" not in opt.param_groups[0]
+    with pytest.raises(TypeError, match="param group got weight_decay=0.01: torch's"):
+        opt.add_param_group({"params": [b], "weight_decay": 0.01})
+    assert len(opt.param_groups) == 1
+    # a torch name that is the class's own hyperparameter stays (Momentum's momentum)
+    opt = gf.MomentumOptimizer([{"params": [b], "momentum": 0.5}], lr=0.1, momentum=0.9)
+    assert opt.param_groups[0]["momentum"] == 0.5

@@ -18,6 +18,22 @@ import torch
 Hyper = float | torch.Tensor | Callable[[], Any]
 
 
+class _Required:
+    """The value of a hyperparameter the constructor was not given (torch's ``required``):
+    every param group must then give it (``Optimizer.add_param_group``)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+    def __reduce__(self) -> str:
+        # Pickled and deep-copied as a reference to the one instance, so that a copied
+        # optimizer's defaults still mark the hyperparameter as required.
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+
+
 def resolve(value: Any) -> Any:
     """Call a no-argument callable hyperparameter, as TF's ``_call_if_callable`` does."""
     return value() if callable(value) else value

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from gradfleet import _hyper
 
 #: torch-only argument -> (the value that means "off", or a tuple of the values accepted, what
 #: to use instead).
@@ -60,14 +62,20 @@ def targets(tf: str | tuple[str, ...]) -> tuple[str, ...]:
     return (tf,) if isinstance(tf, str) else tf
 
 
-def accept_torch_names(init: Callable[..., None], table: dict[str, Any]) -> Callable[..., None]:
+def accept_torch_names(
+    init: Callable[..., None], table: dict[str, Any], group_keys: Iterable[str] = ()
+) -> Callable[..., None]:
     """Wrap an optimizer ``__init__`` so that it also takes torch's names in ``table``
     (torch name -> TF name, or a tuple of TF names that the torch name packs, as ``betas``)
     and ``lr`` when it takes ``learning_rate``.
 
-    Whether a learning rate is required, and every default, stay those of ``init``.  The
-    wrapper's signature is ``init``'s plus the torch names as keyword-only arguments, so
-    introspection (RETURNN's ``collect_class_init_kwargs``, ``gradfleet.registry``) sees them.
+    A required argument of ``init`` that is a param-group key (``learning_rate``, or one of
+    ``group_keys``: Momentum's ``momentum``) may be left out when every param group gives
+    it, as torch's required hyperparameters may: ``init`` then gets ``_hyper.REQUIRED``, and
+    ``Optimizer.add_param_group`` refuses a group without the value (``TypeError``).  The
+    wrapper's signature is ``init``'s (required stays required) plus the torch names as
+    keyword-only arguments, so introspection (RETURNN's ``collect_class_init_kwargs``,
+    ``gradfleet.registry``) sees them.
     """
     sig = inspect.signature(init)
     positions = {name: i for i, name in enumerate(sig.parameters)}  # counts ``self``
@@ -75,10 +83,14 @@ def accept_torch_names(init: Callable[..., None], table: dict[str, Any]) -> Call
     if "learning_rate" in positions:
         table.setdefault("lr", "learning_rate")
     table = {k: v for k, v in table.items() if all(t in positions for t in targets(v))}
-    lr_required = (
-        "learning_rate" in positions
-        and sig.parameters["learning_rate"].default is inspect.Parameter.empty
-    )
+    group_keys = {"learning_rate", *group_keys}
+    from_groups = [
+        name
+        for name, p in sig.parameters.items()
+        if name in group_keys
+        and p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
     def given(name: str, args: tuple, kwargs: dict) -> bool:
         return name in kwargs or len(args) >= positions.get(name, len(args) + 1)
@@ -105,8 +117,9 @@ def accept_torch_names(init: Callable[..., None], table: dict[str, Any]) -> Call
                     f"{owner}: {torch_name} must be a tuple ({', '.join(names)}), got {value!r}"
                 )
             kwargs.update(zip(names, value))
-        if lr_required and not given("learning_rate", args, kwargs):
-            raise TypeError(f"{owner}: missing learning_rate (or torch's lr)")
+        for name in from_groups:
+            if not given(name, args, kwargs):
+                kwargs[name] = _hyper.REQUIRED
         init(self, *args, **kwargs)
 
     params = list(sig.parameters.values())

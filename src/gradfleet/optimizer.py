@@ -119,7 +119,9 @@ class Optimizer(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_accepts_torch_names", False):
-            cls.__init__ = _torch_names.accept_torch_names(init, cls.torch_names)
+            cls.__init__ = _torch_names.accept_torch_names(
+                init, cls.torch_names, cls.hyperparameters
+            )
 
     # ------------------------------------------------------------------ hyperparameter values
     @classmethod
@@ -144,9 +146,12 @@ class Optimizer(torch.optim.Optimizer):
         return out
 
     def _check_values(self, values: dict[str, Any]) -> None:
-        """Type and range of every hyperparameter (callables: when called)."""
+        """Type and range of every hyperparameter (callables: when called; a required one
+        the constructor did not get: in each param group)."""
         owner = type(self).__name__
         for key, allowed in self.hyperparameters.items():
+            if values[key] is _hyper.REQUIRED:
+                continue
             hint = self.lr_zero_hint if key == "lr" else ""
             _hyper.check(owner, _tf_name(key), values[key], allowed, hint)
 
@@ -157,7 +162,26 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError(f"{owner}: param_group must be a dict, got {type(param_group)}")
         param_group = _groups.canonical(self, param_group)  # TF and torch names both work
         _groups.check_unique(self, param_group)
-        values = self._values({**self.defaults, **param_group})
+        # torch-only settings (weight_decay, maximize, ...) in a group, as in the constructor:
+        # their "off" value is dropped, any other refused (a group would ignore it silently).
+        own = {"lr", *self.hyperparameters, *self.flags, *self._packed()}
+        foreign = {k: v for k, v in param_group.items() if k in _torch_names.TORCH_ONLY}
+        foreign = {k: v for k, v in foreign.items() if k not in own}
+        _torch_names.check_torch_only(f"{owner}'s param group", dict(foreign))
+        for key in foreign:
+            del param_group[key]
+        merged = {**self.defaults, **param_group}
+        missing = [key for key, value in merged.items() if value is _hyper.REQUIRED]
+        if missing:
+            names = ", ".join(
+                _tf_name(k) + (" (or torch's lr)" if k == "lr" else "") for k in missing
+            )
+            raise TypeError(
+                f"{owner}: missing {names}: pass it to the constructor or give it in every "
+                f"param group (param group {len(self.param_groups)} has none)"
+            )
+        _check_paths(self, merged)
+        values = self._values(merged)
         self._check_values(values)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -168,6 +192,31 @@ class Optimizer(torch.optim.Optimizer):
                     f"got {p.dtype}"
                 )
         group["non_slot"] = self._init_shared(group)
+
+    # ------------------------------------------------------------------ copies and pickles
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)`` keep: torch's
+        ``defaults``/``state``/``param_groups`` and every other attribute of the instance
+        (``check_finite``, ``use_locking``, the name, a subclass's own settings), which
+        torch's ``__getstate__`` drops.  Left out, as torch leaves them out: the hooks
+        registered on this instance and torch's bookkeeping that ``__setstate__`` makes
+        anew; and gradfleet's caches (the compiled kernels' step plan and the 0-dim
+        hyperparameter tensors), which the copy builds again on its first step."""
+        state = super().__getstate__()
+        for key, value in self.__dict__.items():
+            if key not in state and key not in _NOT_COPIED and not key.startswith("_optimizer_"):
+                state[key] = value
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __setstate__ adds ``differentiable`` to the defaults (its own optimizers
+        # read it); a copy should not gain it.  (torch's load_state_dict calls this too, with
+        # the state and param groups only.)
+        defaults = state.get("defaults", self.__dict__.get("defaults", {}))
+        had_differentiable = "differentiable" in defaults
+        super().__setstate__(state)
+        if not had_differentiable:
+            self.defaults.pop("differentiable", None)
 
     # ------------------------------------------------------------------ subclass hooks
     def _init_shared(self, group: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -320,6 +369,23 @@ class Optimizer(torch.optim.Optimizer):
                             f"{type(self).__name__}: non-finite gradient for parameter of "
                             f"shape {tuple(p.shape)}; no parameter was changed (check_finite=True)"
                         )
+        for group, pairs in zip(self.param_groups, work):
+            meta = next((p for p, _ in pairs if p.is_meta), None)
+            if meta is not None and kernels.resolve_path(self, group) == "fused":
+                raise RuntimeError(
+                    f"{type(self).__name__}: `fused=True` needs parameters that hold data, got "
+                    f"one of shape {tuple(meta.shape)} on the meta device; materialise the "
+                    f"model first (Module.to_empty(device=...)) or use foreach=False"
+                )
+        for group in self.param_groups:
+            # Non-slot state (beta powers, step counters) is made at construction, on the
+            # parameters' device: for a model built on the meta device it holds no data.  Once
+            # the parameters are materialised (Module.to_empty), it is made again on their
+            # device, with the initial values an optimizer built on them would have.
+            params = group["params"]
+            shared = group["non_slot"].values()
+            if params and not params[0].is_meta and any(t.is_meta for t in shared):
+                group["non_slot"] = self._init_shared(group)
         # Evaluate and validate every group's hyperparameters before touching anything.
         resolvers = [self._hyper_resolver(group) for group in self.param_groups]
         for group, pairs, hp_for in zip(self.param_groups, work, resolvers):
@@ -383,6 +449,8 @@ class Optimizer(torch.optim.Optimizer):
     def _slots_of(self, params: list[torch.Tensor], group: dict[str, Any]) -> list[dict]:
         """The slot dicts of ``params`` (all of ``group``), creating missing slots."""
         fills = self._slot_fills(group)
+        if not fills:  # no entry in self.state, as torch's SGD without momentum leaves none
+            return [{} for _ in params]
         out = []
         for p in params:
             state = self.state[p]
@@ -602,7 +670,10 @@ class Optimizer(torch.optim.Optimizer):
         # Param groups saved before ``betas`` was stored as torch's tuple hold TF's names.
         groups = [_groups.canonical(self, g) for g in state_dict["param_groups"]]
         replaced = self._replaced_hyperparameters(groups)
-        state_dict = dict(state_dict, param_groups=groups)
+        # Earlier releases saved an empty entry for each parameter of a slot-free
+        # optimizer (``{0: {}}``); loading it would bring the empty entries back.
+        state = {k: v for k, v in state_dict["state"].items() if not _is_empty_entry(k, v)}
+        state_dict = dict(state_dict, param_groups=groups, state=state)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "gradfleet"})
         self._step_plan = None  # it holds the replaced slots; the next step records anew
         for group in self.param_groups:
@@ -730,6 +801,37 @@ def _same_hyperparameter(a: Any, b: Any, through_float32: bool) -> bool:
 
 def _tf_name(key: str) -> str:
     return "learning_rate" if key == "lr" else key
+
+
+#: Instance attributes that copies and pickles leave out (see ``Optimizer.__getstate__``).
+_NOT_COPIED = frozenset(
+    {
+        "_step_plan",
+        "_scalar_cache",
+        "_zero_grad_profile_name",
+        "_warned_capturable_if_run_uncaptured",
+    }
+)
+
+
+def _check_paths(opt: Optimizer, group: dict[str, Any]) -> None:
+    """``RuntimeError`` at construction (and in ``add_param_group``) for ``foreach=True``
+    with ``fused=True``, as torch's optimizers raise it, or for a fast path the class does
+    not support; ``kernels.resolve_path`` checks again at each step (groups may be edited)."""
+    owner = type(opt).__name__
+    if group.get("foreach") and group.get("fused"):
+        raise RuntimeError(f"{owner}: `fused` and `foreach` cannot be `True` together.")
+    for path in ("foreach", "fused"):
+        if group.get(path) and path not in opt.fast_paths:
+            raise RuntimeError(
+                f"{owner} does not support {path}=True (fast_paths={opt.fast_paths})"
+            )
+
+
+def _is_empty_entry(key: Any, value: Any) -> bool:
+    """A saved per-parameter state entry with nothing in it (keys of parameters are their
+    index or, from ``torch.distributed.checkpoint``, their name)."""
+    return isinstance(key, int | str) and isinstance(value, dict) and not value
 
 
 def _check_global_step(global_step: torch.Tensor | None) -> None:

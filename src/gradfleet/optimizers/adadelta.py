@@ -17,6 +17,7 @@ from typing import Any
 
 from gradfleet import _hyper
 from gradfleet.optimizer import RowwiseOptimizer
+from gradfleet.optimizers._rounding import rsqrt
 
 
 class AdadeltaOptimizer(RowwiseOptimizer):
@@ -49,6 +50,6 @@ class AdadeltaOptimizer(RowwiseOptimizer):
     def _rule(self, w, slots, g, hp, shared, sparse):
         rho, eps = hp["rho"], hp["epsilon"]
         accum = slots["accum"] * rho + g * g * (1 - rho)
-        update = (slots["accum_update"] + eps).sqrt() * (accum + eps).rsqrt() * g
+        update = (slots["accum_update"] + eps).sqrt() * rsqrt(accum + eps) * g
         accum_update = slots["accum_update"] * rho + update * update * (1 - rho)
         return w - update * hp["lr"], {"accum": accum, "accum_update": accum_update}

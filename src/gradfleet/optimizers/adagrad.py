@@ -16,6 +16,7 @@ from typing import Any
 
 from gradfleet import _hyper
 from gradfleet.optimizer import RowwiseOptimizer
+from gradfleet.optimizers._rounding import rsqrt
 
 
 class AdagradOptimizer(RowwiseOptimizer):
@@ -53,4 +54,4 @@ class AdagradOptimizer(RowwiseOptimizer):
         acc = slots["accumulator"] + g * g
         if sparse and w.dim() == 1:
             return w - hp["lr"] * g / acc.sqrt(), {"accumulator": acc}
-        return w - g * hp["lr"] * acc.rsqrt(), {"accumulator": acc}
+        return w - g * hp["lr"] * rsqrt(acc), {"accumulator": acc}

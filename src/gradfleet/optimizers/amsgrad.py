@@ -15,15 +15,24 @@ then rounded through float32 (f32(0.1) for beta1 = 0.9), not as ``1 - f32(beta)`
 parameter dtype like TF's kernels; this reproduces RETURNN's float32 results to the bit.
 
 Dense only: a sparse gradient raises ``TypeError`` (RETURNN fails on ``IndexedSlices`` too).
+
+``epsilon=0`` (RETURNN's default): an element whose gradient is exactly 0 at its parameter's
+first step gets ``m = v = v_hat = 0`` and the update ``0 / (0 + sqrt(0))``, so its weight is
+NaN from then on, in RETURNN as here (RETURNN's configs pass ``epsilon=1e-16``; so does
+``gradfleet.registry.create_optimizer(..., returnn_defaults=True)``).  gradfleet warns once
+(``UserWarning``) when a parameter's first step (the one that creates its slots) meets such
+an element: the check reads the gradients back at that step only, never on later steps (no
+wait for the device there), and not under ``torch.compile`` or CUDA-graph capture.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from gradfleet import _hyper
+from gradfleet import _hyper, kernels
 from gradfleet.optimizer import Optimizer
 
 
@@ -39,6 +48,11 @@ class AMSGradOptimizer(Optimizer):
     accepted.  RETURNN keeps ``m``, ``v``, ``v_hat`` as plain float32 variables, not slots;
     here they are slots in the parameter's dtype, reachable through ``get_slot``.  The
     counter ``t`` is non-slot state (float32, ``param_groups[i]["non_slot"]["t"]``).
+
+    With ``epsilon=0`` (the default, as in RETURNN) a gradient element that is exactly 0 at
+    its parameter's first step turns that weight into NaN for good (``0 / (0 + sqrt(0))``);
+    a warning says so the first time it happens.  Pass ``epsilon=1e-16`` as RETURNN's
+    configs do.
     """
 
     hyperparameters = {
@@ -80,6 +94,35 @@ class AMSGradOptimizer(Optimizer):
             )
         super()._validate_gradient(p, g)
 
+    def _update_group(self, group, params, grads, hp_for, record=None):
+        if not self.__dict__.get("_warned_zero_epsilon"):
+            self._warn_zero_epsilon(group, params, grads)
+        super()._update_group(group, params, grads, hp_for, record)
+
+    def _warn_zero_epsilon(self, group, params, grads) -> None:
+        """Warn if ``epsilon`` is 0 and a parameter's first step (no slots yet) has a zero
+        gradient element.  Reads the gradients back once per parameter, at that step; never
+        under torch.compile or while a CUDA graph is being captured."""
+        if torch.compiler.is_compiling():  # before reading self.state: no guard on it
+            return
+        first = [g for p, g in zip(params, grads) if p not in self.state]
+        if not first or _capturing(first):
+            return
+        if _hyper.as_float(group["epsilon"]) != 0.0:
+            return
+        zeros = [(g == 0).sum() for g in first]
+        count = sum(int(z.full_tensor() if kernels.dtensor.is_dtensor(z) else z) for z in zeros)
+        if count:
+            self._warned_zero_epsilon = True
+            warnings.warn(
+                f"AMSGradOptimizer: epsilon is 0 (RETURNN's default) and {count} gradient "
+                f"element(s) are exactly 0 at their parameter's first step: those weights are "
+                f"now NaN (0 / (0 + sqrt(0))) and stay NaN. Pass epsilon=1e-16, as RETURNN's "
+                f"configs do",
+                UserWarning,
+                stacklevel=4,
+            )
+
     def _init_shared(self, group):
         device = group["params"][0].device if group["params"] else None
         return {"t": torch.zeros((), dtype=torch.float32, device=device)}
@@ -111,3 +154,7 @@ class AMSGradOptimizer(Optimizer):
         v.copy_(hp["beta2"] * v + hp["1-beta2"] * g * g)
         torch.maximum(v_hat, v, out=v_hat)
         p.add_((-lr * m) / (hp["epsilon"] + torch.sqrt(v_hat)))
+
+
+def _capturing(grads: list[torch.Tensor]) -> bool:
+    return any(g.is_cuda for g in grads) and torch.cuda.is_current_stream_capturing()

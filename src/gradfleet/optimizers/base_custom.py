@@ -119,7 +119,7 @@ class BaseCustomOptimizer(Optimizer):
     # ------------------------------------------------------------------ helpers
     def _get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor:
         """The slot ``name`` of ``var`` (declared in the class's ``slots``)."""
-        slots = self._slots if var is self._var else self.state[var]
+        slots = self._slots if var is self._var else self.state.get(var, {})
         if name not in slots:
             raise KeyError(f"{type(self).__name__}: no slot {name!r}; declare it in `slots`")
         return slots[name]

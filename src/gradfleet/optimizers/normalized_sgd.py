@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from gradfleet.kernels import fused
+from gradfleet.optimizers._rounding import rsqrt
 from gradfleet.optimizers.custom_gradient_descent import CustomGradientDescentOptimizer
 
 _NORM_EPSILON = 1e-12  # tf.nn.l2_normalize's default, applied to the squared norm
@@ -32,7 +33,7 @@ class NormalizedSGD(CustomGradientDescentOptimizer):
         squares = self._shared.get(_GLOBAL_SQUARES) if indices is None else None
         if squares is None:
             squares = _sum_of_squares(grad)
-        inv_norm = torch.rsqrt(torch.clamp_min(squares, _NORM_EPSILON))
+        inv_norm = rsqrt(torch.clamp_min(squares, _NORM_EPSILON))
         super()._apply_var(grad * inv_norm, var, indices)
 
     def _whole_tensor_statistics(self, grad: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gradfleet import _hyper
 from gradfleet.optimizer import RowwiseOptimizer
+from gradfleet.optimizers._rounding import rsqrt
 
 _L1, _L2 = "l1_regularization_strength", "l2_regularization_strength"
 
@@ -72,7 +73,7 @@ class ProximalAdagradOptimizer(RowwiseOptimizer):
 
     def _rule(self, w, slots, g, hp, shared, sparse):
         acc = slots["accumulator"] + g * g
-        lr_t = hp["lr"] / acc.sqrt() if sparse and w.dim() == 1 else hp["lr"] * acc.rsqrt()
+        lr_t = hp["lr"] / acc.sqrt() if sparse and w.dim() == 1 else hp["lr"] * rsqrt(acc)
         return proximal_step(w, g, lr_t, hp[_L1], hp[_L2]), {"accumulator": acc}
 
 

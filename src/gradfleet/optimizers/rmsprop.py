@@ -22,6 +22,7 @@ from typing import Any
 
 from gradfleet import _hyper
 from gradfleet.optimizer import RowwiseOptimizer
+from gradfleet.optimizers._rounding import rsqrt
 
 
 class RMSPropOptimizer(RowwiseOptimizer):
@@ -75,7 +76,7 @@ class RMSPropOptimizer(RowwiseOptimizer):
             if centered:
                 new["mg"] = mg = slots["mg"] * decay + g * (1 - decay)
                 denom = denom - mg * mg
-            step = denom.rsqrt() * hp["lr"] * g
+            step = rsqrt(denom) * hp["lr"] * g
         else:
             new["rms"] = ms = slots["rms"] + (g * g - slots["rms"]) * (1 - decay)
             if centered:
