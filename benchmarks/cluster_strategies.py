@@ -158,15 +158,15 @@ class SyncReplicas(Strategy):
     def wrap(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ctx, o = self.ctx, self.options
         servers = o.get("servers", "one")
+        job = {
+            "replicas_to_aggregate": int(o.get("R", ctx.world)),
+            "total_num_replicas": ctx.world,
+            "timeout": ctx.timeout,
+            "last_step": int(o["last_step"]),
+            "host": ctx.address,
+        }
         if servers == "default":  # the quick start: no server named, every option left out
-            self.sync = gfd.SyncReplicasOptimizer(
-                opt,
-                replicas_to_aggregate=int(o.get("R", ctx.world)),
-                total_num_replicas=ctx.world,
-                timeout=ctx.timeout,
-                last_step=int(o["last_step"]),
-                host=ctx.address,
-            )
+            self.sync = gfd.SyncReplicasOptimizer(opt, **job)
             return self.sync
         if servers == "dedicated":
             ranks = list(ctx.server_ranks)
@@ -176,11 +176,7 @@ class SyncReplicas(Strategy):
         ranks = ranks * int(o.get("per_rank", 1))
         self.sync = gfd.SyncReplicasOptimizer(
             opt,
-            replicas_to_aggregate=int(o.get("R", ctx.world)),
-            total_num_replicas=ctx.world,
-            timeout=ctx.timeout,
-            last_step=int(o["last_step"]),
-            host=ctx.address,
+            **job,
             server_ranks=ranks,
             overlap=bool(o.get("overlap", False)),
             nonfinite=str(o.get("nonfinite", "raise")),
