@@ -1263,30 +1263,27 @@ def _hook_optimizers(info, device):
         yield info.optim_cls(params, **inp.kwargs)
 
 
-@optims("test_step_post_hook")
-def test_step_post_hook(info, device):
+def _check_step_hook(info, device, register: str) -> None:
+    """A hook registered with ``opt.<register>`` runs once per step until removed."""
     for opt in _hook_optimizers(info, device):
         calls = []
-        handle = opt.register_step_post_hook(functools.partial(_record, calls))
+        handle = getattr(opt, register)(functools.partial(_record, calls))
         opt.step()
         opt.step()
         assert calls == [opt, opt]
         handle.remove()
         opt.step()
         assert len(calls) == 2
+
+
+@optims("test_step_post_hook")
+def test_step_post_hook(info, device):
+    _check_step_hook(info, device, "register_step_post_hook")
 
 
 @optims("test_step_pre_hook")
 def test_step_pre_hook(info, device):
-    for opt in _hook_optimizers(info, device):
-        calls = []
-        handle = opt.register_step_pre_hook(functools.partial(_record, calls))
-        opt.step()
-        opt.step()
-        assert calls == [opt, opt]
-        handle.remove()
-        opt.step()
-        assert len(calls) == 2
+    _check_step_hook(info, device, "register_step_pre_hook")
 
 
 @optims("test_step_all_hooks")
