@@ -164,3 +164,31 @@ def laid_out(ctx: RankContext, assignment: str | None) -> dict:
     }
     opt.close()
     return out
+
+
+def nonfinite_once(ctx: RankContext) -> dict:
+    """The default exchange; rank 1's gradient turns NaN after backward at step 1 (so also
+    after overlap sent it): every rank hears of it, nothing is applied, training goes on."""
+    model = make_mlp(7)
+    opt = SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer(model.parameters(), 0.05), 2)
+    errors, before = [], None
+    for step in range(4):
+        opt.zero_grad()
+        mse(model, *batch(ctx.rank, step)).backward()
+        if step == 1:
+            before = [p.detach().clone() for p in model.parameters()]
+            if ctx.rank == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+        try:
+            opt.step()
+        except FloatingPointError as exc:
+            errors.append((step, str(exc)))
+            after = [p.detach().clone() for p in model.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    out = {
+        "errors": errors,
+        "global_step": opt.global_step,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+    opt.close()
+    return out

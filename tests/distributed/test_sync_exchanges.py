@@ -180,3 +180,14 @@ def test_layout_for_the_job_gives_the_numbers_of_whole_parameters():
     for a, w in zip(auto, whole, strict=True):
         for x, y in zip(a["params"], w["params"], strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_default_allreduce_exchange_refuses_a_nonfinite_gradient_on_every_rank():
+    out = run_ranks(exchange_ranks.nonfinite_once, 2)
+    for o in out:
+        ((step, message),) = o["errors"]
+        assert step == 1 and "non-finite gradient from rank(s) [1]" in message
+        assert o["global_step"] == 3  # three updates made, the refused one not
+    for a, b in zip(out[0]["params"], out[1]["params"], strict=True):
+        assert torch.equal(a, b) and torch.isfinite(a).all()

@@ -40,6 +40,7 @@ rank.  A dead rank makes the all-reduce fail.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from ..apply import apply_gradients
 from ..moving_average import ExponentialMovingAverage
-from .aggregator import TokenQueue, all_finite
+from .aggregator import TokenQueue
 from .outcome import Outcome
 
 __all__ = ["AllReduceExchange", "Buckets"]
@@ -118,6 +119,25 @@ class Buckets:
                 slot.index_add_(0, g.indices()[0].to(slot.device), g.values().to(slot))
             else:
                 slot.copy_(g)
+
+
+def _any_nonfinite(grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """1.0 if any gradient holds a NaN or an infinity, else 0.0, computed where the gradients
+    are: one max-norm per tensor (NaN and infinities survive it), no host round trip."""
+    values = []
+    for g in grads:
+        if g is None:
+            continue
+        v = g._values() if g.is_sparse else g
+        if v.is_complex():
+            v = torch.view_as_real(v)
+        if v.is_floating_point() and v.numel():
+            values.append(v)
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(values, math.inf)
+    top = torch.stack([m.to(device=device, dtype=torch.float64) for m in norms])
+    return (~torch.isfinite(top).all()).to(torch.float64)
 
 
 def _mark(g: torch.Tensor | None) -> tuple[int, int] | None:
@@ -329,8 +349,8 @@ class AllReduceExchange:
         for i, g in enumerate(grads):
             if g is not None:
                 flags[n * g.is_sparse + i] = 1.0
-        if self.nonfinite == "raise" and not all(g is None or all_finite(g) for g in grads):
-            flags[2 * n + self.rank] = 1.0
+        if self.nonfinite == "raise":  # a tensor op: no host synchronisation per gradient
+            flags[2 * n + self.rank] = _any_nonfinite(grads, flags.device)
         flags[2 * n + self.world + self.rank] = float(changed)
         self._wait()
         self._collective(dist.all_reduce, flags)
