@@ -236,3 +236,32 @@ def test_over_processes_same_as_reading_in_step(world, server_ranks, how):
             assert (got["global_step"], got["counters"], got["accepted"]) == (
                 want["global_step"], want["counters"], want["accepted"],
             )  # fmt: skip
+
+
+def test_a_step_claims_only_the_global_step_whose_values_it_holds():
+    """Stale pushes answered without values: the shards are at step 15 but this worker holds
+    step 14 of both and its token is 14, so nothing is read again.  The step it has seen is
+    14; claiming 15 would end a `while opt.global_step < last_step` loop on older values
+    than the other workers end on."""
+    from gradfleet.distributed.sync.streaming import PendingReads
+
+    class Taker:
+        def wait_loaded(self, k, timeout):
+            return {"accepted": False, "step": 15, "version": 14}
+
+        def end(self, timeout):
+            return {k: self.wait_loaded(k, timeout) for k in (0, 1)}
+
+    class Links:
+        timeout = 5.0
+        versions = {0: 14, 1: 14}
+        shard_steps: list = []
+
+        def finish_reads(self, answers, token, load):
+            for k, answer in answers.items():
+                self.versions[k] = int(answer["version"])
+            assert all(self.versions[k] >= int(token["token"]) for k in answers)  # none behind
+
+    token = {"token": 14, "global_step": 14, "accepted": False}
+    result = PendingReads(Links(), Taker(), token, [0, 1], load=None).finish()
+    assert result["global_step"] == 14 and result["token"] == 14

@@ -102,11 +102,17 @@ class PendingReads:
             raise
         self.links.shard_steps = [int(a["step"]) for a in answers.values()]
         token = self.token
+        # the step this worker has seen is the oldest shard values it holds now: a shard that
+        # answered a stale push without values may be past them ("step") while the worker
+        # keeps values it need not read again for its token; claiming that shard's step
+        # would end a `while opt.global_step < last_step` loop on older values than the
+        # other workers'
+        held = min(self.links.versions[k] for k in answers) if answers else -1
         self._result = {
             "token": int(token["token"]),
             "accepted": bool(token["accepted"])
             and all(bool(a["accepted"]) for a in answers.values()),
-            "global_step": max(int(token["global_step"]), min(self.links.shard_steps)),
+            "global_step": max(int(token["token"]), held),
         }
         return self._result
 
