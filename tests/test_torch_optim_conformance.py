@@ -612,6 +612,18 @@ def test_errors(info, device):
                 opt.step()
 
 
+def _assert_goes_down(opt, schedulers, loss_fn, desc: str = "") -> None:
+    """20 steps of ``opt`` (each scheduler stepped after each) lower ``loss_fn``."""
+    scheds = [make(opt) for make in schedulers]
+    initial = loss_fn().item()
+    for _ in range(20):
+        loss = _backward(opt, loss_fn)
+        opt.step()
+        for scheduler in scheds:
+            _step_scheduler(scheduler, loss)
+    assert loss_fn().item() < initial, desc
+
+
 @pytest.mark.parametrize("with_lrsched", [True, False])
 @pytest.mark.parametrize("contiguous", [True, False])
 @optims("test_forloop_goes_right_direction")
@@ -620,14 +632,7 @@ def test_forloop_goes_right_direction(info, device, contiguous, with_lrsched):
         for inp in info.optim_inputs_func(device=device):
             weight, bias, loss_fn = _linear(device, contiguous=contiguous)
             opt = info.optim_cls([weight, bias], **inp.kwargs, foreach=False)
-            scheds = [make(opt) for make in schedulers]
-            initial = loss_fn().item()
-            for _ in range(20):
-                loss = _backward(opt, loss_fn)
-                opt.step()
-                for scheduler in scheds:
-                    _step_scheduler(scheduler, loss)
-            assert loss_fn().item() < initial, inp.desc
+            _assert_goes_down(opt, schedulers, loss_fn, inp.desc)
 
 
 @optims("test_param_group_with_lrscheduler_goes_right_direction")
@@ -635,14 +640,7 @@ def test_param_group_with_lrscheduler_goes_right_direction(info, device):
     for schedulers in info.scheduler_inputs:
         weight, bias, loss_fn = _linear(device)
         opt = info.optim_cls([{"params": [weight]}, {"params": [bias], "lr": 0.01}])
-        scheds = [make(opt) for make in schedulers]
-        initial = loss_fn().item()
-        for _ in range(20):
-            loss = _backward(opt, loss_fn)
-            opt.step()
-            for scheduler in scheds:
-                _step_scheduler(scheduler, loss)
-        assert loss_fn().item() < initial
+        _assert_goes_down(opt, schedulers, loss_fn)
 
 
 @optims("test_tensor_lr")
