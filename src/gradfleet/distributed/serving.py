@@ -177,6 +177,7 @@ class ParameterServer:
             average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
             last_step=spec["last_step"], hyperparameters_from_workers=True,
             pieces=self._pieces, tokens=spec.get("token_rule", "shared"),
+            policy=spec.get("policy"),
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:

@@ -129,6 +129,10 @@ class GradientAggregator:
         self._rows = [torch.zeros(p.shape[0] if p.dim() else 0, dtype=torch.int64) for p in params]
         self._seen = [False] * len(params)
         self.stats: dict[int, dict[str, int]] = {}
+        # ``replicas_to_aggregate="auto"``: the noise terms of each update (:mod:`.replicas_policy`)
+        self.measure_noise = False
+        self._sum_sq: torch.Tensor | None = None  # sum over accepted pushes of |g_i|^2
+        self.last_noise: tuple[float, float, int] | None = None  # of the last update
 
     # ------------------------------------------------------------------ validation
     def check(self, worker: int, grads: Sequence[torch.Tensor | None]) -> None:
@@ -217,9 +221,22 @@ class GradientAggregator:
                     dense.append(g if g.dtype == acc.dtype else g.to(acc.dtype))
             if sums:
                 torch._foreach_add_(sums, dense)
+            if self.measure_noise:
+                self._add_sum_sq(grads)
         self.counter += 1
         self._count(worker, "accepted")
         return True
+
+    def _add_sum_sq(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """``|g_i|^2`` of one accepted push, summed on the accumulators' device in float64
+        (read back once per update, by :meth:`take_average`)."""
+        values = [(g.coalesce().values() if g.is_sparse else g) for g in grads if g is not None]
+        if not values:
+            return
+        norms = torch._foreach_norm([v.detach() for v in values])
+        total = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+        total = total.to(self._sum[0].device)
+        self._sum_sq = total if self._sum_sq is None else self._sum_sq + total
 
     def drop_withheld(self, worker: int, step_tag: int) -> None:
         """A push whose gradients the worker withheld, having seen these accumulators past
@@ -261,9 +278,28 @@ class GradientAggregator:
                 )
             else:
                 out.append(self._sum[i] / self.counter)
+        if self.measure_noise:
+            self.last_noise = self._noise_terms()
         self.global_step += 1
         self._reset()
         return out
+
+    def _noise_terms(self) -> tuple[float, float, int]:
+        """``(sum_i |g_i|^2, |mean_i g_i|^2, k)`` of the update being taken."""
+        k = self.counter
+        seen = [s for s, used in zip(self._sum, self._seen, strict=True) if used]
+        mean_sq = 0.0
+        if seen:
+            norms = torch._foreach_norm(seen)
+            mean_sq = float(torch.stack([n.double() for n in norms]).square().sum()) / k**2
+        sum_sq = 0.0 if self._sum_sq is None else float(self._sum_sq)
+        return sum_sq, mean_sq, k
+
+    def set_replicas(self, replicas: int) -> bool:
+        """The number of gradients the pending update waits for (``"auto"``: chosen per
+        update); True iff those already in are enough."""
+        self.replicas_to_aggregate = int(replicas)
+        return self.ready()
 
     def set_global_step(self, step: int) -> None:
         """TF's ``set_global_step`` (chief init): accumulated gradients are kept."""
@@ -271,6 +307,7 @@ class GradientAggregator:
 
     def _reset(self) -> None:
         self.counter = 0
+        self._sum_sq = None
         torch._foreach_zero_(self._sum)
         for r, kind in zip(self._rows, self.kinds, strict=True):
             if kind != "dense":  # dense variables never count rows

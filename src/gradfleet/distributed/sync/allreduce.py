@@ -191,6 +191,7 @@ class AllReduceExchange:
         self._broadcast_parameters()
         self.tokens = TokenQueue()
         self.global_step = int(global_step)  # a restored step: the tokens carry it
+        self.start_step = self.global_step
         if tokens == "shared":
             self.tokens.put(self.global_step, num_tokens)
         self.local_step = self.global_step
@@ -471,6 +472,10 @@ class AllReduceExchange:
 
     def wait_reads(self) -> None:
         """Nothing is ever left to read."""
+
+    def replicas_history(self) -> list[int]:
+        """Every update took all N workers' gradients."""
+        return [self.N] * (self.global_step - self.start_step)
 
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
         if shard != 0:

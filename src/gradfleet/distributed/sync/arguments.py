@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..wrapper import check_int
 from .aggregator import NONFINITE_POLICIES, init_tokens
+from .replicas_policy import AutoReplicas, ReplicasPolicy
 from .token_line import TOKEN_RULES
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "check_arguments",
     "check_overlap",
     "choose_transport",
+    "replicas_label",
+    "replicas_policy",
     "resolve_worker",
 ]
 
@@ -37,7 +40,18 @@ def check_arguments(
     """``(R, N, initial tokens, token rule)`` after checking every scalar argument.
 
     ``tokens`` None: ``"distinct"`` unless an update needs several gradients of one worker
-    (R > N) or ``num_tokens`` sets TF's initial tokens: both are the shared queue's."""
+    (R > N) or ``num_tokens`` sets TF's initial tokens: both are the shared queue's.  A chosen
+    R (:func:`replicas_policy`) starts at N."""
+    if replicas_policy(replicas_to_aggregate) is not None:
+        if total_num_replicas is None:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            total_num_replicas = world
+        replicas_to_aggregate = total_num_replicas
+        if transport == "allreduce":
+            raise ValueError(
+                f"{_OWNER}: replicas_to_aggregate='auto' chooses R per update on a server; "
+                "transport='allreduce' makes every update of all N workers (leave transport out)"
+            )
     R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
     N = R if total_num_replicas is None else total_num_replicas
     N = check_int(_OWNER, "total_num_replicas", N, 1)
@@ -76,18 +90,46 @@ def check_arguments(
     return R, N, initial, tokens
 
 
+def replicas_policy(replicas_to_aggregate: Any) -> ReplicasPolicy | None:
+    """The policy that chooses each update's R: ``"auto"`` is :class:`AutoReplicas`, an
+    object with ``choose``/``state_dict``/``load_state_dict`` is its own; None for an int."""
+    if isinstance(replicas_to_aggregate, str):
+        if replicas_to_aggregate != "auto":
+            raise ValueError(
+                f"{_OWNER}: replicas_to_aggregate must be a positive int, 'auto' or a replicas "
+                f"policy, got {replicas_to_aggregate!r}"
+            )
+        return AutoReplicas()
+    if isinstance(replicas_to_aggregate, ReplicasPolicy):
+        return replicas_to_aggregate
+    return None
+
+
+def replicas_label(replicas_to_aggregate: Any) -> int | str:
+    """What a checkpoint records of ``replicas_to_aggregate``: the int, ``"auto"``, or the
+    policy's class (checked on load: a fixed-R run does not resume as a chosen-R one)."""
+    if isinstance(replicas_to_aggregate, (int, str)):
+        return replicas_to_aggregate
+    kind = type(replicas_to_aggregate)
+    return f"policy {kind.__module__}.{kind.__qualname__}"
+
+
 def choose_transport(
     transport: str | None,
     replicas_to_aggregate: int,
     total_num_replicas: int,
     tokens: str,
     servers_named: bool,
+    chosen: bool = False,
 ) -> str:
     """The exchange when ``transport`` is not given: all-reduce where it gives the server's
     numbers faster -- every worker in every update (R == N) with one gradient each
-    (``tokens="distinct"``), no server named, one process per worker -- else the server."""
+    (``tokens="distinct"``), no server named, one process per worker -- else the server (also
+    where R is ``chosen`` per update)."""
     if transport is not None:
         return transport
+    if chosen:
+        return "server"
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     lockstep = replicas_to_aggregate == total_num_replicas == world and tokens == "distinct"
     return "allreduce" if lockstep and not servers_named else "server"

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
+from .replicas_policy import Decision, Measurements, ReplicasPolicy
 from .shards import Shard, pushed_gradients
 from .token_line import TokenLine, unfillable
 
@@ -88,6 +89,8 @@ class SyncChief:
         pieces: Sequence[Piece] | None = None,
         global_step: int = 0,
         tokens: str = "shared",
+        policy: ReplicasPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
         self.shard = Shard(
@@ -109,7 +112,7 @@ class SyncChief:
         self.timeout = timeout
         self.ema = variable_averages
         self.last_step = last_step
-        self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief")
+        self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief", clock)
         self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
         self.contributors: set[int] = set()  # workers whose gradient is in shard 0's pending update
         self.broken: str | None = None
@@ -124,6 +127,15 @@ class SyncChief:
         # the token meant for this one, which TF allows but breaks R = N lockstep.  A token
         # (or an error) served to a placeholder waits here for the request.
         self.granted: dict[int, tuple[str, Any]] = {}
+        # each update's R: fixed, or chosen before it by ``policy`` (``"auto"``) from what
+        # ``measured`` records (:mod:`.replicas_policy`)
+        self.policy, self.clock = policy, clock
+        self.measured = Measurements()
+        self.history: list[int] = []  # the R of every update made, in order
+        self.replicas: dict[int, int] = {self.global_step: self.R}  # step -> its update's R
+        if policy is not None:
+            self.shard.measure()
+            self._choose()
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -148,6 +160,8 @@ class SyncChief:
         op = msg["op"]
         if op == "applied":
             k = int(msg["shard"])
+            if "noise" in msg:
+                self.measured.noise(int(msg["step"]) - 1, *msg["noise"])
             self.applied[k] = max(self.applied[k], int(msg["step"]))
             self._advance()
             return [*self._serve_tokens(), Answer(ticket, {})]
@@ -156,11 +170,12 @@ class SyncChief:
             forgotten = bool(msg.get("forgotten", False))
             self.members.leave(worker, forgotten=forgotten)
             self.left_at[worker] = (self.global_step, forgotten)
+            self.measured.forget(worker)
             left = self.held.drop(worker)
             self._forget_placeholder(worker)
             done = [Answer(ticket, {"global_step": self.global_step})]
             held = [] if left is None else [values_answer(self.shard, left)]
-            return done + held + self._serve_tokens()
+            return done + held + self._fewer_live() + self._serve_tokens()
         if op == "release":
             return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
@@ -170,10 +185,17 @@ class SyncChief:
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
             self.members.hello(worker)
             self.left_at.pop(worker, None)
-            values = {"global_step": self.global_step, "params": self.params}
+            self.measured.served(worker, self.global_step, self.clock())
+            values = {
+                "global_step": self.global_step,
+                "params": self.params,
+                "r": self.replicas[self.global_step],
+            }
             return [Answer(ticket, dict(values, version=self.shard.step), self.shard.values_key)]
         if op in ("push", "step"):
             self.shard.follow(msg.get("hyper"))
+            if "grads" in msg or "withheld" in msg:  # its round (withheld: not timed)
+                self.measured.arrived(worker, int(msg["tag"]), self.clock(), "grads" in msg)
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
             before = self.shard.step
             accepted = self.push(worker, int(msg["tag"]), pushed_gradients(msg))
@@ -201,9 +223,8 @@ class SyncChief:
         if op == "read":  # read-ahead: shard 0 read again after a later token
             return [read_answer(self.shard, ticket, int(msg["version"]))]
         if op == "stats":
-            return [
-                Answer(ticket, {"global_step": self.global_step, "stats": self.aggregator.stats})
-            ]
+            stats = {"global_step": self.global_step, "stats": self.aggregator.stats}
+            return [Answer(ticket, dict(stats, replicas=list(self.history)))]
         if op == "ema":
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
         if op == "members":
@@ -255,30 +276,93 @@ class SyncChief:
         True iff accepted."""
         accepted, updated = self.shard.push(worker, tag, grads)
         if updated:
-            self.contributors.clear()
-            self.applied[0] = self.shard.step
-            self._advance()
+            self._shard0_updated()
         elif accepted:
             self.contributors.add(worker)
         return accepted
 
+    def _shard0_updated(self) -> None:
+        self.contributors.clear()
+        self.applied[0] = self.shard.step
+        noise = self.shard.aggregator.last_noise
+        if self.policy is not None and noise is not None:
+            self.measured.noise(self.shard.step - 1, *noise)
+        self._advance()
+
     def _advance(self) -> None:
-        """``global_step += 1`` once every shard applied the update, then the tokens."""
+        """``global_step += 1`` once every shard applied the update, then the next update's R
+        and the tokens."""
         while min(self.applied) > self.global_step:
+            update = self.global_step
+            self.history.append(self.replicas.get(update, self.R))
+            self.measured.close_update(update)
             self.global_step += 1
+            self._choose()
             self.line.updated(self.global_step)
+
+    def _live(self) -> list[int]:
+        return [w for w in range(self.N) if w not in self.left_at]
+
+    def _choose(self) -> None:
+        """The R of the update at ``global_step``: fixed, or the policy's choice (logged)."""
+        step = self.global_step
+        if self.policy is None:
+            r = self.R
+        else:
+            live = self._live()
+            view = Decision(
+                update=step,
+                live=max(len(live), 1),
+                rounds=self.measured.expected_rounds(self.clock(), live),
+                noise_scale=self.measured.noise_scale(),
+                previous=self.replicas.get(step - 1, self.R),
+            )
+            r = self.policy.choose(view)
+            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= view.live:
+                raise ValueError(
+                    f"SyncReplicasOptimizer: the replicas policy {self.policy!r} chose {r!r} "
+                    f"for the update at global step {step}; it must be an int in "
+                    f"[1, {view.live}] (the live workers)"
+                )
+            log.debug(
+                "SyncReplicas chief: update %d waits for R=%d of %d live workers (noise scale "
+                "%s, rounds %s s)", step, r, view.live, view.noise_scale,
+                None if view.rounds is None else [round(a, 3) for a in view.rounds],
+            )  # fmt: skip
+        self.replicas[step] = r
+        for old in [s for s in self.replicas if s < step - 64]:  # tokens that old are stale
+            del self.replicas[old]
+        if self.shard.step == step:  # (shard 0 may be an update ahead: its R comes later)
+            self.shard.aggregator.set_replicas(r)
+
+    def _fewer_live(self) -> list[Answer]:
+        """A worker left (``"auto"``): the pending update waits for the live workers at most;
+        the gradients already in may make it now."""
+        step, live = self.global_step, max(len(self._live()), 1)
+        if self.policy is None or self.replicas.get(step, 0) <= live:
+            return []
+        log.debug("SyncReplicas chief: update %d now waits for R=%d (a worker left)", step, live)
+        self.replicas[step] = live
+        if self.shard.step != step or not self.shard.set_replicas(live):
+            return []
+        due = self.held.due(self.shard.step)  # read-ahead pushes that waited for it
+        self._shard0_updated()
+        return [values_answer(self.shard, h) for h in due]
 
     def _serve_tokens(self) -> list[Answer]:
         """Serve every worker in line that can go on (:mod:`.token_line`); if the live workers
         can never make the pending update, fail the others at once, naming why."""
         released = self.last_step is not None and self.global_step >= self.last_step
         out = []
+        now = self.clock()
         for entry, token in self.line.serve(self.global_step, released):
+            self.measured.served(entry.worker, token, now)
             answer = {
                 "token": token,
                 "accepted": entry.accepted,
                 "global_step": self.global_step,
                 "version": self.shard.step,
+                "r": self.replicas.get(token, self.replicas[self.global_step]),
             }
             if entry.version is not None and entry.version != self.shard.step:
                 answer["params"] = self.params
@@ -312,7 +396,7 @@ class SyncChief:
 
     def tick(self, now: float | None = None) -> list[Answer]:
         """Fail the requests that waited too long (or all, once a shard is unreachable)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         out = []
         if self.broken is not None:
             for entry in self.line.take_all():
@@ -354,6 +438,12 @@ class SyncChief:
             "aggregator": self.aggregator.state_dict(),
             "tokens": self.line.state(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
+            "replicas": {
+                "history": list(self.history),
+                "pending": {int(k): int(v) for k, v in self.replicas.items()},
+                "policy": None if self.policy is None else self.policy.state_dict(),
+                "measured": None if self.policy is None else self.measured.state_dict(),
+            },
         }
         if len(self.applied) > 1:
             state["applied"] = list(self.applied)
@@ -380,3 +470,20 @@ class SyncChief:
         self.line.load(state["tokens"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
+        self._load_replicas(state.get("replicas"))
+
+    def _load_replicas(self, saved: dict[str, Any] | None) -> None:
+        """Each update's R as saved: the history, the pending update's R and the policy's
+        state, so a resumed job goes on choosing as it would have."""
+        if saved is None:  # a checkpoint from before R was recorded
+            self.history, self.replicas = [], {}
+        else:
+            self.history = [int(r) for r in saved["history"]]
+            self.replicas = {int(k): int(v) for k, v in saved["pending"].items()}
+            if self.policy is not None and saved["policy"] is not None:
+                self.policy.load_state_dict(saved["policy"])
+                self.measured.load_state_dict(saved["measured"])
+        if self.global_step not in self.replicas:
+            self._choose()
+        elif self.shard.step in self.replicas:
+            self.shard.aggregator.set_replicas(self.replicas[self.shard.step])

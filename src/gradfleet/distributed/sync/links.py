@@ -115,6 +115,7 @@ class SyncLinks(ReadAheadLinks):
         self._pending: list[int] = []  # shards whose push answers are not read yet
         self._token_sent = False  # the token request went out early (overlap)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
+        self.replicas: int | None = None  # the chief's R at hello
         self.order = push_order(ranks, worker)
         self._unreceived: deque[tuple[int, int]] = deque()  # (shard, request) sent, not in
         self.ahead = len(self.clients) > 1 and targets is not None and load is not None
@@ -156,14 +157,17 @@ class SyncLinks(ReadAheadLinks):
             self._shapes[k] = [tuple(p.shape) for p in parts[k]]
             out[k] = reply["params"]
             step = int(reply["global_step"]) if k == 0 else step
+            if k == 0:  # the R of the first update this worker's gradient may join
+                self.replicas = reply.get("r")
         return step, out
 
-    def push(self, tag: int, parts: Sequence[Grads], hyper: list | None = None) -> bool:
+    def push(self, tag: int, parts: Sequence[Grads], extra: dict[str, Any] | None = None) -> bool:
         """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
         everywhere; the shard that holds it reports it).  True iff every shard accepted them
-        so far (one server: decided with the token).  ``hyper``: the worker's changed
-        hyperparameters, for dedicated servers."""
-        extra = {} if hyper is None else {"hyper": hyper}
+        so far (one server: decided with the token).  ``extra``: what every push of the step
+        carries (the worker's changed hyperparameters for dedicated servers; the update's R
+        under ``replicas_to_aggregate="auto"``)."""
+        extra = {} if extra is None else extra
         if self.ahead and tag >= 0:
             self.start_taking()
             try:

@@ -69,10 +69,13 @@ from .arguments import (
     check_arguments,
     check_overlap,
     choose_transport,
+    replicas_label,
+    replicas_policy,
     resolve_worker,
 )
 from .layout import choose_layout
 from .outcome import Outcome
+from .replicas_policy import ReplicasPolicy
 from .server_exchange import Job, ServerExchange, as_addresses
 from .shards import SPLITTING, check_server_ranks
 
@@ -168,7 +171,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
     def __init__(
         self,
         opt: torch.optim.Optimizer,
-        replicas_to_aggregate: int,
+        replicas_to_aggregate: int | str | ReplicasPolicy,
         total_num_replicas: int | None = None,
         variable_averages: ExponentialMovingAverage | None = None,
         variables_to_average: Iterable[torch.Tensor] | None = None,
@@ -195,12 +198,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
             timeout, last_step, tokens,
         )  # fmt: skip
+        policy = replicas_policy(replicas_to_aggregate)
         named = server_rank is not None or server_ranks is not None or server_address is not None
-        transport = choose_transport(transport, R, N, rule, named)
+        transport = choose_transport(transport, R, N, rule, named, policy is not None)
         server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
         # the books: this worker's steps and verdicts
-        self.replicas_to_aggregate, self.total_num_replicas = R, N
+        # an int, or "auto" / a policy object: each update's R is chosen (replicas_history())
+        self.replicas_to_aggregate: int | str | ReplicasPolicy = (
+            R if policy is None else replicas_to_aggregate
+        )
+        self.total_num_replicas = N
         self.timeout, self.transport, self.tokens = float(timeout), transport, rule
         start = check_int(_OWNER, "global_step", global_step, 0)
         self.local_step = self.global_step = start
@@ -238,7 +246,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         else:
             job = Job(
                 R, N, rule, initial, float(timeout), nonfinite, last_step, variable_averages,
-                averaged, start,
+                averaged, start, policy,
             )  # fmt: skip
             self.exchange = ServerExchange(
                 self.optimizer, job, worker=self.worker, ranks=ranks,
@@ -341,6 +349,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         accumulators when sharded) saw them."""
         return self.exchange.worker_counters(shard)
 
+    def replicas_history(self) -> list[int]:
+        """The R of every update made so far, in order (from the chief; with a fixed
+        ``replicas_to_aggregate`` every entry is it).  ``"auto"``: what the policy chose."""
+        return self.exchange.replicas_history()
+
     def averaged_variables(self) -> list[torch.Tensor | None]:
         """Moving averages of the variables, in parameter order (None if not averaged);
         sharded: gathered from every shard."""
@@ -388,7 +401,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             "local_step": self.local_step,
             "global_step": self.global_step,
             "counters": dict(self.counters),
-            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "replicas_to_aggregate": replicas_label(self.replicas_to_aggregate),
             "total_num_replicas": self.total_num_replicas,
             "server": None,
             "allreduce": None,
@@ -397,11 +410,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
 
     def _check_wrapper_state(self, counters: dict[str, Any]) -> None:
         super()._check_wrapper_state(counters)
+        mine = {
+            "replicas_to_aggregate": replicas_label(self.replicas_to_aggregate),
+            "total_num_replicas": self.total_num_replicas,
+        }
         for key in ("replicas_to_aggregate", "total_num_replicas"):
-            if counters[key] != getattr(self, key):
+            if counters[key] != mine[key]:
                 raise ValueError(
                     f"{_OWNER}.load_state_dict: checkpoint has {key}="
-                    f"{counters[key]}, this optimizer {getattr(self, key)}"
+                    f"{counters[key]}, this optimizer {mine[key]}"
                 )
         self.exchange.check_state(counters)
 

@@ -32,6 +32,7 @@ from .layout import ShardLayout
 from .links import SyncLinks
 from .outcome import Outcome
 from .overlap import ShardReadiness
+from .replicas_policy import ReplicasPolicy
 from .servers import SyncServers
 from .streaming import StreamedReads
 
@@ -57,6 +58,7 @@ class Job:
     ema: ExponentialMovingAverage | None
     averaged: list[int]
     global_step: int
+    policy: ReplicasPolicy | None = None  # replicas_to_aggregate="auto" (or a policy object)
 
 
 class ServerExchange:
@@ -111,6 +113,7 @@ class ServerExchange:
             )
         self._extra: dict[str, Any] | None = None  # what this step's pushes carry
         self._local_step = self.start_step
+        self._replicas: int | None = self.links.replicas
 
     def _start_servers(self, host: str | None) -> list[str]:
         """Start the servers this rank hosts, tell every rank their addresses (collective)."""
@@ -121,6 +124,7 @@ class ServerExchange:
                 timeout=job.timeout, ema=job.ema, averaged=job.averaged,
                 nonfinite=job.nonfinite, last_step=job.last_step, ranks=ranks,
                 parts=self.layout.parts, pieces=self.layout.split, token_rule=job.rule,
+                policy=job.policy,
             )  # fmt: skip
             announce(spec, self.layout.views(self.params), ranks, self.layout.parts)
         host = server_host(host, _OWNER)  # collective: every rank of the group calls it
@@ -131,7 +135,7 @@ class ServerExchange:
                 num_tokens=job.initial_tokens, timeout=job.timeout, ema=job.ema,
                 average_indices=job.averaged, nonfinite=job.nonfinite,
                 last_step=job.last_step, pieces=self.layout.split,
-                global_step=job.global_step, tokens=job.rule,
+                global_step=job.global_step, tokens=job.rule, policy=job.policy,
             )  # fmt: skip
         mine = self.servers.addresses() if self.servers is not None else {}
         if len(ranks) == 1:  # one server: its rank tells the others
@@ -155,6 +159,7 @@ class ServerExchange:
         self.streamed.wait()
         links.latch.raise_if_failed()  # a thread's error since the last step boundary
         self._local_step = local_step
+        self._extra = None
         if self.readiness is not None:
             try:
                 return self._overlapped_step(grads)
@@ -168,7 +173,7 @@ class ServerExchange:
                 "shard holding it reports it)", self.worker,
             )  # fmt: skip
             tag = -1
-        accepted = links.push(tag, self.layout.grad_parts(grads), self.hyper.changed())
+        accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
         return self._finish_step(tag, accepted)
 
     def _finish_step(self, tag: int, accepted: bool) -> Outcome:
@@ -181,9 +186,10 @@ class ServerExchange:
             outcome = Outcome(None, int(token["token"]), int(token["global_step"]))
         else:
             into = {k: self.layout.shard_params(k) for k in links.clients}
-            reply = links.token_and_read(tag, into, self.layout.load_shard)
-            accepted = bool(reply["accepted"]) and own
-            outcome = Outcome(accepted, int(reply["token"]), int(reply["global_step"]))
+            token = links.token_and_read(tag, into, self.layout.load_shard)
+            accepted = bool(token["accepted"]) and own
+            outcome = Outcome(accepted, int(token["token"]), int(token["global_step"]))
+        self._replicas = token.get("r", self._replicas)  # the R of the update it may join
         self._local_step = outcome.local_step  # the tag of the pushes backward makes next
         return outcome
 
@@ -192,6 +198,8 @@ class ServerExchange:
         if self._extra is None:
             hyper = self.hyper.changed()
             self._extra = {} if hyper is None else {"hyper": hyper}
+            if self.job.policy is not None and self._replicas is not None:
+                self._extra["r"] = int(self._replicas)
         return self._extra
 
     def _push_early(self, shards: list[int]) -> None:
@@ -257,6 +265,11 @@ class ServerExchange:
             raise RuntimeError(f"{_OWNER}.{what}: the optimizer is closed")
         self.streamed.wait()
         return self.links
+
+    def replicas_history(self) -> list[int]:
+        """The R of every update made so far (the chief's record)."""
+        links = self._settled_links("replicas_history")
+        return [int(r) for r in links.call(0, "stats")["replicas"]]
 
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
         links = self._settled_links("worker_counters")

@@ -29,6 +29,7 @@ from ..replies import Answer
 from ..transport import MailboxClient, ServerUnreachable
 from .chief import SyncChief
 from .pieces import Piece
+from .replicas_policy import ReplicasPolicy
 from .shards import Applied, Shard, ShardServer
 
 __all__ = ["SyncServers", "PROBE_S"]
@@ -62,6 +63,7 @@ class SyncServers:
         pieces: Sequence[Piece] | None = None,
         global_step: int = 0,
         tokens: str = "shared",
+        policy: ReplicasPolicy | None = None,
     ) -> None:
         R, N = replicas_to_aggregate, total_num_replicas
         self.ranks, self.timeout = list(ranks), timeout
@@ -77,7 +79,7 @@ class SyncServers:
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
-                parts[0], len(self.ranks), pieces, global_step, tokens,
+                parts[0], len(self.ranks), pieces, global_step, tokens, policy,
             )  # fmt: skip
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
@@ -88,6 +90,8 @@ class SyncServers:
                 shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step, pieces)
                 shard.aggregator.set_global_step(global_step)
                 shard.follow_workers = hyperparameters_from_workers
+                if policy is not None:
+                    shard.measure()
                 server = ShardServer(k, shard, N, timeout)
                 hosted = HostedServer(
                     server, server.members, host, f"SyncReplicas shard {k}", perform=self._report
@@ -149,7 +153,8 @@ class SyncServers:
         if effect.shard in self._unread:
             self._unread.discard(effect.shard)
             client.response()
-        client.request("applied", worker=-1, shard=effect.shard, step=effect.step)
+        noise = {} if effect.noise is None else {"noise": list(effect.noise)}
+        client.request("applied", worker=-1, shard=effect.shard, step=effect.step, **noise)
         self._unread.add(effect.shard)
 
     def _probe(self) -> None:

@@ -229,6 +229,26 @@ class Shard:
         # a dedicated server's ``source`` is its own copy: the workers' pushes carry the
         # hyperparameters (LR schedules run on the workers)
         self.follow_workers = False
+        # ``replicas_to_aggregate="auto"``: each update's R comes with the pushes (the chief
+        # chose it and sent it with the tokens), capped at the workers still live here
+        self.adaptive = False
+
+    def measure(self) -> None:
+        """``replicas_to_aggregate="auto"``: every update measures its gradients' noise."""
+        self.adaptive = True
+        self.aggregator.measure_noise = True
+
+    def set_replicas(self, replicas: int) -> bool:
+        """The pending update waits for ``replicas`` gradients from now on; True iff those in
+        already made it (it is applied now: a worker left, and fewer are needed)."""
+        replicas = max(int(replicas), 1)
+        if replicas == self.aggregator.replicas_to_aggregate:
+            return False
+        past_end = self.last_step is not None and self.step >= self.last_step
+        if not self.aggregator.set_replicas(replicas) or self.aggregator.counter == 0 or past_end:
+            return False
+        self.update()
+        return True
 
     @property
     def values_key(self) -> tuple[int, int, int]:
@@ -338,10 +358,12 @@ def pushed_gradients(msg: dict[str, Any]) -> list[torch.Tensor | None] | None:
 @dataclass(frozen=True)
 class Applied:
     """Effect: shard ``shard`` applied its update number ``step``.  The hosting code reports it
-    to the chief (``applied``) before it sends the answers that follow in the same list."""
+    to the chief (``applied``) before it sends the answers that follow in the same list.
+    ``noise``: that update's noise terms over this shard's variables (``"auto"`` only)."""
 
     shard: int
     step: int
+    noise: tuple[float, float, int] | None = None
 
 
 class ShardServer:
@@ -359,9 +381,14 @@ class ShardServer:
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
             left = self.held.drop(worker)  # a forgotten worker's held push: answer it
-            return [Answer(ticket, {})] + (
-                [] if left is None else [values_answer(self.shard, left)]
-            )
+            out: list[Answer | Applied] = [Answer(ticket, {})]
+            out += [] if left is None else [values_answer(self.shard, left)]
+            if self.shard.adaptive and self.shard.set_replicas(
+                min(self.shard.aggregator.replicas_to_aggregate, self._live())
+            ):  # the live workers' gradients already in make the update
+                due = self.held.due(self.shard.step)  # read-ahead pushes it was waited for
+                out += [self._applied(), *(values_answer(self.shard, h) for h in due)]
+            return out
         if op == "release":
             return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
@@ -372,9 +399,11 @@ class ShardServer:
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
             self.shard.follow(msg.get("hyper"))
+            if self.shard.adaptive and "r" in msg and int(msg["tag"]) == self.shard.step:
+                self.shard.aggregator.set_replicas(min(int(msg["r"]), self._live()))
             accepted, updated = self.shard.push(worker, int(msg["tag"]), pushed_gradients(msg))
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
-            return [Applied(self.k, self.shard.step), *answers] if updated else list(answers)
+            return [self._applied(), *answers] if updated else list(answers)
         if op == "read":
             return [read_answer(self.shard, ticket, int(msg["version"]))]
         if op == "stats":
@@ -382,6 +411,14 @@ class ShardServer:
         if op == "ema":
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
         raise ValueError(f"unknown request {op!r}")
+
+    def _applied(self) -> Applied:
+        noise = self.shard.aggregator.last_noise if self.shard.adaptive else None
+        return Applied(self.k, self.shard.step, noise)
+
+    def _live(self) -> int:
+        """Workers that have not left (at least one: R is never 0)."""
+        return max(self.N - len(self.members.left), 1)
 
     def tick(self) -> list[Answer]:
         return []

@@ -113,6 +113,7 @@ class PendingReads:
             "accepted": bool(token["accepted"])
             and all(bool(a["accepted"]) for a in answers.values()),
             "global_step": max(int(token["token"]), held),
+            "r": token.get("r"),
         }
         return self._result
 

@@ -1,0 +1,212 @@
+"""How many gradients each update waits for: ``replicas_to_aggregate="auto"`` and its measurements.
+
+Backup workers (Chen et al. 2016) make an update from the first R of N gradients; the right R
+depends on how fast each worker is *now* and on how much one more gradient is worth.  Like
+Dynamic Backup Workers (Xu, Neglia and Sebastianelli 2020, arXiv 2004.14696), the chief chooses
+R again before every update, from what it has measured:
+
+* **How long each worker's round takes.**  :class:`Measurements` keeps, per worker, the time
+  from the token it was served to its gradient's arrival at the chief (its *round*: read,
+  forward, backward, push), the median of the last :data:`ROUNDS_KEPT`.  A worker already late
+  on its current round (``now - s > d``, token served at ``s``) is expected to need as long
+  again as it has taken so far (``2 (now - s)``): a slowdown counts before its round is ever
+  measured.  With these rounds, an update of R gradients takes ``T(R)``, the R-th shortest.
+* **What R gradients are worth** (McCandlish et al. 2018, "An Empirical Model of Large-Batch
+  Training"): with the best step size, an update averaging R gradients makes
+  ``R / (R + rho)`` of the progress of an exact gradient, where ``rho = tr(Sigma) / |G|^2`` is
+  the noise scale of one worker's gradient (``Sigma`` its covariance, ``G`` the true gradient).
+  From the k gradients ``g_i`` of an update with mean ``m`` (:meth:`Measurements.noise`, summed
+  over every shard's variables)::
+
+      tr(Sigma) ~ k/(k-1) * (mean_i |g_i|^2 - |m|^2)      |G|^2 ~ |m|^2 - tr(Sigma)/k
+
+  both unbiased, each smoothed over updates (weight :data:`NOISE_WEIGHT` on the newest) before
+  their ratio is taken.  An update of one gradient tells nothing about the noise.
+
+:class:`AutoReplicas` chooses, among 1 <= R <= live workers, the R that maximises progress per
+second, ``(R / (R + rho)) / T(R)`` (ties: the larger R).  ``T(R)`` is the steady cost of an
+update, as if every worker started its round together: a worker left out of the last updates
+is out of phase (its next gradient will be stale, the one after joins), and charging that
+one-time wait to the choice would keep it out for good once it has recovered.  It starts from
+R = live workers and stays there until every live worker's round and the noise have been
+measured once.  Assumptions, stated in the docs: gradients of one update are independent
+samples of the same distribution; the progress model holds for the optimizer (exact for SGD at
+its best step size, a heuristic for adaptive ones); the next rounds look like the last few.
+
+A policy is any object with ``choose(view) -> int`` (``view``: a :class:`Decision`), plus
+``state_dict()``/``load_state_dict()`` for checkpoints.  Pure: no clock and no I/O; the chief
+passes the times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "AutoReplicas",
+    "Decision",
+    "Measurements",
+    "ReplicasPolicy",
+    "NOISE_WEIGHT",
+    "ROUNDS_KEPT",
+    "progress",
+]
+
+ROUNDS_KEPT = 3  # a worker's round: the median of its last three (one outlier does not count)
+NOISE_WEIGHT = 0.3  # the newest update's share in the smoothed noise terms
+
+
+def progress(replicas: int, noise_scale: float) -> float:
+    """Progress of an update averaging ``replicas`` gradients, relative to an exact gradient:
+    ``R / (R + rho)`` (``rho`` infinite: proportional to R)."""
+    if math.isinf(noise_scale):
+        return float(replicas)
+    return replicas / (replicas + noise_scale)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a policy sees before an update: the ``update`` (global step) being decided, the
+    live workers' rounds in seconds, sorted (``rounds``; ``None``: not every live worker's
+    round is measured yet), the noise scale ``rho`` (None: not measured yet) and the R chosen
+    for the update before."""
+
+    update: int
+    live: int
+    rounds: tuple[float, ...] | None
+    noise_scale: float | None
+    previous: int
+
+
+@runtime_checkable
+class ReplicasPolicy(Protocol):
+    """Chooses each update's R (1 <= R <= ``view.live``)."""
+
+    def choose(self, view: Decision) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class AutoReplicas:
+    """The built-in policy (module docstring): the R with the most progress per second."""
+
+    def choose(self, view: Decision) -> int:
+        if view.rounds is None or view.noise_scale is None:
+            return view.live
+        best, best_rate = view.live, -1.0
+        for r in range(view.live, 0, -1):  # ties: the larger R (found first)
+            wait = max(view.rounds[r - 1], 1e-9)
+            rate = progress(r, view.noise_scale) / wait
+            if rate > best_rate * (1 + 1e-12):
+                best, best_rate = r, rate
+        return best
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Measurements:
+    """The chief's record of rounds and gradient noise (module docstring)."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, deque[float]] = {}
+        # worker -> (token, when served, has its gradient of that token arrived)
+        self.tokens: dict[int, tuple[int, float, bool]] = {}
+        self.trace: float | None = None  # smoothed tr(Sigma) estimate
+        self.signal: float | None = None  # smoothed |G|^2 estimate
+        self._parts: dict[int, list[float]] = {}  # update -> [sum |g_i|^2, |sum g_i|^2, k]
+
+    # ------------------------------------------------------------------ events
+    def served(self, worker: int, token: int, now: float) -> None:
+        """``worker`` got its token ``token`` (the step its next gradient is computed at)."""
+        self.tokens[worker] = (int(token), float(now), False)
+
+    def arrived(self, worker: int, tag: int, now: float, timed: bool = True) -> None:
+        """``worker``'s gradient computed at ``tag`` reached the chief: one round measured if
+        its token ``tag`` was served here (and ``timed``: not a push that left its gradients
+        behind, whose round skipped the transfer)."""
+        token = self.tokens.get(worker)
+        if token is None or token[0] != tag or token[2]:
+            return
+        self.tokens[worker] = (token[0], token[1], True)
+        if timed:
+            self.rounds.setdefault(worker, deque(maxlen=ROUNDS_KEPT)).append(now - token[1])
+
+    def noise(self, update: int, sum_sq: float, mean_sq: float, count: int) -> None:
+        """One shard's part of ``update``'s noise terms: ``sum_sq`` = sum over its gradients of
+        ``|g_i|^2``, ``mean_sq`` = ``|mean_i g_i|^2``, over its variables, of ``count``
+        gradients.  Folded into the smoothed terms by :meth:`close_update`."""
+        part = self._parts.setdefault(int(update), [0.0, 0.0, float(count)])
+        part[0] += float(sum_sq)
+        part[1] += float(mean_sq)
+        part[2] = min(part[2], float(count))
+
+    def close_update(self, update: int) -> None:
+        """Every shard reported ``update``: its noise terms join the smoothed ones."""
+        for u in [u for u in self._parts if u <= update]:
+            sum_sq, mean_sq, k = self._parts.pop(u)
+            if u != update or k < 2:
+                continue
+            trace = k / (k - 1) * (sum_sq / k - mean_sq)
+            signal = mean_sq - trace / k
+            if self.trace is None or self.signal is None:
+                self.trace, self.signal = trace, signal
+            else:
+                self.trace += NOISE_WEIGHT * (trace - self.trace)
+                self.signal += NOISE_WEIGHT * (signal - self.signal)
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left: its token is void (its rounds stay, for when it comes back)."""
+        self.tokens.pop(worker, None)
+
+    # ------------------------------------------------------------------ the view
+    def noise_scale(self) -> float | None:
+        """``rho = tr(Sigma) / |G|^2`` from the smoothed terms; infinite when the noise
+        swamps the signal, None before any update of two or more gradients."""
+        if self.trace is None or self.signal is None:
+            return None
+        if self.signal <= 0:
+            return math.inf
+        return max(self.trace, 0.0) / self.signal
+
+    def expected_rounds(self, now: float, live: Iterable[int]) -> tuple[float, ...] | None:
+        """Each live worker's round in seconds, sorted (a late one: twice its time so far);
+        None until every live worker has a measured round."""
+        out = []
+        for w in live:
+            if w not in self.rounds:
+                return None
+            d = statistics.median(self.rounds[w])
+            token = self.tokens.get(w)
+            if token is not None and not token[2] and now - token[1] > d:
+                d = 2 * (now - token[1])
+            out.append(d)
+        return tuple(sorted(out))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Rounds and the smoothed noise; not the token times (a clock that does not survive
+        a restart)."""
+        return {
+            "rounds": {int(w): list(r) for w, r in self.rounds.items()},
+            "trace": self.trace,
+            "signal": self.signal,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = {
+            int(w): deque((float(x) for x in r), maxlen=ROUNDS_KEPT)
+            for w, r in state["rounds"].items()
+        }
+        self.trace, self.signal = state["trace"], state["signal"]
+        self.tokens, self._parts = {}, {}

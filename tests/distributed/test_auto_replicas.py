@@ -1,0 +1,340 @@
+"""``replicas_to_aggregate="auto"``: the chief chooses each update's R from measured rounds and
+gradient noise.
+
+The chief (``SyncChief``, one server) is driven in one process by a discrete-event simulation
+of N workers whose rounds follow a recorded schedule (a worker slows down mid-run and
+recovers), on a fake clock.  A float64 reference written from the rule in the docs (rounds as
+medians of the last three, a late worker's round, the noise terms, ``argmax R/(R+rho)/T(R)``, one
+gradient per worker per update, stale ones dropped) runs the same schedule: the R sequence and
+the applied sums must match.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+import gradfleet
+from gradfleet.distributed.replies import Answer
+from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.replicas_policy import (
+    AutoReplicas,
+    Decision,
+    Measurements,
+    progress,
+)
+
+F64 = torch.float64
+LR = 0.1
+TF_LR = float(np.float32(LR))  # TF's GradientDescent makes its learning rate a float32 tensor
+DIM = 6
+CENTRE = np.linspace(-1.0, 1.0, DIM)
+SIGMA = 0.8  # noise of one worker's gradient, per coordinate
+
+
+def gradient(x: np.ndarray, worker: int, round_: int) -> np.ndarray:
+    """Worker ``worker``'s ``round_``-th gradient of ``0.5 |x - CENTRE|^2`` at ``x``, with noise
+    drawn from its own seeded stream (so both simulations draw the same)."""
+    noise = np.random.default_rng(1000 * worker + round_).standard_normal(DIM)
+    return (x - CENTRE) + SIGMA * noise
+
+
+def slow_then_recover(worker: int, round_: int) -> float:
+    """Seconds of ``worker``'s ``round_``-th round: about 1 s each, worker 3 three times as
+    slow in its rounds 6 to 10."""
+    base = 1.0 + 0.01 * math.sin(7 * worker + 3 * round_)
+    return base * (3.0 if worker == 3 and 6 <= round_ < 11 else 1.0)
+
+
+class Reply:
+    def __init__(self) -> None:
+        self.payload = None
+
+    def send(self, payload, share=None):
+        self.payload = payload
+
+
+class ChiefServer:
+    """The simulated workers' view of a real ``SyncChief`` under ``"auto"``."""
+
+    def __init__(self, N: int, clock) -> None:
+        self.x = torch.tensor(np.zeros(DIM), dtype=F64)
+        self.chief = SyncChief(
+            gradfleet.GradientDescentOptimizer([self.x], LR), N, N, 0, timeout=1e9,
+            tokens="distinct", policy=AutoReplicas(), clock=clock,
+        )  # fmt: skip
+        self.tickets: dict[int, Reply] = {}
+
+    def _send(self, msg):
+        out = {}
+        reply = Reply()
+        self.tickets[msg["worker"]] = reply
+        for answer in self.chief.handle(msg, reply):
+            assert isinstance(answer, Answer)
+            answer.ticket.send(answer.payload, answer.share)
+        for w, r in list(self.tickets.items()):
+            if r.payload is not None:
+                out[w] = r.payload
+                del self.tickets[w]
+        return out
+
+    def hello(self, w):
+        shapes = {"shapes": [[DIM]], "dtypes": ["torch.float64"]}
+        got = self._send({"op": "hello", "worker": w, **shapes})
+        return int(got[w]["global_step"]), got[w]["params"][0].numpy().copy()
+
+    def push(self, w, tag, grad, version):
+        msg = {"op": "step", "worker": w, "tag": tag, "version": version,
+               "grads": [torch.tensor(grad, dtype=F64)]}  # fmt: skip
+        served = {}
+        for v, payload in self._send(msg).items():  # version -1: the values come along
+            served[v] = (int(payload["token"]), payload["params"][0].numpy().copy())
+        return served
+
+    @property
+    def values(self):
+        return self.chief.params[0].numpy()
+
+    @property
+    def history(self):
+        return list(self.chief.history)
+
+
+class Reference:
+    """TF's chief with one gradient per worker per update and R chosen by the documented
+    rule, in float64 numpy (written from docs/distributed.md, not from the code)."""
+
+    def __init__(self, N: int, clock) -> None:
+        self.N, self.clock = N, clock
+        self.x = np.zeros(DIM)
+        self.step = 0
+        self.rounds: dict[int, list[float]] = {}
+        self.token: dict[int, list] = {}  # worker -> [tag, served at, arrived]
+        self.trace = self.signal = None
+        self.pending: list[np.ndarray] = []
+        self.contributors: list[int] = []
+        self.history: list[int] = []
+        self.R = N
+
+    @property
+    def values(self):
+        return self.x
+
+    def hello(self, w):
+        self.token[w] = [self.step, self.clock(), False]
+        return self.step, self.x.copy()
+
+    def _choose(self, now):
+        if len(self.rounds) < self.N or self.trace is None:
+            return self.N
+        rho = math.inf if self.signal <= 0 else max(self.trace, 0.0) / self.signal
+        times = []
+        for w in range(self.N):
+            d = statistics.median(self.rounds[w][-3:])
+            tag, start, arrived = self.token[w]
+            times.append(2 * (now - start) if not arrived and now - start > d else d)
+        times.sort()
+
+        def rate(r):
+            gain = r if math.isinf(rho) else r / (r + rho)
+            return gain / max(times[r - 1], 1e-9)
+
+        return max(range(self.N, 0, -1), key=lambda r: (rate(r), r))
+
+    def push(self, w, tag, grad, version):
+        now = self.clock()
+        t = self.token[w]
+        if t[0] == tag and not t[2]:
+            t[2] = True
+            self.rounds.setdefault(w, []).append(now - t[1])
+        served = {}
+        if tag < self.step:  # stale: dropped, next token at once
+            self.token[w] = [self.step, now, False]
+            return {w: (self.step, self.x.copy())}
+        self.pending.append(grad)
+        self.contributors.append(w)
+        if len(self.pending) < self.R:
+            return {}
+        k = len(self.pending)
+        total = np.sum(self.pending, axis=0)
+        mean = total / k
+        if k >= 2:
+            sum_sq = sum(float(g @ g) for g in self.pending)
+            mean_sq = float(mean @ mean)
+            trace = k / (k - 1) * (sum_sq / k - mean_sq)
+            signal = mean_sq - trace / k
+            if self.trace is None:
+                self.trace, self.signal = trace, signal
+            else:
+                self.trace += 0.3 * (trace - self.trace)
+                self.signal += 0.3 * (signal - self.signal)
+        self.x = self.x - TF_LR * mean
+        self.history.append(self.R)
+        self.step += 1
+        self.R = self._choose(now)
+        for v in self.contributors:
+            self.token[v] = [self.step, now, False]
+            served[v] = (self.step, self.x.copy())
+        self.pending, self.contributors = [], []
+        return served
+
+
+def simulate(server_cls, N=4, updates=40, schedule=slow_then_recover):
+    """Run N simulated workers against ``server_cls`` until ``updates`` updates; returns the
+    server.  Each worker computes its gradient on the values it was served, for as long as
+    its schedule says, then pushes it and waits for its token."""
+    now = [0.0]
+    server = server_cls(N, lambda: now[0])
+    events: list[tuple[float, int, int, int, np.ndarray]] = []
+    rounds = [0] * N
+
+    def start(w, tag, x):
+        d = schedule(w, rounds[w])
+        heapq.heappush(events, (now[0] + d, w, tag, rounds[w], gradient(x, w, rounds[w])))
+        rounds[w] += 1
+
+    for w in range(N):
+        tag, x = server.hello(w)
+        start(w, tag, x)
+    while events and len(server.history) < updates:
+        at, w, tag, _, g = heapq.heappop(events)
+        now[0] = at
+        for v, (token, x) in server.push(w, tag, g, -1).items():
+            start(v, token, x)
+    return server
+
+
+def test_chosen_replicas_and_applied_sums_match_a_float64_simulation_of_the_rule():
+    chief, reference = simulate(ChiefServer), simulate(Reference)
+    assert chief.history == reference.history
+    # the rule did adapt: all four at first, three while worker 3 is slow, four again after
+    assert chief.history[0] == 4
+    assert 3 in chief.history
+    slow = chief.history.index(3)
+    assert 4 in chief.history[slow:], chief.history
+    # the applied sums: same updates, float64 both; the difference is summation order,
+    # a few ulps per update over 40 updates of |x| ~ 1
+    np.testing.assert_allclose(chief.values, reference.values, rtol=0, atol=40 * 8 * 2.2e-16 * 4)
+
+
+def test_fixed_replicas_history_records_every_update():
+    x = torch.zeros(2, dtype=F64)
+    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 2, 3, 0, 10, tokens="distinct")
+    for step in range(2):
+        for w in range(2):
+            chief.handle({"op": "step", "worker": w, "tag": step, "version": -1,
+                          "grads": [torch.ones(2, dtype=F64)]}, Reply())  # fmt: skip
+    assert chief.history == [2, 2]
+
+
+def _view(rounds, rho, live=4):
+    return Decision(update=5, live=live, rounds=tuple(rounds), noise_scale=rho, previous=live)
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "rho", "best"),
+    [
+        ((1.0, 1.0, 1.0, 1.0), 2.0, 4),  # even workers: all of them
+        ((1.0, 1.01, 1.02, 3.0), 2.0, 3),  # one straggler: leave it out
+        ((1.0, 1.1, 1.2, 1.3), 0.01, 1),  # almost no noise: one gradient is as good
+        ((1.0, 1.0, 1.0, 1.05), math.inf, 4),  # noise swamps the signal: R / T(R)
+    ],
+)
+def test_auto_takes_the_most_progress_per_second(arrivals, rho, best):
+    rates = {r: progress(r, rho) / arrivals[r - 1] for r in range(1, 5)}
+    assert max(rates, key=lambda r: (rates[r], r)) == best  # the rule, by brute force
+    assert AutoReplicas().choose(_view(arrivals, rho)) == best
+
+
+def test_auto_waits_for_everyone_until_it_has_measured():
+    assert AutoReplicas().choose(Decision(0, 4, None, 2.0, 4)) == 4
+    assert AutoReplicas().choose(Decision(0, 3, (1.0, 1.0, 9.0), None, 4)) == 3
+
+
+def test_measurements_expect_a_late_worker_to_need_as_long_again():
+    m = Measurements()
+    for w in range(2):
+        m.served(w, 0, 0.0)
+        m.arrived(w, 0, 1.0)
+        m.served(w, 1, 1.0)
+    m.arrived(0, 1, 2.0)  # worker 0's round of step 1 took 1 s
+    assert m.expected_rounds(1.5, [0, 1]) == (1.0, 1.0)  # worker 1 is not late yet
+    assert m.expected_rounds(3.0, [0, 1]) == (1.0, 4.0)  # 1 s late on its 1 s round: 2 x 2 s
+    m.arrived(1, 1, 3.5)  # its round took 2.5 s: rounds 1 and 2.5, median 1.75
+    assert m.expected_rounds(3.5, [0, 1]) == (1.0, 1.75)
+    assert m.expected_rounds(3.5, [0, 1, 2]) is None  # worker 2 never measured
+
+
+def test_noise_terms_estimate_the_true_noise_scale():
+    """The noise scale from the documented estimators, over many updates of k gradients of a
+    known distribution, converges to ``tr(Sigma) / |G|^2``."""
+    rng = np.random.default_rng(0)
+    G, sigma, k = np.full(10, 0.5), 1.5, 4
+    m = Measurements()
+    for u in range(400):
+        g = G + sigma * rng.standard_normal((k, 10))
+        mean = g.mean(axis=0)
+        m.noise(u, float((g * g).sum()), float(mean @ mean), k)
+        m.close_update(u)
+    truth = 10 * sigma**2 / float(G @ G)
+    assert m.noise_scale() == pytest.approx(truth, rel=0.35)  # smoothed: ~2 updates' worth
+
+
+def test_a_policy_choosing_outside_the_live_workers_is_refused():
+    class Bad:
+        def choose(self, view):
+            return view.live + 1
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    x = torch.zeros(2, dtype=F64)
+    with pytest.raises(ValueError, match=r"chose 4 .* must be an int in \[1, 3\]"):
+        SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 3, 3, 0, 10, tokens="distinct",
+                  policy=Bad())  # fmt: skip
+
+
+def test_a_worker_leaving_lowers_the_pending_update_and_makes_it():
+    x = torch.zeros(2, dtype=F64)
+    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 3, 3, 0, 10,
+                      tokens="distinct", policy=AutoReplicas())  # fmt: skip
+    replies = [Reply() for _ in range(3)]
+    for w in range(2):
+        for out in chief.handle(
+            {
+                "op": "step",
+                "worker": w,
+                "tag": 0,
+                "version": -1,
+                "grads": [torch.full((2,), float(w + 1), dtype=F64)],
+            },
+            replies[w],
+        ):
+            out.ticket.send(out.payload)  # fmt: skip
+    assert chief.global_step == 0  # waits for the third
+    for out in chief.handle({"op": "done", "worker": 2}, Reply()):
+        out.ticket.send(out.payload)
+    assert chief.global_step == 1 and chief.history == [2]
+    torch.testing.assert_close(chief.params[0], torch.full((2,), -LR * 1.5, dtype=F64))
+    assert replies[0].payload["token"] == 1 and replies[1].payload["r"] == 2
+
+
+def test_state_dict_carries_the_choices():
+    chief = simulate(ChiefServer, updates=14).chief
+    state = chief.state_dict()
+    x = torch.zeros(DIM, dtype=F64)
+    again = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 4, 4, 0, 1e9,
+                      tokens="distinct", policy=AutoReplicas())  # fmt: skip
+    again.load_state_dict(state)
+    assert again.history == chief.history
+    assert again.replicas[again.global_step] == chief.replicas[chief.global_step]
+    assert again.measured.noise_scale() == chief.measured.noise_scale()
+    assert dict(again.measured.rounds) == dict(chief.measured.rounds)
