@@ -71,10 +71,19 @@ class ChiefServer:
         self.tickets: dict[int, Reply] = {}
 
     def _send(self, msg):
-        out = {}
         reply = Reply()
         self.tickets[msg["worker"]] = reply
-        for answer in self.chief.handle(msg, reply):
+        return self._deliver(self.chief.handle(msg, reply))
+
+    def tick(self):
+        served = {}
+        for v, payload in self._deliver(self.chief.tick()).items():
+            served[v] = (int(payload["token"]), payload["params"][0].numpy().copy())
+        return served
+
+    def _deliver(self, answers):
+        out = {}
+        for answer in answers:
             assert isinstance(answer, Answer)
             answer.ticket.send(answer.payload, answer.share)
         for w, r in list(self.tickets.items()):
@@ -184,10 +193,11 @@ class Reference:
         return served
 
 
-def simulate(server_cls, N=4, updates=40, schedule=slow_then_recover):
+def simulate(server_cls, N=4, updates=40, schedule=slow_then_recover, tick=None):
     """Run N simulated workers against ``server_cls`` until ``updates`` updates; returns the
     server.  Each worker computes its gradient on the values it was served, for as long as
-    its schedule says, then pushes it and waits for its token."""
+    its schedule says, then pushes it and waits for its token.  ``tick``: the server's
+    ``tick()`` runs every ``tick`` seconds while nothing arrives."""
     now = [0.0]
     server = server_cls(N, lambda: now[0])
     events: list[tuple[float, int, int, int, np.ndarray]] = []
@@ -202,6 +212,12 @@ def simulate(server_cls, N=4, updates=40, schedule=slow_then_recover):
         tag, x = server.hello(w)
         start(w, tag, x)
     while events and len(server.history) < updates:
+        while tick is not None and events[0][0] > now[0] + tick and now[0] < 1e3:
+            now[0] += tick
+            for v, (token, x) in server.tick().items():
+                start(v, token, x)
+        if math.isinf(events[0][0]):
+            break
         at, w, tag, _, g = heapq.heappop(events)
         now[0] = at
         for v, (token, x) in server.push(w, tag, g, -1).items():
@@ -338,3 +354,34 @@ def test_state_dict_carries_the_choices():
     assert again.replicas[again.global_step] == chief.replicas[chief.global_step]
     assert again.measured.noise_scale() == chief.measured.noise_scale()
     assert dict(again.measured.rounds) == dict(chief.measured.rounds)
+
+
+def dies_at_round_5(worker: int, round_: int) -> float:
+    """Worker 2's fifth round never ends (it died); the others take about 1 s."""
+    return math.inf if worker == 2 and round_ == 5 else 1.0 + 0.01 * math.sin(worker + round_)
+
+
+def test_a_worker_that_dies_mid_update_is_left_out_after_twice_its_round():
+    server = simulate(ChiefServer, N=3, updates=12, schedule=dies_at_round_5, tick=0.1)
+    history = server.history
+    assert len(history) == 12, history  # nothing hangs: the update it was in went on
+    assert history[:5] == [3] * 5 and max(history[5:]) <= 2, history  # at most the live two
+    chief = server.chief
+    assert chief.measured.overdue(chief.clock(), [0, 1, 2]) == [2]
+
+
+def test_a_shard_lowers_its_update_when_the_chief_says_so():
+    from gradfleet.distributed.sync.shards import Applied, Shard, ShardServer
+
+    x = torch.zeros(2, dtype=F64)
+    shard = Shard(gradfleet.GradientDescentOptimizer([x], LR), [0], 3)
+    shard.measure()
+    server = ShardServer(1, shard, 3, 10.0)
+    for w in range(2):
+        out = server.handle({"op": "push", "worker": w, "tag": 0, "r": 3,
+                             "grads": [torch.full((2,), float(w + 1), dtype=F64)]}, Reply())  # fmt: skip
+        assert not any(isinstance(o, Applied) for o in out)
+    out = server.handle({"op": "replicas", "worker": -1, "step": 0, "r": 2}, Reply())
+    applied = [o for o in out if isinstance(o, Applied)]
+    assert applied and applied[0].step == 1 and applied[0].noise[2] == 2
+    torch.testing.assert_close(shard.params[0], torch.full((2,), -TF_LR * 1.5, dtype=F64))

@@ -53,7 +53,7 @@ from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 from .replicas_policy import Decision, Measurements, ReplicasPolicy
-from .shards import Shard, pushed_gradients
+from .shards import Resized, Shard, pushed_gradients
 from .token_line import TokenLine, unfillable
 
 __all__ = ["SyncChief"]
@@ -175,7 +175,7 @@ class SyncChief:
             self._forget_placeholder(worker)
             done = [Answer(ticket, {"global_step": self.global_step})]
             held = [] if left is None else [values_answer(self.shard, left)]
-            return done + held + self._fewer_live() + self._serve_tokens()
+            return [*done, *held, *self._fewer_live(), *self._serve_tokens()]
         if op == "release":
             return release_answers(self.shard, self.held, msg)
         self.members.heard(worker)
@@ -309,14 +309,7 @@ class SyncChief:
         if self.policy is None:
             r = self.R
         else:
-            live = self._live()
-            view = Decision(
-                update=step,
-                live=max(len(live), 1),
-                rounds=self.measured.expected_rounds(self.clock(), live),
-                noise_scale=self.measured.noise_scale(),
-                previous=self.replicas.get(step - 1, self.R),
-            )
+            view = self._decision(self.clock())
             r = self.policy.choose(view)
             if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= view.live:
                 raise ValueError(
@@ -335,19 +328,54 @@ class SyncChief:
         if self.shard.step == step:  # (shard 0 may be an update ahead: its R comes later)
             self.shard.aggregator.set_replicas(r)
 
-    def _fewer_live(self) -> list[Answer]:
-        """A worker left (``"auto"``): the pending update waits for the live workers at most;
-        the gradients already in may make it now."""
-        step, live = self.global_step, max(len(self._live()), 1)
-        if self.policy is None or self.replicas.get(step, 0) <= live:
+    def _decision(self, now: float) -> Decision:
+        """What the policy sees of the update at ``global_step``."""
+        live = self._live()
+        step = self.global_step
+        return Decision(
+            update=step,
+            live=max(len(live), 1),
+            rounds=self.measured.expected_rounds(now, live),
+            noise_scale=self.measured.noise_scale(),
+            previous=self.replicas.get(step - 1, self.R),
+        )
+
+    def _fewer_live(self) -> list[Answer | Resized]:
+        """A worker left (``"auto"``): the pending update waits for the live workers at most."""
+        live = max(len(self._live()), 1)
+        if self.policy is None or self.replicas.get(self.global_step, 0) <= live:
             return []
-        log.debug("SyncReplicas chief: update %d now waits for R=%d (a worker left)", step, live)
-        self.replicas[step] = live
-        if self.shard.step != step or not self.shard.set_replicas(live):
+        return self._lower(live, "a worker left")
+
+    def _reconsider(self, now: float) -> list[Answer | Resized]:
+        """``"auto"``, while the pending update waits: a live worker whose gradient is not in
+        has taken over twice its usual round (dead, or slowed down since the choice): choose
+        again with what is known now, and lower R if the policy would.  Never raises R: the
+        workers' pushes to other shards carry the R they were told."""
+        step = self.global_step
+        if self.policy is None or self.broken is not None or step not in self.replicas:
             return []
-        due = self.held.due(self.shard.step)  # read-ahead pushes that waited for it
-        self._shard0_updated()
-        return [values_answer(self.shard, h) for h in due]
+        if not self.measured.overdue(now, self._live()):
+            return []
+        view = self._decision(now)
+        r = self.policy.choose(view)
+        if not isinstance(r, int) or not 1 <= r < self.replicas[step]:
+            return []
+        return self._lower(r, f"worker(s) {self.measured.overdue(now, self._live())} overdue")
+
+    def _lower(self, r: int, why: str) -> list[Answer | Resized]:
+        """The pending update waits for ``r`` gradients now; made at once if they are in."""
+        step = self.global_step
+        log.debug("SyncReplicas chief: update %d now waits for R=%d (%s)", step, r, why)
+        self.replicas[step] = r
+        out: list[Answer | Resized] = []
+        if len(self.applied) > 1:
+            out.append(Resized(step, r))  # the other shards: before this one moves on
+        if self.shard.step == step and self.shard.set_replicas(r):
+            due = self.held.due(self.shard.step)  # read-ahead pushes that waited for it
+            self._shard0_updated()
+            out += [values_answer(self.shard, h) for h in due]
+        return out
 
     def _serve_tokens(self) -> list[Answer]:
         """Serve every worker in line that can go on (:mod:`.token_line`); if the live workers
@@ -394,7 +422,7 @@ class SyncChief:
         self.broken = message
         return self.tick()
 
-    def tick(self, now: float | None = None) -> list[Answer]:
+    def tick(self, now: float | None = None) -> list[Answer | Resized]:
         """Fail the requests that waited too long (or all, once a shard is unreachable)."""
         now = self.clock() if now is None else now
         out = []
@@ -407,7 +435,9 @@ class SyncChief:
             log.error("%s", message)
             self.line.waiting.popleft()
             out += self._answer(first.worker, first.ticket, "TimeoutError", message)
-        return out
+        before = self.global_step
+        out += self._reconsider(now)
+        return out + (self._serve_tokens() if self.global_step != before else [])
 
     def silent_workers(self, now: float | None = None) -> list[int]:
         """Workers silent for over ``timeout`` s (those waiting for a token are blocked, not

@@ -193,6 +193,16 @@ class Measurements:
             out.append(d)
         return tuple(sorted(out))
 
+    def overdue(self, now: float, live: Iterable[int]) -> list[int]:
+        """Live workers whose gradient is not in after over twice their usual round."""
+        out = []
+        for w in live:
+            token = self.tokens.get(w)
+            if w in self.rounds and token is not None and not token[2]:
+                if now - token[1] > 2 * statistics.median(self.rounds[w]):
+                    out.append(w)
+        return out
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Rounds and the smoothed noise; not the token times (a clock that does not survive

@@ -30,7 +30,7 @@ from ..transport import MailboxClient, ServerUnreachable
 from .chief import SyncChief
 from .pieces import Piece
 from .replicas_policy import ReplicasPolicy
-from .shards import Applied, Shard, ShardServer
+from .shards import Applied, Resized, Shard, ShardServer
 
 __all__ = ["SyncServers", "PROBE_S"]
 
@@ -71,7 +71,9 @@ class SyncServers:
         self._chief_server: HostedServer | None = None
         self.shards: dict[int, tuple[ShardServer, HostedServer]] = {}
         self._reports: dict[int, MailboxClient] = {}  # shard k -> its link to the chief
+        self._resizes: dict[int, MailboxClient] = {}  # the chief's links to shards 1..
         self._unread: set[int] = set()  # shards whose last report's answer is not read yet
+        self._unread_resizes: set[int] = set()
         self._linked = threading.Event()
         self._probes: dict[str, Callable[[], None]] = {}
         self._probe_failure: tuple[str, str] | None = None  # (whom, why): the probing thread's
@@ -83,8 +85,9 @@ class SyncServers:
             )  # fmt: skip
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
-                self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch
-            )
+                self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch,
+                perform=self._resize,
+            )  # fmt: skip
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
                 shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step, pieces)
@@ -116,6 +119,12 @@ class SyncServers:
                 f"server rank {self.ranks[0]} (chief)",
                 data=False,  # "applied" reports carry no tensors
             )
+        if self.chief is not None and self.chief.policy is not None:
+            for k in range(1, len(self.ranks)):
+                self._resizes[k] = MailboxClient(
+                    addresses[k], "chief", self.timeout + 10.0,
+                    f"server rank {self.ranks[k]} (shard {k})", data=False,
+                )  # fmt: skip
         self._linked.set()
         if self.chief is None:
             return
@@ -156,6 +165,19 @@ class SyncServers:
         noise = {} if effect.noise is None else {"noise": list(effect.noise)}
         client.request("applied", worker=-1, shard=effect.shard, step=effect.step, **noise)
         self._unread.add(effect.shard)
+
+    def _resize(self, effect: Any) -> None:
+        """The chief's :class:`Resized`: tell every other shard (answers read at the next one,
+        as :meth:`_report` does: a shard may be reporting to the chief right now)."""
+        if not isinstance(effect, Resized):
+            raise TypeError(f"SyncReplicas chief: unknown effect {effect!r}")
+        if not self._linked.wait(self.timeout):
+            raise ServerUnreachable("SyncReplicas chief: no link to the shards")
+        for k, client in self._resizes.items():
+            if k in self._unread_resizes:
+                client.response()
+            client.request("replicas", worker=-1, step=effect.step, r=effect.replicas)
+            self._unread_resizes.add(k)
 
     def _probe(self) -> None:
         """The probing thread: every ``PROBE_S`` seconds, each other server rank once, until

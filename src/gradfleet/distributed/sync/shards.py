@@ -58,6 +58,7 @@ from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, 
 
 __all__ = [
     "Applied",
+    "Resized",
     "Shard",
     "pushed_gradients",
     "ShardServer",
@@ -366,6 +367,16 @@ class Applied:
     noise: tuple[float, float, int] | None = None
 
 
+@dataclass(frozen=True)
+class Resized:
+    """Effect (``replicas_to_aggregate="auto"``): the chief lowered the R of the update at
+    ``step`` while it waited (a worker left or fell far behind).  The hosting code tells every
+    other shard (``replicas``), which makes the update once that many gradients are in."""
+
+    step: int
+    replicas: int
+
+
 class ShardServer:
     """State machine of a non-chief shard: ``hello``, ``push``, ``release``, ``read``,
     ``done``, ``stats``, ``ema``; ``handle`` returns answers and, after an update, the
@@ -375,6 +386,7 @@ class ShardServer:
         self.k, self.shard, self.N, self.timeout = shard_id, shard, total_num_replicas, timeout
         self.members = Membership(total_num_replicas, timeout, f"SyncReplicas shard {shard_id}")
         self.held = HeldPushes()
+        self.lowered: tuple[int, int] | None = None  # (step, R) the chief lowered it to
 
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
         worker, op = int(msg["worker"]), msg["op"]
@@ -383,14 +395,14 @@ class ShardServer:
             left = self.held.drop(worker)  # a forgotten worker's held push: answer it
             out: list[Answer | Applied] = [Answer(ticket, {})]
             out += [] if left is None else [values_answer(self.shard, left)]
-            if self.shard.adaptive and self.shard.set_replicas(
-                min(self.shard.aggregator.replicas_to_aggregate, self._live())
-            ):  # the live workers' gradients already in make the update
-                due = self.held.due(self.shard.step)  # read-ahead pushes it was waited for
-                out += [self._applied(), *(values_answer(self.shard, h) for h in due)]
+            if self.shard.adaptive:
+                out += self._resize(self.shard.step, self.shard.aggregator.replicas_to_aggregate)
             return out
         if op == "release":
             return release_answers(self.shard, self.held, msg)
+        if op == "replicas":  # from the chief (worker -1), not a worker's message
+            self.lowered = (int(msg["step"]), int(msg["r"]))
+            return [Answer(ticket, {}), *self._resize(int(msg["step"]), int(msg["r"]))]
         self.members.heard(worker)
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
@@ -399,8 +411,11 @@ class ShardServer:
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
             self.shard.follow(msg.get("hyper"))
-            if self.shard.adaptive and "r" in msg and int(msg["tag"]) == self.shard.step:
-                self.shard.aggregator.set_replicas(min(int(msg["r"]), self._live()))
+            tag = int(msg["tag"])
+            if self.shard.adaptive and "r" in msg and tag == self.shard.step:
+                lowered = self.lowered[1] if self.lowered and self.lowered[0] == tag else None
+                r = min(int(msg["r"]), self._live(), lowered or int(msg["r"]))
+                self.shard.aggregator.set_replicas(r)
             accepted, updated = self.shard.push(worker, int(msg["tag"]), pushed_gradients(msg))
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             return [self._applied(), *answers] if updated else list(answers)
@@ -411,6 +426,14 @@ class ShardServer:
         if op == "ema":
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
         raise ValueError(f"unknown request {op!r}")
+
+    def _resize(self, step: int, replicas: int) -> list[Answer | Applied]:
+        """The update at ``step`` waits for at most ``replicas`` gradients, and for no more
+        than the live workers: made now if those already in are enough."""
+        if self.shard.step != step or not self.shard.set_replicas(min(replicas, self._live())):
+            return []
+        due = self.held.due(self.shard.step)  # read-ahead pushes that waited for it
+        return [self._applied(), *(values_answer(self.shard, h) for h in due)]
 
     def _applied(self) -> Applied:
         noise = self.shard.aggregator.last_noise if self.shard.adaptive else None
