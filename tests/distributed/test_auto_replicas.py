@@ -125,6 +125,7 @@ class Reference:
         self.rounds: dict[int, list[float]] = {}
         self.token: dict[int, list] = {}  # worker -> [tag, served at, arrived]
         self.trace = self.signal = None
+        self.noise_updates = 0
         self.pending: list[np.ndarray] = []
         self.contributors: list[int] = []
         self.history: list[int] = []
@@ -139,7 +140,7 @@ class Reference:
         return self.step, self.x.copy()
 
     def _choose(self, now):
-        if len(self.rounds) < self.N or self.trace is None:
+        if len(self.rounds) < self.N or self.noise_updates < 3:
             return self.N
         rho = math.inf if self.signal <= 0 else max(self.trace, 0.0) / self.signal
         times = []
@@ -177,6 +178,7 @@ class Reference:
             mean_sq = float(mean @ mean)
             trace = k / (k - 1) * (sum_sq / k - mean_sq)
             signal = mean_sq - trace / k
+            self.noise_updates += 1
             if self.trace is None:
                 self.trace, self.signal = trace, signal
             else:
@@ -297,6 +299,7 @@ def test_noise_terms_estimate_the_true_noise_scale():
         mean = g.mean(axis=0)
         m.noise(u, float((g * g).sum()), float(mean @ mean), k)
         m.close_update(u)
+        assert (m.noise_scale() is None) == (u < 2)  # three updates before it counts
     truth = 10 * sigma**2 / float(G @ G)
     assert m.noise_scale() == pytest.approx(truth, rel=0.35)  # smoothed: ~2 updates' worth
 
@@ -378,10 +381,58 @@ def test_a_shard_lowers_its_update_when_the_chief_says_so():
     shard.measure()
     server = ShardServer(1, shard, 3, 10.0)
     for w in range(2):
-        out = server.handle({"op": "push", "worker": w, "tag": 0, "r": 3,
-                             "grads": [torch.full((2,), float(w + 1), dtype=F64)]}, Reply())  # fmt: skip
+        grads = [torch.full((2,), float(w + 1), dtype=F64)]
+        out = server.handle({"op": "push", "worker": w, "tag": 0, "r": 3, "grads": grads}, Reply())
         assert not any(isinstance(o, Applied) for o in out)
     out = server.handle({"op": "replicas", "worker": -1, "step": 0, "r": 2}, Reply())
     applied = [o for o in out if isinstance(o, Applied)]
     assert applied and applied[0].step == 1 and applied[0].noise[2] == 2
     torch.testing.assert_close(shard.params[0], torch.full((2,), -TF_LR * 1.5, dtype=F64))
+
+
+# --------------------------------------------------------------------- over processes
+def _check_logged(history, decisions):
+    """Every update's R is logged, its last decision being the R it was made with."""
+    last = {}
+    for update, r in decisions:
+        last[update] = r
+    assert [last[u] for u in range(len(history))] == history
+
+
+@pytest.mark.parametrize("server_ranks", [None, [0, 1, 2, 3]], ids=["one-server", "sharded"])
+def test_a_worker_slows_down_and_recovers_over_processes(server_ranks):
+    from gradfleet.distributed.testing import run_ranks
+
+    from . import auto_ranks
+
+    steps = 36
+    out = run_ranks(
+        auto_ranks.auto_train, 4, args=(steps, server_ranks, (3, 8, 18, 0.6)), timeout=150
+    )
+    history = out[0]["history"]
+    assert [o["history"] for o in out] == [history] * 4  # the chief's record, on every rank
+    assert len(history) == steps and all(o["global_step"] == steps for o in out)
+    assert history[0] == 4  # starts from R = N
+    low = min(range(len(history)), key=lambda u: (history[u], u))
+    assert history[low] <= 3, history  # left the slow worker out...
+    assert 4 in history[low:], history  # ...and took it back once it recovered
+    _check_logged(history, out[0]["decisions"])
+
+
+def test_a_killed_worker_under_auto_leaves_the_job_running():
+    from gradfleet.distributed.testing import RankKilled, run_ranks
+
+    from . import auto_ranks
+
+    steps = 24
+    out = run_ranks(
+        auto_ranks.auto_train, 4, args=(steps, None, None, (2, 6)), timeout=150,
+        kill_on={2: "die"},
+    )  # fmt: skip
+    assert out[2] == RankKilled(2)
+    survivors = [out[r] for r in (0, 1, 3)]
+    assert all(o["global_step"] == steps for o in survivors)
+    history = survivors[0]["history"]
+    assert len(history) == steps and history[0] == 4
+    assert max(history[8:]) <= 3, history  # at most the live workers once it is gone
+    _check_logged(history, survivors[0]["decisions"])

@@ -21,7 +21,8 @@ R again before every update, from what it has measured:
       tr(Sigma) ~ k/(k-1) * (mean_i |g_i|^2 - |m|^2)      |G|^2 ~ |m|^2 - tr(Sigma)/k
 
   both unbiased, each smoothed over updates (weight :data:`NOISE_WEIGHT` on the newest) before
-  their ratio is taken.  An update of one gradient tells nothing about the noise.
+  their ratio is taken, once :data:`NOISE_UPDATES` updates were measured (one update's
+  estimate is too noisy to act on).  An update of one gradient tells nothing about the noise.
 
 :class:`AutoReplicas` chooses, among 1 <= R <= live workers, the R that maximises progress per
 second, ``(R / (R + rho)) / T(R)`` (ties: the larger R).  ``T(R)`` is the steady cost of an
@@ -52,6 +53,7 @@ __all__ = [
     "Decision",
     "Measurements",
     "ReplicasPolicy",
+    "NOISE_UPDATES",
     "NOISE_WEIGHT",
     "ROUNDS_KEPT",
     "progress",
@@ -59,6 +61,7 @@ __all__ = [
 
 ROUNDS_KEPT = 3  # a worker's round: the median of its last three (one outlier does not count)
 NOISE_WEIGHT = 0.3  # the newest update's share in the smoothed noise terms
+NOISE_UPDATES = 3  # updates of 2+ gradients before the noise scale is trusted
 
 
 def progress(replicas: int, noise_scale: float) -> float:
@@ -124,6 +127,7 @@ class Measurements:
         self.tokens: dict[int, tuple[int, float, bool]] = {}
         self.trace: float | None = None  # smoothed tr(Sigma) estimate
         self.signal: float | None = None  # smoothed |G|^2 estimate
+        self.measured = 0  # updates folded into them
         self._parts: dict[int, list[float]] = {}  # update -> [sum |g_i|^2, |sum g_i|^2, k]
 
     # ------------------------------------------------------------------ events
@@ -159,6 +163,7 @@ class Measurements:
                 continue
             trace = k / (k - 1) * (sum_sq / k - mean_sq)
             signal = mean_sq - trace / k
+            self.measured += 1
             if self.trace is None or self.signal is None:
                 self.trace, self.signal = trace, signal
             else:
@@ -172,8 +177,8 @@ class Measurements:
     # ------------------------------------------------------------------ the view
     def noise_scale(self) -> float | None:
         """``rho = tr(Sigma) / |G|^2`` from the smoothed terms; infinite when the noise
-        swamps the signal, None before any update of two or more gradients."""
-        if self.trace is None or self.signal is None:
+        swamps the signal, None before :data:`NOISE_UPDATES` updates of two or more gradients."""
+        if self.trace is None or self.signal is None or self.measured < NOISE_UPDATES:
             return None
         if self.signal <= 0:
             return math.inf
@@ -211,6 +216,7 @@ class Measurements:
             "rounds": {int(w): list(r) for w, r in self.rounds.items()},
             "trace": self.trace,
             "signal": self.signal,
+            "measured": self.measured,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -219,4 +225,5 @@ class Measurements:
             for w, r in state["rounds"].items()
         }
         self.trace, self.signal = state["trace"], state["signal"]
+        self.measured = int(state["measured"])
         self.tokens, self._parts = {}, {}
