@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gradfleet
-from gradfleet.distributed import SyncReplicasOptimizer
+from gradfleet.distributed import SyncReplicasOptimizer, serve
 from gradfleet.distributed.testing import RankContext
 
 from .sync_ranks import _die
@@ -38,22 +38,28 @@ def auto_train(
     slow: tuple[int, int, int, float] | None = None,
     die: tuple[int, int] | None = None,
     base: float = 0.05,
+    workers: int | None = None,
 ) -> dict:
     """Train a small noisy regression under ``"auto"`` until ``global_step == steps``.  Each
     worker sleeps ``base`` seconds a step (its accelerator time); ``slow = (rank, first,
     end, seconds)``: that rank sleeps ``seconds`` instead while its global step is in
     ``[first, end)``; ``die = (rank, count)``: that rank is SIGKILLed after ``count`` steps
-    (rank 0 then forgets it, so that its server stops waiting at the end)."""
+    (rank 0 then forgets it, so that its server stops waiting at the end).  ``workers``
+    (default: every rank): the ranks from it on are dedicated servers."""
     decisions = Decisions()
     chief_log = logging.getLogger("gradfleet.distributed.sync.chief")
     chief_log.setLevel(logging.DEBUG)
     chief_log.addHandler(decisions)
+    workers = ctx.world_size if workers is None else workers
+    if ctx.rank >= workers:
+        serve(lambda groups: gradfleet.GradientDescentOptimizer(groups, 0.02))
+        return {"decisions": decisions.seen}
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = SyncReplicasOptimizer(
         gradfleet.GradientDescentOptimizer(model.parameters(), 0.02),
         "auto",
-        ctx.world_size,
+        workers,
         last_step=steps,
         timeout=30.0,
         server_ranks=server_ranks,

@@ -399,24 +399,27 @@ def _check_logged(history, decisions):
     assert [last[u] for u in range(len(history))] == history
 
 
-@pytest.mark.parametrize("server_ranks", [None, [0, 1, 2, 3]], ids=["one-server", "sharded"])
-def test_a_worker_slows_down_and_recovers_over_processes(server_ranks):
+@pytest.mark.parametrize(
+    ("server_ranks", "world"),
+    [(None, 4), ([0, 1, 2, 3], 4), ([4], 5)],
+    ids=["one-server", "sharded", "dedicated"],
+)
+def test_a_worker_slows_down_and_recovers_over_processes(server_ranks, world):
     from gradfleet.distributed.testing import run_ranks
 
     from . import auto_ranks
 
     steps = 36
-    out = run_ranks(
-        auto_ranks.auto_train, 4, args=(steps, server_ranks, (3, 8, 18, 0.6)), timeout=150
-    )
+    args = (steps, server_ranks, (3, 8, 18, 0.6), None, 0.05, 4)
+    out = run_ranks(auto_ranks.auto_train, world, args=args, timeout=150)
     history = out[0]["history"]
-    assert [o["history"] for o in out] == [history] * 4  # the chief's record, on every rank
-    assert len(history) == steps and all(o["global_step"] == steps for o in out)
+    assert [o["history"] for o in out[:4]] == [history] * 4  # the chief's record, everywhere
+    assert len(history) == steps and all(o["global_step"] == steps for o in out[:4])
     assert history[0] == 4  # starts from R = N
     low = min(range(len(history)), key=lambda u: (history[u], u))
     assert history[low] <= 3, history  # left the slow worker out...
     assert 4 in history[low:], history  # ...and took it back once it recovered
-    _check_logged(history, out[0]["decisions"])
+    _check_logged(history, out[(server_ranks or [0])[0]]["decisions"])  # the chief's rank
 
 
 def test_a_killed_worker_under_auto_leaves_the_job_running():
