@@ -242,6 +242,11 @@ class Towers(Strategy):
         return float(out.loss.detach())
 
 
+def _replicas(value: Any) -> int | str:
+    """``replicas_to_aggregate``: an int, or ``"auto"`` (chosen per update)."""
+    return value if value == "auto" else int(value)
+
+
 class SyncReplicas(Strategy):
     """Backup workers: the server applies the first ``replicas_to_aggregate`` fresh gradients
     of each round and drops late ones; the run ends once the server reached ``steps`` updates,
@@ -256,7 +261,7 @@ class SyncReplicas(Strategy):
             ranks = [0]  # shards=1 asks for the one server on rank 0
         wrapped = gfd.SyncReplicasOptimizer(  # type: ignore[attr-defined]
             opt,
-            replicas_to_aggregate=int(self.args.get("replicas_to_aggregate", self.world - 1)),
+            replicas_to_aggregate=_replicas(self.args.get("replicas_to_aggregate", self.world - 1)),
             total_num_replicas=total,
             timeout=float(self.args.get("timeout", 60.0)),
             last_step=int(self.args["last_step"]) if "last_step" in self.args else None,
@@ -285,6 +290,8 @@ class SyncReplicas(Strategy):
         return int(self.opt.global_step)
 
     def finish(self) -> None:
+        # the R of every update, for the summary (the chief's record: ask before leaving)
+        self.replicas_history = self.opt.replicas_history()
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:

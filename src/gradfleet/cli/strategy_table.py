@@ -67,7 +67,9 @@ STRATEGIES: dict[str, StrategyInfo] = {
             "sync-replicas",
             "synchronous replicas with backup workers: aggregate the first k of N gradients",
             {
-                "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1)",
+                "replicas_to_aggregate": "gradients aggregated per step (default: workers - 1), "
+                "or auto: chosen before every update from the workers' measured rounds and the "
+                "gradients' noise",
                 "total_num_replicas": "workers taking part (default: workers)",
                 "num_tokens": "initial tokens of TF's shared queue (TF's num_tokens; "
                 "giving it selects tokens=shared)",
@@ -148,7 +150,15 @@ def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
             raise ValueError(f"strategy easgd: rho must be >= 0 or 'tf', got {rho!r}")
     if name == "sync-replicas":
         total = _int(name, "total_num_replicas", args.get("total_num_replicas", workers), 1)
-        k = _int(name, "replicas_to_aggregate", args.get("replicas_to_aggregate", workers - 1), 1)
+        k = args.get("replicas_to_aggregate", workers - 1)
+        if k == "auto":
+            k = total  # it starts from every worker
+            if args.get("transport") == "allreduce":
+                raise ValueError(
+                    "strategy sync-replicas: replicas_to_aggregate=auto needs servers "
+                    "(transport=allreduce makes every update of all workers)"
+                )
+        k = _int(name, "replicas_to_aggregate or 'auto'", k, 1)
         if total > workers:
             raise ValueError(
                 f"strategy sync-replicas: total_num_replicas={total} needs --workers >= {total}, "
@@ -182,7 +192,8 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
     """How many workers other than rank 0 the job can lose and still finish its steps.
 
     Rank 0 hosts the wrappers' servers and writes the results, so its loss is always fatal.
-    Sync-replicas keeps training while a backup is left (N - R of them); asynchronous EASGD
+    Sync-replicas keeps training while a backup is left (N - R of them; with
+    ``replicas_to_aggregate=auto`` R follows the live workers, so all but one); asynchronous EASGD
     workers never wait for each other; every other strategy runs collectives in lockstep,
     where one missing member stops all.
     """
@@ -190,6 +201,8 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
         return 0
     if name == "sync-replicas":
         total = int(args.get("total_num_replicas", workers))
+        if args.get("replicas_to_aggregate") == "auto":  # R follows the live workers
+            return total - 1
         return max(total - int(args.get("replicas_to_aggregate", workers - 1)), 0)
     if name == "easgd" and args.get("mode", "sync") == "async":
         return workers - 1

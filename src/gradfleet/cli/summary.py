@@ -14,6 +14,16 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _replicas(history: list[int] | None) -> str:
+    """Gradients per update (sync-replicas): the R, or the mean and range of chosen ones."""
+    if not history:
+        return ""
+    low, high = min(history), max(history)
+    if low == high:
+        return str(low)
+    return f"{sum(history) / len(history):.1f} ({low}-{high})"
+
+
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     """A row per run summary: what ran, how fast, what it reached and sent."""
     table = Table(title=title)
@@ -29,6 +39,7 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         "steps/s",
         "step ms",
         "samples/s",
+        "R",
         "comm",
         "wall",
     ):
@@ -51,6 +62,7 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
             f"{r['steps_per_s']:.1f}",
             f"{r['median_step_ms']:.2f}",
             f"{r['samples_per_s']:.0f}",
+            _replicas(r.get("replicas")),
             _mb(r["bytes_sent"]),
             f"{r['wall_s']:.1f}s",
         )

@@ -371,6 +371,8 @@ def _summary(
         "steps_per_s": steps / wall if wall > 0 else float("nan"),
         "samples_per_s": samples * workers / wall if wall > 0 else float("nan"),  # not servers
         "bytes_sent": strategy.bytes_sent,
+        # sync-replicas: the gradients each update took (replicas_to_aggregate=auto: chosen)
+        "replicas": getattr(strategy, "replicas_history", None),
         "target_accuracy": workload.target,
         "model": str(Path(spec.out) / "model.pt"),
     }
