@@ -356,17 +356,21 @@ def replicas_panel(ax: Any, results: list[dict], scenario: str) -> None:
     """R against the update number for each of ``scenario``'s rows that recorded it (steps:
     an update's R holds until the next), a dashed line where the training phase starts (the
     updates before it ran on zero gradients, for the transfer-only time)."""
-    firsts = set()
+    firsts, top = set(), 1
     for r in results:
         history = r.get("replicas_history")
         if r["scenario"] != scenario or not history:
             continue
-        ax.step(range(len(history)), history, where="post", label=r["row"]["key"])
+        # update u's R spans [u, u + 1): the last update's step gets its width too
+        ax.step(range(len(history) + 1), [*history, history[-1]], where="post",
+                label=r["row"]["key"])  # fmt: skip
         firsts.add(r.get("first_update", 0))
+        top = max(top, *history)
     for first in sorted(firsts):
         ax.axvline(first, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xlabel("update number (dashed: training phase from here)")
     ax.set_ylabel("R (gradients aggregated)")
+    ax.set_ylim(0.5, top + 0.5)
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_title(f"R per update, {scenario}")
     ax.legend(fontsize=8)

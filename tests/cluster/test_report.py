@@ -186,7 +186,9 @@ def test_the_plot_has_a_panel_of_r_per_update_for_each_scenario_with_it() -> Non
         for ax, (scenario, history) in zip(fig.axes[3:], histories.items()):
             assert ax.get_title() == f"R per update, {scenario}"
             steps = [line for line in ax.get_lines() if line.get_label() == "sr-r-auto"]
-            assert [list(line.get_ydata()) for line in steps] == [history]
+            # update u's R drawn over [u, u + 1]: the last value repeated at the end
+            assert [list(line.get_xdata()) for line in steps] == [list(range(len(history) + 1))]
+            assert [list(line.get_ydata()) for line in steps] == [[*history, history[-1]]]
             dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
             assert [list(line.get_xdata()) for line in dashed] == [[2, 2]]
     finally:
