@@ -1,19 +1,30 @@
 """Cluster benchmark: gradfleet's strategies against DDP on an emulated, network-bound cluster.
 
     python benchmarks/cluster.py [--hosts 4] [--link 200mbit] [--params 10e6] [--updates 6]
-                                 [--scenarios uniform,slow-link,slow-compute] [--only ddp,...]
+                                 [--scenarios uniform,slow-link,slow-compute,moving-straggler,
+                                              transient] [--only ddp,...]
 
 4 hosts are network namespaces on a bridge, each link shaped with tc tbf (``netcluster``); one
 torchrun per host, c10d rendezvous on host 0, one worker per host (``cluster_worker``) training
-a real MLP.  Scenarios: every link at ``--link``; host 3's link at 1/4 of it; host 3 computing
-2x slower.  Servers (SyncReplicas' shards, EASGD's centre) live on hosts with a fast link.
+a real MLP.  Scenarios (``--scenarios``; the first three by default): ``uniform``, every link
+at ``--link``; ``slow-link``, host 3's link at 1/4 of it; ``slow-compute``, host 3 computing 2x
+slower; and two whose slowdowns change, counted in each host's own training steps
+(``cluster_slowdown``, the same schedule for every row): ``moving-straggler``, one host
+``--straggler-factor`` x slower, the next one every ``--straggler-every`` steps, from host 3
+on; ``transient``, each host on its own ``--transient-factor`` x slower for
+``--transient-steps`` steps, a slowdown starting at each step with chance
+``--transient-chance`` (``--slowdown-seed``).  A slowed step sleeps (f - 1) times the host's
+calibrated compute time before its forward.  Servers (SyncReplicas' shards, EASGD's centre)
+live on hosts with a fast link.
 
 Per strategy and scenario: updates/s and samples/s in the training phase, the transfer-only
 time of one update (communication on zero gradients), the compute-only time of one step (the
 ``compute`` row: no communication), wall time until host 0's loss (mean of 4 steps) reaches
-``--target-loss``, and each link's bytes/s (host-side interface counters, sampled every
-0.25 s) against its shaped rate.  Writes ``<out>/<name>.json``, ``.md`` and ``.png`` (updates/s,
-updates/s over DDP's, busiest link use); ``--replot JSON...`` redraws a PNG from its JSON.
+``--target-loss``, each link's bytes/s (host-side interface counters, sampled every 0.25 s)
+against its shaped rate, and for SyncReplicas the R of every update (``replicas_history``:
+``sr-r-auto`` chooses it per update).  Writes ``<out>/<name>.json``, ``.md`` and ``.png``
+(updates/s, updates/s over DDP's, busiest link use; R against the update number per scenario);
+``--replot JSON...`` redraws a PNG from its JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +44,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import cluster_report  # noqa: E402
+from benchmarks.cluster_slowdown import (  # noqa: E402
+    MovingStraggler,
+    Slowdown,
+    SlowHost,
+    Transient,
+    to_spec,
+)
 from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,6 +167,7 @@ def rows(world: int) -> list[Row]:
         Row("sr-ded-order8-ovs", f"SyncReplicas, shards in backward order on {n} dedicated "
             f"server hosts, 8 per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **dedicated, **order, "per_rank": 8, **overlap, **stream}, server_hosts=n),
+        *adaptive_rows(n),
         Row("easgd", "async EASGD, centre on a worker, period 4", "easgd-async",
             {"period": 4, "steps_scale": 2}, kind="local", transfer_updates=4, warmup_updates=4),
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",
@@ -159,15 +179,80 @@ def rows(world: int) -> list[Row]:
     ]  # fmt: skip
 
 
+def adaptive_rows(world: int) -> list[Row]:
+    """SyncReplicas with R = N, N-1, N-2 of N (keys ``sr-r<R>``) and R chosen per update
+    (``sr-r-auto``, ``replicas_to_aggregate="auto"``), for the scenarios whose slowdowns
+    change: servers sharded over the workers with the model given (laid out for the job:
+    backward order, 4 shards per rank, streamed reads), as ``sr-shard-auto``.  Over the workers
+    rather than on dedicated hosts: the rows run in the same 4-host job as DDP, on as many
+    machines, and no server process adds to the shared cores."""
+    n = world
+    shard = {"servers": "sharded", "auto": True}
+    label = "SyncReplicas, sharded over workers, model given"
+    fixed = [Row(f"sr-r{R}", f"{label}, R={R} of {n}", "sync-replicas", {"R": R, **shard})
+             for R in (n, n - 1, n - 2) if R >= 1]  # fmt: skip
+    auto = Row("sr-r-auto", f"{label}, R chosen per update (auto) of {n}", "sync-replicas",
+               {"R": "auto", **shard})  # fmt: skip
+    return [*fixed, auto]
+
+
 SCENARIOS = {
     "uniform": "every link at the base rate",
     "slow-link": f"host {SLOW}'s link at 1/4 of the rate",
     "slow-compute": f"host {SLOW} computes 2x slower",
+    "moving-straggler": "one host computes --straggler-factor x slower, from host "
+    f"{SLOW} on, and the next host every --straggler-every of its own steps",
+    "transient": "each host, independently, --transient-factor x slower for --transient-steps "
+    "steps, a slowdown starting at each step with chance --transient-chance (seeded)",
 }
+DEFAULT_SCENARIOS = ("uniform", "slow-link", "slow-compute")  # as before the changing ones
+
+
+def slowdown(scenario: str, args: argparse.Namespace) -> Slowdown | None:
+    """The compute slowdown of ``scenario`` (None: every host at full speed)."""
+    if scenario == "slow-compute":
+        return SlowHost(SLOW, 2.0)
+    if scenario == "moving-straggler":
+        return MovingStraggler(args.hosts, args.straggler_factor, args.straggler_every,
+                               SLOW % args.hosts)  # fmt: skip
+    if scenario == "transient":
+        return Transient(args.transient_factor, args.transient_chance, args.transient_steps,
+                         args.slowdown_seed)  # fmt: skip
+    return None
+
+
+def describe(scenario: str, args: argparse.Namespace) -> str:
+    """The scenario in words, with this run's numbers."""
+    if scenario == "moving-straggler":
+        return (f"one host computes {args.straggler_factor:g}x slower, from host {SLOW} on, and "
+                f"the next host every {args.straggler_every} of its own steps")  # fmt: skip
+    if scenario == "transient":
+        return (f"each host, independently, {args.transient_factor:g}x slower for "
+                f"{args.transient_steps} steps, a slowdown starting at each step with chance "
+                f"{args.transient_chance:g} (seed {args.slowdown_seed})")  # fmt: skip
+    return SCENARIOS[scenario]
 
 
 def quarter(rate: str) -> str:
     return f"{int(rate_bits(rate) / 4 / 1000)}kbit"
+
+
+def _at_least(kind: type, low: float) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__  # argparse names the type in its "invalid" message
+    return convert
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return value
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -184,7 +269,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "the CPU stays free, as while a GPU computes)")  # fmt: skip
     p.add_argument("--updates", type=int, default=6, help="training updates per strategy")
     p.add_argument("--target-loss", type=float, default=1.33)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                   help=f"comma-separated, of {', '.join(SCENARIOS)} (default: the first "
+                   "three)")  # fmt: skip
+    p.add_argument("--straggler-factor", type=_at_least(float, 1), default=3.0,
+                   help="moving-straggler: how many times slower the straggler is")  # fmt: skip
+    p.add_argument("--straggler-every", type=_at_least(int, 1), default=4,
+                   help="moving-straggler: the straggler's own steps before the next host "
+                   "is the straggler")  # fmt: skip
+    p.add_argument("--transient-factor", type=_at_least(float, 1), default=4.0,
+                   help="transient: how many times slower a slowed host computes")  # fmt: skip
+    p.add_argument("--transient-chance", type=_probability, default=0.1,
+                   help="transient: chance that a host's slowdown starts at a step")  # fmt: skip
+    p.add_argument("--transient-steps", type=_at_least(int, 1), default=3,
+                   help="transient: steps one slowdown lasts")  # fmt: skip
+    p.add_argument("--slowdown-seed", type=int, default=0,
+                   help="transient: seed of the schedule (the same for every row)")  # fmt: skip
     p.add_argument("--only", default="", help="comma-separated row keys (default: all)")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds per scenario")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -229,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load,
         "cores": os.cpu_count(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "scenarios": {s: SCENARIOS[s] for s in scenarios},
+        "scenarios": {s: describe(s, args) for s in scenarios},
         "results": results,
     }
     cluster_report.write(report, args.out, args.name)
@@ -256,7 +356,7 @@ def run_job(
     the links are sampled all along and each row's figures come from its own time window.
     Server hosts come after the workers, so their ranks do too (static rendezvous)."""
     fast = [h for h in range(args.hosts) if not (scenario == "slow-link" and h == SLOW)]
-    factor = {SLOW: {"GF_CLUSTER_COMPUTE_FACTOR": "2"}} if scenario == "slow-compute" else {}
+    slow = slowdown(scenario, args)
     plan = [{"key": r.key, "strategy": r.strategy, "options": r.options,
              "transfer_updates": r.transfer_updates, "warmup_updates": r.warmup_updates}
             for r in chosen]  # fmt: skip
@@ -265,12 +365,13 @@ def run_job(
         script = [str(WORKER), "--rows", json.dumps(plan), "--params", str(args.params),
                   "--batch", str(args.batch), "--device-time", str(args.device_time),
                   "--updates", str(args.updates),
+                  "--slowdown", json.dumps(to_spec(slow)) if slow else "",
                   "--workers", str(args.hosts),
                   "--fast-hosts", ",".join(map(str, fast)), "--deadline", str(args.deadline),
                   "--out", str(out / "ranks")]  # fmt: skip
         port = 29500 + (os.getpid() + int(time.time())) % 400
         procs = cluster.torchrun(
-            script, cwd=ROOT, port=port, env_per_host=factor, logs=out,
+            script, cwd=ROOT, port=port, logs=out,
             rdzv_id=f"gfc-{scenario}-{servers}", hosts=args.hosts + servers, static=servers > 0,
         )  # fmt: skip
         samples, codes = [], None

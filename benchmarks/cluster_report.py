@@ -93,21 +93,46 @@ def link_use(samples: list, start: float, end: float, rates: dict) -> dict[int, 
     return out
 
 
+def replicas(ranks: list[dict]) -> list[int] | None:
+    """The gradients each update applied (index: update number), from the rank that saw the
+    most updates; None where no rank recorded them (rows without SyncReplicas, or results
+    written before they were recorded)."""
+    histories = [r["replicas_history"] for r in ranks if r.get("replicas_history")]
+    return max(histories, key=len) if histories else None
+
+
+def mean_replicas(
+    row: Any, history: list[int] | None, first: int, last: int, workers: int
+) -> float | None:
+    """Gradients per update over the training phase (updates ``first .. last - 1``): from the
+    recorded history, else the row's fixed ``R`` (default: all ``workers``); None for
+    ``R="auto"`` without a history."""
+    if history and len(history) > first:
+        trained = history[first:last]
+        return sum(trained) / len(trained)
+    R = row.options.get("R", workers)
+    return None if R == "auto" else float(R)
+
+
 def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any) -> dict:
-    """Updates/s, samples/s, time to target, transfer- and compute-only times, link use."""
+    """Updates/s, samples/s, time to target, transfer- and compute-only times, link use, and
+    where recorded each update's R and each host's slowdown per step."""
     by_host = {r["host"]: r for r in ranks}
-    home = by_host[0]  # host 0 always has a fast link and normal compute
-    first = home["first_update"]
+    home = by_host[0]  # host 0 always has a fast link; its loss is the one followed
+    first, last = home["first_update"], home["last_update"]
     # each host's own (rate, end): local-step rows differ by host (EASGD's centre host
     # exchanges in process, the others over their links)
     per_host = {r["host"]: _rate(r["steps"], r["train_start"], first) for r in ranks}
+    history = replicas(ranks)
     if row.kind == "local":  # every rank's local steps are updates: the mean rate
         total = sum(rate for rate, _ in per_host.values())
         updates_s, samples_s = total / len(per_host), total * args.batch
     else:
-        updates_s = per_host[0][0]
-        per_update = int(row.options.get("R", len(ranks)))
-        samples_s = updates_s * per_update * args.batch
+        # the job made its updates once the first worker saw the last one: a worker slowed at
+        # the end (a moving straggler, a transient slowdown) finishes its own step later
+        updates_s = max(rate for rate, _ in per_host.values())
+        per_update = mean_replicas(row, history, first, last, len(ranks))
+        samples_s = None if per_update is None else updates_s * per_update * args.batch
     end = max(t for _, t in per_host.values())
     links = link_use(samples, home["train_start"], end, rates)
     busiest = max(links, key=lambda h: links[h]["use"])
@@ -129,7 +154,32 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
         "cpu": cpu_use(samples, home["train_start"], end),
         "busiest_bytes_per_update": links[busiest]["bytes"] / max(updates_s * span, 1e-9),
         "train_s": end - home["train_start"],
+        **_changing(ranks, history, first),
     }
+
+
+def _changing(ranks: list[dict], history: list[int] | None, first: int) -> dict:
+    """The per-update R (``replicas_history``, from update 0; training from ``first_update``)
+    and each host's slowdown factor per local step, where there are any."""
+    out: dict[str, Any] = {}
+    if history is not None:
+        out.update(replicas_history=history, first_update=first)
+    factors = {r["host"]: r.get("factors", []) for r in ranks}
+    if any(f != 1 for fs in factors.values() for f in fs):
+        out["slowdown"] = factors
+    return out
+
+
+def replicas_text(result: dict) -> str:
+    """The R of a result's training updates: ``"3"``, or ``"3.25 (2-4)"`` where it changed;
+    ``"-"`` where none was recorded and the row has no fixed R."""
+    history = result.get("replicas_history")
+    if history:
+        trained = history[result.get("first_update", 0) :] or history
+        low, high = min(trained), max(trained)
+        return f"{low}" if low == high else f"{sum(trained) / len(trained):.2f} ({low}-{high})"
+    R = result["row"].get("options", {}).get("R")
+    return "-" if R is None or R == "auto" else f"{R}"
 
 
 def line(result: dict) -> str:
@@ -139,11 +189,17 @@ def line(result: dict) -> str:
         return f"{head} FAILED: {result['error']}\n{tails}"
     ttt = result["time_to_target_s"]
     return (
-        f"{head} {result['updates_s']:7.3f} upd/s {result['samples_s']:7.1f} samples/s  "
+        f"{head} {result['updates_s']:7.3f} upd/s {_samples(result):>7} samples/s  "
         f"transfer {result['transfer_only_s']:6.2f} s  busiest link {result['busiest_use']:4.0%}"
         f"  cpu {result['cpu']['busy']:4.0%}"
         f"  target {'-' if ttt is None else f'{ttt:.1f} s'}  loss {result['final_loss']:.3f}"
+        f"  R {replicas_text(result)}"
     )
+
+
+def _samples(result: dict) -> str:
+    samples_s = result["samples_s"]  # None: R chosen per update and not recorded
+    return "-" if samples_s is None else f"{samples_s:.1f}"
 
 
 def _ref(results: list[dict], scenario: str, key: str) -> dict | None:
@@ -190,6 +246,12 @@ def _load(report: dict) -> str:
     return f" Load average before the run: {report['load_before']:.2f} on {report['cores']} cores."
 
 
+def _scenarios(report: dict) -> list[str]:
+    """A line per scenario whose compute slows down (the others need no words)."""
+    return [f"Scenario {name}: {text}." for name, text in report.get("scenarios", {}).items()
+            if name in ("slow-compute", "moving-straggler", "transient")]  # fmt: skip
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     out = [
@@ -198,16 +260,17 @@ def markdown(report: dict) -> str:
         f"Model: MLP of {cfg['params']:.3g} parameters, batch {cfg['batch']} per worker, Adam; "
         f"{cfg['hosts']} hosts, links {cfg['link']}; target loss {cfg['target_loss']}."
         + _device_time(cfg),
+        *_scenarios(report),
         "",
         "| scenario | strategy | updates/s | x DDP | samples/s | step s | transfer-only s "
-        "| compute-only s | busiest link use | CPU busy | to target loss s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| compute-only s | busiest link use | CPU busy | to target loss s | R per update |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = ratios_to_ddp(report["results"])
     for r in report["results"]:
         label = r["row"]["label"]
         if "error" in r:
-            out.append(f"| {r['scenario']} | {label} | failed: {r['error']} ||||||||| ")
+            out.append(f"| {r['scenario']} | {label} | failed: {r['error']} |||||||||| ")
             continue
         comp = _ref(report["results"], r["scenario"], "compute")
         ratio = ratios.get((r["scenario"], r["row"]["key"]))
@@ -215,11 +278,12 @@ def markdown(report: dict) -> str:
         comp_s = f"{comp['step_s']:.2f}" if comp else "-"
         ttt = r["time_to_target_s"]
         out.append(
-            f"| {r['scenario']} | {label} | {r['updates_s']:.3f} | {rel} | {r['samples_s']:.1f} "
+            f"| {r['scenario']} | {label} | {r['updates_s']:.3f} | {rel} | {_samples(r)} "
             f"| {r['step_s']:.2f} | {r['transfer_only_s']:.2f} | {comp_s} "
             f"| {r['busiest_use']:.0%} (host {r['busiest_host']}) "
             f"| {_cpu(r)} "
-            f"| {'not reached' if ttt is None else f'{ttt:.1f}'} |"
+            f"| {'not reached' if ttt is None else f'{ttt:.1f}'} "
+            f"| {replicas_text(r)} |"
         )
     return "\n".join(out) + "\n"
 
@@ -227,7 +291,9 @@ def markdown(report: dict) -> str:
 def figure(report: dict) -> Any:
     """Three panels, one bar per row and scenario: updates/s (log scale, so rows a hundredfold
     apart share an axis), the same over DDP's in that scenario (linear, a line at 1.0: on the
-    log scale a 0.7x row looks level with DDP) and the busiest link's use of its rate."""
+    log scale a 0.7x row looks level with DDP) and the busiest link's use of its rate.  Where
+    rows recorded the R of each update, a second line of panels, one per scenario: R against
+    the update number, a line per row (:func:`replicas_panel`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +303,17 @@ def figure(report: dict) -> Any:
     ratios = ratios_to_ddp(ok)
     scenarios = list(dict.fromkeys(r["scenario"] for r in ok))
     keys = list(dict.fromkeys(r["row"]["key"] for r in ok))
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
+    changing = [s for s in scenarios if any(r.get("replicas_history") for r in ok
+                                             if r["scenario"] == s)]  # fmt: skip
+    if changing:  # the top line's 3 panels over the bottom line's len(changing)
+        k = len(changing)
+        fig = plt.figure(figsize=(18, 10))
+        grid = fig.add_gridspec(2, 3 * k)
+        axes = [fig.add_subplot(grid[0, i * k : (i + 1) * k]) for i in range(3)]
+        for i, s in enumerate(changing):
+            replicas_panel(fig.add_subplot(grid[1, i * 3 : (i + 1) * 3]), ok, s)
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(18, 5.2))
     # The compute-only row has no communication at all, often 10x DDP or more: the ratio axis
     # ends above the strategies' rows, so that 0.7x and 1.0x stay apart, and clips it.
     top = 1.25 * max([v for (_, k), v in ratios.items() if k != "compute"], default=1.0)
@@ -274,6 +350,30 @@ def figure(report: dict) -> Any:
     fig.suptitle(f"{cfg['hosts']} hosts, {cfg['link']} links, MLP {cfg['params']:.3g} params")
     fig.tight_layout()
     return fig
+
+
+def replicas_panel(ax: Any, results: list[dict], scenario: str) -> None:
+    """R against the update number for each of ``scenario``'s rows that recorded it (steps:
+    an update's R holds until the next), a dashed line where the training phase starts (the
+    updates before it ran on zero gradients, for the transfer-only time)."""
+    firsts, top = set(), 1
+    for r in results:
+        history = r.get("replicas_history")
+        if r["scenario"] != scenario or not history:
+            continue
+        # update u's R spans [u, u + 1): the last update's step gets its width too
+        ax.step(range(len(history) + 1), [*history, history[-1]], where="post",
+                label=r["row"]["key"])  # fmt: skip
+        firsts.add(r.get("first_update", 0))
+        top = max(top, *history)
+    for first in sorted(firsts):
+        ax.axvline(first, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("update number (dashed: training phase from here)")
+    ax.set_ylabel("R (gradients aggregated)")
+    ax.set_ylim(0.5, top + 0.5)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_title(f"R per update, {scenario}")
+    ax.legend(fontsize=8)
 
 
 def plot(report: dict, path: Path) -> None:

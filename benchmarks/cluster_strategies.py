@@ -159,7 +159,7 @@ class SyncReplicas(Strategy):
         ctx, o = self.ctx, self.options
         servers = o.get("servers", "one")
         job = {
-            "replicas_to_aggregate": int(o.get("R", ctx.world)),
+            "replicas_to_aggregate": "auto" if o.get("R") == "auto" else int(o.get("R", ctx.world)),
             "total_num_replicas": ctx.world,
             "timeout": ctx.timeout,
             "last_step": int(o["last_step"]),

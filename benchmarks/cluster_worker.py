@@ -8,12 +8,16 @@ rank draws its own batches.  Phases:
    compute time ``c``.  ``--device-time S`` adds ``S`` seconds of emulated accelerator time
    to every forward/backward (:class:`DeviceTime`: sleeps, a third in forward and two thirds
    in backward, spread over the layers), during which the CPU is free, as while a GPU
-   computes; ``c`` includes it.  A host with ``GF_CLUSTER_COMPUTE_FACTOR=f`` sleeps ``(f - 1) * c``
-   before every forward (a machine ``f`` times slower).
+   computes; ``c`` includes it.  ``--slowdown`` names a compute slowdown schedule
+   (:mod:`benchmarks.cluster_slowdown`): at its local training step ``s``, host ``h`` sleeps
+   ``(f - 1) * c`` before the forward, ``f = factor_at(h, s)`` (a machine ``f`` times slower
+   for that step).
 2. transfer-only: ``warmup_updates`` updates of communication alone on zero gradients, not
    timed (connections, first messages, TCP's slow start), then ``transfer_updates`` timed.
 3. training: ``--updates`` more updates; every step's wall clock, loss and update count
-   is recorded.
+   is recorded, with its slowdown factor; at the end, where the optimizer keeps it
+   (``SyncReplicasOptimizer.replicas_history()``), the number of gradients each update so far
+   applied.
 
 The rows of ``--rows`` run one after the other in the same job: start-up (interpreters, torch
 imports, rendezvous) costs about a minute on the shared 2 cores, paid once per scenario.
@@ -45,7 +49,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by torchrun
 
 import gradfleet.distributed as gfd  # noqa: E402
-from benchmarks.cluster_strategies import STRATEGIES, Context  # noqa: E402
+from benchmarks.cluster_slowdown import Slowdown, from_spec  # noqa: E402
+from benchmarks.cluster_strategies import STRATEGIES, Context, Strategy  # noqa: E402
 
 INPUTS, CLASSES, HIDDEN_LAYERS = 256, 4, 3
 
@@ -124,6 +129,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-time", type=float, default=0.0,
                    help="seconds of emulated accelerator time per forward/backward")  # fmt: skip
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--slowdown", default="", help="JSON of a compute slowdown schedule "
+                   "(benchmarks.cluster_slowdown.to_spec; default: none)")  # fmt: skip
     p.add_argument("--updates", type=int, default=6)
     p.add_argument("--fast-hosts", default="", help="comma-separated host indices for servers")
     p.add_argument(
@@ -168,7 +175,7 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     """One strategy from a fresh model: transfer-only phase, then the timed training phase."""
     model, teacher = build_model(args.params, args.seed, args.device_time), Teacher(args.seed)
     compute_s = calibrate(model, teacher, args.batch)
-    factor = float(os.environ.get("GF_CLUSTER_COMPUTE_FACTOR", "1"))
+    slowdown: Slowdown | None = from_spec(json.loads(args.slowdown)) if args.slowdown else None
     options = dict(row.get("options", {}))
     scale = int(options.pop("steps_scale", 1))
     warmup = int(row.get("warmup_updates", 1))
@@ -177,7 +184,7 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     strategy = STRATEGIES[row["strategy"]](ctx, model, args.lr, last_step=total, **options)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    record = {"rank": ctx.rank, "host": ctx.host, "compute_s": compute_s, "factor": factor}
+    record = {"rank": ctx.rank, "host": ctx.host, "compute_s": compute_s}
     dist.barrier()
     while strategy.updates() < warmup:  # not timed: a transfer of a job already running
         strategy.transfer_step()
@@ -186,19 +193,31 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
         strategy.transfer_step()
     record["transfer"] = {"seconds": time.time() - start, "updates": strategy.updates() - done}
     dist.barrier()
-    steps, local = [], 0
+    steps, factors, local = [], [], 0
     record["train_start"] = time.time()
     while strategy.updates() < total:
+        factor = slowdown.factor_at(ctx.host, local) if slowdown else 1.0
         if factor > 1:
             time.sleep((factor - 1) * compute_s)
         x, y = teacher.batch(args.batch, ctx.rank, local)
         loss = strategy.train_step(x, y)
         local += 1
         steps.append((time.time(), loss, strategy.updates()))
-    record.update(steps=steps, first_update=first, last_update=total)
+        factors.append(factor)
+    record.update(steps=steps, factors=factors, first_update=first, last_update=total)
+    history = replicas_history(strategy)
+    if history is not None:
+        record["replicas_history"] = history
     strategy.close()
     dist.barrier()
     return record
+
+
+def replicas_history(strategy: Strategy) -> list[int] | None:
+    """The gradients each update so far applied (index: update number), where the strategy's
+    optimizer keeps them (``SyncReplicasOptimizer.replicas_history()``); None elsewhere."""
+    history = getattr(strategy.opt, "replicas_history", None)
+    return None if history is None else [int(r) for r in history()]
 
 
 def serve_row(ctx: Context, args: argparse.Namespace) -> None:

@@ -48,6 +48,16 @@ def test_rows_name_their_server_hosts() -> None:
     assert rows["easgd"].warmup_updates == 4 and rows["ma8"].warmup_updates == 8
 
 
+def test_the_rows_for_changing_slowdowns_differ_from_the_laid_out_row_only_in_r() -> None:
+    rows = {r.key: r for r in cluster.rows(WORKERS)}
+    laid_out = rows["sr-shard-auto"]  # sharded over the workers, the model given
+    for key, R in (("sr-r4", 4), ("sr-r3", 3), ("sr-r2", 2), ("sr-r-auto", "auto")):
+        row = rows[key]
+        assert row.options == dict(laid_out.options, R=R), key
+        assert (row.strategy, row.kind, row.server_hosts) == ("sync-replicas", "sync", 0), key
+    assert [r.key for r in cluster.adaptive_rows(2)] == ["sr-r2", "sr-r1", "sr-r-auto"]
+
+
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
 def test_dedicated_server_host_rows_train(tmp_path: Path) -> None:
     argv = ["--params", str(PARAMS), "--updates", str(UPDATES), "--scenarios", "uniform",
