@@ -24,15 +24,17 @@ R again before every update, from what it has measured:
   their ratio is taken, once :data:`NOISE_UPDATES` updates were measured (one update's
   estimate is too noisy to act on).  An update of one gradient tells nothing about the noise.
 
-:class:`AutoReplicas` chooses, among 1 <= R <= live workers, the R that maximises progress per
-second, ``(R / (R + rho)) / T(R)`` (ties: the larger R).  ``T(R)`` is the steady cost of an
-update, as if every worker started its round together: a worker left out of the last updates
-is out of phase (its next gradient will be stale, the one after joins), and charging that
-one-time wait to the choice would keep it out for good once it has recovered.  It starts from
-R = live workers and stays there until every live worker's round and the noise have been
-measured once.  Assumptions, stated in the docs: gradients of one update are independent
-samples of the same distribution; the progress model holds for the optimizer (exact for SGD at
-its best step size, a heuristic for adaptive ones); the next rounds look like the last few.
+:class:`AutoReplicas` chooses, among 2 <= R <= live workers (1 only when one worker is live:
+an update of one gradient measures no noise, so a choice of R = 1 could never be revisited),
+the R that maximises progress per second, ``(R / (R + rho)) / T(R)`` (ties: the larger R).
+``T(R)`` is the steady cost of an update, as if every worker started its round together: a
+worker left out of the last updates is out of phase (its next gradient will be stale, the one
+after joins), and charging that one-time wait to the choice would keep it out for good once it
+has recovered.  It starts from R = live workers and stays there until every live worker's round
+and the noise have been measured.  Assumptions, stated in the docs: gradients of one update
+are independent samples of the same distribution; the progress model holds for the optimizer
+(exact for SGD at its best step size, a heuristic for adaptive ones); the next rounds look like
+the last few.
 
 A policy is any object with ``choose(view) -> int`` (``view``: a :class:`Decision`), plus
 ``state_dict()``/``load_state_dict()`` for checkpoints.  Pure: no clock and no I/O; the chief
@@ -104,7 +106,7 @@ class AutoReplicas:
         if view.rounds is None or view.noise_scale is None:
             return view.live
         best, best_rate = view.live, -1.0
-        for r in range(view.live, 0, -1):  # ties: the larger R (found first)
+        for r in range(view.live, min(view.live, 2) - 1, -1):  # ties: the larger R (first)
             wait = max(view.rounds[r - 1], 1e-9)
             rate = progress(r, view.noise_scale) / wait
             if rate > best_rate * (1 + 1e-12):
