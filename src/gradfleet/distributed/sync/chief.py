@@ -1,37 +1,34 @@
-"""The SyncReplicas chief: TF's parameter server of shard 0 plus the chief's sync op.
+"""The SyncReplicas chief: shard 0's server plus TF's chief sync op and token line.
 
-:class:`SyncChief` owns the variables of shard 0 (every variable when unsharded), a copy of the
-wrapped optimizer, their :class:`~.aggregator.GradientAggregator`, the
-:class:`~.aggregator.TokenQueue` and ``global_step``.  It is a state machine: ``handle(request,
-ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects, one
-request at a time (the hosting server never overlaps two calls), so it needs no lock and does
-no I/O:
+:class:`SyncChief` is a :class:`~.shards.ShardServer` for shard 0 (every variable when
+unsharded) to which it adds ``global_step``, the :class:`~.token_line.TokenLine` and each
+update's R (:class:`~.replica_choice.ReplicaChoice`).  It is a state machine: ``handle(request,
+ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects (and
+effects), one request at a time (the hosting server never overlaps two calls), so it needs no
+lock and does no I/O.  What it adds to a shard's handling:
 
-* ``hello``:  check the worker's parameter shapes/dtypes; answer variables + step
-  (TF's ``local_step_init_op``: ``local_step := global_step``).
-* ``push``:   (sharded jobs) only the push below, answered with ``accepted``; with ``ahead``
-  (read-ahead, :mod:`.read_ahead`) held until shard 0 applied the update it could join, then
-  answered with shard 0's values; with ``token_follows`` its worker takes its place in the
-  token line at once (its token request comes next and gets what that place was given).
-* ``release``: the worker has its token: answer its held push now.
-* ``read``:   shard 0's values unless the worker holds that version (read-ahead: a worker whose
-  answer was older than its token reads again).
-* ``step``:   push the gradients (if given) with the worker's tag; if ``R`` are in, take the
-  averages, apply them with the wrapped optimizer, ``global_step += 1`` after all variables,
-  update the moving averages; then answer with a token once the token line's rule allows
-  (:mod:`.token_line`: one gradient per worker per update, or TF's shared queue of
-  ``max(N, R)`` tokens per update) and the current variables (not with ``values=False``: a
-  token request that travels apart from the push, whose answer brings the values).  When the
-  live workers can never make the pending update, every worker in line gets the reason.
+* ``hello``:  the shard's answer plus ``global_step`` (TF's ``local_step_init_op``:
+  ``local_step := global_step``) and the R of the update at it.
+* ``push``:   (sharded jobs) the shard's push; with ``token_follows`` its worker takes its place
+  in the token line at once, and a token request that overtook its push goes on
+  (:mod:`.token_requests`).
+* ``step``:   push the gradients (if given) with the worker's tag; then answer with a token
+  once the token line's rule allows (:mod:`.token_line`: one gradient per worker per update, or
+  TF's shared queue of ``max(N, R)`` tokens per update) and the current variables (not with
+  ``values=False``: a token request that travels apart from the push, whose answer brings the
+  values).  When the live workers can never make the pending update, every worker in line
+  gets the reason.
 * ``applied``: a shard server finished an update (sharded jobs).
 * ``done``:   the worker left (``forgotten``: another rank reports it dead for good).
 * ``tick``:   a worker that waited ``timeout`` seconds for a token gets a ``TimeoutError``
-  naming the ranks it is waiting for (silent ones), never a silent hang.
+  naming the ranks it is waiting for (silent ones), never a silent hang; under
+  ``replicas_to_aggregate="auto"`` a worker far behind lowers the pending update's R.
 
-With parameter shards the chief holds shard 0 only, learns the other shards' updates from their
-``applied`` reports and sets ``global_step`` to the minimum shard step (tokens after every
-increment).  The hosting code watches the shard servers; :meth:`SyncChief.unreachable` then
-answers every waiting and later request with ``ServerUnreachable`` naming the dead one.
+Shard 0's update (its R gradients in) is TF's chief sync op for its variables; with parameter
+shards the chief learns the other shards' updates from their ``applied`` reports and sets
+``global_step`` to the minimum shard step (tokens after every increment).  The hosting code
+watches the shard servers; :meth:`SyncChief.unreachable` then answers every waiting and later
+request with ``ServerUnreachable`` naming the dead one.
 
 ``last_step`` (beyond TF): once ``global_step`` reaches it every token request is answered at
 once, so no worker blocks at the end of training (TF's end-of-training hangs, #7970).
@@ -42,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,10 +49,12 @@ from ..moving_average import ExponentialMovingAverage
 from ..replies import Answer, error
 from .aggregator import GradientAggregator, TokenQueue
 from .pieces import Piece
-from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
-from .replicas_policy import Decision, Measurements, ReplicasPolicy
-from .shards import Resized, Shard, pushed_gradients
+from .read_ahead import push_answers
+from .replica_choice import ReplicaChoice
+from .replicas_policy import Measurements, ReplicasPolicy
+from .shards import Applied, Resized, Shard, ShardServer
 from .token_line import TokenLine, unfillable
+from .token_requests import TokenRequests
 
 __all__ = ["SyncChief"]
 
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 class SyncChief:
-    """TF's PS variables + accumulators + token queue + chief sync op (module docstring).
+    """Shard 0's server + token line + chief sync op (module docstring).
 
     ``indices`` (default: every parameter) are the parameters of shard 0 held here;
     ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports;
@@ -70,7 +70,8 @@ class SyncChief:
     ``global_step``: the step to start from (a restored one: TF's ``chief_init_op`` sets the
     accumulators to it, ``get_init_tokens_op`` fills the initial tokens with it).
     ``tokens``: the token line's rule, ``"shared"`` (TF's queue, this machine's default) or
-    ``"distinct"`` (:mod:`.token_line`).
+    ``"distinct"`` (:mod:`.token_line`).  ``policy``: chooses each update's R
+    (``replicas_to_aggregate="auto"``; None: always ``replicas_to_aggregate``).
     """
 
     def __init__(
@@ -93,49 +94,36 @@ class SyncChief:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
-        self.shard = Shard(
-            opt,
-            range(count) if indices is None else indices,
-            replicas_to_aggregate,
-            nonfinite,
-            variable_averages,
-            average_indices,
-            last_step,
-            pieces,
-        )
+        shard = Shard(
+            opt, range(count) if indices is None else indices, replicas_to_aggregate, nonfinite,
+            variable_averages, average_indices, last_step, pieces,
+        )  # fmt: skip
+        self.server = ShardServer(0, shard, total_num_replicas, timeout, "chief", clock)
         self.R, self.N = replicas_to_aggregate, total_num_replicas
         self.global_step = int(global_step)
-        self.shard.aggregator.set_global_step(self.global_step)
+        shard.aggregator.set_global_step(self.global_step)
         per_update = max(total_num_replicas, replicas_to_aggregate)
         self.line = TokenLine(tokens, self.global_step, num_tokens, per_update)
+        self.requests = TokenRequests()  # read-ahead's order of pushes and token requests
+        self.choice = ReplicaChoice(replicas_to_aggregate, policy)
         self.applied = [self.global_step] * num_shards  # each shard's step as last reported
-        self.timeout = timeout
+        self.timeout, self.clock = timeout, clock
         self.ema = variable_averages
         self.last_step = last_step
-        self.members = Membership(total_num_replicas, timeout, "SyncReplicas chief", clock)
         self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
-        self.contributors: set[int] = set()  # workers whose gradient is in shard 0's pending update
         self.broken: str | None = None
-        self.held = HeldPushes()  # read-ahead pushes to shard 0
-        # read-ahead: a token request names the worker's push to shard 0 (``after``) and is
-        # served only once that push is in, as TF dequeues a token after its push
-        self.last_push: dict[int, tuple[str, int]] = {}
-        self.early: dict[int, tuple[dict[str, Any], Any]] = {}  # worker -> token request
-        # a push to shard 0 that a token request follows (``token_follows``) puts its worker
-        # in the token line at once (a placeholder: ticket None), as if the request came with
-        # it: else the update that push completes could hand a faster worker's next request
-        # the token meant for this one, which TF allows but breaks R = N lockstep.  A token
-        # (or an error) served to a placeholder waits here for the request.
-        self.granted: dict[int, tuple[str, Any]] = {}
-        # each update's R: fixed, or chosen before it by ``policy`` (``"auto"``) from what
-        # ``measured`` records (:mod:`.replicas_policy`)
-        self.policy, self.clock = policy, clock
-        self.measured = Measurements()
-        self.history: list[int] = []  # the R of every update made, in order
-        self.replicas: dict[int, int] = {self.global_step: self.R}  # step -> its update's R
         if policy is not None:
-            self.shard.measure()
-            self._choose()
+            shard.measure()
+        self._choose()
+
+    # ------------------------------------------------------------------ its parts
+    @property
+    def shard(self) -> Shard:
+        return self.server.shard
+
+    @property
+    def members(self) -> Membership:
+        return self.server.members
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -155,8 +143,26 @@ class SyncChief:
         """The shared rule's queue of tokens (TF's ``sync_token_q``; empty for "distinct")."""
         return self.line.queue
 
+    @property
+    def policy(self) -> ReplicasPolicy | None:
+        return self.choice.policy
+
+    @property
+    def measured(self) -> Measurements:
+        return self.choice.measured
+
+    @property
+    def history(self) -> list[int]:
+        """The R of every update made, in order."""
+        return self.choice.history
+
+    @property
+    def replicas(self) -> dict[int, int]:
+        """Step -> the R of its update (the pending one's and recent ones')."""
+        return self.choice.replicas
+
     # ------------------------------------------------------------------ requests
-    def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
+    def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
         op = msg["op"]
         if op == "applied":
             k = int(msg["shard"])
@@ -168,75 +174,87 @@ class SyncChief:
         worker = int(msg["worker"])
         if op == "done":
             forgotten = bool(msg.get("forgotten", False))
-            self.members.leave(worker, forgotten=forgotten)
             self.left_at[worker] = (self.global_step, forgotten)
             self.measured.forget(worker)
-            left = self.held.drop(worker)
             self._forget_placeholder(worker)
-            done = [Answer(ticket, {"global_step": self.global_step})]
-            held = [] if left is None else [values_answer(self.shard, left)]
-            return [*done, *held, *self._fewer_live(), *self._serve_tokens()]
-        if op == "release":
-            return release_answers(self.shard, self.held, msg)
-        self.members.heard(worker)
-        if self.broken is not None and op in ("hello", "push", "step"):
+            done = Answer(ticket, {"global_step": self.global_step})
+            # "auto": the pending update waits for the live workers at most, on every shard;
+            # shard 0's server lowers its own (and may make the update) as it handles "done"
+            r = self.choice.fewer(self.global_step, self._live())
+            told = [Resized(self.global_step, r)] if r is not None and len(self.applied) > 1 else []
+            out = self._own(self.server.handle(msg, ticket))[1:]  # shard 0: its held push
+            return [done, *told, *out, *self._serve_tokens()]
+        if op in ("release", "read", "ema"):
+            return self._own(self.server.handle(msg, ticket))
+        if op == "members":
+            self.members.heard(worker)
+            return [Answer(ticket, self.members.report())]
+        if op == "stats":
+            (answer,) = self.server.handle(msg, ticket)
+            extra = {"global_step": self.global_step, "replicas": list(self.history)}
+            return [replace(answer, payload={**answer.payload, **extra})]  # type: ignore[arg-type]
+        if self.broken is not None:
+            self.members.heard(worker)
             return [error(ticket, "ServerUnreachable", self.broken)]
+        if "grads" in msg or "withheld" in msg:  # a push: this worker's round (withheld: untimed)
+            self.measured.arrived(worker, int(msg["tag"]), self.clock(), "grads" in msg)
         if op == "hello":
-            self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], "chief")
-            self.members.hello(worker)
-            self.left_at.pop(worker, None)
-            self.measured.served(worker, self.global_step, self.clock())
-            values = {
-                "global_step": self.global_step,
-                "params": self.params,
-                "r": self.replicas[self.global_step],
-            }
-            return [Answer(ticket, dict(values, version=self.shard.step), self.shard.values_key)]
-        if op in ("push", "step"):
-            self.shard.follow(msg.get("hyper"))
-            if "grads" in msg or "withheld" in msg:  # its round (withheld: not timed)
-                self.measured.arrived(worker, int(msg["tag"]), self.clock(), "grads" in msg)
+            return self._hello(worker, msg, ticket)
         if op == "push":  # sharded jobs: push first (concurrently with the shards), then "step"
-            before = self.shard.step
-            accepted = self.push(worker, int(msg["tag"]), pushed_gradients(msg))
-            updated = self.shard.step != before
-            answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
-            self.last_push[worker] = (str(msg.get("inc", "")), int(msg.get("seq", -1)))
-            if msg.get("token_follows") and worker not in self.early:
-                place = {"worker": worker, "tag": msg["tag"], "values": False}
-                self._wait_for_token(place, None, True)
-            if worker in self.early and self._pushed_before(self.early[worker][0]):
-                self._wait_for_token(*self.early.pop(worker), True)
-            return [*answers, *self._serve_tokens()]
-        if op == "step" and not self._pushed_before(msg):
-            self.early[worker] = (msg, ticket)  # its push to shard 0 is still on its way
+            return self._push(worker, msg, ticket)
+        if op == "step":
+            return self._token_request(worker, msg, ticket)
+        raise ValueError(f"unknown request {op!r}")
+
+    def _hello(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
+        (answer,) = self._own(self.server.handle(msg, ticket))
+        self.left_at.pop(worker, None)
+        self.measured.served(worker, self.global_step, self.clock())
+        extra = {"global_step": self.global_step, "r": self.replicas[self.global_step]}
+        return [replace(answer, payload={**answer.payload, **extra})]
+
+    def _push(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
+        self.members.heard(worker)
+        was_parked = self.requests.parked(worker)
+        accepted, updated = self.server.offer(msg)
+        if updated:
+            self._shard0_updated()
+        answers = push_answers(self.shard, self.server.held, msg, ticket, accepted, updated)
+        request = self.requests.pushed(worker, msg)
+        if msg.get("token_follows") and not was_parked:  # a placeholder (:mod:`.token_requests`)
+            self._wait_for_token({"worker": worker, "tag": msg["tag"], "values": False}, None, True)
+        if request is not None:  # the token request that overtook this push goes on
+            self._wait_for_token(*request, True)
+        return [*answers, *self._serve_tokens()]
+
+    def _token_request(
+        self, worker: int, msg: dict[str, Any], ticket: Any
+    ) -> list[Answer | Resized]:
+        self.members.heard(worker)
+        if not self.requests.ready(msg):
+            self.requests.park(msg, ticket)  # its push to shard 0 is still on its way
             return []
-        pushes = "grads" in msg or "withheld" in msg  # a "step" that carries its push
-        if op == "step" and not pushes:
+        accepted = True
+        if "grads" in msg or "withheld" in msg:  # one server: the push travels with it
+            accepted, updated = self.server.offer(msg)
+            if updated:
+                self._shard0_updated()
+        else:
             placed = self._claim_place(worker, ticket)
             if placed is not None:
                 return placed
-        if op == "step":
-            accepted = self.push(worker, int(msg["tag"]), pushed_gradients(msg)) if pushes else True
-            self._wait_for_token(msg, ticket, accepted)
-            return self._serve_tokens()
-        if op == "read":  # read-ahead: shard 0 read again after a later token
-            return [read_answer(self.shard, ticket, int(msg["version"]))]
-        if op == "stats":
-            stats = {"global_step": self.global_step, "stats": self.aggregator.stats}
-            return [Answer(ticket, dict(stats, replicas=list(self.history)))]
-        if op == "ema":
-            return [Answer(ticket, {"shadows": self.shard.shadows()})]
-        if op == "members":
-            return [Answer(ticket, self.members.report())]
-        raise ValueError(f"unknown request {op!r}")
+        self._wait_for_token(msg, ticket, accepted)
+        return self._serve_tokens()
 
-    def _pushed_before(self, msg: dict[str, Any]) -> bool:
-        """A token request naming a push (``after_inc``, ``after_seq``) waits for it."""
-        if "after_seq" not in msg:
-            return True
-        named = (str(msg["after_inc"]), int(msg["after_seq"]))
-        return self.last_push.get(int(msg["worker"])) == named
+    def _own(self, outs: list[Answer | Applied]) -> list[Answer]:
+        """Shard 0's outputs: its own update reported here, the answers passed on."""
+        answers = []
+        for out in outs:
+            if isinstance(out, Applied):
+                self._shard0_updated()
+            else:
+                answers.append(out)
+        return answers
 
     def _wait_for_token(self, msg: dict[str, Any], ticket: Any, accepted: bool) -> None:
         version = int(msg["version"]) if msg.get("values", True) else None
@@ -245,8 +263,9 @@ class SyncChief:
     def _claim_place(self, worker: int, ticket: Any) -> list[Answer] | None:
         """A token request of a worker with a place in line: what that place was given, or
         nothing yet (the place now waits with this request's ticket); None: no place."""
-        if worker in self.granted:
-            return self._answer(worker, ticket, *self.granted.pop(worker))
+        granted = self.requests.claim(worker)
+        if granted is not None:
+            return self._answer(worker, ticket, *granted)
         for entry in self.line:
             if entry.worker == worker and entry.ticket is None:
                 entry.ticket = ticket
@@ -256,7 +275,7 @@ class SyncChief:
     def _forget_placeholder(self, worker: int) -> None:
         """``worker`` left: its place in line goes, and a token it never asked for goes back."""
         self.line.remove(lambda e: e.worker != worker or e.ticket is not None)
-        kind, payload = self.granted.pop(worker, ("", None))
+        kind, payload = self.requests.forget(worker) or ("", None)
         if kind == "token":
             self.line.give_back(int(payload["token"]))
 
@@ -264,27 +283,22 @@ class SyncChief:
         """Answer a worker in line, or keep the answer for a place whose request is still on
         its way (ticket None)."""
         if ticket is None:
-            self.granted[worker] = (kind, payload)
+            self.requests.grant(worker, kind, payload)
             return []
         if kind == "token":
             key = self.shard.values_key if "params" in payload else None
             return [Answer(ticket, payload, key)]
         return [error(ticket, kind, payload)]
 
-    def push(self, worker: int, tag: int, grads: list[torch.Tensor | None] | None) -> bool:
-        """Offer shard 0's gradients (None: withheld as stale); update when ``R`` are in.
-        True iff accepted."""
-        accepted, updated = self.shard.push(worker, tag, grads)
-        if updated:
-            self._shard0_updated()
-        elif accepted:
-            self.contributors.add(worker)
-        return accepted
+    # ------------------------------------------------------------------ updates
+    @property
+    def contributors(self) -> set[int]:
+        """Workers whose gradient is in shard 0's pending update."""
+        return self.shard.contributors
 
     def _shard0_updated(self) -> None:
-        self.contributors.clear()
         self.applied[0] = self.shard.step
-        noise = self.shard.aggregator.last_noise
+        noise = self.aggregator.last_noise
         if self.policy is not None and noise is not None:
             self.measured.noise(self.shard.step - 1, *noise)
         self._advance()
@@ -293,9 +307,7 @@ class SyncChief:
         """``global_step += 1`` once every shard applied the update, then the next update's R
         and the tokens."""
         while min(self.applied) > self.global_step:
-            update = self.global_step
-            self.history.append(self.replicas.get(update, self.R))
-            self.measured.close_update(update)
+            self.choice.made(self.global_step)
             self.global_step += 1
             self._choose()
             self.line.updated(self.global_step)
@@ -304,78 +316,19 @@ class SyncChief:
         return [w for w in range(self.N) if w not in self.left_at]
 
     def _choose(self) -> None:
-        """The R of the update at ``global_step``: fixed, or the policy's choice (logged)."""
-        step = self.global_step
-        if self.policy is None:
-            r = self.R
-        else:
-            view = self._decision(self.clock())
-            r = self.policy.choose(view)
-            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= view.live:
-                raise ValueError(
-                    f"SyncReplicasOptimizer: the replicas policy {self.policy!r} chose {r!r} "
-                    f"for the update at global step {step}; it must be an int in "
-                    f"[1, {view.live}] (the live workers)"
-                )
-            log.debug(
-                "SyncReplicas chief: update %d waits for R=%d of %d live workers (noise scale "
-                "%s, rounds %s s)", step, r, view.live, view.noise_scale,
-                None if view.rounds is None else [round(a, 3) for a in view.rounds],
-            )  # fmt: skip
-        self.replicas[step] = r
-        for old in [s for s in self.replicas if s < step - 64]:  # tokens that old are stale
-            del self.replicas[old]
-        if self.shard.step == step:  # (shard 0 may be an update ahead: its R comes later)
-            self.shard.aggregator.set_replicas(r)
+        """The R of the update at ``global_step`` (shard 0 may be an update ahead already:
+        its R is then set when ``global_step`` catches up)."""
+        r = self.choice.decide(self.global_step, self._live(), self.clock())
+        if self.shard.step == self.global_step:
+            self.aggregator.set_replicas(r)
 
-    def _decision(self, now: float) -> Decision:
-        """What the policy sees of the update at ``global_step``."""
-        live = self._live()
-        step = self.global_step
-        return Decision(
-            update=step,
-            live=max(len(live), 1),
-            rounds=self.measured.expected_rounds(now, live),
-            noise_scale=self.measured.noise_scale(),
-            previous=self.replicas.get(step - 1, self.R),
-        )
-
-    def _fewer_live(self) -> list[Answer | Resized]:
-        """A worker left (``"auto"``): the pending update waits for the live workers at most."""
-        live = max(len(self._live()), 1)
-        if self.policy is None or self.replicas.get(self.global_step, 0) <= live:
-            return []
-        return self._lower(live, "a worker left")
-
-    def _reconsider(self, now: float) -> list[Answer | Resized]:
-        """``"auto"``, while the pending update waits: a live worker whose gradient is not in
-        has taken over twice its usual round (dead, or slowed down since the choice): choose
-        again with what is known now, and lower R if the policy would.  Never raises R: the
-        workers' pushes to other shards carry the R they were told."""
-        step = self.global_step
-        if self.policy is None or self.broken is not None or step not in self.replicas:
-            return []
-        if not self.measured.overdue(now, self._live()):
-            return []
-        view = self._decision(now)
-        r = self.policy.choose(view)
-        if not isinstance(r, int) or not 1 <= r < self.replicas[step]:
-            return []
-        return self._lower(r, f"worker(s) {self.measured.overdue(now, self._live())} overdue")
-
-    def _lower(self, r: int, why: str) -> list[Answer | Resized]:
-        """The pending update waits for ``r`` gradients now; made at once if they are in."""
-        step = self.global_step
-        log.debug("SyncReplicas chief: update %d now waits for R=%d (%s)", step, r, why)
-        self.replicas[step] = r
+    def _lowered(self, r: int) -> list[Answer | Resized]:
+        """The pending update's R is ``r`` now: the other shards are told, and shard 0 makes
+        it at once if the gradients are in."""
         out: list[Answer | Resized] = []
         if len(self.applied) > 1:
-            out.append(Resized(step, r))  # the other shards: before this one moves on
-        if self.shard.step == step and self.shard.set_replicas(r):
-            due = self.held.due(self.shard.step)  # read-ahead pushes that waited for it
-            self._shard0_updated()
-            out += [values_answer(self.shard, h) for h in due]
-        return out
+            out.append(Resized(self.global_step, r))  # the other shards: before this one moves on
+        return [*out, *self._own(self.server.resize(self.global_step, r))]
 
     def _serve_tokens(self) -> list[Answer]:
         """Serve every worker in line that can go on (:mod:`.token_line`); if the live workers
@@ -390,7 +343,7 @@ class SyncChief:
                 "accepted": entry.accepted,
                 "global_step": self.global_step,
                 "version": self.shard.step,
-                "r": self.replicas.get(token, self.replicas[self.global_step]),
+                "r": self.choice.of(token, self.global_step),
             }
             if entry.version is not None and entry.version != self.shard.step:
                 answer["params"] = self.params
@@ -398,14 +351,14 @@ class SyncChief:
         if len(self.line) and not released:
             why = unfillable(
                 rule=self.line.rule,
-                replicas_to_aggregate=self.R,
+                replicas_to_aggregate=self.replicas[self.global_step],
                 total_num_replicas=self.N,
                 gradients_in=self.aggregator.counter,
                 contributors=self.contributors,
                 left=self.left_at,
                 waiting={e.worker for e in self.line},
                 tokens_left=len(self.line.queue),
-                others_pending=bool(self.early) or self.global_step < self.shard.step,
+                others_pending=self.requests.any_parked or self.global_step < self.shard.step,
                 global_step=self.global_step,
             )
             if why is not None:
@@ -435,9 +388,13 @@ class SyncChief:
             log.error("%s", message)
             self.line.waiting.popleft()
             out += self._answer(first.worker, first.ticket, "TimeoutError", message)
-        before = self.global_step
-        out += self._reconsider(now)
-        return out + (self._serve_tokens() if self.global_step != before else [])
+        if self.broken is None:  # "auto": a worker far behind may lower the pending R
+            r = self.choice.reconsider(self.global_step, self._live(), now)
+            if r is not None:
+                before = self.global_step
+                out += self._lowered(r)
+                out += self._serve_tokens() if self.global_step != before else []
+        return out
 
     def silent_workers(self, now: float | None = None) -> list[int]:
         """Workers silent for over ``timeout`` s (those waiting for a token are blocked, not
@@ -453,10 +410,11 @@ class SyncChief:
             + (" (not enough tokens: check num_tokens)" if self.line.rule == "shared" else "")
         )
         shards = f"; shard steps {self.applied}" if len(self.applied) > 1 else ""
+        r = self.replicas.get(self.global_step, self.R)
         return (
             f"SyncReplicasOptimizer: worker rank {worker} waited {waited:.1f}s for a token at "
-            f"global step {self.global_step} ({self.aggregator.counter} of {self.R} fresh "
-            f"gradients in{shards}); {who}; progress needs replicas_to_aggregate={self.R}"
+            f"global step {self.global_step} ({self.aggregator.counter} of {r} fresh "
+            f"gradients in{shards}); {who}; progress needs replicas_to_aggregate={r}"
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -468,12 +426,7 @@ class SyncChief:
             "aggregator": self.aggregator.state_dict(),
             "tokens": self.line.state(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
-            "replicas": {
-                "history": list(self.history),
-                "pending": {int(k): int(v) for k, v in self.replicas.items()},
-                "policy": None if self.policy is None else self.policy.state_dict(),
-                "measured": None if self.policy is None else self.measured.state_dict(),
-            },
+            "replicas": self.choice.state_dict(),
         }
         if len(self.applied) > 1:
             state["applied"] = list(self.applied)
@@ -500,20 +453,8 @@ class SyncChief:
         self.line.load(state["tokens"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
-        self._load_replicas(state.get("replicas"))
-
-    def _load_replicas(self, saved: dict[str, Any] | None) -> None:
-        """Each update's R as saved: the history, the pending update's R and the policy's
-        state, so a resumed job goes on choosing as it would have."""
-        if saved is None:  # a checkpoint from before R was recorded
-            self.history, self.replicas = [], {}
-        else:
-            self.history = [int(r) for r in saved["history"]]
-            self.replicas = {int(k): int(v) for k, v in saved["pending"].items()}
-            if self.policy is not None and saved["policy"] is not None:
-                self.policy.load_state_dict(saved["policy"])
-                self.measured.load_state_dict(saved["measured"])
+        self.choice.load_state_dict(state.get("replicas"))
         if self.global_step not in self.replicas:
             self._choose()
         elif self.shard.step in self.replicas:
-            self.shard.aggregator.set_replicas(self.replicas[self.shard.step])
+            self.aggregator.set_replicas(self.replicas[self.shard.step])

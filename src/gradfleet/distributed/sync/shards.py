@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +228,7 @@ class Shard:
         chosen = set(average_indices) if average_indices else set(self.indices)
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
         self.loads = 0  # checkpoint loads: they change the variables without a step
+        self.contributors: set[int] = set()  # workers whose gradient is in the pending update
         # a dedicated server's ``source`` is its own copy: the workers' pushes carry the
         # hyperparameters (LR schedules run on the workers)
         self.follow_workers = False
@@ -299,6 +301,8 @@ class Shard:
             self.aggregator.drop_withheld(worker, tag)
             return False, False
         accepted = self.aggregator.push(worker, tag, grads)
+        if accepted:
+            self.contributors.add(worker)
         if not self.aggregator.ready():
             return accepted, False
         self.update()
@@ -307,6 +311,7 @@ class Shard:
     def update(self) -> None:
         """TF's sync op for these variables: take the averages, apply them, moving averages."""
         averages = self.aggregator.take_average()
+        self.contributors.clear()
         for mine, theirs in zip(self.opt.param_groups, self.source.param_groups, strict=True):
             mine.update({k: v for k, v in theirs.items() if k not in ("params", "non_slot")})
         pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
@@ -378,13 +383,23 @@ class Resized:
 
 
 class ShardServer:
-    """State machine of a non-chief shard: ``hello``, ``push``, ``release``, ``read``,
-    ``done``, ``stats``, ``ema``; ``handle`` returns answers and, after an update, the
-    :class:`Applied` effect (before the answers it releases)."""
+    """State machine of one shard: ``hello``, ``push``, ``release``, ``read``, ``done``,
+    ``stats``, ``ema`` and the chief's ``replicas``; ``handle`` returns answers and, after an
+    update, the :class:`Applied` effect (before the answers it releases).  Shard 0's is the
+    chief's (:class:`~.chief.SyncChief` adds ``global_step`` and the token line to it)."""
 
-    def __init__(self, shard_id: int, shard: Shard, total_num_replicas: int, timeout: float):
+    def __init__(
+        self,
+        shard_id: int,
+        shard: Shard,
+        total_num_replicas: int,
+        timeout: float,
+        name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.k, self.shard, self.N, self.timeout = shard_id, shard, total_num_replicas, timeout
-        self.members = Membership(total_num_replicas, timeout, f"SyncReplicas shard {shard_id}")
+        self.name = f"shard {shard_id}" if name is None else name
+        self.members = Membership(total_num_replicas, timeout, f"SyncReplicas {self.name}", clock)
         self.held = HeldPushes()
         self.lowered: tuple[int, int] | None = None  # (step, R) the chief lowered it to
 
@@ -396,27 +411,21 @@ class ShardServer:
             out: list[Answer | Applied] = [Answer(ticket, {})]
             out += [] if left is None else [values_answer(self.shard, left)]
             if self.shard.adaptive:
-                out += self._resize(self.shard.step, self.shard.aggregator.replicas_to_aggregate)
+                out += self.resize(self.shard.step, self.shard.aggregator.replicas_to_aggregate)
             return out
         if op == "release":
             return release_answers(self.shard, self.held, msg)
         if op == "replicas":  # from the chief (worker -1), not a worker's message
             self.lowered = (int(msg["step"]), int(msg["r"]))
-            return [Answer(ticket, {}), *self._resize(int(msg["step"]), int(msg["r"]))]
+            return [Answer(ticket, {}), *self.resize(int(msg["step"]), int(msg["r"]))]
         self.members.heard(worker)
         if op == "hello":
-            self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], f"shard {self.k}")
+            self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], self.name)
             self.members.hello(worker)
             values = {"version": self.shard.step, "params": self.shard.params}
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
-            self.shard.follow(msg.get("hyper"))
-            tag = int(msg["tag"])
-            if self.shard.adaptive and "r" in msg and tag == self.shard.step:
-                lowered = self.lowered[1] if self.lowered and self.lowered[0] == tag else None
-                r = min(int(msg["r"]), self._live(), lowered or int(msg["r"]))
-                self.shard.aggregator.set_replicas(r)
-            accepted, updated = self.shard.push(worker, int(msg["tag"]), pushed_gradients(msg))
+            accepted, updated = self.offer(msg)
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             return [self._applied(), *answers] if updated else list(answers)
         if op == "read":
@@ -427,7 +436,19 @@ class ShardServer:
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
         raise ValueError(f"unknown request {op!r}")
 
-    def _resize(self, step: int, replicas: int) -> list[Answer | Applied]:
+    def offer(self, msg: dict[str, Any]) -> tuple[bool, bool]:
+        """A worker's push (its hyperparameters, its update's R, its gradients or their
+        withholding): ``(accepted, updated)``.  The R a push carries counts on shards 1..;
+        shard 0's comes from the chief's own choice, which may since have lowered it."""
+        self.shard.follow(msg.get("hyper"))
+        tag = int(msg["tag"])
+        if self.k and self.shard.adaptive and "r" in msg and tag == self.shard.step:
+            lowered = self.lowered[1] if self.lowered and self.lowered[0] == tag else None
+            r = min(int(msg["r"]), self._live(), lowered or int(msg["r"]))
+            self.shard.aggregator.set_replicas(r)
+        return self.shard.push(int(msg["worker"]), tag, pushed_gradients(msg))
+
+    def resize(self, step: int, replicas: int) -> list[Answer | Applied]:
         """The update at ``step`` waits for at most ``replicas`` gradients, and for no more
         than the live workers: made now if those already in are enough."""
         if self.shard.step != step or not self.shard.set_replicas(min(replicas, self._live())):

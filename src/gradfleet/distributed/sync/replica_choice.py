@@ -1,0 +1,129 @@
+"""The chief's record of each update's R: fixed, or chosen by a policy from what it measured.
+
+:class:`ReplicaChoice` keeps the R of the pending update (and of recent ones: a shared-queue
+token may name an older step, and its pushes carry that step's R), the history of every update
+made, and, with a policy (``replicas_to_aggregate="auto"``), the :class:`~.replicas_policy.
+Measurements` the policy decides from.  The chief tells it what happened (a token served, a
+gradient arrived, an update made, a worker left) and asks it what R an update takes; it logs
+each decision at DEBUG.  Pure bookkeeping: times are passed in, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .replicas_policy import Decision, Measurements, ReplicasPolicy
+
+__all__ = ["ReplicaChoice"]
+
+log = logging.getLogger("gradfleet.distributed.sync.chief")
+
+KEPT_STEPS = 64  # a token older than this many updates is stale whatever its R
+
+
+class ReplicaChoice:
+    """Each update's R (module docstring): ``replicas`` fixed, or chosen by ``policy``."""
+
+    def __init__(self, replicas: int, policy: ReplicasPolicy | None) -> None:
+        self.fixed, self.policy = replicas, policy
+        self.measured = Measurements()
+        self.history: list[int] = []  # the R of every update made, in order
+        self.replicas: dict[int, int] = {}  # step -> the R of its update
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy is not None
+
+    def of(self, step: int, current: int) -> int:
+        """The R of the update at ``step`` (a token's), else of the update at ``current``."""
+        return self.replicas.get(step, self.replicas[current])
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, step: int, live: Sequence[int], now: float) -> int:
+        """The R of the update at ``step``: fixed, or the policy's choice (logged)."""
+        if self.policy is None:
+            r = self.fixed
+        else:
+            view = self._view(step, live, now)
+            r = self.policy.choose(view)
+            if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= view.live:
+                raise ValueError(
+                    f"SyncReplicasOptimizer: the replicas policy {self.policy!r} chose {r!r} "
+                    f"for the update at global step {step}; it must be an int in "
+                    f"[1, {view.live}] (the live workers)"
+                )
+            log.debug(
+                "SyncReplicas chief: update %d waits for R=%d of %d live workers (noise scale "
+                "%s, rounds %s s)", step, r, view.live, view.noise_scale,
+                None if view.rounds is None else [round(a, 3) for a in view.rounds],
+            )  # fmt: skip
+        self.replicas[step] = r
+        for old in [s for s in self.replicas if s < step - KEPT_STEPS]:
+            del self.replicas[old]
+        return r
+
+    def fewer(self, step: int, live: Sequence[int]) -> int | None:
+        """A worker left: the lower R of the pending update, if the live ones are fewer
+        (a policy's choice only: a fixed R is TF's, and waits as TF's does)."""
+        count = max(len(live), 1)
+        if self.policy is None or self.replicas.get(step, 0) <= count:
+            return None
+        return self._lower(step, count, "a worker left")
+
+    def reconsider(self, step: int, live: Sequence[int], now: float) -> int | None:
+        """While the update at ``step`` waits: once a live worker whose gradient is not in has
+        taken over twice its usual round (dead, or slowed down since the choice), choose again
+        with what is known now; the lower R, if the policy would take fewer.  Never a higher
+        one: the workers' pushes to other shards carry the R they were told."""
+        if self.policy is None or step not in self.replicas:
+            return None
+        late = self.measured.overdue(now, live)
+        if not late:
+            return None
+        r = self.policy.choose(self._view(step, live, now))
+        if not isinstance(r, int) or not 1 <= r < self.replicas[step]:
+            return None
+        return self._lower(step, r, f"worker(s) {late} overdue")
+
+    def _lower(self, step: int, r: int, why: str) -> int:
+        log.debug("SyncReplicas chief: update %d now waits for R=%d (%s)", step, r, why)
+        self.replicas[step] = r
+        return r
+
+    def _view(self, step: int, live: Sequence[int], now: float) -> Decision:
+        return Decision(
+            update=step,
+            live=max(len(live), 1),
+            rounds=self.measured.expected_rounds(now, live),
+            noise_scale=self.measured.noise_scale(),
+            previous=self.replicas.get(step - 1, self.fixed),
+        )
+
+    # ------------------------------------------------------------------ events
+    def made(self, update: int) -> None:
+        """The update at ``update`` was made on every shard."""
+        self.history.append(self.replicas.get(update, self.fixed))
+        self.measured.close_update(update)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": list(self.history),
+            "pending": {int(k): int(v) for k, v in self.replicas.items()},
+            "policy": None if self.policy is None else self.policy.state_dict(),
+            "measured": None if self.policy is None else self.measured.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """The history, the pending update's R and the policy's state, so a resumed job goes
+        on choosing as it would have (None: a checkpoint from before R was recorded)."""
+        if saved is None:
+            self.history, self.replicas = [], {}
+            return
+        self.history = [int(r) for r in saved["history"]]
+        self.replicas = {int(k): int(v) for k, v in saved["pending"].items()}
+        if self.policy is not None and saved["policy"] is not None:
+            self.policy.load_state_dict(saved["policy"])
+            self.measured.load_state_dict(saved["measured"])
