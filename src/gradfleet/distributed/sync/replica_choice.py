@@ -18,7 +18,7 @@ from .replicas_policy import Decision, Measurements, ReplicasPolicy
 
 __all__ = ["ReplicaChoice"]
 
-log = logging.getLogger("gradfleet.distributed.sync.chief")
+log = logging.getLogger(__name__)
 
 KEPT_STEPS = 64  # a token older than this many updates is stale whatever its R
 
