@@ -143,8 +143,9 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class RowStrategy:
     """A row's table adapter as the benchmark's phases drive it: Adam on ``model`` (wrapped:
     ``opt``), a training step (``train_step``), an update's communication on zero gradients
-    (``transfer_step``), ``updates()`` -- the global step for sync-replicas, else the local steps of both kinds
-    (every local step updates the model) -- and ``close()`` (the adapter's end of training)."""
+    (``transfer_step``), ``updates()`` -- the global step for sync-replicas, else the local
+    steps of both kinds (every local step updates the model) -- and ``close()`` (the adapter's
+    end of training)."""
 
     def __init__(
         self,
