@@ -60,8 +60,9 @@ SLOW = 3  # the host that is slowed in the uneven scenarios
 
 @dataclass(frozen=True)
 class Row:
-    """One strategy configuration. ``kind``: ``"sync"`` (one global update per step of every
-    replica) or ``"local"`` (every local step is an update); ``R``: gradients per update;
+    """One strategy configuration (``strategy``, ``options``: :mod:`benchmarks.cluster_table`).
+    ``kind``: ``"sync"`` (one global update per step of every replica) or ``"local"`` (every
+    local step is an update); ``R``: gradients per update;
     ``server_hosts``: extra hosts that only serve (dedicated servers, ranks after the
     workers), at the base link rate."""
 
@@ -306,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster benchmark skipped: {reason}")
         return 2
     chosen = [r for r in rows(args.hosts) if not args.only or r.key in args.only.split(",")]
+    from benchmarks.cluster_table import table_strategy  # torch: not for --replot
+
+    for row in chosen:  # checked as the CLI checks --strategy, before any host starts
+        try:
+            table_strategy(row.strategy, row.options, args.hosts)
+        except ValueError as err:
+            raise SystemExit(f"row {row.key}: {err}") from None
     scenarios = args.scenarios.split(",")
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import gradfleet.distributed as gfd  # noqa: E402
 from benchmarks.cluster_slowdown import Slowdown, from_spec  # noqa: E402
-from benchmarks.cluster_strategies import STRATEGIES, Context, Strategy  # noqa: E402
+from benchmarks.cluster_table import Context, RowStrategy  # noqa: E402
 
 INPUTS, CLASSES, HIDDEN_LAYERS = 256, 4, 3
 
@@ -181,9 +181,7 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     warmup = int(row.get("warmup_updates", 1))
     first = warmup + int(row.get("transfer_updates", 2))
     total = first + args.updates * scale
-    strategy = STRATEGIES[row["strategy"]](ctx, model, args.lr, last_step=total, **options)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    strategy = RowStrategy(row["strategy"], options, ctx, model, args.lr, last_step=total)
     record = {"rank": ctx.rank, "host": ctx.host, "compute_s": compute_s}
     dist.barrier()
     while strategy.updates() < warmup:  # not timed: a transfer of a job already running
@@ -213,7 +211,7 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     return record
 
 
-def replicas_history(strategy: Strategy) -> list[int] | None:
+def replicas_history(strategy: RowStrategy) -> list[int] | None:
     """The gradients each update so far applied (index: update number), where the strategy's
     optimizer keeps them (``SyncReplicasOptimizer.replicas_history()``); None elsewhere."""
     history = getattr(strategy.opt, "replicas_history", None)

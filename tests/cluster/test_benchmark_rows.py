@@ -1,7 +1,8 @@
 """The cluster benchmark's rows with dedicated server hosts: a job of 4 worker hosts and a
 server host (static rendezvous, so the server's rank follows the workers') runs SyncReplicas
 with its one server there and async EASGD with its centre there; both train, and the server
-host's link carries the workers' traffic."""
+host's link carries the workers' traffic.  Every row's strategy comes from the CLI's strategy
+table (``benchmarks.cluster_table``), its servers where the row says."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from benchmarks import cluster
+from benchmarks.cluster_table import Context, placement, table_strategy
 from benchmarks.cluster_worker import build_model
 from benchmarks.netcluster import unavailable_reason
 
@@ -56,6 +58,54 @@ def test_the_rows_for_changing_slowdowns_differ_from_the_laid_out_row_only_in_r(
         assert row.options == dict(laid_out.options, R=R), key
         assert (row.strategy, row.kind, row.server_hosts) == ("sync-replicas", "sync", 0), key
     assert [r.key for r in cluster.adaptive_rows(2)] == ["sr-r2", "sr-r1", "sr-r-auto"]
+
+
+def test_every_row_is_a_table_strategy_with_its_servers_where_the_row_says() -> None:
+    """Slow-link layout: host 3's link is slow, so no server of a row that names none
+    dedicated sits there; dedicated servers are the ranks after the workers."""
+    fast = [0, 1, 2]
+    table_names = {"compute": "none", "ddp": "ddp", "allreduce": "allreduce",
+                   "sync-replicas": "sync-replicas", "easgd-async": "easgd",
+                   "model-average": "model-average"}  # fmt: skip
+    for row in cluster.rows(WORKERS):
+        name, args = table_strategy(row.strategy, row.options, WORKERS)
+        assert name == table_names[row.strategy], row.key
+        dedicated = list(range(WORKERS, WORKERS + row.server_hosts))
+        hosts = list(range(WORKERS + row.server_hosts))
+        ctx = Context(1, WORKERS, 1, hosts, "10.0.0.2", fast, server_ranks=dedicated)
+        placed = placement(name, row.options, ctx, last_step=9)
+        o = row.options
+        if name == "easgd":
+            assert args["mode"] == "async" and args["period"] == o["period"]
+            assert placed["server_rank"] == (WORKERS if o.get("centre") else 0), row.key
+        if name != "sync-replicas":
+            continue
+        assert args["replicas_to_aggregate"] == o["R"] and args["total_num_replicas"] == WORKERS
+        assert placed["last_step"] == 9 and placed["host"] == "10.0.0.2"
+        if o.get("servers") == "default":  # the quick start: no server named, nothing set
+            assert set(args) == {"replicas_to_aggregate", "total_num_replicas"}, row.key
+            assert "server_ranks" not in placed and placed["with_model"] is False
+            continue
+        servers = {"dedicated": dedicated, "sharded": fast}.get(o.get("servers", "one"), [0])
+        assert placed["server_ranks"] == servers * o.get("per_rank", 1), row.key
+        assert args["overlap"] is o.get("overlap", False)
+        assert placed["stream_reads"] is o.get("stream", False)
+        assert placed["nonfinite"] == ("apply" if o.get("overlap") else "raise"), row.key
+        # "auto": the wrapper lays the shards out from the model; else as the row names
+        assert placed["with_model"] is o.get("auto", False)
+        assert args.get("shard_assignment") == (None if o.get("auto") else
+                                                o.get("assignment", "bytes"))  # fmt: skip
+
+
+def test_a_row_with_an_option_its_strategy_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"takes no options \['R'\]; allowed: interval"):
+        table_strategy("model-average", {"R": 3}, WORKERS)
+    with pytest.raises(ValueError, match="servers='two'; allowed: default, one, sharded"):
+        table_strategy("sync-replicas", {"servers": "two"}, WORKERS)
+    with pytest.raises(ValueError, match="replicas_to_aggregate=5 > total_num_replicas=4"):
+        table_strategy("sync-replicas", {"R": 5}, WORKERS)
+    with pytest.raises(ValueError, match="shard_assignment must be one of bytes"):
+        table_strategy("sync-replicas", {"assignment": "rows"}, WORKERS)
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")

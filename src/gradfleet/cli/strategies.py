@@ -1,9 +1,11 @@
 """Distribution strategies: one small adapter per strategy around gradfleet.distributed (what
 each takes and its checks: :mod:`.strategy_table`).
 
-An adapter wraps the optimizer (``setup``), runs one training step (``train_step``), counts the
-bytes this worker hands to collectives, and says what to save as "the model" (for EASGD, the
-centre). Strategies are named on the command line as ``NAME[:key=value,...]``.
+An adapter wraps the optimizer (``setup``), runs one training step (``train_step``) or one
+update's communication alone (``transfer_step``), counts the bytes this worker hands to
+collectives, and says what to save as "the model" (for EASGD, the centre). Strategies are named
+on the command line as ``NAME[:key=value,...]``; the cluster benchmark (``benchmarks/cluster.py``)
+builds its rows with these same adapters, through :func:`make_strategy`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import gradfleet.distributed as gfd
 
 from .strategy_table import DEFAULT_RHO, easgd_modes
 
-__all__ = ["Strategy", "make_strategy"]
+__all__ = ["DDP_BUCKET_BYTES", "Strategy", "make_strategy"]
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -44,15 +48,35 @@ class Strategy:
         self.model, self.opt = model, opt
         return opt
 
+    @property
+    def forward_model(self) -> nn.Module:
+        """What the training step's forward runs (the model, or a wrapper around it)."""
+        return self.model
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         if self.straggle_s:
             time.sleep(self.straggle_s)
         self.opt.zero_grad()
-        loss = loss_fn(self.model, x, y)
+        loss = loss_fn(self.forward_model, x, y)
         loss.backward()
         self.reduce_gradients()
         self.opt.step()
         return float(loss.detach())
+
+    def transfer_step(self) -> None:
+        """One update's communication without forward and backward, on zero gradients (which
+        leave Adam's parameters where they are while its moments are zero): the cluster
+        benchmark's transfer-only time."""
+        self._zero_gradients()
+        self.reduce_gradients()
+        self.opt.step()
+
+    def _zero_gradients(self) -> None:
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
 
     def reduce_gradients(self) -> None:
         return None
@@ -129,6 +153,48 @@ class AllReduce(Strategy):
         indices = torch.cat([i[:, :k] for i, k in zip(all_idx, n)], dim=1)
         values = torch.cat([v[:k] for v, k in zip(all_val, n)]) / self.world
         return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+
+
+class DDP(Strategy):
+    """torch's ``DistributedDataParallel`` (the cluster benchmark's reference, not offered by
+    ``--strategy``): the mean gradient, all-reduced in :data:`DDP_BUCKET_BYTES` buckets while
+    backward runs."""
+
+    def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.ddp = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's model
+        self._payload = sum(_nbytes(p) for p in model.parameters())
+        return super().setup(model, opt)
+
+    @property
+    def forward_model(self) -> nn.Module:
+        return self.ddp  # its backward hooks start the buckets' all-reduces
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
+        loss = super().train_step(x, y, loss_fn)
+        self.bytes_sent += self._payload
+        return loss
+
+    def transfer_step(self) -> None:
+        """The same bytes in the same buckets as DDP's backward, without backward."""
+        self._zero_gradients()
+        bucket: list[torch.Tensor] = []
+        for p in reversed(list(self.model.parameters())):  # DDP's order: about backward's
+            bucket.append(p.grad)
+            if sum(_nbytes(t) for t in bucket) >= DDP_BUCKET_BYTES:
+                self._all_reduce_mean(bucket)
+                bucket = []
+        if bucket:
+            self._all_reduce_mean(bucket)
+        self.opt.step()
+
+    def _all_reduce_mean(self, bucket: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class ModelAverage(Strategy):
@@ -250,7 +316,13 @@ def _replicas(value: Any) -> int | str:
 class SyncReplicas(Strategy):
     """Backup workers: the server applies the first ``replicas_to_aggregate`` fresh gradients
     of each round and drops late ones; the run ends once the server reached ``steps`` updates,
-    so a straggler's remaining steps return at once."""
+    so a straggler's remaining steps return at once.
+
+    Besides the table's arguments, the launcher's: ``last_step``, ``timeout``, ``host``,
+    ``server_ranks``, ``server_address`` and ``worker``; and the cluster benchmark's:
+    ``nonfinite`` (the wrapper's, default ``"raise"``), ``with_model`` (default true: the
+    model is given, to lay the shards out for the job and stream reads ahead; false: left
+    out) and ``stream_reads`` (true: ``stream_reads(model)`` after construction)."""
 
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         total = int(self.args.get("total_num_replicas", self.world))
@@ -274,8 +346,11 @@ class SyncReplicas(Strategy):
             worker=self.args.get("worker"),
             server_ranks=ranks,
             shard_assignment=self.args.get("shard_assignment"),
-            model=model,
+            nonfinite=self.args.get("nonfinite", "raise"),
+            model=model if self.args.get("with_model", True) else None,
         )
+        if self.args.get("stream_reads"):
+            wrapped.stream_reads(model)
         # sharded (--servers K > 1): a rejoining worker needs every shard's address
         addresses = wrapped.server_addresses
         self.server_address = addresses if len(addresses) > 1 else wrapped.server_address
@@ -285,6 +360,10 @@ class SyncReplicas(Strategy):
         loss = super().train_step(x, y, loss_fn)
         self.bytes_sent = int(self.opt.bytes_sent)  # the wrapper's own counter
         return loss
+
+    def transfer_step(self) -> None:
+        super().transfer_step()
+        self.opt.wait_reads()  # streamed: no forward follows to wait for the values
 
     def updates(self, local_step: int) -> int:
         return int(self.opt.global_step)
@@ -302,6 +381,7 @@ class SyncReplicas(Strategy):
 _ADAPTERS: dict[str, type[Strategy]] = {
     "none": Strategy,
     "allreduce": AllReduce,
+    "ddp": DDP,
     "model-average": ModelAverage,
     "easgd": Easgd,
     "towers": Towers,
@@ -310,4 +390,6 @@ _ADAPTERS: dict[str, type[Strategy]] = {
 
 
 def make_strategy(name: str, args: dict[str, Any], rank: int, world: int) -> Strategy:
+    """The adapter of table strategy ``name`` (:data:`.strategy_table.TABLE`), for ``rank`` of
+    ``world`` workers; ``args`` as checked by ``validate_strategy``, plus the launcher's."""
     return _ADAPTERS[name](args, rank, world)

@@ -2,10 +2,15 @@
 NAME[:key=value,...]``, the checks of a strategy's arguments before any process starts, and how
 many workers a run of it can lose (:func:`tolerated_losses`).  The adapters that run them:
 :mod:`.strategies`.
+
+:data:`TABLE` is every strategy gradfleet builds, the CLI's and the cluster benchmark's
+(``benchmarks/cluster.py``) alike; :data:`STRATEGIES` is what ``--strategy`` offers, all of
+them but the benchmark's torch DDP reference (``cli=False``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +19,7 @@ import gradfleet.distributed as gfd
 __all__ = [
     "DEFAULT_RHO",
     "STRATEGIES",
+    "TABLE",
     "StrategyInfo",
     "available",
     "easgd_modes",
@@ -32,9 +38,10 @@ class StrategyInfo:
     min_workers: int = 1
     max_workers: int | None = None
     spawns: bool = True  # False: one process (towers run as threads)
+    cli: bool = True  # False: not offered by --strategy (a reference of the cluster benchmark)
 
 
-STRATEGIES: dict[str, StrategyInfo] = {
+TABLE: dict[str, StrategyInfo] = {
     s.name: s
     for s in (
         StrategyInfo("none", "plain single-process training", {}, max_workers=1, spawns=False),
@@ -87,8 +94,16 @@ STRATEGIES: dict[str, StrategyInfo] = {
             },
             min_workers=2,
         ),
+        StrategyInfo(
+            "ddp",
+            "torch DistributedDataParallel: bucketed gradient all-reduce overlapped with "
+            "backward (the cluster benchmark's reference)",
+            {},
+            cli=False,
+        ),
     )
 }
+STRATEGIES: dict[str, StrategyInfo] = {n: s for n, s in TABLE.items() if s.cli}
 
 
 def _has(name: str) -> bool:
@@ -119,11 +134,16 @@ def easgd_modes() -> dict[str, str]:
     return modes
 
 
-def validate_strategy(name: str, args: dict[str, Any], workers: int) -> None:
-    """Reject unknown strategies/arguments and impossible worker counts (before any launch)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
-    info = STRATEGIES[name]
+def validate_strategy(
+    name: str, args: dict[str, Any], workers: int, table: Mapping[str, StrategyInfo] = STRATEGIES
+) -> None:
+    """Reject unknown strategies/arguments and impossible worker counts (before any launch).
+
+    ``table``: the strategies to accept, by default ``--strategy``'s (the cluster benchmark
+    passes :data:`TABLE`)."""
+    if name not in table:
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(table)}")
+    info = table[name]
     if not available(name):
         raise ValueError(f"strategy {name!r} is not available in this gradfleet build yet")
     unknown = sorted(set(args) - set(info.args))
