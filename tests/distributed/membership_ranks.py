@@ -10,7 +10,7 @@ import torch
 import gradfleet
 from gradfleet.distributed import AsyncCentre, ElasticAverageOptimizer, SyncReplicasOptimizer
 from gradfleet.distributed.easgd import async_centre
-from gradfleet.distributed.sync import links
+from gradfleet.distributed.sync import shard_clients
 from gradfleet.distributed.testing import RankContext
 from gradfleet.distributed.transport import MailboxClient
 
@@ -30,7 +30,7 @@ def close_before_hello(ctx: RankContext, wrapper: str) -> dict:
     ``HELLO_DELAY`` seconds late, steps once and leaves.  Returns how long rank 0's close
     took and whether rank 1 could step."""
     if ctx.rank == 1:
-        links.MailboxClient = async_centre.MailboxClient = SlowClient
+        shard_clients.MailboxClient = async_centre.MailboxClient = SlowClient
     x = torch.zeros(3, requires_grad=True)
     inner = gradfleet.GradientDescentOptimizer([x], 0.5)
     if wrapper == "sync":

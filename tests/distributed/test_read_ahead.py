@@ -18,8 +18,8 @@ import torch
 
 from gradfleet.distributed.sync.aggregator import init_tokens
 from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.links import push_data
 from gradfleet.distributed.sync.read_ahead import Held, HeldPushes
+from gradfleet.distributed.sync.shard_clients import push_data
 from gradfleet.distributed.sync.shards import Shard, ShardServer, round_robin
 
 from .test_sync_replicas import FakeReply, serve
@@ -88,7 +88,7 @@ class AheadCluster:
             hist.setdefault(self._step_of(k), self._params(k))
 
     def step(self, w, grads):
-        """Push to shard 0, ask for the token, push to the other shards (``SyncLinks.push``)."""
+        """Push to shard 0, ask for the token, push to the other shards (as ``ReadAheadLinks``)."""
         pushes, token = {}, CopyingReply()
         for k in range(len(self.history)):
             self.seq[w] += 1
@@ -119,7 +119,7 @@ class AheadCluster:
         token = pending["token"].payload
         for k, (seq, reply) in pending["pushes"].items():
             if reply.payload is None:
-                # SyncLinks releases only on a surplus token: a later token means every
+                # ReadAheadLinks releases only on a surplus token: a later token means every
                 # shard applied the update this push could join, and so answered it
                 assert token["token"] <= pending["tag"], "a push held past its update"
                 self.releases += 1
@@ -317,7 +317,7 @@ def test_held_pushes_bookkeeping():
 
 
 def test_push_order_takes_each_ranks_shards_in_turn_rotated_per_worker():
-    from gradfleet.distributed.sync.links import push_order
+    from gradfleet.distributed.sync.shard_clients import push_order
 
     assert push_order([0, 1, 2, 3], 0) == [0, 1, 2, 3]
     assert push_order([4, 5, 6, 7] * 2, 2) == [2, 3, 0, 1, 6, 7, 4, 5]
@@ -364,53 +364,55 @@ class _RecordingClient:
         return {}, dict
 
 
+def _read_ahead_links(monkeypatch, ranks, worker):
+    """``ReadAheadLinks`` of ``worker`` over recording clients of shards on ``ranks``."""
+    from gradfleet.distributed.sync import shard_clients
+    from gradfleet.distributed.sync.ahead_links import ReadAheadLinks
+    from gradfleet.distributed.sync.error_latch import ErrorLatch
+
+    monkeypatch.setattr(shard_clients, "MailboxClient", _RecordingClient)
+    _RecordingClient.log = []
+    clients = shard_clients.ShardClients([f"h:{k}" for k in range(len(ranks))], ranks, worker, 10.0)
+    return ReadAheadLinks(clients, lambda k: [], lambda k, v: None, ErrorLatch(worker))
+
+
 def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monkeypatch):
-    """Pacing (``SyncLinks._pace``): every push goes out in ``push_order``; before each, the
+    """Pacing (``pacing.Pacing``): every push goes out in ``push_order``; before each, the
     worker has waited for the receipts of all but ``IN_FLIGHT - 1`` of its earlier pushes,
     oldest first.  Pushes under ``PACED_BYTES`` ask for no receipt and wait for none."""
-    from gradfleet.distributed.sync import links
+    from gradfleet.distributed.sync.pacing import IN_FLIGHT, PACED_BYTES
+    from gradfleet.distributed.sync.shard_clients import push_order
 
-    monkeypatch.setattr(links, "MailboxClient", _RecordingClient)
-    _RecordingClient.log = []
     ranks = [4, 5, 6, 7] * 3
-    sync = links.SyncLinks(
-        [f"h:{k}" for k in range(len(ranks))], ranks, 2, 10.0, lambda k: [], lambda k, v: None
-    )
-    small = [torch.zeros(links.PACED_BYTES // 4 - 1)]
-    sync.push(0, [small] * len(ranks))
-    expected = [("unpaced push", k) for k in links.push_order(ranks, 2)]
+    sync = _read_ahead_links(monkeypatch, ranks, 2)
+    small = [torch.zeros(PACED_BYTES // 4 - 1)]
+    sync.push(0, [small] * len(ranks), {})
+    expected = [("unpaced push", k) for k in push_order(ranks, 2)]
     expected.insert(expected.index(("unpaced push", 0)) + 1, ("token", 0))
     assert _RecordingClient.log == expected
     _RecordingClient.log = []
-    sync.push(1, [[torch.zeros(links.PACED_BYTES // 4), None]] * len(ranks))
+    sync.push(1, [[torch.zeros(PACED_BYTES // 4), None]] * len(ranks), {})
     _RecordingClient.log = [e for e in _RecordingClient.log if e[0] != "token"]
     pushes = [k for what, k in _RecordingClient.log if what == "push"]
-    assert pushes == links.push_order(ranks, 2)
+    assert pushes == push_order(ranks, 2)
     sent: list[int] = []
     confirmed: list[int] = []
     for what, k in _RecordingClient.log:
         if what == "push":
-            assert len(sent) - len(confirmed) < links.IN_FLIGHT
+            assert len(sent) - len(confirmed) < IN_FLIGHT
             sent.append(k)
         else:
             confirmed.append(k)
     assert confirmed == sent[: len(confirmed)]  # oldest first
-    assert len(confirmed) == len(sent) - links.IN_FLIGHT  # the last ones are not waited for
+    assert len(confirmed) == len(sent) - IN_FLIGHT  # the last ones are not waited for
 
 
 @pytest.mark.parametrize("worker", range(4))
 def test_the_token_request_goes_out_before_a_workers_last_push(monkeypatch, worker):
     """One shard per rank: whatever the worker's turn, its token request precedes its last
     push, which the update needs, so no faster worker can take this worker's token."""
-    from gradfleet.distributed.sync import links
-
-    monkeypatch.setattr(links, "MailboxClient", _RecordingClient)
-    _RecordingClient.log = []
-    ranks = [0, 1, 2, 3]
-    sync = links.SyncLinks(
-        [f"h:{k}" for k in ranks], ranks, worker, 10.0, lambda k: [], lambda k, v: None
-    )
-    sync.push(0, [[torch.zeros(3)]] * 4)
+    sync = _read_ahead_links(monkeypatch, [0, 1, 2, 3], worker)
+    sync.push(0, [[torch.zeros(3)]] * 4, {})
     what = [w for w, _ in _RecordingClient.log]
     assert what.count("token") == 1 and what.index("token") < len(what) - 1
 
@@ -419,11 +421,11 @@ def test_the_token_request_goes_out_before_a_workers_last_push(monkeypatch, work
 def paced_sync_train(ctx, *args):
     """``sync_ranks.sync_train`` with every push paced (receipts over the real pairs), however
     small: the test models' pushes are far under ``PACED_BYTES``."""
-    from gradfleet.distributed.sync import links
+    from gradfleet.distributed.sync import pacing
 
     from . import sync_ranks
 
-    links.PACED_BYTES = 0
+    pacing.PACED_BYTES = 0
     return sync_ranks.sync_train(ctx, *args)
 
 

@@ -88,9 +88,9 @@ def test_with_overlap_a_shards_answer_is_taken_while_backward_computes_earlier_l
 
         def at_the_input(grad):  # backward's last node: the first layer is being done
             end = time.monotonic() + 10
-            while 0 not in opt.exchange.links._taker.answered and time.monotonic() < end:
+            while 0 not in opt.exchange.links.taker.answered and time.monotonic() < end:
                 time.sleep(0.01)
-            seen.append(0 in opt.exchange.links._taker.answered)
+            seen.append(0 in opt.exchange.links.taker.answered)
             return grad
 
         x, y = _batch(0)
@@ -112,7 +112,7 @@ class _HeldLoad:
     """Holds the taker's load of shard ``k`` until :meth:`release` (then loads as before)."""
 
     def __init__(self, opt, k: int) -> None:
-        self.taker, self.k = opt.exchange.links._taker, k
+        self.taker, self.k = opt.exchange.links.taker, k
         self.load, self.gate, self.released = self.taker.load, threading.Event(), False
         self.taker.load = self._load
 
@@ -243,7 +243,7 @@ def test_a_step_claims_only_the_global_step_whose_values_it_holds():
     step 14 of both and its token is 14, so nothing is read again.  The step it has seen is
     14; claiming 15 would end a `while opt.global_step < last_step` loop on older values
     than the other workers end on."""
-    from gradfleet.distributed.sync.streaming import PendingReads
+    from gradfleet.distributed.sync.pending_step import PendingStep
 
     class Taker:
         def wait_loaded(self, k, timeout):
@@ -252,16 +252,15 @@ def test_a_step_claims_only_the_global_step_whose_values_it_holds():
         def end(self, timeout):
             return {k: self.wait_loaded(k, timeout) for k in (0, 1)}
 
-    class Links:
-        timeout = 5.0
-        versions = {0: 14, 1: 14}
-        shard_steps: list = []
+    class Clients:
+        def __init__(self):
+            self.timeout, self.versions, self.reads = 5.0, {0: 14, 1: 14}, []
 
-        def finish_reads(self, answers, token, load):
-            for k, answer in answers.items():
-                self.versions[k] = int(answer["version"])
-            assert all(self.versions[k] >= int(token["token"]) for k in answers)  # none behind
+        def read(self, shards, into, load):
+            self.reads.append(list(shards))
 
     token = {"token": 14, "global_step": 14, "accepted": False}
-    result = PendingReads(Links(), Taker(), token, [0, 1], load=None).finish()
+    clients = Clients()
+    result = PendingStep(clients, Taker(), token, [0, 1], load=None).finish()
+    assert clients.reads == [[]]  # none behind the token: nothing read again
     assert result["global_step"] == 14 and result["token"] == 14

@@ -33,7 +33,7 @@ class Cluster:
     """Workers driving a chief + shard servers in one process (no sockets), in script order.
 
     ``shards == 0`` is the plain single server.  A worker's step pushes to shards 1.. and then
-    the chief, exactly as ``SyncLinks.push`` does."""
+    the chief, exactly as ``PlainLinks.push`` does."""
 
     def __init__(self, make_opt, R, N, num_tokens, shards, last_step=None):
         opt = make_opt()

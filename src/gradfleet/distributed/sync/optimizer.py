@@ -254,9 +254,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 given=as_addresses(server_address), settle=self._settle,
             )  # fmt: skip
             self.local_step = self.global_step = self.exchange.start_step
-            if model is not None and self.exchange.links is not None:
-                if self.exchange.links.ahead:
-                    self.stream_reads(model)
+            if model is not None and self.exchange.reads_ahead:
+                self.stream_reads(model)
         self.server_addresses = self.exchange.server_addresses
         self.server_address = self.exchange.server_address
         self.is_chief = self.exchange.is_chief
@@ -335,7 +334,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
     @property
     def reads_pending(self) -> bool:
         """Are values of the last step still coming in (streamed reads)?"""
-        return isinstance(self.exchange, ServerExchange) and self.exchange.streamed.pending
+        return isinstance(self.exchange, ServerExchange) and self.exchange.reads_pending
 
     def wait_reads(self) -> None:
         """Until every value of the last step is loaded, and its verdict recorded

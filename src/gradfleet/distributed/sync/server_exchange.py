@@ -2,13 +2,16 @@
 
 :class:`ServerExchange` is complete in itself: it owns the parameters' layout over the shards
 (:class:`~.layout.ShardLayout`), the servers this rank hosts (:class:`~.servers.SyncServers`),
-the worker's links to every server (:class:`~.links.SyncLinks`) and the two policies over a
-step -- overlap's gradient hooks (:class:`~.overlap.ShardReadiness`) and streamed reads
-(:class:`~.streaming.StreamedReads`).  A step, from ``step()`` to the wire::
+the worker's links to every server, chosen once -- TF's protocol for one server
+(:class:`~.plain_links.PlainLinks`), reading ahead for several shards
+(:class:`~.ahead_links.ReadAheadLinks`), both over the same
+:class:`~.shard_clients.ShardClients` -- the worker's :class:`~.error_latch.ErrorLatch`, and
+the two policies over a step: overlap's gradient hooks (:class:`~.overlap.ShardReadiness`) and
+streamed reads (:class:`~.streaming.StreamedReads`).  A step, from ``step()`` to the wire::
 
-    ServerExchange.step -> SyncLinks.push (every shard's gradients, paced)
-                        -> SyncLinks.token_and_read (the token, then every shard's values)
-                        or StreamedReads.start (the token now, the values in the next forward)
+    ServerExchange.step -> links.push (every shard's gradients; the token request)
+                        -> links.token_and_reads (the token; the step's pending reads)
+    the step's reads:   waited for in step(), or held for the next forward (streamed)
 
 TF's worker train op: push ``(local_step, grads)``, dequeue a token (``local_step := token``),
 read the variables.  Beyond TF: a non-finite gradient in a sharded job is pushed as stale to
@@ -28,12 +31,16 @@ from ..dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting import gather_addresses, server_host, share_address
 from ..moving_average import ExponentialMovingAverage
 from .aggregator import all_finite
+from .ahead_links import ReadAheadLinks
+from .error_latch import ErrorLatch
 from .layout import ShardLayout
-from .links import SyncLinks
 from .outcome import Outcome
 from .overlap import ShardReadiness
+from .pending_step import Step
+from .plain_links import PlainLinks
 from .replicas_policy import ReplicasPolicy
 from .servers import SyncServers
+from .shard_clients import ShardClients
 from .streaming import StreamedReads
 
 __all__ = ["Job", "ServerExchange", "as_addresses"]
@@ -97,15 +104,27 @@ class ServerExchange:
         self.is_chief = given is None and worker == ranks[0]
         self.server_addresses = self._start_servers(host) if given is None else list(given)
         self.server_address = self.server_addresses[0]
-        self.links: SyncLinks | None = SyncLinks(
-            self.server_addresses, ranks, worker, job.timeout, self.layout.shard_params,
-            self.layout.load_shard,
-        )  # fmt: skip
+        self.settle = settle
+        self.latch = ErrorLatch(worker)  # its threads' errors, raised at the step boundary
+        clients = ShardClients(self.server_addresses, ranks, worker, job.timeout)
+        targets, load = self.layout.shard_params, self.layout.load_shard
+        self.links: PlainLinks | ReadAheadLinks | None
+        take_answers = None
+        if len(clients) > 1:  # several shards: each answers its push with its new values
+            ahead = ReadAheadLinks(clients, targets, load, self.latch)
+            self.links, take_answers = ahead, ahead.start_taking
+        else:
+            self.links = PlainLinks(clients, targets, load)
         shards = [self.layout.shard_params(k) for k in range(len(self.layout))]
-        self.start_step, values = self.links.hello(shards)  # TF's local_step_init_op
+        self.start_step, values = clients.hello(shards)  # TF's local_step_init_op
         for k, shard_values in values.items():
             self.layout.load_shard(k, shard_values)
-        self.streamed = StreamedReads(self.links, self.layout, self.index, worker, settle)
+        # the last step, while its values are still coming in (streamed reads), and this
+        # worker's part of its verdict
+        self._pending: Step | None = None
+        self._own = True
+        self.streamed = StreamedReads(self.layout, self.index, worker, self.wait_reads,
+                                      take_answers)  # fmt: skip
         self.readiness: ShardReadiness | None = None
         if overlap:
             self.readiness = ShardReadiness(
@@ -113,7 +132,7 @@ class ServerExchange:
             )
         self._extra: dict[str, Any] | None = None  # what this step's pushes carry
         self._local_step = self.start_step
-        self._replicas: int | None = self.links.replicas
+        self._replicas: int | None = clients.replicas
 
     def _start_servers(self, host: str | None) -> list[str]:
         """Start the servers this rank hosts, tell every rank their addresses (collective)."""
@@ -147,7 +166,7 @@ class ServerExchange:
         return [addresses[k] for k in range(len(ranks))]
 
     # ----------------------------------------------------------------- the step
-    def _open_links(self) -> SyncLinks:
+    def _open_links(self) -> PlainLinks | ReadAheadLinks:
         if self.links is None:
             raise RuntimeError(f"{_OWNER}: the optimizer is closed")
         return self.links
@@ -156,8 +175,8 @@ class ServerExchange:
         """Push ``grads`` tagged ``local_step``, take a token, read the variables (streamed:
         left to the next forward)."""
         links = self._open_links()
-        self.streamed.wait()
-        links.latch.raise_if_failed()  # a thread's error since the last step boundary
+        self.wait_reads()
+        self.latch.raise_if_failed()  # a thread's error since the last step boundary
         self._local_step = local_step
         self._extra = None
         if self.readiness is not None:
@@ -177,16 +196,18 @@ class ServerExchange:
         return self._finish_step(tag, accepted)
 
     def _finish_step(self, tag: int, accepted: bool) -> Outcome:
-        """Take the token (answers to the pushes meanwhile), then read the shards, each
-        loaded as its reply arrives (streamed: the reads are left to the next forward)."""
+        """Take the token (answers to the pushes meanwhile), then the shards' values, each
+        loaded as its reply arrives; with streamed reads a step whose values are still coming
+        is held for the next forward (:meth:`wait_reads`), its verdict decided then."""
         links = self._open_links()
         own = accepted and tag == self._local_step
-        if self.streamed.on and links.ahead and tag >= 0:
-            token = self.streamed.start(tag, own)
+        step = links.token_and_reads(tag)
+        if self.streamed.on and step.left:
+            self._pending, self._own = step, own
+            token = step.token
             outcome = Outcome(None, int(token["token"]), int(token["global_step"]))
         else:
-            into = {k: self.layout.shard_params(k) for k in links.clients}
-            token = links.token_and_read(tag, into, self.layout.load_shard)
+            token = step.finish()
             accepted = bool(token["accepted"]) and own
             outcome = Outcome(accepted, int(token["token"]), int(token["global_step"]))
         self._replicas = token.get("r", self._replicas)  # the R of the update it may join
@@ -208,7 +229,7 @@ class ServerExchange:
         once, so these shards' values may land while backward computes the earlier layers."""
         if self.links is None:
             return  # closed: the step will say so
-        self.streamed.wait()  # the last step's streamed reads use the links and parameters
+        self.wait_reads()  # the last step's streamed reads use the links and parameters
         jobs = {}
         for k in shards:
             whole: Grads = [None] * len(self.params)
@@ -218,10 +239,7 @@ class ServerExchange:
                 whole[i] = None if g is None else g.detach()
             jobs[k] = self.layout.shard_grads(k, whole)
         self.links.push_early(jobs, self._local_step, self._extras())
-        if self.streamed.on and self.links.ahead:
-            # backward is done with these parameters (their gradients are in, so every node
-            # that saved them has run): their new values may land now, before step()
-            self.links.start_taking()
+        self.streamed.pushed_early()
 
     def _overlapped_step(self, grads: Grads) -> Outcome:
         """Push the shards backward did not complete (``grads``), then the token and read.
@@ -233,13 +251,7 @@ class ServerExchange:
         log.debug("worker rank %d: shards %s pushed during backward", self.worker, sorted(sent))
         parts = self.layout.grad_parts(grads)
         rest = {k: part for k, part in enumerate(parts) if k not in sent}
-        if links.ahead:  # backward is over: the answers may be taken (in place) now
-            links.start_taking()
-            if rest:  # several shards: paced, in push order, as the others
-                links.push_early(rest, tag, self._extras())
-        elif 0 in rest:  # one server: its gradients travel with the token request
-            links.carry(rest[0], self._extras())
-        links.settle_pushes()
+        links.push_rest(rest, tag, self._extras() if rest else {})
         return self._finish_step(tag, True)
 
     def check_own_gradients(self) -> None:
@@ -255,27 +267,55 @@ class ServerExchange:
     def stream_reads(self, model: torch.nn.Module) -> None:
         self.streamed.stream_reads(model)
 
-    def wait_reads(self) -> None:
-        self.streamed.wait()
+    def wait_reads(self, shards: Iterable[int] | None = None) -> None:
+        """Until the last step's values of ``shards`` (None: all) are loaded; once every
+        shard's are, its verdict goes to the books (``settle``).  Nothing to do unless the
+        step was held for streamed reads."""
+        step = self._pending
+        if step is None:
+            return
+        if shards is not None:
+            step.wait(shards)
+            if step.left:
+                return
+        try:
+            result = step.finish()
+        finally:
+            self._pending = None
+        self.settle(bool(result["accepted"]) and self._own, int(result["global_step"]))
+
+    @property
+    def reads_pending(self) -> bool:
+        """Are values of the last step still coming in (streamed reads)?"""
+        return self._pending is not None
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Does each shard answer this worker's push with its values (several shards)?"""
+        return self.streamed.streamable
 
     # ----------------------------------------------------------------- questions
-    def _settled_links(self, what: str) -> SyncLinks:
+    def _settled_links(self, what: str) -> PlainLinks | ReadAheadLinks:
         """The links, once the last step's streamed reads are in (they share the links)."""
         if self.links is None:
             raise RuntimeError(f"{_OWNER}.{what}: the optimizer is closed")
-        self.streamed.wait()
+        self.wait_reads()
         return self.links
+
+    def _ask(self, what: str, shard: int, op: str) -> dict[str, Any]:
+        """Shard ``shard``'s answer to the query ``op`` (``what``: the asking method)."""
+        links = self._settled_links(what)
+        if shard not in links.clients:
+            raise ValueError(f"{_OWNER}.{what}: no shard {shard!r}")
+        links.check_idle(op)
+        return links.clients.call(shard, op)
 
     def replicas_history(self) -> list[int]:
         """The R of every update made so far (the chief's record)."""
-        links = self._settled_links("replicas_history")
-        return [int(r) for r in links.call(0, "stats")["replicas"]]
+        return [int(r) for r in self._ask("replicas_history", 0, "stats")["replicas"]]
 
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
-        links = self._settled_links("worker_counters")
-        if shard not in links.clients:
-            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
-        stats = links.call(shard, "stats")["stats"]
+        stats = self._ask("worker_counters", shard, "stats")["stats"]
         return {int(k): v for k, v in stats.items()}
 
     def averaged_variables(self) -> list[torch.Tensor | None]:
@@ -285,7 +325,9 @@ class ServerExchange:
                 raise RuntimeError(f"{_OWNER}: no variable_averages here (read them on the chief)")
             return [chief.ema.shadows.get(i) for i in range(len(self.params))]
         links = self._settled_links("averaged_variables")
-        pairs = [p for reply in links.call_all("ema").values() for p in reply["shadows"]]
+        links.check_idle("ema")
+        replies = links.clients.call_all("ema").values()
+        pairs = [p for reply in replies for p in reply["shadows"]]
         found = {int(i): s for i, s in pairs}
         return [found.get(i) for i in range(len(self.params))]
 
@@ -295,14 +337,14 @@ class ServerExchange:
 
     @property
     def withheld_pushes(self) -> int:
-        return self.links.withheld if self.links is not None else 0
+        return self.links.clients.withheld if self.links is not None else 0
 
     def worker_silence(self) -> dict[int, float]:
-        report = self._settled_links("worker_silence").call(0, "members")
+        report = self._ask("worker_silence", 0, "members")
         return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: list[int]) -> None:
-        self._settled_links("forget_workers").forget(ranks)
+        self._settled_links("forget_workers").clients.forget(ranks)
 
     # ----------------------------------------------------------------- checkpoints
     @property
@@ -316,7 +358,7 @@ class ServerExchange:
     def state(self) -> dict[str, Any]:
         """The servers' part of this rank's checkpoint: the chief's (``"server"``) and,
         sharded, the other shards this rank hosts (``"shards"``)."""
-        self.streamed.wait()
+        self.wait_reads()
         state: dict[str, Any] = {
             "server": self._chief.state_dict() if self._chief is not None else None
         }
@@ -340,14 +382,14 @@ class ServerExchange:
             )
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.streamed.wait()
+        self.wait_reads()
         self._local_step = int(state["local_step"])
         if self._chief is not None:
             self._chief.load_state_dict(state["server"])
         for k, shard_state in state.get("shards", {}).items():
             self._hosted[int(k)][0].shard.load_state_dict(shard_state)
         if self.links is not None:  # the next step reloads the variables from the server(s)
-            self.links.forget_versions()
+            self.links.clients.forget_versions()
 
     def applied_state(self) -> tuple[Any, dict[int, Any], int] | None:
         """The chief's optimizer copy and variables with one server; None elsewhere (a plain
@@ -364,7 +406,7 @@ class ServerExchange:
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then
         stops its servers (shards, then chief)."""
         try:
-            self.streamed.wait()
+            self.wait_reads()
         except Exception as exc:  # leaving must not fail: the step's error was the user's
             log.info("worker rank %d: streamed reads failed at close: %s", self.worker, exc)
         self.streamed.remove_hooks()

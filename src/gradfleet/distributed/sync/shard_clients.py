@@ -1,0 +1,192 @@
+"""A SyncReplicas worker's clients of the servers, one per shard, and what both protocols
+(:mod:`.plain_links`, :mod:`.ahead_links`) share over them: joining (``hello``), the shard
+versions the worker holds, what a push carries (:func:`push_data`), the order pushes leave in
+(:func:`push_order`), reads, queries and leaving.
+
+Shard 0 is the chief's (it also keeps ``global_step`` and the tokens); shards 1.. are the
+other server ranks' (a rank may host several).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..transport import MailboxClient
+from .aggregator import all_finite
+from .pieces import rank_places
+
+__all__ = ["ShardClients", "busy_error", "push_data", "push_order"]
+
+log = logging.getLogger(__name__)
+
+Grads = list[torch.Tensor | None]
+Load = Callable[[int, list[torch.Tensor]], None]
+
+
+def push_order(ranks: Sequence[int], turn: int) -> list[int]:
+    """The shards in the order a worker pushes them: every server rank's first shard, then
+    every rank's second, ..., the ranks rotated by ``turn`` (the worker's number), so that at
+    any moment the workers push to different server ranks (``[4, 5, 4, 5]``, turn 1 ->
+    ``[1, 0, 3, 2]``).
+
+    Shard 0 is never last: the token request follows the push to shard 0 at once, and it must
+    reach the chief before this worker's last push can complete an update; else a faster
+    worker could take the token meant for this one (TF hands tokens to whoever asks first),
+    and a lockstep job (R = N, no initial tokens) would no longer run the same way twice."""
+    hosts = list(dict.fromkeys(ranks))
+    places = rank_places(ranks)
+    order = sorted(
+        range(len(ranks)),
+        key=lambda k: (places[k], (hosts.index(ranks[k]) - turn) % len(hosts), k),
+    )
+    if len(order) > 1 and order[-1] == 0:
+        order[-2:] = [0, order[-2]]
+    return order
+
+
+def push_data(
+    tag: int, version: int, grads: Grads, shapes: Sequence[tuple[int, ...]] | None
+) -> dict[str, Any]:
+    """A push's data: ``{"grads": grads}``, or ``{"withheld": True}`` when its shard is certain
+    to drop them as stale.
+
+    TF's accumulators drop a gradient whose tag is below their step; a worker that has loaded
+    the shard's values of step ``version`` > ``tag`` knows the shard is past ``tag`` (a shard's
+    step never goes back, and a checkpoint load forgets the versions).  A backup worker, or
+    one holding a surplus token, then sends a few bytes instead of gradients that would cross
+    its link only to be dropped; the shard counts the push as dropped all the same
+    (``GradientAggregator.drop_withheld``).  Gradients the shard should judge travel: bad
+    input (``tag < 0``, NaN or Inf, which the shard reports under ``nonfinite="raise"`` or
+    ``"drop"`` even when stale), shapes other than the shard's (``shapes``, from ``hello``),
+    sparse ones."""
+    stale = 0 <= tag < version and shapes is not None and len(shapes) == len(grads)
+    if stale and all(
+        g is None or (not g.is_sparse and tuple(g.shape) == tuple(s) and all_finite(g))
+        for g, s in zip(grads, shapes, strict=True)
+    ):
+        return {"withheld": True}
+    return {"grads": grads}
+
+
+def busy_error(op: str) -> RuntimeError:
+    """A query ``op`` between backward and ``step()`` with overlap would take the place of a
+    push's answer on its link (one request at a time per client): the error refusing it."""
+    return RuntimeError(
+        f"SyncReplicasOptimizer: {op!r} while this step's pushes are in flight "
+        "(overlap=True pushes during backward): call it after step()"
+    )
+
+
+class ShardClients:
+    """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them) for worker
+    ``worker``; a reply may take ``timeout`` seconds (plus a margin for the server's own)."""
+
+    def __init__(
+        self, addresses: Sequence[str], ranks: Sequence[int], worker: int, timeout: float
+    ) -> None:
+        self.addresses, self.ranks = list(addresses), list(ranks)
+        self.worker, self.timeout = worker, timeout
+        self.clients = {k: self.connect(k) for k in range(len(self.addresses))}
+        self.versions = dict.fromkeys(self.clients, -1)  # each shard's step the worker holds
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}  # each shard's, from hello
+        self.withheld = 0  # pushes sent without their gradients (push_data)
+        self.replicas: int | None = None  # the chief's R at hello
+        self.order = push_order(self.ranks, worker)
+
+    def connect(self, k: int, suffix: str = "", data: bool = True) -> MailboxClient:
+        """A client of shard ``k``'s server (``suffix``: a second client of it, e.g. the
+        token's; ``data=False``: control messages only)."""
+        name = f"server rank {self.ranks[k]}" + (f" (shard {k})" if k else "")
+        return MailboxClient(
+            self.addresses[k], f"w{self.worker}{suffix}", self.timeout + 10.0, name, data=data
+        )
+
+    @property
+    def chief(self) -> MailboxClient:
+        return self.clients[0]
+
+    @property
+    def shards(self) -> dict[int, MailboxClient]:
+        """The clients of shards 1.. (not the chief's)."""
+        return {k: c for k, c in self.clients.items() if k}
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def __contains__(self, k: object) -> bool:
+        return k in self.clients
+
+    def hello(self, parts: Sequence[Sequence[torch.Tensor]]) -> tuple[int, dict[int, list]]:
+        """Join every server: ``(global_step, {shard: its current values})``."""
+        out, step = {}, 0
+        for k, client in self.clients.items():
+            reply = client.call(
+                "hello",
+                worker=self.worker,
+                shapes=[list(p.shape) for p in parts[k]],
+                dtypes=[str(p.dtype) for p in parts[k]],
+            )
+            self.versions[k] = int(reply["version"])
+            self._shapes[k] = [tuple(p.shape) for p in parts[k]]
+            out[k] = reply["params"]
+            step = int(reply["global_step"]) if k == 0 else step
+            if k == 0:  # the R of the first update this worker's gradient may join
+                self.replicas = reply.get("r")
+        return step, out
+
+    def push_data(self, k: int, tag: int, grads: Grads) -> dict[str, Any]:
+        """:func:`push_data` for shard ``k``; a withheld push is counted and logged."""
+        data = push_data(tag, self.versions[k], grads, self._shapes.get(k))
+        if "withheld" in data:
+            self.withheld += 1
+            log.debug("worker rank %d: shard %d is at step %d: gradients of step %d withheld",
+                      self.worker, k, self.versions[k], tag)  # fmt: skip
+        return data
+
+    def read(self, shards: Sequence[int], into: dict[int, list[torch.Tensor]], load: Load) -> None:
+        """Read ``shards``' values that changed since the last read, all replies' receives
+        posted before any is waited for; ``load(k, values)`` runs on each shard's new ones."""
+        for k in shards:
+            self.clients[k].request("read", worker=self.worker, version=self.versions[k])
+        reads = {k: self.clients[k].begin_response(receive_into=into.get(k)) for k in shards}
+        for k, (_, finish) in reads.items():
+            self.loaded(k, finish(), load)
+
+    def loaded(self, k: int, values: dict[str, Any], load: Load) -> None:
+        """Shard ``k`` answered with ``values`` (its ``version``, and ``params`` if newer than
+        what the worker held): note the version, load the values."""
+        self.versions[k] = int(values["version"])
+        if "params" in values:
+            load(k, values["params"])
+
+    def forget_versions(self) -> None:
+        """The next token and read bring every shard's values (after a checkpoint load)."""
+        self.versions = dict.fromkeys(self.versions, -1)
+
+    def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
+        return self.clients[shard].call(op, worker=self.worker, **fields)
+
+    def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
+        return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
+
+    def forget(self, ranks: Sequence[int]) -> None:
+        """Tell every server that the workers ``ranks`` are dead for good."""
+        for client in self.clients.values():
+            for r in ranks:
+                client.call("done", worker=r, forgotten=True)
+
+    def leave(self) -> None:
+        """Say ``done`` to every server; a server that is already gone is logged and skipped."""
+        for k, client in self.clients.items():
+            try:
+                client.call("done", worker=self.worker, timeout=5.0)
+            except Exception as exc:  # leaving must not fail: the server may have stopped
+                log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(c.bytes_out for c in self.clients.values())
