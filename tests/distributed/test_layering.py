@@ -33,7 +33,6 @@ LAYERS = {
     "sync.replicas_policy": ALGORITHMS,
     "sync.replica_choice": ALGORITHMS,
     "sync.outcome": ALGORITHMS,
-    "sync.replicas_policy": ALGORITHMS,
     "easgd.centre_server": ALGORITHMS,
     "transport": COMMUNICATION,
     "transport.wire": COMMUNICATION,

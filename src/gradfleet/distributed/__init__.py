@@ -25,9 +25,11 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    group), ``process_group`` (:func:`init`).
 3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
    effects, publishing addresses, closing when every worker left), ``sync.servers`` and
-   ``sync.links`` (the SyncReplicas servers of a rank; a worker's push, token, read), with
-   ``sync.ahead_links``, ``sync.answer_taker``, ``sync.early_pushes`` and ``sync.streaming``
-   (reading ahead: paced pushes, the answers and overlap's pushes on threads, streamed reads),
+   ``sync.shard_clients`` and ``sync.plain_links`` (the SyncReplicas servers of a rank; a
+   worker's clients of them; TF's push, token, read), with ``sync.ahead_links``,
+   ``sync.pacing``, ``sync.pending_step``, ``sync.answer_taker``, ``sync.early_pushes``,
+   ``sync.error_latch`` and ``sync.streaming`` (reading ahead: paced pushes, the answers and
+   overlap's pushes on threads, a step's reads waited on per shard, streamed reads),
    ``dedicated`` (what rank 0 tells the dedicated server ranks).
 4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``,
    ``sync.lockstep``, ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``,

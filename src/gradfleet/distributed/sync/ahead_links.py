@@ -55,6 +55,7 @@ class ReadAheadLinks:
         latch: ErrorLatch,
     ) -> None:
         self.clients, self.load, self.latch = clients, load, latch
+        self.worker = clients.worker
         self.timeout = clients.timeout + 10.0
         self.taker = AnswerTaker(clients.clients, targets, load, latch)
         for client in clients.clients.values():  # releases must not connect to a dead server
@@ -99,7 +100,7 @@ class ReadAheadLinks:
         receipt = self.pacing.wants_receipt(k, data)
         follows = {"token_follows": True} if k == 0 else {}  # (the chief's placeholder)
         client.request(
-            "push", worker=self.clients.worker, tag=tag, **data,
+            "push", worker=self.worker, tag=tag, **data,
             ahead=self.clients.versions[k], **extra,
             **({"receipt": True} if receipt else {}), **follows,
         )  # fmt: skip
@@ -118,7 +119,7 @@ class ReadAheadLinks:
             return
         inc, seq = self._sent[0]  # the chief serves it once this push to shard 0 is in
         self._token_link.request(
-            "step", worker=self.clients.worker, tag=tag, version=-1, values=False,
+            "step", worker=self.worker, tag=tag, version=-1, values=False,
             after_inc=inc, after_seq=seq,
         )  # fmt: skip
         self._token_sent = True
@@ -201,8 +202,7 @@ class ReadAheadLinks:
         except ServerUnreachable as link_error:
             return link_error
         except Exception as exc:  # the step's own error is the one raised
-            log.info("worker rank %d: read-ahead after a failed step: %s",
-                     self.clients.worker, exc)  # fmt: skip
+            log.info("worker rank %d: read-ahead after a failed step: %s", self.worker, exc)
         return None
 
     def _release(self, pushes: dict[int, tuple[str, int]]) -> None:
@@ -210,11 +210,10 @@ class ReadAheadLinks:
         for k, (inc, seq) in pushes.items():
             try:
                 self.clients.clients[k].notify(
-                    "release", worker=self.clients.worker, of_inc=inc, of_seq=seq
+                    "release", worker=self.worker, of_inc=inc, of_seq=seq
                 )
             except Exception as exc:  # a dead shard: its answer's receive reports it
-                log.info("worker rank %d: release to shard %d failed: %s",
-                         self.clients.worker, k, exc)  # fmt: skip
+                log.info("worker rank %d: release to shard %d failed: %s", self.worker, k, exc)
 
     # ----------------------------------------------------------------- the links
     @property

@@ -7,7 +7,7 @@ the last layer's shard first, so all of them load one server's link while the ot
 wait for the servers' receipts to pace them, and a hook that waits holds backward up.  So a hook
 only hands its shard over (:meth:`EarlyPushes.submit`) and backward goes on; this thread sends
 the shards that are ready in the worker's push order (rotated by worker, see
-:func:`~.links.push_order`), each once fewer than ``IN_FLIGHT`` pushes are unconfirmed, as
+:func:`~.shard_clients.push_order`), each when :class:`~.pacing.Pacing` gives it its turn, as
 ``step()`` does without overlap.  ``step()`` waits for it (:meth:`EarlyPushes.drain`) before it
 sends the rest and asks for its token.
 """

@@ -77,9 +77,8 @@ class PlainLinks:
     def _request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
         """Send the token request (with shard 0's gradients, if any); its answer is read by
         :meth:`token_and_reads`."""
-        fields: dict[str, Any] = {
-            "worker": self.clients.worker, "tag": tag, "version": self.clients.versions[0]
-        }  # fmt: skip
+        version = self.clients.versions[0]
+        fields: dict[str, Any] = {"worker": self.clients.worker, "tag": tag, "version": version}
         if grads is not None:
             fields.update(self.clients.push_data(0, tag, list(grads)))
             fields.update(extra)

@@ -123,8 +123,9 @@ class ServerExchange:
         # worker's part of its verdict
         self._pending: Step | None = None
         self._own = True
-        self.streamed = StreamedReads(self.layout, self.index, worker, self.wait_reads,
-                                      take_answers)  # fmt: skip
+        self.streamed = StreamedReads(
+            self.layout, self.index, worker, self.wait_reads, take_answers
+        )
         self.readiness: ShardReadiness | None = None
         if overlap:
             self.readiness = ShardReadiness(
