@@ -286,6 +286,11 @@ class ServerExchange:
         self.settle(bool(result["accepted"]) and self._own, int(result["global_step"]))
 
     @property
+    def pending_step(self) -> Step | None:
+        """The last step, held while its values are still coming in (streamed reads)."""
+        return self._pending
+
+    @property
     def reads_pending(self) -> bool:
         """Are values of the last step still coming in (streamed reads)?"""
         return self._pending is not None
