@@ -179,22 +179,25 @@ class ServerExchange:
         self.wait_reads()
         self.latch.raise_if_failed()  # a thread's error since the last step boundary
         self._local_step = local_step
-        self._extra = None
-        if self.readiness is not None:
-            try:
-                return self._overlapped_step(grads)
-            finally:
-                self.readiness.reset()
-                self._extra = None
-        tag = local_step
-        if len(self.layout) > 1 and self.job.nonfinite != "apply" and not _all_finite(grads):
-            log.warning(
-                "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
-                "shard holding it reports it)", self.worker,
-            )  # fmt: skip
-            tag = -1
-        accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
-        return self._finish_step(tag, accepted)
+        # what every push of this step carries is decided once, by its first push (overlap's
+        # may leave during backward), and forgotten when the step ends
+        try:
+            if self.readiness is not None:
+                try:
+                    return self._overlapped_step(grads)
+                finally:
+                    self.readiness.reset()
+            tag = local_step
+            if len(self.layout) > 1 and self.job.nonfinite != "apply" and not _all_finite(grads):
+                log.warning(
+                    "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
+                    "shard holding it reports it)", self.worker,
+                )  # fmt: skip
+                tag = -1
+            accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
+            return self._finish_step(tag, accepted)
+        finally:
+            self._extra = None
 
     def _finish_step(self, tag: int, accepted: bool) -> Outcome:
         """Take the token (answers to the pushes meanwhile), then the shards' values, each

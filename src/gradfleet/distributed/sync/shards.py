@@ -293,7 +293,7 @@ class Shard:
     ) -> tuple[bool, bool]:
         """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in.
         ``grads`` None: the worker withheld them, knowing them stale (``withheld`` pushes,
-        see ``SyncLinks``): counted as dropped."""
+        see :func:`.shard_clients.push_data`): counted as dropped."""
         if self.last_step is not None and self.step >= self.last_step:
             log.debug("worker rank %d: gradient after last_step=%d ignored", worker, self.last_step)
             return False, False
@@ -357,7 +357,7 @@ class Shard:
 
 def pushed_gradients(msg: dict[str, Any]) -> list[torch.Tensor | None] | None:
     """A push's gradients, or None when the worker withheld them as stale (``withheld``:
-    ``SyncLinks.push_data``); a push with neither is malformed (``KeyError``)."""
+    ``shard_clients.push_data``); a push with neither is malformed (``KeyError``)."""
     return None if msg.get("withheld") else msg["grads"]
 
 
