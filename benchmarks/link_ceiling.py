@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason, wait_all  # noqa: E402
-from gradfleet.distributed.sync.shard_clients import push_order  # noqa: E402
+from gradfleet.distributed.sync.worker.shard_clients import push_order  # noqa: E402
 
 WORKERS = 4
 PATTERNS = ("allreduce", "dedicated", "over-workers", "dedicated-pushes")

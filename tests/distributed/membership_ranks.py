@@ -10,7 +10,7 @@ import torch
 import gradfleet
 from gradfleet.distributed import AsyncCentre, ElasticAverageOptimizer, SyncReplicasOptimizer
 from gradfleet.distributed.easgd import async_centre
-from gradfleet.distributed.sync import shard_clients
+from gradfleet.distributed.sync.worker import shard_clients
 from gradfleet.distributed.testing import RankContext
 from gradfleet.distributed.transport import MailboxClient
 

@@ -21,8 +21,8 @@ import torch
 
 import gradfleet
 from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.replicas_policy import (
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.replicas_policy import (
     AutoReplicas,
     Decision,
     Measurements,
@@ -374,7 +374,7 @@ def test_a_worker_that_dies_mid_update_is_left_out_after_twice_its_round():
 
 
 def test_a_shard_lowers_its_update_when_the_chief_says_so():
-    from gradfleet.distributed.sync.shards import Applied, Shard, ShardServer
+    from gradfleet.distributed.sync.server.shards import Applied, Shard, ShardServer
 
     x = torch.zeros(2, dtype=F64)
     shard = Shard(gradfleet.GradientDescentOptimizer([x], LR), [0], 3)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.sync.aggregator import GradientAggregator
-from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.server.aggregator import GradientAggregator
+from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.transport import MailboxClient, MailboxServer
 
 from .test_sync_replicas import serve
@@ -27,17 +27,17 @@ def test_stale_gradient_dropped_is_logged(caplog):
     agg = GradientAggregator([torch.zeros(2)], replicas_to_aggregate=1)
     assert agg.push(0, 0, [torch.ones(2)])
     agg.take_average()  # the accumulators move to step 1
-    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.aggregator"):
+    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.server.aggregator"):
         assert not agg.push(1, 0, [torch.ones(2)])
-    (msg,) = messages(caplog, "gradfleet.distributed.sync.aggregator")
+    (msg,) = messages(caplog, "gradfleet.distributed.sync.server.aggregator")
     assert msg == "worker rank 1: stale gradient dropped (computed at step 0, accumulators at 1)"
 
 
 def test_nonfinite_gradient_dropped_is_logged(caplog):
     agg = GradientAggregator([torch.zeros(2)], 1, nonfinite="drop")
-    with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.sync.aggregator"):
+    with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.sync.server.aggregator"):
         assert not agg.push(3, 0, [torch.tensor([1.0, float("nan")])])
-    (msg,) = messages(caplog, "gradfleet.distributed.sync.aggregator")
+    (msg,) = messages(caplog, "gradfleet.distributed.sync.server.aggregator")
     assert "worker rank 3" in msg and "non-finite" in msg and "dropped" in msg
 
 
@@ -56,11 +56,11 @@ def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog
     x = torch.zeros(1, requires_grad=True)
     chief = SyncChief(gradfleet.GradientDescentOptimizer([x], 1.0), 2, 2, 0, 10, num_shards=2)
     waiting = serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
-    with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.chief"):
+    with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
         for answer in chief.unreachable("shard server rank 1 is unreachable"):
             answer.ticket.send(answer.payload)
     assert waiting.payload["error"] == "ServerUnreachable"
-    assert messages(caplog, "gradfleet.distributed.sync.chief") == [
+    assert messages(caplog, "gradfleet.distributed.sync.server.chief") == [
         "shard server rank 1 is unreachable"
     ]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.sync.shards import check_server_ranks
+from gradfleet.distributed.sync.server.shards import check_server_ranks
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import dedicated_ranks
@@ -194,7 +194,7 @@ def test_a_dedicated_shard_takes_the_workers_hyperparameters_and_a_colocated_one
     """``Shard.follow``: a dedicated server's optimizer copy takes the pushed numbers before its
     next update (SGD: x -= lr * mean gradient, checked by hand); inside a worker rank the
     shard keeps reading that rank's own optimizer."""
-    from gradfleet.distributed.sync.shards import Shard
+    from gradfleet.distributed.sync.server.shards import Shard
 
     for dedicated, lr in ((True, 0.25), (False, 1.0)):
         x = torch.zeros(2, dtype=torch.float64)

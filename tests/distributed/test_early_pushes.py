@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from gradfleet.distributed.sync.early_pushes import EarlyPushes
-from gradfleet.distributed.sync.error_latch import ErrorLatch
+from gradfleet.distributed.sync.worker.early_pushes import EarlyPushes
+from gradfleet.distributed.sync.worker.error_latch import ErrorLatch
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,14 +8,14 @@ import threading
 
 import pytest
 
-from gradfleet.distributed.sync.early_pushes import EarlyPushes
-from gradfleet.distributed.sync.error_latch import ErrorLatch
+from gradfleet.distributed.sync.worker.early_pushes import EarlyPushes
+from gradfleet.distributed.sync.worker.error_latch import ErrorLatch
 
 
 def test_first_error_kept_logged_once_raised_once(caplog):
     latch = ErrorLatch(3)
     first, second = ConnectionError("shard 2 is gone"), ConnectionError("again")
-    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.error_latch"):
+    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.worker.error_latch"):
         threads = [
             threading.Thread(target=latch.report, args=(f"the push to shard {k}", exc))
             for k, exc in ((2, first), (1, second))
@@ -46,7 +46,7 @@ def test_a_failed_early_push_surfaces_at_drain_once(caplog):
     latch = ErrorLatch(0)
     pushes = EarlyPushes(send, [0, 1, 2], latch)
     try:
-        with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.error_latch"):
+        with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.worker.error_latch"):
             pushes.submit({1: "a"})
             with pytest.raises(ConnectionError, match="shard 1's link broke"):
                 pushes.drain(5.0)

@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 
-from gradfleet.distributed.sync.aggregator import init_tokens
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.read_ahead import Held, HeldPushes
-from gradfleet.distributed.sync.shard_clients import push_data
-from gradfleet.distributed.sync.shards import Shard, ShardServer, round_robin
+from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.read_ahead import Held, HeldPushes
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer, round_robin
+from gradfleet.distributed.sync.worker.shard_clients import push_data
 
 from .test_sync_replicas import FakeReply, serve
 from .test_sync_shards import F64, Cluster, _model_opt, random_job
@@ -317,7 +317,7 @@ def test_held_pushes_bookkeeping():
 
 
 def test_push_order_takes_each_ranks_shards_in_turn_rotated_per_worker():
-    from gradfleet.distributed.sync.shard_clients import push_order
+    from gradfleet.distributed.sync.worker.shard_clients import push_order
 
     assert push_order([0, 1, 2, 3], 0) == [0, 1, 2, 3]
     assert push_order([4, 5, 6, 7] * 2, 2) == [2, 3, 0, 1, 6, 7, 4, 5]
@@ -366,9 +366,9 @@ class _RecordingClient:
 
 def _read_ahead_links(monkeypatch, ranks, worker):
     """``ReadAheadLinks`` of ``worker`` over recording clients of shards on ``ranks``."""
-    from gradfleet.distributed.sync import shard_clients
-    from gradfleet.distributed.sync.ahead_links import ReadAheadLinks
-    from gradfleet.distributed.sync.error_latch import ErrorLatch
+    from gradfleet.distributed.sync.worker import shard_clients
+    from gradfleet.distributed.sync.worker.ahead_links import ReadAheadLinks
+    from gradfleet.distributed.sync.worker.error_latch import ErrorLatch
 
     monkeypatch.setattr(shard_clients, "MailboxClient", _RecordingClient)
     _RecordingClient.log = []
@@ -380,8 +380,8 @@ def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monke
     """Pacing (``pacing.Pacing``): every push goes out in ``push_order``; before each, the
     worker has waited for the receipts of all but ``IN_FLIGHT - 1`` of its earlier pushes,
     oldest first.  Pushes under ``PACED_BYTES`` ask for no receipt and wait for none."""
-    from gradfleet.distributed.sync.pacing import IN_FLIGHT, PACED_BYTES
-    from gradfleet.distributed.sync.shard_clients import push_order
+    from gradfleet.distributed.sync.worker.pacing import IN_FLIGHT, PACED_BYTES
+    from gradfleet.distributed.sync.worker.shard_clients import push_order
 
     ranks = [4, 5, 6, 7] * 3
     sync = _read_ahead_links(monkeypatch, ranks, 2)
@@ -421,7 +421,7 @@ def test_the_token_request_goes_out_before_a_workers_last_push(monkeypatch, work
 def paced_sync_train(ctx, *args):
     """``sync_ranks.sync_train`` with every push paced (receipts over the real pairs), however
     small: the test models' pushes are far under ``PACED_BYTES``."""
-    from gradfleet.distributed.sync import pacing
+    from gradfleet.distributed.sync.worker import pacing
 
     from . import sync_ranks
 

@@ -243,7 +243,7 @@ def test_a_step_claims_only_the_global_step_whose_values_it_holds():
     step 14 of both and its token is 14, so nothing is read again.  The step it has seen is
     14; claiming 15 would end a `while opt.global_step < last_step` loop on older values
     than the other workers end on."""
-    from gradfleet.distributed.sync.pending_step import PendingStep
+    from gradfleet.distributed.sync.worker.pending_step import PendingStep
 
     class Taker:
         def wait_loaded(self, k, timeout):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.sync.allreduce import Buckets
+from gradfleet.distributed.sync.worker.allreduce import Buckets
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import exchange_ranks
@@ -147,7 +147,7 @@ def test_layout_for_the_job():
 
     from gradfleet import GradientDescentOptimizer, NormalizedSGD
     from gradfleet.distributed import ExponentialMovingAverage
-    from gradfleet.distributed.sync.layout import choose_layout
+    from gradfleet.distributed.sync.layout.shard_layout import choose_layout
 
     big = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))  # 8 MiB
     opt = GradientDescentOptimizer(big.parameters(), 0.1)

@@ -110,7 +110,7 @@ def _equal(a, b):
 def test_readiness_hands_over_what_one_gradient_completes_together():
     """A parameter cut over shards 1-3 completes them with one gradient: one hand-over of all
     three (so they go out in push order), and each shard once per step."""
-    from gradfleet.distributed.sync.overlap import ShardReadiness
+    from gradfleet.distributed.sync.worker.overlap import ShardReadiness
 
     big, small = torch.zeros(6, requires_grad=True), torch.zeros(2, requires_grad=True)
     calls = []

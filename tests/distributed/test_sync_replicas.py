@@ -11,8 +11,8 @@ import torch
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
 from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.aggregator import GradientAggregator, init_tokens
-from gradfleet.distributed.sync.chief import SyncChief
+from gradfleet.distributed.sync.server.aggregator import GradientAggregator, init_tokens
+from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.testing import run_ranks
 
 from . import sync_ranks

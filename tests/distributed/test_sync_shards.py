@@ -18,9 +18,15 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
-from gradfleet.distributed.sync.aggregator import init_tokens
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.shards import Shard, ShardServer, assign, by_bytes, round_robin
+from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.shards import (
+    Shard,
+    ShardServer,
+    assign,
+    by_bytes,
+    round_robin,
+)
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks

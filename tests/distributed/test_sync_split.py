@@ -22,9 +22,7 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
-from gradfleet.distributed.sync.aggregator import init_tokens
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.pieces import (
+from gradfleet.distributed.sync.layout.pieces import (
     ELEMENTWISE_TORCH,
     check_dense,
     check_elementwise,
@@ -33,7 +31,9 @@ from gradfleet.distributed.sync.pieces import (
     split_optimizer,
     view,
 )
-from gradfleet.distributed.sync.shards import Shard, ShardServer, assign
+from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer, assign
 from gradfleet.distributed.testing import run_ranks
 
 from . import dedicated_ranks, overlap_ranks, sync_ranks

@@ -10,9 +10,9 @@ import torch
 
 import gradfleet
 from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.aggregator import init_tokens
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.token_line import TokenLine, unfillable
+from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.token_line import TokenLine, unfillable
 
 F64 = torch.float64
 LR = 0.5

@@ -1,7 +1,8 @@
 """Withheld pushes: a worker that knows its shard is past its gradient's tag sends the push
 without the gradients; the shard counts it as the stale drop it would have been.
 
-The decision (:func:`~gradfleet.distributed.sync.shard_clients.push_data`) and the servers' side
+The decision (:func:`~gradfleet.distributed.sync.worker.shard_clients.push_data`) and the
+servers' side
 (``GradientAggregator.drop_withheld``, the chief's and the shards' ``push``/``step``) on the
 state machines; the random schedules of ``test_read_ahead.py`` check, with and without
 withholding, that nothing a worker or a server ends with changes; over processes, a job with a
@@ -13,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.sync.aggregator import GradientAggregator
-from gradfleet.distributed.sync.chief import SyncChief
-from gradfleet.distributed.sync.shard_clients import push_data
-from gradfleet.distributed.sync.shards import Shard, ShardServer
+from gradfleet.distributed.sync.server.aggregator import GradientAggregator
+from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer
+from gradfleet.distributed.sync.worker.shard_clients import push_data
 from gradfleet.distributed.testing import run_ranks
 
 from . import sync_ranks

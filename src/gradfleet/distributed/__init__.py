@@ -13,27 +13,28 @@
 Layers, lowest first; a module imports only from its own layer or lower ones
 (``tests/distributed/test_layering.py`` checks it from the imports):
 
-1. algorithms, no I/O -- state machines and pure helpers: ``sync.aggregator`` (TF's
-   accumulators, staleness, tokens), ``sync.shards``, ``sync.pieces`` and ``sync.chief`` (the
-   SyncReplicas servers), ``easgd.centre_server`` (the asynchronous centre), ``membership``
-   (which workers a server expects, saw leave, lost), ``replies`` (what a state machine
-   returns: answers and effects), ``apply`` (apply gradients with any optimizer), ``flat``,
-   ``moving_average``.
+1. algorithms, no I/O -- state machines and pure helpers: ``sync.server.aggregator`` (TF's
+   accumulators, staleness, tokens), ``sync.server.shards``, ``sync.server.chief`` and the
+   chief's parts (the SyncReplicas servers), ``sync.layout.pieces``, ``easgd.centre_server``
+   (the asynchronous centre), ``membership`` (which workers a server expects, saw leave,
+   lost), ``replies`` (what a state machine returns: answers and effects), ``apply`` (apply
+   gradients with any optimizer), ``flat``, ``moving_average``.
    They import neither ``torch.distributed`` nor the transport and are tested in one process.
 2. communication -- ``transport/`` (request/reply on a c10d store for control, a gloo pair per
    client for tensors, the wire format), ``collectives`` (lists of tensors over a process
    group), ``process_group`` (:func:`init`).
 3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
-   effects, publishing addresses, closing when every worker left), ``sync.servers`` and
-   ``sync.shard_clients`` and ``sync.plain_links`` (the SyncReplicas servers of a rank; a
-   worker's clients of them; TF's push, token, read), with ``sync.ahead_links``,
-   ``sync.pacing``, ``sync.pending_step``, ``sync.answer_taker``, ``sync.early_pushes``,
-   ``sync.error_latch`` and ``sync.streaming`` (reading ahead: paced pushes, the answers and
-   overlap's pushes on threads, a step's reads waited on per shard, streamed reads),
-   ``dedicated`` (what rank 0 tells the dedicated server ranks).
-4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``,
-   ``sync.lockstep``, ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``,
-   ``model_average``, ``towers``, ``replicate``, ``serving`` (a dedicated server rank).
+   effects, publishing addresses, closing when every worker left), ``sync.server.servers``
+   (the SyncReplicas servers of a rank), the worker's links in ``sync.worker``
+   (``shard_clients``, ``plain_links``: TF's push, token, read; ``ahead_links``, ``pacing``,
+   ``pending_step``, ``answer_taker``, ``early_pushes``, ``error_latch``, ``streaming``:
+   reading ahead, paced pushes, the answers and overlap's pushes on threads, a step's reads
+   waited on per shard, streamed reads), ``sync.layout.shard_layout`` (a worker's view of its
+   parameters shard by shard), ``dedicated`` (what rank 0 tells the dedicated server ranks).
+4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``
+   and its exchanges (``sync.worker.server_exchange``, ``sync.worker.allreduce``),
+   ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``, ``model_average``,
+   ``towers``, ``replicate``, ``serving`` (a dedicated server rank).
 5. jobs -- ``job_control`` (the per-worker launch recipe's environment, the job's store keys) and
    ``testing`` (multi-process test harness).
 
@@ -53,11 +54,14 @@ from .moving_average import ExponentialMovingAverage
 from .process_group import COMBINED_BACKEND, DistInfo, init, shutdown
 from .replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
 from .serving import ParameterServer, serve
-from .sync import SyncReplicasOptimizer
+from .sync import AutoReplicas, Decision, ReplicasPolicy, SyncReplicasOptimizer
 from .towers import TowerOptimizer, current_tower
 
 __all__ = [
     "AllReduceCentre",
+    "AutoReplicas",
+    "Decision",
+    "ReplicasPolicy",
     "AsyncCentre",
     "CENTRE_MODES",
     "CentreStrategy",

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .easgd.centre_server import CentreServer
 from .hosting import HostedServer, gather_addresses, server_host, share_address
-from .sync.pieces import Piece, view, whole
-from .sync.servers import SyncServers
+from .sync.layout.pieces import Piece, view, whole
+from .sync.server.servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
 

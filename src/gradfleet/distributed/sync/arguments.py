@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from ..wrapper import check_int
-from .aggregator import NONFINITE_POLICIES, init_tokens
-from .replicas_policy import AutoReplicas, ReplicasPolicy
-from .token_line import TOKEN_RULES
+from .server.aggregator import NONFINITE_POLICIES, init_tokens
+from .server.replicas_policy import AutoReplicas, ReplicasPolicy
+from .server.token_line import TOKEN_RULES
 
 __all__ = [
     "average_indices",

@@ -63,7 +63,6 @@ import torch.distributed as dist
 
 from ..moving_average import ExponentialMovingAverage
 from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
-from .allreduce import AllReduceExchange
 from .arguments import (
     average_indices,
     check_arguments,
@@ -73,11 +72,12 @@ from .arguments import (
     replicas_policy,
     resolve_worker,
 )
-from .layout import choose_layout
+from .layout.shard_layout import choose_layout
 from .outcome import Outcome
-from .replicas_policy import ReplicasPolicy
-from .server_exchange import Job, ServerExchange, as_addresses
-from .shards import SPLITTING, check_server_ranks
+from .server.replicas_policy import ReplicasPolicy
+from .server.shards import SPLITTING, check_server_ranks
+from .worker.allreduce import AllReduceExchange
+from .worker.server_exchange import Job, ServerExchange, as_addresses
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 

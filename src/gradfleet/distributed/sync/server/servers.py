@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from ..hosting import HostedServer, probe
-from ..moving_average import ExponentialMovingAverage
-from ..replies import Answer
-from ..transport import MailboxClient, ServerUnreachable
+from ...hosting import HostedServer, probe
+from ...moving_average import ExponentialMovingAverage
+from ...replies import Answer
+from ...transport import MailboxClient, ServerUnreachable
+from ..layout.pieces import Piece
 from .chief import SyncChief
-from .pieces import Piece
 from .replicas_policy import ReplicasPolicy
 from .shards import Applied, Resized, Shard, ShardServer
 

@@ -27,19 +27,19 @@ from typing import Any
 
 import torch
 
-from ..dedicated import HyperparameterPusher, announce, sync_spec
-from ..hosting import gather_addresses, server_host, share_address
-from ..moving_average import ExponentialMovingAverage
-from .aggregator import all_finite
+from ...dedicated import HyperparameterPusher, announce, sync_spec
+from ...hosting import gather_addresses, server_host, share_address
+from ...moving_average import ExponentialMovingAverage
+from ..layout.shard_layout import ShardLayout
+from ..outcome import Outcome
+from ..server.aggregator import all_finite
+from ..server.replicas_policy import ReplicasPolicy
+from ..server.servers import SyncServers
 from .ahead_links import ReadAheadLinks
 from .error_latch import ErrorLatch
-from .layout import ShardLayout
-from .outcome import Outcome
 from .overlap import ShardReadiness
 from .pending_step import Step
 from .plain_links import PlainLinks
-from .replicas_policy import ReplicasPolicy
-from .servers import SyncServers
 from .shard_clients import ShardClients
 from .streaming import StreamedReads
 

@@ -48,10 +48,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..apply import apply_gradients
-from ..moving_average import ExponentialMovingAverage
-from .aggregator import TokenQueue
-from .outcome import Outcome
+from ...apply import apply_gradients
+from ...moving_average import ExponentialMovingAverage
+from ..outcome import Outcome
+from ..server.aggregator import TokenQueue
 
 __all__ = ["AllReduceExchange", "Buckets"]
 

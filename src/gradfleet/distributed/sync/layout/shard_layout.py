@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..transport import copy_received
+from ...transport import copy_received
+from ..server.shards import SPLITTING, assign
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
-from .shards import SPLITTING, assign
 
 __all__ = ["ShardLayout", "choose_layout"]
 

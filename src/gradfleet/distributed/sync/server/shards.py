@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from ..apply import apply_gradients
-from ..membership import Membership
-from ..replies import Answer
+from ...apply import apply_gradients
+from ...membership import Membership
+from ...replies import Answer
+from ..layout.pieces import Piece, in_backward_order, split_optimizer
 from .aggregator import GradientAggregator
-from .pieces import Piece, in_backward_order, split_optimizer
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 
 __all__ = [

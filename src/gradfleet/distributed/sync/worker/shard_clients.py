@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..transport import MailboxClient
-from .aggregator import all_finite
-from .pieces import rank_places
+from ...transport import MailboxClient
+from ..layout.pieces import rank_places
+from ..server.aggregator import all_finite
 
 __all__ = ["ShardClients", "busy_error", "push_data", "push_order"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..transport import ServerUnreachable
+from ...transport import ServerUnreachable
 from .answer_taker import AnswerTaker, Load
 from .early_pushes import EarlyPushes
 from .error_latch import ErrorLatch

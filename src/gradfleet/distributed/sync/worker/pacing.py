@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from ..transport import MailboxClient
+from ...transport import MailboxClient
 
 __all__ = ["IN_FLIGHT", "PACED_BYTES", "Pacing"]
 

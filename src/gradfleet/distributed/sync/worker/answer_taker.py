@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..transport import MailboxClient
+from ...transport import MailboxClient
 from .error_latch import ErrorLatch
 
 __all__ = ["AnswerTaker"]

@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ..membership import Membership
-from ..moving_average import ExponentialMovingAverage
-from ..replies import Answer, error
+from ...membership import Membership
+from ...moving_average import ExponentialMovingAverage
+from ...replies import Answer, error
+from ..layout.pieces import Piece
 from .aggregator import GradientAggregator, TokenQueue
-from .pieces import Piece
 from .read_ahead import push_answers
 from .replica_choice import ReplicaChoice
 from .replicas_policy import Measurements, ReplicasPolicy
