@@ -132,3 +132,39 @@ def test_an_emulated_cluster_from_python(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(namespace["addresses"]) == 2 and namespace["rates"] == {0: "100mbit", 1: "25mbit"}
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert namespace["prefix"] not in listed and namespace["prefix"].startswith(PREFIX)
+
+
+ADAPTIVE_ROWS = {
+    "DDP": "ddp",
+    "R = 4": "sr-r4",
+    "R = 3": "sr-r3",
+    "R = 2": "sr-r2",
+    "auto": "sr-r-auto",
+}
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f}"
+
+
+def test_the_adaptive_table_quotes_the_stored_results() -> None:
+    """ "Backup workers that tune themselves": per scenario, each row's time to the target loss
+    and updates/s, and auto's R per update, as ``cluster-adaptive`` recorded them."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "cluster-adaptive.json").read_text())
+    section = PAGE.read_text().split("### Backup workers that tune themselves")[1].split("\n#")[0]
+    header, *rows = [line for line in section.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[1 : 1 + len(ADAPTIVE_ROWS)] == list(ADAPTIVE_ROWS)
+    rows = [r for r in rows if not set(r) <= set("|- ")]
+    scenarios = {r["scenario"] for r in report["results"]}
+    assert {r.strip("| ").split(" | ")[0] for r in rows} == scenarios
+    for row in rows:
+        scenario, *cells = (c.strip() for c in row.strip("|").split("|"))
+        runs = {r["row"]["key"]: r for r in report["results"] if r["scenario"] == scenario}
+        for cell, key in zip(cells, ADAPTIVE_ROWS.values(), strict=False):
+            run = runs[key]
+            expected = f"{_seconds(run['time_to_target_s'])} / {run['updates_s']:.3f}"
+            assert cell == expected, (scenario, key)
+        history = runs["sr-r-auto"]["replicas_history"][runs["sr-r-auto"]["first_update"] :]
+        mean = f"{sum(history) / len(history):.2f} ({min(history)}-{max(history)})"
+        assert cells[len(ADAPTIVE_ROWS)] == mean, scenario

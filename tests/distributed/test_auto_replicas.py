@@ -29,6 +29,8 @@ from gradfleet.distributed.sync.server.replicas_policy import (
     progress,
 )
 
+from .test_token_line import Reply  # a ticket that keeps its answer
+
 F64 = torch.float64
 LR = 0.1
 TF_LR = float(np.float32(LR))  # TF's GradientDescent makes its learning rate a float32 tensor
@@ -49,14 +51,6 @@ def slow_then_recover(worker: int, round_: int) -> float:
     slow in its rounds 6 to 10."""
     base = 1.0 + 0.01 * math.sin(7 * worker + 3 * round_)
     return base * (3.0 if worker == 3 and 6 <= round_ < 11 else 1.0)
-
-
-class Reply:
-    def __init__(self) -> None:
-        self.payload = None
-
-    def send(self, payload, share=None):
-        self.payload = payload
 
 
 class ChiefServer:
