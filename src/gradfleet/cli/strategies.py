@@ -106,6 +106,19 @@ class Strategy:
         return None
 
 
+def _all_reduce_mean(tensors: list[torch.Tensor], world: int) -> int:
+    """Replace each tensor by its mean over the ranks, in one flat all-reduce; returns the
+    bytes reduced."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return _nbytes(flat)
+
+
 class AllReduce(Strategy):
     """Average gradients with torch.distributed: one all-reduce for dense gradients, an
     all-gather of (indices, values) for sparse ones (which all-reduce cannot sum)."""
@@ -122,14 +135,7 @@ class AllReduce(Strategy):
         params = [p for p in self.model.parameters() if p.grad is not None]
         dense = [p.grad for p in params if not p.grad.is_sparse]
         if dense:
-            flat = torch.cat([g.reshape(-1) for g in dense])
-            self.bytes_sent += _nbytes(flat)
-            dist.all_reduce(flat)
-            flat /= self.world
-            offset = 0
-            for g in dense:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            self.bytes_sent += _all_reduce_mean(dense, self.world)
         for p in params:
             if p.grad.is_sparse:
                 p.grad = self._gather_sparse(p.grad.coalesce())
@@ -181,20 +187,11 @@ class DDP(Strategy):
         for p in reversed(list(self.model.parameters())):  # DDP's order: about backward's
             bucket.append(p.grad)
             if sum(_nbytes(t) for t in bucket) >= DDP_BUCKET_BYTES:
-                self._all_reduce_mean(bucket)
+                _all_reduce_mean(bucket, self.world)
                 bucket = []
         if bucket:
-            self._all_reduce_mean(bucket)
+            _all_reduce_mean(bucket, self.world)
         self.opt.step()
-
-    def _all_reduce_mean(self, bucket: list[torch.Tensor]) -> None:
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat)
-        flat /= self.world
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 class ModelAverage(Strategy):
