@@ -341,6 +341,26 @@ def test_single_worker_needs_global_step_and_reports_acceptance():
         assert opt.worker_counters() == {0: {"accepted": 1, "dropped": 1, "nonfinite": 0}}
 
 
+def test_a_checkpoint_of_one_token_rule_is_refused_by_the_other():
+    x = torch.zeros(2, requires_grad=True)
+    with SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer([x], 1.0), 1, tokens="shared"
+    ) as a:
+        a.apply_gradients([(torch.ones(2), x)], torch.zeros((), dtype=torch.int64))
+        state = a.state_dict()
+    y = torch.zeros(2, requires_grad=True)
+    inner = gradfleet.GradientDescentOptimizer([y], 1.0)
+    with SyncReplicasOptimizer(inner, 1, tokens="distinct", transport="server") as b:
+        with pytest.raises(ValueError, match=r"checkpoint has tokens='shared', this optimizer "):
+            b.load_state_dict(state)
+        assert b.global_step == 0 and torch.equal(y.detach(), torch.zeros(2))  # nothing changed
+    with SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer([y], 1.0), 1, tokens="shared"
+    ) as c:
+        c.load_state_dict(state)  # the same rule resumes
+        assert c.global_step == 1
+
+
 def test_mismatched_shapes_rejected_by_server_and_nothing_applied():
     agg = GradientAggregator([torch.zeros(2), torch.zeros(3)], 1)
     with pytest.raises(ValueError, match="pushed 1 gradients, the server holds 2"):

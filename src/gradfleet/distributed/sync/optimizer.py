@@ -402,6 +402,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             "counters": dict(self.counters),
             "replicas_to_aggregate": replicas_label(self.replicas_to_aggregate),
             "total_num_replicas": self.total_num_replicas,
+            "tokens": self.tokens,
             "server": None,
             "allreduce": None,
             **self.exchange.state(),
@@ -419,6 +420,14 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                     f"{_OWNER}.load_state_dict: checkpoint has {key}="
                     f"{counters[key]}, this optimizer {mine[key]}"
                 )
+        # the token rule changes which gradients make an update: no silent switch (a
+        # checkpoint from before the rule was recorded has none to compare)
+        if counters.get("tokens", self.tokens) != self.tokens:
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: checkpoint has tokens={counters['tokens']!r}, this "
+                f"optimizer tokens={self.tokens!r} (pass tokens={counters['tokens']!r} to resume "
+                "it as it ran)"
+            )
         self.exchange.check_state(counters)
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
