@@ -40,10 +40,12 @@ def sync_train(
     start: int = 0,
     state_dir: str | None = None,
     assignment: str = "bytes",
+    overlap: bool = False,
 ) -> dict:
     """R = N = ``N`` workers in lockstep (no initial tokens), Adam whose LR drops after the
     worker's step ``LR_DROP_AT``; rank >= N serves (resuming from ``state_dir`` when
-    ``start`` > 0, saving its final state there)."""
+    ``start`` > 0, saving its final state there).  ``overlap``: pushes leave during backward
+    (several shards: with ``nonfinite="apply"``)."""
     if ctx.rank >= N:
         state = None
         if start:
@@ -58,7 +60,7 @@ def sync_train(
     # early release would leave the last update's tokens in a checkpoint)
     opt = SyncReplicasOptimizer(
         inner, N, N, num_tokens=0, timeout=30, server_ranks=server_ranks,
-        shard_assignment=assignment,
+        shard_assignment=assignment, overlap=overlap, nonfinite="apply" if overlap else "raise",
     )  # fmt: skip
     trace = []
     count = start

@@ -81,6 +81,21 @@ def test_dedicated_servers_match_colocated_and_the_reference():
 
 
 @pytest.mark.timeout(240)
+def test_an_lr_change_reaches_dedicated_shards_with_overlap():
+    """With overlap the shards are pushed from backward's hooks, before ``step()``; the LR drop
+    on the workers still reaches the dedicated shards with those pushes, so the trajectory is
+    the reference's."""
+    want = reference(2, STEPS)
+    args = (2, [2, 3], STEPS, 0, None, "bytes", True)
+    run = run_ranks(dedicated_ranks.sync_train, 4, args=args, timeout=120)
+    for trace in _worker_traces(run, 2):
+        assert [s for s, _ in trace] == list(range(1, STEPS + 1))
+        for (_, got), ref in zip(trace, want, strict=True):
+            for g, r in zip(got, ref, strict=True):
+                torch.testing.assert_close(g, r, rtol=4e-16, atol=0)  # as above
+
+
+@pytest.mark.timeout(240)
 def test_dedicated_server_checkpoints_resume_the_same_trajectory():
     """Each dedicated server saves its own state at the end of a job; the next job's servers
     load it and the workers continue as if never stopped."""
