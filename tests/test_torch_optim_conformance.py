@@ -1103,11 +1103,8 @@ def test_save_load_equality_with_weights_only(info, device, named):
             _assert_state_dicts_equal(torch.load(f, weights_only=True), saved)
 
 
-@optims("test_load_nontensor_step")
-def test_load_nontensor_step(info, device):
-    """torch's test turns a tensor ``state["step"]`` into a number before loading.  gradfleet
-    keeps no per-parameter step (TF's counters are per group: ``non_slot``), so its state dict
-    loads as saved and steps."""
+def _stepped_three_times(info, device):
+    """Each input's optimizer over two parameters with random gradients, after 3 steps."""
     params = [Parameter(torch.randn(2, 3, device=device)) for _ in range(2)]
     for p in params:
         p.grad = torch.rand_like(p)
@@ -1115,6 +1112,15 @@ def test_load_nontensor_step(info, device):
         opt = info.optim_cls(params, **inp.kwargs)
         for _ in range(3):
             opt.step()
+        yield inp, opt
+
+
+@optims("test_load_nontensor_step")
+def test_load_nontensor_step(info, device):
+    """torch's test turns a tensor ``state["step"]`` into a number before loading.  gradfleet
+    keeps no per-parameter step (TF's counters are per group: ``non_slot``), so its state dict
+    loads as saved and steps."""
+    for _, opt in _stepped_three_times(info, device):
         saved = copy.deepcopy(opt.state_dict())
         for entry in saved["state"].values():
             assert "step" not in entry
@@ -1322,13 +1328,7 @@ def _public(obj) -> set[str]:
 
 @optims("test_deepcopy_copies_all_public_attrs")
 def test_deepcopy_copies_all_public_attrs(info, device):
-    params = [Parameter(torch.randn(2, 3, device=device)) for _ in range(2)]
-    for p in params:
-        p.grad = torch.rand_like(p)
-    for inp in _all_inputs(info, device):
-        opt = info.optim_cls(params, **inp.kwargs)
-        for _ in range(3):
-            opt.step()
+    for inp, opt in _stepped_three_times(info, device):
         assert _public(copy.deepcopy(opt)) == _public(opt), inp.desc
 
 

@@ -201,6 +201,7 @@ class GradientAggregator:
             )  # fmt: skip
             return False
         sums, dense = [], []  # dense ones are added in one call: a server adds every push
+        values = []  # what was added, on the accumulators' device: its |g|^2 for "auto"
         with torch.no_grad():
             for i, g in enumerate(grads):
                 if g is None:
@@ -213,29 +214,28 @@ class GradientAggregator:
                     self.kinds[i] = "sparse"
                     g = g.coalesce()
                     idx = g.indices()[0]
-                    acc.index_add_(0, idx, g.values().to(self.dtypes[i]))
+                    values.append(g.values().to(self.dtypes[i]))
+                    acc.index_add_(0, idx, values[-1])
                     self._rows[i][idx] += 1
                 else:
                     self.kinds[i] = "dense"
                     sums.append(acc)
-                    dense.append(g if g.dtype == acc.dtype else g.to(acc.dtype))
+                    values.append(g if g.dtype == acc.dtype else g.to(acc.dtype))
+                    dense.append(values[-1])
             if sums:
                 torch._foreach_add_(sums, dense)
-            if self.measure_noise:
-                self._add_sum_sq(grads)
+            if self.measure_noise and values:
+                self._add_sum_sq(values)
         self.counter += 1
         self._count(worker, "accepted")
         return True
 
-    def _add_sum_sq(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """``|g_i|^2`` of one accepted push, summed on the accumulators' device in float64
-        (read back once per update, by :meth:`take_average`)."""
-        values = [(g.coalesce().values() if g.is_sparse else g) for g in grads if g is not None]
-        if not values:
-            return
-        norms = torch._foreach_norm([v.detach() for v in values])
+    def _add_sum_sq(self, values: list[torch.Tensor]) -> None:
+        """``|g_i|^2`` of one accepted push (its dense gradients and sparse rows, as added),
+        summed on the accumulators' device in float64 (read back once per update, by
+        :meth:`take_average`)."""
+        norms = torch._foreach_norm(values)
         total = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
-        total = total.to(self._sum[0].device)
         self._sum_sq = total if self._sum_sq is None else self._sum_sq + total
 
     def drop_withheld(self, worker: int, step_tag: int) -> None:

@@ -275,7 +275,7 @@ class SyncChief:
     def _forget_placeholder(self, worker: int) -> None:
         """``worker`` left: its place in line goes, and a token it never asked for goes back."""
         self.line.remove(lambda e: e.worker != worker or e.ticket is not None)
-        kind, payload = self.requests.forget(worker) or ("", None)
+        kind, payload = self.requests.claim(worker) or ("", None)
         if kind == "token":
             self.line.give_back(int(payload["token"]))
 

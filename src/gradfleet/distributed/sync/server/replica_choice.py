@@ -32,10 +32,6 @@ class ReplicaChoice:
         self.history: list[int] = []  # the R of every update made, in order
         self.replicas: dict[int, int] = {}  # step -> the R of its update
 
-    @property
-    def adaptive(self) -> bool:
-        return self.policy is not None
-
     def of(self, step: int, current: int) -> int:
         """The R of the update at ``step`` (a token's), else of the update at ``current``."""
         return self.replicas.get(step, self.replicas[current])

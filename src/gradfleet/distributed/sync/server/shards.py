@@ -232,13 +232,16 @@ class Shard:
         # a dedicated server's ``source`` is its own copy: the workers' pushes carry the
         # hyperparameters (LR schedules run on the workers)
         self.follow_workers = False
-        # ``replicas_to_aggregate="auto"``: each update's R comes with the pushes (the chief
-        # chose it and sent it with the tokens), capped at the workers still live here
-        self.adaptive = False
+
+    @property
+    def adaptive(self) -> bool:
+        """``replicas_to_aggregate="auto"``: each update's R comes with the pushes (the chief
+        chose it and sent it with the tokens), capped at the workers still live here, and
+        every update measures its gradients' noise (:meth:`measure`)."""
+        return self.aggregator.measure_noise
 
     def measure(self) -> None:
-        """``replicas_to_aggregate="auto"``: every update measures its gradients' noise."""
-        self.adaptive = True
+        """Make this shard adaptive (``replicas_to_aggregate="auto"``)."""
         self.aggregator.measure_noise = True
 
     def set_replicas(self, replicas: int) -> bool:

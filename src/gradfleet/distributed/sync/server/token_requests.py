@@ -63,9 +63,6 @@ class TokenRequests:
         self._granted[worker] = (kind, payload)
 
     def claim(self, worker: int) -> tuple[str, Any] | None:
-        """The token request came: what its placeholder was given, if anything yet."""
-        return self._granted.pop(worker, None)
-
-    def forget(self, worker: int) -> tuple[str, Any] | None:
-        """``worker`` left: what its placeholder was given and nobody will claim."""
+        """What ``worker``'s placeholder was given, if anything yet: its token request came,
+        or it left (then nobody will ask for it)."""
         return self._granted.pop(worker, None)
