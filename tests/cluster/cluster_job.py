@@ -40,6 +40,10 @@ def main() -> None:
     p.add_argument("--kill-host", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=10)
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--all", action="store_true",
+                   help="R = N, shards on every rank, the model given (laid out for the job)")
+    p.add_argument("--plain-end", action="store_true",
+                   help="end as a user's script does: close, then the interpreter's own exit")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -48,14 +52,16 @@ def main() -> None:
     hosts = [0] * info.world_size
     dist.all_gather_object(hosts, host)
     model, teacher = build_model(2e4, 0), Teacher(0)
+    everyone = list(range(info.world_size))
     opt = gfd.SyncReplicasOptimizer(
         torch.optim.Adam(model.parameters(), lr=3e-3),
-        replicas_to_aggregate=info.world_size - 1,
+        replicas_to_aggregate=info.world_size - (0 if args.all else 1),
         total_num_replicas=info.world_size,
         timeout=args.timeout,
         last_step=args.steps,
         host=os.environ["GF_CLUSTER_ADDR"],
-        server_ranks=[hosts.index(0), hosts.index(1)],
+        server_ranks=everyone if args.all else [hosts.index(0), hosts.index(1)],
+        model=model if args.all else None,
     )
     record: dict = {"rank": info.rank, "hosts": hosts, "losses": [], "errors": []}
     local = 0
@@ -83,7 +89,8 @@ def main() -> None:
         opt.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"host-{host}.json").write_text(json.dumps(record))  # written last: done
-    os._exit(0)  # a dead peer can leave gloo's teardown waiting: the record is written
+    if not args.plain_end:
+        os._exit(0)  # a dead peer can leave gloo's teardown waiting: the record is written
 
 
 def _die_when_asked(out: Path, host: int) -> None:

@@ -108,6 +108,22 @@ def test_the_defaults_tables_quote_the_stored_results() -> None:
             assert cells[label] == _quoted(result, "uniform", key), (result, label)
 
 
+ONE_SERVER = {  # "Backup workers with one server", from ``cluster-one-server``
+    "DDP (R = 4 of 4)": "ddp",
+    "SyncReplicas, one server on rank 0, no model": "sr-one-b",
+    "SyncReplicas, one server on rank 0, model given": "sr-one-auto-b",
+}
+
+
+def test_the_one_server_table_quotes_the_stored_results() -> None:
+    section = PAGE.read_text().split("### Backup workers with one server")[1].split("\n#")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    cells = dict(r.strip("| ").split(" | ") for r in rows)
+    assert set(cells) == set(ONE_SERVER)
+    for label, key in ONE_SERVER.items():
+        assert cells[label] == _quoted("cluster-one-server", "uniform", key), label
+
+
 def test_the_page_has_python_blocks() -> None:
     assert len(_blocks()) == 2
 

@@ -93,3 +93,45 @@ def test_a_lost_shard_host_gives_every_worker_one_error_naming_it(
         assert error["type"] == "ServerUnreachable", error
         assert f"rank {lost}" in error["message"], error
         assert record["global_step"] < STEPS
+
+
+CLEAN_END = 20  # seconds: the end takes 1-4 s here; torch's exit barrier would wait 300
+
+
+def test_every_host_exits_0_within_seconds_of_the_last_update(
+    make_cluster, tmp_path: Path
+) -> None:
+    """Three runs of a 4-host job ending as a user's script ends (``close()``, then the
+    interpreter's own exit; R = N, shards over every worker, the model given): every host's
+    torchrun agent exits 0 within seconds of the last worker's last update.  An agent whose
+    worker outlived the others (stuck in teardown) would hold every other agent in torch's
+    300 s exit barrier, then exit 1 once host 0's store is gone."""
+    cluster = make_cluster(4, "200mbit")
+    for run in range(3):
+        out = tmp_path / f"run-{run}"
+        out.mkdir()
+        records = out / "records"
+        port = 29100 + (int(time.time()) + 17 * run) % 300
+        procs = cluster.torchrun(
+            [str(JOB), "--steps", "12", "--all", "--plain-end", "--out", str(records)],
+            cwd=ROOT, port=port, logs=out, rdzv_id=f"gfc-end-{run}",
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + DEADLINE
+            while time.monotonic() < deadline and not all(
+                (records / f"host-{h}.json").exists() for h in range(4)
+            ):
+                time.sleep(0.1)
+            last = time.monotonic()
+            while time.monotonic() < last + CLEAN_END and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            codes = [p.poll() for p in procs]
+        finally:
+            stop(procs)
+        logs = "\n".join(f"--- host {h}\n{p.read_text()[-2000:]}" for h, p in
+                         enumerate(sorted(out.glob("host*.log"))))  # fmt: skip
+        found = [json.loads((records / f"host-{h}.json").read_text()) for h in range(4)
+                 if (records / f"host-{h}.json").exists()]  # fmt: skip
+        assert len(found) == 4, f"run {run}: records of {len(found)} hosts\n{logs}"
+        assert all(r["errors"] == [] and r["global_step"] == 12 for r in found), found
+        assert codes == [0, 0, 0, 0], f"run {run}: agents' exit codes {codes}\n{logs}"

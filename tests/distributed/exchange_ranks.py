@@ -136,32 +136,50 @@ def lost_peer(ctx: RankContext) -> str:
     return "finished"
 
 
-def laid_out(ctx: RankContext, assignment: str | None) -> dict:
-    """4 steps with shards on ranks 0 and 1 and the model given; ``assignment`` None: laid
-    out for the job."""
+def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None = None) -> dict:
+    """4 steps with the model given, shards on ``ranks`` (default 0 and 1; 2 MiB of variables
+    each), or one server on rank 0 (``[0]``: 8 MiB); ``assignment`` None: laid out for the
+    job."""
     from torch import nn
 
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Linear(512, 1))
+    width = 1024 if ranks == [0] else 512
+    model = nn.Sequential(
+        nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Linear(width, 1)
+    )
     opt = SyncReplicasOptimizer(
         gradfleet.AdamOptimizer(model.parameters(), 0.01),
         2,
         timeout=30,
-        server_ranks=[0, 1],
+        server_ranks=[0, 1] if ranks is None else ranks,
         shard_assignment=assignment,
         model=model,
     )
     gen = torch.Generator().manual_seed(ctx.rank)
     for _ in range(4):
         opt.zero_grad()
-        model(torch.randn(8, 512, generator=gen)).pow(2).mean().backward()
+        model(torch.randn(8, width, generator=gen)).pow(2).mean().backward()
         opt.step()
     opt.wait_reads()
     out = {
         "assignment": "backward_order" if opt.exchange.layout.split else "bytes",
+        "shards": list(opt.server_ranks),
         "streaming": opt.streaming,
         "params": [p.detach().clone() for p in model.parameters()],
     }
+    opt.close()
+    return out
+
+
+def backups_layout(ctx: RankContext) -> dict:
+    """R = 2 of 3, no server named, the model given: where the variables are."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
+    opt = SyncReplicasOptimizer(
+        gradfleet.AdamOptimizer(model.parameters(), 0.01), 2, 3, timeout=30, model=model
+    )
+    out = {"shards": list(opt.server_ranks), "streaming": opt.streaming}
     opt.close()
     return out
 

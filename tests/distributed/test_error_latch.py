@@ -56,3 +56,18 @@ def test_a_failed_early_push_surfaces_at_drain_once(caplog):
         assert sent == [0, 2]
     finally:
         pushes.close()
+
+
+def test_an_error_of_the_own_thread_is_decided_once_with_a_threads(caplog):
+    """The read-ahead thread and then the step itself find shard 1 unreachable: one ERROR,
+    the step raises its own error, and the next boundary is clean (the thread's was the same
+    failure)."""
+    latch = ErrorLatch(2)
+    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.worker.error_latch"):
+        latch.report("the answers of shard 1", ConnectionError("shard 1 closed"))
+        latch.decide("step 7", ConnectionError("shard 1 closed, seen by the step"))
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.ERROR, logging.DEBUG], caplog.records
+    assert "worker rank 2: the answers of shard 1 failed" in caplog.records[0].message
+    latch.raise_if_failed()  # nothing left to raise
+    assert not latch.failed

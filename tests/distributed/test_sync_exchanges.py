@@ -155,7 +155,8 @@ def test_layout_for_the_job():
     assert choose_layout(opt, [0, 1], big, None) == ("backward_order", [0, 1, 0, 1])
     assert choose_layout(opt, [0, 1, 2, 3], big, None) == ("backward_order", [0, 1, 2, 3])
     assert choose_layout(opt, [0, 1], None, None) == ("bytes", [0, 1])  # no model
-    assert choose_layout(opt, [0], big, None) == ("bytes", [0])  # one server
+    # one server: its shards in backward's order, values out while gradients come in
+    assert choose_layout(opt, [0], big, None) == ("backward_order", [0, 0, 0, 0])
     assert choose_layout(opt, [0, 1, 0, 1], big, None) == ("bytes", [0, 1, 0, 1])  # by hand
     ema = ExponentialMovingAverage(0.9)
     assert choose_layout(opt, [0, 1], big, ema) == ("bytes", [0, 1])
@@ -167,6 +168,7 @@ def test_layout_for_the_job():
     small = nn.Linear(8, 1)
     opt = GradientDescentOptimizer(small.parameters(), 0.1)
     assert choose_layout(opt, [0, 1], small, None) == ("backward_order", [0, 1])
+    assert choose_layout(opt, [0], small, None) == ("bytes", [0])  # too small to cut
 
 
 @pytest.mark.slow
@@ -177,6 +179,23 @@ def test_layout_for_the_job_gives_the_numbers_of_whole_parameters():
     whole = run_ranks(exchange_ranks.laid_out, 2, args=("bytes",))
     assert auto[0]["assignment"] == "backward_order" and auto[0]["streaming"]
     assert whole[0]["assignment"] == "bytes" and whole[0]["streaming"]
+    for a, w in zip(auto, whole, strict=True):
+        for x, y in zip(a["params"], w["params"], strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_one_server_laid_out_for_the_job_gives_the_numbers_of_one_whole_server():
+    """One server on rank 0 with the model given: 4 shards on that rank in backward order
+    (reads streamed), the very variables of the one whole server."""
+    auto = run_ranks(exchange_ranks.laid_out, 2, args=(None, [0]))
+    whole = run_ranks(exchange_ranks.laid_out, 2, args=("bytes", [0]))
+    assert auto[0]["assignment"] == "backward_order" and auto[0]["shards"] == [0, 0, 0, 0]
+    assert auto[0]["streaming"]
+    assert whole[0]["assignment"] == "bytes" and whole[0]["shards"] == [0]
+    # backup workers and no server named: the same, on rank 0 (no variables on the others)
+    backups = run_ranks(exchange_ranks.backups_layout, 3)
+    assert all(b == {"shards": [0, 0, 0, 0], "streaming": True} for b in backups), backups
     for a, w in zip(auto, whole, strict=True):
         for x, y in zip(a["params"], w["params"], strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)

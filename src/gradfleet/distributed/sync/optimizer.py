@@ -218,13 +218,13 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         averaged = average_indices(self._index, variables_to_average)
         self.worker = resolve_worker(worker, server_address, N)
         inside = server_address is None and dist.is_available() and dist.is_initialized()
-        if shard_assignment is None:  # laid out for the job (layout.choose_layout)
+        if shard_assignment is None and transport == "server":  # laid out for the job
             named = [server_rank] if server_ranks is None else list(server_ranks)
-            shard_assignment, chosen = choose_layout(
-                self.optimizer, named, model, variable_averages
+            shard_assignment, server_ranks = (
+                ("bytes", named)  # one running server's address: whole, as it serves
+                if isinstance(server_address, str)
+                else choose_layout(self.optimizer, named, model, variable_averages)
             )
-            if server_ranks is not None:
-                server_ranks = chosen
         # split: a shard per piece at most, and pieces may outnumber the parameters
         units = len(self._index)
         if shard_assignment in SPLITTING:

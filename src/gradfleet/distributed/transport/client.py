@@ -80,7 +80,7 @@ class MailboxClient:
         self.bytes_out = 0
         self._seq = 0
         self._pending: tuple[str, float, float] | None = None
-        self._broken: str | None = None
+        self._dead: str | None = None
         self.inc = uuid.uuid4().hex
         self.link: PairLink | LocalLink | None = None
         self._notes: dist.Store | None = None  # a second connection: notify(), receipts
@@ -116,8 +116,8 @@ class MailboxClient:
 
     def request(self, op: str, timeout: float | None = None, **fields: Any) -> None:
         """Send one request (tensors start travelling at once); :meth:`response` waits."""
-        if self._broken:
-            raise ServerUnreachable(self._broken)
+        if self._dead:
+            raise ServerUnreachable(self._dead)
         self._seq += 1
         skeleton, tensors = split(fields)
         message = dict(skeleton, op=op, client=self.client, seq=self._seq, inc=self.inc)
@@ -170,8 +170,8 @@ class MailboxClient:
         """Send a control message that gets no reply, also while a request waits for its
         reply (for example "release the push I sent").  It goes on a connection of its own:
         the store client may be blocked in the reply's ``queue_pop`` on another thread."""
-        if self._broken:
-            raise ServerUnreachable(self._broken)
+        if self._dead:
+            raise ServerUnreachable(self._dead)
         try:
             message = dict(fields, op=op, client=self.client, inc=self.inc, seq=-1)
             if self._local is None:
@@ -190,8 +190,8 @@ class MailboxClient:
         """Until the server has received the tensors of request ``seq`` (sent with
         ``receipt=True``; earlier receipts are skipped).  Why not the send's completion: the
         kernel's socket buffers take megabytes at once, long before the bytes are across."""
-        if self._broken:
-            raise ServerUnreachable(self._broken)
+        if self._dead:
+            raise ServerUnreachable(self._dead)
         start = time.monotonic()
         try:
             self.open_notes()
@@ -275,9 +275,10 @@ class MailboxClient:
         late = time.monotonic() - start
         what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
         first = str(exc).splitlines()[0] if str(exc) else ""
-        self._broken = (
+        self._dead = (
             f"{self.server_name} at {self.address} {what} during {op!r} "
             f"(dead or stuck): {type(exc).__name__}: {first}"
         )
-        log.error("%s", self._broken)
-        raise ServerUnreachable(self._broken) from None
+        # the connection stays dead (later calls fail at once); the caller decides and logs
+        log.debug("%s", self._dead)
+        raise ServerUnreachable(self._dead) from None

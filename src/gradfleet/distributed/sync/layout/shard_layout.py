@@ -39,16 +39,17 @@ def choose_layout(
 ) -> tuple[str, list[int]]:
     """``shard_assignment`` and server ranks where the user left the assignment out.
 
-    Given the model and several server ranks, each named once: the parameters cut into runs
-    in backward's order (``"backward_order"``, the numbers of ``"bytes"``), up to
+    Given the model and server ranks each named once: the parameters cut into runs in
+    backward's order (``"backward_order"``, the numbers of ``"bytes"``), up to
     :data:`SHARDS_PER_RANK` shards per rank of at least :data:`MIN_SHARD_BYTES` each, so that
     the first layers' values travel back while later gradients still go out, and each
-    module's forward waits only for its own shards.  Not where the cut would be refused: an
-    optimizer not known to update elementwise, ``variable_averages``, or a module of the
-    model with sparse gradients.  Otherwise whole parameters balanced by bytes on the ranks
-    as named."""
+    module's forward waits only for its own shards.  One server rank is cut too (its link
+    then carries values out while gradients still come in); a model too small for two
+    shards stays one.  Not where the cut would be refused: an optimizer not known to update
+    elementwise, ``variable_averages``, or a module of the model with sparse gradients.
+    Otherwise whole parameters balanced by bytes on the ranks as named."""
     ranks = list(ranks)
-    if model is None or ema is not None or len(set(ranks)) < 2 or len(set(ranks)) < len(ranks):
+    if model is None or ema is not None or len(set(ranks)) < len(ranks):
         return "bytes", ranks
     try:
         check_elementwise(optimizer)
@@ -61,6 +62,8 @@ def choose_layout(
             return "bytes", ranks
     total = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
     per_rank = max(1, min(SHARDS_PER_RANK, total // (len(ranks) * MIN_SHARD_BYTES)))
+    if len(ranks) * per_rank == 1:
+        return "bytes", ranks
     return "backward_order", ranks * per_rank
 
 

@@ -6,7 +6,9 @@ loop from its own thread, and neither may lose an error.  Each reports into the 
 :class:`ErrorLatch`: the first error is kept and logged once, at ERROR, naming the thread's
 job; later ones (the same failure seen again) only at DEBUG.  The worker's thread takes the
 kept error at the next step boundary -- where it waits for that thread's work -- and raises it
-there, once.
+there, once.  An error the worker's own thread meets in a step (a shard found unreachable) is
+decided here too (:meth:`ErrorLatch.decide`), so one failure is logged once per worker
+whichever thread saw it first; the transport below only raises.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class ErrorLatch:
         with self._lock:
             exc, self._error = self._error, None
         return exc
+
+    def decide(self, where: str, exc: BaseException) -> None:
+        """The worker's own thread met ``exc`` while doing ``where`` and is about to raise it:
+        logged here (once: at DEBUG if a thread reported first), and a thread's kept error
+        cleared (the same failure, raised now)."""
+        self.report(where, exc)
+        self.take()
 
     def raise_if_failed(self) -> None:
         """At a step boundary: raise the kept error, once."""

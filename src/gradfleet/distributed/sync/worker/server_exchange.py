@@ -30,6 +30,7 @@ import torch
 from ...dedicated import HyperparameterPusher, announce, sync_spec
 from ...hosting import gather_addresses, server_host, share_address
 from ...moving_average import ExponentialMovingAverage
+from ...transport import ServerUnreachable
 from ..layout.shard_layout import ShardLayout
 from ..outcome import Outcome
 from ..server.aggregator import all_finite
@@ -196,6 +197,9 @@ class ServerExchange:
                 tag = -1
             accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
             return self._finish_step(tag, accepted)
+        except ServerUnreachable as exc:
+            self.latch.decide(f"step {local_step}", exc)
+            raise
         finally:
             self._extra = None
 
@@ -284,6 +288,9 @@ class ServerExchange:
                 return
         try:
             result = step.finish()
+        except ServerUnreachable as exc:
+            self.latch.decide("the streamed reads", exc)
+            raise
         finally:
             self._pending = None
         self.settle(bool(result["accepted"]) and self._own, int(result["global_step"]))
