@@ -40,10 +40,16 @@ def main() -> None:
     p.add_argument("--kill-host", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=10)
     p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument("--all", action="store_true",
-                   help="R = N, shards on every rank, the model given (laid out for the job)")
-    p.add_argument("--plain-end", action="store_true",
-                   help="end as a user's script does: close, then the interpreter's own exit")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="R = N, shards on every rank, the model given (laid out for the job)",
+    )
+    p.add_argument(
+        "--plain-end",
+        action="store_true",
+        help="end as a user's script does: close, then the interpreter's own exit",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(1)

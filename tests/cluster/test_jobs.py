@@ -98,9 +98,7 @@ def test_a_lost_shard_host_gives_every_worker_one_error_naming_it(
 CLEAN_END = 20  # seconds: the end takes 1-4 s here; torch's exit barrier would wait 300
 
 
-def test_every_host_exits_0_within_seconds_of_the_last_update(
-    make_cluster, tmp_path: Path
-) -> None:
+def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_path: Path) -> None:
     """Three runs of a 4-host job ending as a user's script ends (``close()``, then the
     interpreter's own exit; R = N, shards over every worker, the model given): every host's
     torchrun agent exits 0 within seconds of the last worker's last update.  An agent whose
