@@ -167,6 +167,9 @@ def rows(world: int) -> list[Row]:
         Row("sr-ded-order4-ovs-b", f"SyncReplicas, shards in backward order on {n} dedicated "
             f"server hosts, 4 per host, overlap, streamed reads, R={r} of {n}", "sync-replicas",
             {"R": r, **dedicated, **order, "per_rank": 4, **overlap, **stream}, server_hosts=n),
+        Row("sr-ded-order8-s", f"SyncReplicas, shards in backward order on {n} dedicated "
+            f"server hosts, 8 per host, streamed reads, R={n}", "sync-replicas",
+            {"R": n, **dedicated, **order, "per_rank": 8, **stream}, server_hosts=n),
         Row("sr-ded-order8-ovs", f"SyncReplicas, shards in backward order on {n} dedicated "
             f"server hosts, 8 per host, overlap, streamed reads, R={n}", "sync-replicas",
             {"R": n, **dedicated, **order, "per_rank": 8, **overlap, **stream}, server_hosts=n),
