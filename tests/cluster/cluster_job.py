@@ -1,7 +1,10 @@
 """A job for the emulated-cluster tests, started by torchrun on each host (one worker per host).
 
 SyncReplicas, ``R = N - 1`` of ``N`` workers (one backup), the variables sharded over the
-ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload).
+ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload);
+``--all``: R = N, shards on every rank, laid out for the job from the model.  ``--plain-end``:
+the program ends as a user's does (``close()``, then the interpreter's exit) instead of
+``os._exit(0)`` once its record is written.
 
 ``--kill-host H --kill-at S``: the worker on host H is SIGKILLed once the other workers made S
 local steps (a machine lost mid-run; it is not a shard host unless H is 0 or 1): at their step

@@ -1,7 +1,8 @@
 """Training across emulated hosts, launched as users launch: one torchrun per host, c10d
 rendezvous on host 0 (``cluster_job.py``: SyncReplicas with one backup worker, R = N - 1, its
 variables sharded over the ranks on hosts 0 and 1).  A job trains; a worker SIGKILLed mid-run
-leaves the others finishing; a lost shard host gives every other worker one error naming it."""
+leaves the others finishing; a lost shard host gives every other worker one error naming it;
+a job that ends well ends at once on every host."""
 
 from __future__ import annotations
 
