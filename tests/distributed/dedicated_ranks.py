@@ -195,28 +195,3 @@ def serve_without_optimizer(ctx: RankContext) -> str:
     except RuntimeError as exc:
         return str(exc)
     return "no error"
-
-
-def one_server_laid_out(ctx: RankContext, assignment: str | None) -> dict:
-    """2 workers, rank 2 the one dedicated server, an 8 MiB model handed over:
-    ``assignment`` None lays it out for the job (4 shards on rank 2, streamed reads)."""
-    from torch import nn
-
-    if ctx.rank == 2:
-        return {"served": serve(adam)["kind"]}
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
-    opt = SyncReplicasOptimizer(
-        adam(model.parameters()), 2, 2, timeout=30, server_ranks=[2],
-        shard_assignment=assignment, model=model,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(4, 1024, generator=gen)).pow(2).mean().backward()
-        opt.step()
-    opt.wait_reads()
-    out = {"shards": list(opt.server_ranks), "params": [p.detach().clone() for p in
-                                                       model.parameters()]}  # fmt: skip
-    opt.close()
-    return out

@@ -137,21 +137,27 @@ def lost_peer(ctx: RankContext) -> str:
 
 
 def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None = None) -> dict:
-    """4 steps with the model given, shards on ``ranks`` (default 0 and 1; 2 MiB of variables
-    each), or one server on rank 0 (``[0]``: 8 MiB); ``assignment`` None: laid out for the
-    job."""
+    """2 workers, 4 steps with the model given, shards on ``ranks`` (default 0 and 1; 2 MiB of
+    variables each), or one server (``[0]``, or ``[2]``: a dedicated rank that only serves;
+    8 MiB); ``assignment`` None: laid out for the job."""
     from torch import nn
 
+    from gradfleet.distributed import serve
+
+    ranks = [0, 1] if ranks is None else ranks
+    if ctx.rank >= 2:
+        return {"served": serve(lambda groups: gradfleet.AdamOptimizer(groups, 0.01))["kind"]}
     torch.manual_seed(3)
-    width = 1024 if ranks == [0] else 512
+    width = 1024 if len(ranks) == 1 else 512
     model = nn.Sequential(
         nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Linear(width, 1)
     )
     opt = SyncReplicasOptimizer(
         gradfleet.AdamOptimizer(model.parameters(), 0.01),
         2,
+        2,
         timeout=30,
-        server_ranks=[0, 1] if ranks is None else ranks,
+        server_ranks=ranks,
         shard_assignment=assignment,
         model=model,
     )

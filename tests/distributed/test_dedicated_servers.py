@@ -56,19 +56,6 @@ def _worker_traces(out, N):
 
 
 @pytest.mark.timeout(240)
-def test_one_dedicated_server_laid_out_for_the_job_gives_the_numbers_of_one_whole():
-    """The model handed over with one dedicated server rank: 4 shards on that rank, the very
-    variables of the one whole server."""
-    auto = run_ranks(dedicated_ranks.one_server_laid_out, 3, args=(None,), timeout=120)
-    whole = run_ranks(dedicated_ranks.one_server_laid_out, 3, args=("bytes",), timeout=120)
-    assert auto[2] == whole[2] == {"served": "SyncReplicasOptimizer"}
-    assert auto[0]["shards"] == [2, 2, 2, 2] and whole[0]["shards"] == [2]
-    for a, w in zip(auto[:2], whole[:2], strict=True):
-        for x, y in zip(a["params"], w["params"], strict=True):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
-
-
-@pytest.mark.timeout(240)
 def test_dedicated_servers_match_colocated_and_the_reference():
     """2 workers: two shards on two dedicated ranks, one dedicated server, and the shards
     inside the workers give the same trajectory, equal to the float64 simulation -- the LR

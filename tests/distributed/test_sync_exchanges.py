@@ -171,6 +171,13 @@ def test_layout_for_the_job():
     assert choose_layout(opt, [0], small, None) == ("bytes", [0])  # too small to cut
 
 
+def _same_variables(a: list[dict], b: list[dict]) -> None:
+    """Every worker of two runs ends on the very same variables."""
+    for x, y in zip(a, b, strict=True):
+        for u, v in zip(x["params"], y["params"], strict=True):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 def test_layout_for_the_job_gives_the_numbers_of_whole_parameters():
     """Named shards with the model given (backward order, 2 shards per rank; reads streamed
@@ -179,26 +186,29 @@ def test_layout_for_the_job_gives_the_numbers_of_whole_parameters():
     whole = run_ranks(exchange_ranks.laid_out, 2, args=("bytes",))
     assert auto[0]["assignment"] == "backward_order" and auto[0]["streaming"]
     assert whole[0]["assignment"] == "bytes" and whole[0]["streaming"]
-    for a, w in zip(auto, whole, strict=True):
-        for x, y in zip(a["params"], w["params"], strict=True):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    _same_variables(auto, whole)
 
 
 @pytest.mark.slow
-def test_one_server_laid_out_for_the_job_gives_the_numbers_of_one_whole_server():
-    """One server on rank 0 with the model given: 4 shards on that rank in backward order
-    (reads streamed), the very variables of the one whole server."""
-    auto = run_ranks(exchange_ranks.laid_out, 2, args=(None, [0]))
-    whole = run_ranks(exchange_ranks.laid_out, 2, args=("bytes", [0]))
-    assert auto[0]["assignment"] == "backward_order" and auto[0]["shards"] == [0, 0, 0, 0]
+@pytest.mark.parametrize("server", [0, 2], ids=["on-a-worker", "dedicated"])
+def test_one_server_laid_out_for_the_job_gives_the_numbers_of_one_whole_server(server):
+    """One server (on rank 0, or a dedicated rank 2) with the model given: 4 shards on that
+    rank in backward order (reads streamed), the very variables of the one whole server."""
+    world = 3 if server == 2 else 2
+    auto = run_ranks(exchange_ranks.laid_out, world, args=(None, [server]), timeout=120)
+    whole = run_ranks(exchange_ranks.laid_out, world, args=("bytes", [server]), timeout=120)
+    assert auto[0]["assignment"] == "backward_order" and auto[0]["shards"] == [server] * 4
     assert auto[0]["streaming"]
-    assert whole[0]["assignment"] == "bytes" and whole[0]["shards"] == [0]
-    # backup workers and no server named: the same, on rank 0 (no variables on the others)
+    assert whole[0]["assignment"] == "bytes" and whole[0]["shards"] == [server]
+    assert auto[2:] == whole[2:] == [{"served": "SyncReplicasOptimizer"}] * (world - 2)
+    _same_variables(auto[:2], whole[:2])
+
+
+def test_backup_workers_with_no_server_named_lay_out_rank_0():
+    """R = 2 of 3, no server named, the model given: 4 shards on rank 0 (no variables on the
+    other workers), reads streamed."""
     backups = run_ranks(exchange_ranks.backups_layout, 3)
     assert all(b == {"shards": [0, 0, 0, 0], "streaming": True} for b in backups), backups
-    for a, w in zip(auto, whole, strict=True):
-        for x, y in zip(a["params"], w["params"], strict=True):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 @pytest.mark.slow
