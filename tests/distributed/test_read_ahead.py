@@ -376,11 +376,12 @@ def _read_ahead_links(monkeypatch, ranks, worker):
     return ReadAheadLinks(clients, lambda k: [], lambda k, v: None, ErrorLatch(worker))
 
 
-def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monkeypatch):
-    """Pacing (``pacing.Pacing``): every push goes out in ``push_order``; before each, the
-    worker has waited for the receipts of all but ``IN_FLIGHT - 1`` of its earlier pushes,
-    oldest first.  Pushes under ``PACED_BYTES`` ask for no receipt and wait for none."""
-    from gradfleet.distributed.sync.worker.pacing import IN_FLIGHT, PACED_BYTES
+def test_a_worker_keeps_one_push_per_server_rank_unconfirmed_in_push_order(monkeypatch):
+    """Pacing (``pacing.Pacing``): every push goes out in ``push_order``; with several server
+    ranks, before each the worker has waited for the receipts of its earlier pushes to the
+    same rank, oldest first, and for no other.  Pushes under ``PACED_BYTES`` ask for no
+    receipt and wait for none."""
+    from gradfleet.distributed.sync.worker.pacing import PACED_BYTES
     from gradfleet.distributed.sync.worker.shard_clients import push_order
 
     ranks = [4, 5, 6, 7] * 3
@@ -399,12 +400,18 @@ def test_a_worker_keeps_at_most_in_flight_pushes_unconfirmed_in_push_order(monke
     confirmed: list[int] = []
     for what, k in _RecordingClient.log:
         if what == "push":
-            assert len(sent) - len(confirmed) < IN_FLIGHT
+            # confirmed: exactly the earlier pushes to a rank pushed to again since (this one
+            # included), so every earlier push to this shard's rank, and no other
+            due = [
+                j for i, j in enumerate(sent) if ranks[j] in {ranks[x] for x in [*sent[i + 1 :], k]}
+            ]
+            assert sorted(confirmed) == sorted(due)
             sent.append(k)
         else:
             confirmed.append(k)
-    assert confirmed == sent[: len(confirmed)]  # oldest first
-    assert len(confirmed) == len(sent) - IN_FLIGHT  # the last ones are not waited for
+    assert confirmed == [j for j in sent if j in confirmed]  # in push order, oldest first
+    # the last push to each rank is not waited for
+    assert len(confirmed) == len(sent) - len(set(ranks))
 
 
 @pytest.mark.parametrize("worker", range(4))

@@ -29,26 +29,45 @@ class _ReceiptClient:
         self.log.append((self.k, seq))
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_pacing_keeps_fewer_than_in_flight_receipted_pushes_unconfirmed(seed):
-    """Random pushes, each asking for a receipt or not: before each, every receipted push but
-    the last ``IN_FLIGHT - 1`` is confirmed, oldest first (a credit of ``IN_FLIGHT``)."""
+@pytest.mark.parametrize(
+    ("ranks", "local", "per_rank"),
+    [
+        ([4, 5, 6, 7, 4, 5, 6, 7], set(), 1),  # several server ranks: one push each
+        ([0, 1, 2, 3], {0}, 1),  # over the workers, the own rank's shard in-process
+        ([0, 0, 0, 0], set(), IN_FLIGHT),  # one rank holds every shard
+        ([0, 1, 0, 1], {0, 2}, IN_FLIGHT),  # one rank confirms: the other is in-process
+    ],
+    ids=["dedicated", "over-workers", "one-rank", "one-remote-rank"],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_pacing_keeps_fewer_than_per_rank_receipted_pushes_unconfirmed_per_server_rank(
+    ranks, local, per_rank, seed
+):
+    """Random pushes, each asking for a receipt or not: before a push to a shard, every
+    receipted push to the same server rank but the last ``per_rank - 1`` is confirmed,
+    oldest first; pushes to other ranks are not waited for.  ``per_rank`` is 1 where pushes
+    are confirmed by several ranks, ``IN_FLIGHT`` where by one (a simulation per rank)."""
     rng = random.Random(seed)
     waited: list[tuple[int, int]] = []
-    clients = {k: _ReceiptClient(k, waited) for k in range(4)}
-    pacing = Pacing(clients, 1.0)
-    receipted: list[tuple[int, int]] = []  # the simulation: pushes that asked, in order
-    for seq in range(1, 30):
-        k = rng.randrange(4)
-        pacing.wait_turn()
-        confirmed = receipted[: max(0, len(receipted) - (IN_FLIGHT - 1))]
+    clients = {k: _ReceiptClient(k, waited, k not in local) for k in range(len(ranks))}
+    pacing = Pacing(clients, ranks, 1.0)
+    assert pacing.per_rank == per_rank
+    receipted: dict[int, list[tuple[int, int]]] = {r: [] for r in ranks}  # per rank, in order
+    confirmed: list[tuple[int, int]] = []
+    for seq in range(1, 40):
+        k = rng.randrange(len(ranks))
+        pacing.wait_turn(k)
+        mine = receipted[ranks[k]]
+        while len(mine) >= per_rank:  # the simulation: the oldest of this rank's
+            confirmed.append(mine.pop(0))
         assert waited == confirmed
-        if rng.random() < 0.6:
+        if k not in local and rng.random() < 0.6:
             pacing.sent(k, seq)
-            receipted.append((k, seq))
+            mine.append((k, seq))
     pacing.clear()  # the step is over: its receipts are not waited for
     before = list(waited)
-    pacing.wait_turn()
+    for k in range(len(ranks)):
+        pacing.wait_turn(k)
     assert waited == before
 
 
@@ -56,7 +75,7 @@ def test_pacing_asks_a_receipt_for_large_pushes_only():
     """``PACED_BYTES`` of gradients or more, on a link that confirms arrivals, with gradients
     (a withheld push carries none)."""
     clients = {0: _ReceiptClient(0, []), 1: _ReceiptClient(1, [], receipts=False)}
-    pacing = Pacing(clients, 1.0)
+    pacing = Pacing(clients, [4, 5], 1.0)
     big = [torch.zeros(PACED_BYTES // 8, dtype=torch.float64), None]
     small = [torch.zeros(PACED_BYTES // 4 - 1)]
     assert pacing.wants_receipt(0, {"grads": big})

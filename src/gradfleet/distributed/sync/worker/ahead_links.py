@@ -61,7 +61,7 @@ class ReadAheadLinks:
         for client in clients.clients.values():  # releases must not connect to a dead server
             client.open_notes()
         self._token_link = clients.connect(0, "t", data=False)
-        self.pacing = Pacing(clients.clients, self.timeout)
+        self.pacing = Pacing(clients.clients, clients.ranks, self.timeout)
         self._plain = PlainLinks(clients, targets, load)  # a bad-input step's protocol
         self._sent: dict[int, tuple[str, int]] = {}  # shard -> its push this step
         self._taking = False  # the taker has been told this step's pushes
@@ -94,7 +94,7 @@ class ReadAheadLinks:
         shard until it can answer with the values of the update it could join
         (:mod:`.read_ahead`)."""
         tag, grads, extra = job
-        self.pacing.wait_turn()
+        self.pacing.wait_turn(k)
         client = self.clients.clients[k]
         data = self.clients.push_data(k, tag, grads)
         receipt = self.pacing.wants_receipt(k, data)

@@ -9,38 +9,56 @@ answered), no push waits for another worker, and on the emulated cluster pacing 
 than waves.
 
 The rule: a push of at least ``PACED_BYTES`` of gradients asks its server for a receipt, and
-the next push leaves once fewer than ``IN_FLIGHT`` such pushes are unconfirmed (oldest first).
+the next push to a server rank leaves once fewer than ``per_rank`` of this worker's pushes to
+that rank are unconfirmed (oldest first).  ``per_rank`` is 1 where the worker's receipted
+pushes go to several server ranks: every rank then takes one push from each worker at a time,
+TCP shares each link evenly between them, and a rank's shards still complete in push order, as
+when each worker's pushes to a rank queue on one connection (``benchmarks/link_ceiling.py``'s
+pattern).  A total credit (two pushes in flight, whichever ranks they go to) left one server
+host's link taking pushes from three workers while another's idled: 4 dedicated server hosts
+ran at 0.85-0.88x DDP, 0.92-0.96x with one per rank (docs/cluster.md).  Where one rank takes
+them all, ``per_rank`` is ``IN_FLIGHT``: with one at a time its link would idle for each
+receipt's round trip.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...transport import MailboxClient
 
 __all__ = ["IN_FLIGHT", "PACED_BYTES", "Pacing"]
 
-IN_FLIGHT = 2  # pushes a worker has sent and their servers not yet received
+IN_FLIGHT = 2  # pushes a worker has sent one server rank and it has not yet received
 # Smaller pushes are not paced: they cross a link in less time than a receipt costs the
 # worker's and the server's threads, and the kernel's socket buffers take them whole anyway.
 PACED_BYTES = 1 << 20
 
 
 class Pacing:
-    """One worker's pushes on their way to ``clients`` (shard -> its client), unconfirmed;
-    ``timeout``: how long one receipt may take."""
+    """One worker's pushes on their way to ``clients`` (shard -> its client; shard ``k`` on
+    server rank ``ranks[k]``), unconfirmed; ``timeout``: how long one receipt may take."""
 
-    def __init__(self, clients: Mapping[int, MailboxClient], timeout: float) -> None:
+    def __init__(
+        self, clients: Mapping[int, MailboxClient], ranks: Sequence[int], timeout: float
+    ) -> None:
         self._clients, self._timeout = clients, timeout
-        self._unreceived: deque[tuple[int, int]] = deque()  # (shard, request) sent, not in
+        self._rank = {k: ranks[k] for k in clients}
+        # ranks this worker's receipted pushes go to (an in-process server confirms none)
+        confirming = {ranks[k] for k, client in clients.items() if client.receipts}
+        self.per_rank = 1 if len(confirming) > 1 else IN_FLIGHT
+        # server rank -> its (shard, request) sent, not yet in
+        self._unreceived: dict[int, deque[tuple[int, int]]] = {}
 
-    def wait_turn(self) -> None:
-        """Before the next push: until fewer than ``IN_FLIGHT`` pushes are on their way."""
-        while len(self._unreceived) >= IN_FLIGHT:
-            k, seq = self._unreceived.popleft()
-            self._clients[k].wait_receipt(seq, self._timeout)
+    def wait_turn(self, k: int) -> None:
+        """Before a push to shard ``k``: until fewer than ``per_rank`` pushes to its server
+        rank are on their way."""
+        waiting = self._unreceived.get(self._rank[k], deque())
+        while len(waiting) >= self.per_rank:
+            j, seq = waiting.popleft()
+            self._clients[j].wait_receipt(seq, self._timeout)
 
     def wants_receipt(self, k: int, data: dict[str, Any]) -> bool:
         """Does the push of ``data`` to shard ``k`` ask for a receipt?  Gradients of at least
@@ -52,7 +70,7 @@ class Pacing:
 
     def sent(self, k: int, seq: int) -> None:
         """Request ``seq`` to shard ``k`` asked for a receipt: it counts until confirmed."""
-        self._unreceived.append((k, seq))
+        self._unreceived.setdefault(self._rank[k], deque()).append((k, seq))
 
     def clear(self) -> None:
         """The step is over: its receipts are skipped by the next step's waits."""
