@@ -108,6 +108,26 @@ def test_the_defaults_tables_quote_the_stored_results() -> None:
             assert cells[label] == _quoted(result, "uniform", key), (result, label)
 
 
+PACED_PER_RANK = {  # the third table of that section, from ``cluster-pacing-per-rank``
+    "DDP": "ddp",
+    "SyncReplicas, shards named over the workers, model given": "sr-shard-auto",
+    "SyncReplicas, 4 dedicated server hosts, model given": "sr-ded-auto",
+    "SyncReplicas, shards in backward order over the workers, 4 per host, overlap, streamed "
+    "reads (best hand-set)": "sr-shard-order4-ovs",
+    "SyncReplicas, the same on 4 dedicated server hosts (best hand-set)": "sr-ded-order4-ovs",
+}
+
+
+def test_the_paced_per_rank_table_quotes_the_stored_results() -> None:
+    section = PAGE.read_text().split("### Default options against the best hand-set ones")[1]
+    table = section.split("| row (R = 4 of 4), pushes paced per server rank |")[1]
+    rows = [line for line in table.split("\n\n")[0].splitlines() if line.startswith("| ")]
+    cells = dict(r.strip("| ").split(" | ") for r in rows)
+    assert set(cells) == set(PACED_PER_RANK)
+    for label, key in PACED_PER_RANK.items():
+        assert cells[label] == _quoted("cluster-pacing-per-rank", "uniform", key), label
+
+
 ONE_SERVER = {  # "Backup workers with one server", from ``cluster-one-server``
     "DDP (R = 4 of 4)": "ddp",
     "SyncReplicas, one server on rank 0, no model": "sr-one-b",
