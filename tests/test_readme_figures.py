@@ -81,7 +81,7 @@ FIGURES = {
         _cluster("sr-ded-order4-ovs-b", "cluster-slow-compute-dt3", "cluster-slow-compute-dt3b")
     ),
     "SyncReplicas on 4 dedicated server hosts, R = 4, even hosts": lambda: _cluster(
-        "sr-ded-split-w4", "cluster-paced"
+        "sr-ded-auto", "cluster-pacing-per-rank", "cluster-pacing-per-rank-b"
     ),
     "ModelAverage, interval 8, even hosts": lambda: _cluster("ma8", "cluster-uniform"),
 }
