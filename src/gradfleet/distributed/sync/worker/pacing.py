@@ -16,7 +16,7 @@ TCP shares each link evenly between them, and a rank's shards still complete in 
 when each worker's pushes to a rank queue on one connection (``benchmarks/link_ceiling.py``'s
 pattern).  A total credit (two pushes in flight, whichever ranks they go to) left one server
 host's link taking pushes from three workers while another's idled: 4 dedicated server hosts
-ran at 0.85-0.88x DDP, 0.92-0.96x with one per rank (docs/cluster.md).  Where one rank takes
+ran at 0.85-0.88x DDP, 0.92-0.94x with one per rank (docs/cluster.md).  Where one rank takes
 them all, ``per_rank`` is ``IN_FLIGHT``: with one at a time its link would idle for each
 receipt's round trip.
 """
@@ -31,7 +31,7 @@ from ...transport import MailboxClient
 
 __all__ = ["IN_FLIGHT", "PACED_BYTES", "Pacing"]
 
-IN_FLIGHT = 2  # pushes a worker has sent one server rank and it has not yet received
+IN_FLIGHT = 2  # pushes a worker has sent to one server rank that it has not yet received
 # Smaller pushes are not paced: they cross a link in less time than a receipt costs the
 # worker's and the server's threads, and the kernel's socket buffers take them whole anyway.
 PACED_BYTES = 1 << 20
