@@ -44,18 +44,17 @@ class Pacing:
     def __init__(
         self, clients: Mapping[int, MailboxClient], ranks: Sequence[int], timeout: float
     ) -> None:
-        self._clients, self._timeout = clients, timeout
-        self._rank = {k: ranks[k] for k in clients}
+        self._clients, self._timeout, self._ranks = clients, timeout, ranks
         # ranks this worker's receipted pushes go to (an in-process server confirms none)
         confirming = {ranks[k] for k, client in clients.items() if client.receipts}
         self.per_rank = 1 if len(confirming) > 1 else IN_FLIGHT
         # server rank -> its (shard, request) sent, not yet in
-        self._unreceived: dict[int, deque[tuple[int, int]]] = {}
+        self._unreceived: dict[int, deque[tuple[int, int]]] = {r: deque() for r in ranks}
 
     def wait_turn(self, k: int) -> None:
         """Before a push to shard ``k``: until fewer than ``per_rank`` pushes to its server
         rank are on their way."""
-        waiting = self._unreceived.get(self._rank[k], deque())
+        waiting = self._unreceived[self._ranks[k]]
         while len(waiting) >= self.per_rank:
             j, seq = waiting.popleft()
             self._clients[j].wait_receipt(seq, self._timeout)
@@ -70,8 +69,9 @@ class Pacing:
 
     def sent(self, k: int, seq: int) -> None:
         """Request ``seq`` to shard ``k`` asked for a receipt: it counts until confirmed."""
-        self._unreceived.setdefault(self._rank[k], deque()).append((k, seq))
+        self._unreceived[self._ranks[k]].append((k, seq))
 
     def clear(self) -> None:
         """The step is over: its receipts are skipped by the next step's waits."""
-        self._unreceived.clear()
+        for waiting in self._unreceived.values():
+            waiting.clear()
