@@ -293,3 +293,29 @@ def test_cli_imports_no_private_module() -> None:
                 continue
             private = [p for p in parts if p.startswith("_")]
             assert not private, (path.name, ast.unparse(node))
+
+
+def test_the_rank_forkserver_preloads_nothing_that_touches_cuda() -> None:
+    """The launcher's forkserver imports ``RANK_PRELOAD`` once and forks every rank from it: a
+    CUDA driver initialised there would be unusable in the forked ranks. Importing each module
+    with CUDA's queries and initialisation made to raise (the driver's device count too, on a
+    CUDA build) shows none of them reaches CUDA."""
+    code = (
+        "import torch, torch.cuda\n"
+        "def refuse(*a, **k):\n"
+        "    raise RuntimeError('CUDA touched while preloading')\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device'):\n"
+        "    setattr(torch.cuda, name, refuse)\n"
+        "if hasattr(torch._C, '_cuda_getDeviceCount'):\n"
+        "    torch._C._cuda_getDeviceCount = refuse\n"
+        "import importlib\n"
+        "from gradfleet.cli.launch import RANK_PRELOAD\n"
+        "for name in RANK_PRELOAD:\n"
+        "    importlib.import_module(name)\n"
+        "print('preloaded', len(RANK_PRELOAD))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "preloaded 4"

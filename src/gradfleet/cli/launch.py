@@ -1,6 +1,12 @@
 """Run the worker loop: in this process, or as N local ranks started by torch's elastic
 multiprocessing (``start_processes``), one process context per rank.
 
+Ranks are forked by a ``forkserver``: a fresh interpreter that imports torch (and the lazily
+loaded ``torch._dynamo`` an optimizer's first step needs) once, then forks each rank from that
+clean state. A rank starts without re-importing torch, which ``spawn`` would do in every rank
+at once (seconds of CPU each); the server never touches CUDA nor inherits this process's
+threads, so each rank initialises its own device as under ``spawn``.
+
 Ranks rendezvous on a TCPStore this process hosts on loopback (``env://`` with the launcher's
 store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R``, and
 ``<run>/workers.json`` maps ranks to process ids and logs. Which exit is fatal is the
@@ -91,8 +97,17 @@ def _last_step(metrics: Path) -> int | None:
     return None
 
 
+RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradfleet.cli.worker")
+"""What the forkserver imports before it forks the ranks: none of it initialises CUDA."""
+
+
 def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
+    import multiprocessing
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    # Read when the forkserver starts (the first rank); later calls find it running.
+    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
 
     env = {
         "RANK": str(rank),
@@ -111,7 +126,7 @@ def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir
         args={0: (spec,)},
         envs={0: env},
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / f"rank-{rank}"), redirects=Std.ALL),
-        start_method="spawn",
+        start_method="forkserver",
     )
 
 
