@@ -314,8 +314,6 @@ def test_the_rank_forkserver_preloads_nothing_that_touches_cuda() -> None:
         "    importlib.import_module(name)\n"
         "print('preloaded', len(RANK_PRELOAD))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "preloaded 4"

@@ -75,3 +75,22 @@ def test_bad_config_value_names_the_flag(tmp_path: Path, monkeypatch, key, value
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve({"config": "cfg.py", "optimizer": None})
+
+
+def test_start_figures_are_the_stored_medians() -> None:
+    """The start-up figures docs/cli.md quotes are the medians of the runs in
+    benchmarks/results/cli-start.md, each launcher's."""
+    results = (DOC.parents[1] / "benchmarks" / "results" / "cli-start.md").read_text()
+    medians = {}
+    for launcher, runs, median in re.findall(
+        r"^\| `(\w+)`[^|]*\| ([\d., ]+) \| ([\d.]+) \|$", results, re.M
+    ):
+        times = sorted(float(t) for t in runs.split(","))
+        assert f"{times[len(times) // 2]:.2f}" == median, (launcher, runs, median)
+        medians[launcher] = float(median)
+    assert set(medians) == {"spawn", "forkserver"}
+    text = " ".join(DOC.read_text().split())
+    assert (
+        f"takes {medians['forkserver']:.1f} s from the command to its end, "
+        f"against {medians['spawn']:.1f} s with a fresh interpreter per rank"
+    ) in text
