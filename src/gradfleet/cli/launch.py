@@ -102,12 +102,7 @@ RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradfleet.cli.wo
 
 
 def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
-    import multiprocessing
-
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
-
-    # Read when the forkserver starts (the first rank); later calls find it running.
-    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
 
     env = {
         "RANK": str(rank),
@@ -185,8 +180,12 @@ def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> s
 def launch(spec: RunSpec) -> dict[str, Any] | None:
     """Start ``spec.workers`` ranks of :func:`run_worker` on loopback, and ``spec.servers``
     dedicated server ranks after them; rank 0's summary."""
+    import multiprocessing
+
     import torch.distributed as dist
 
+    # read when the forkserver starts, with the first rank; a later launch finds it running
+    multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
     # The elastic code logs each failure with a traceback; the CLI reports it as one line.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
