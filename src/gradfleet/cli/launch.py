@@ -5,7 +5,8 @@ Ranks are forked by a ``forkserver``: a fresh interpreter that imports torch (an
 loaded ``torch._dynamo`` an optimizer's first step needs) once, then forks each rank from that
 clean state. A rank starts without re-importing torch, which ``spawn`` would do in every rank
 at once (seconds of CPU each); the server never touches CUDA nor inherits this process's
-threads, so each rank initialises its own device as under ``spawn``.
+threads, so each rank initialises its own device as under ``spawn`` (still the start method
+where a platform has no forkserver).
 
 Ranks rendezvous on a TCPStore this process hosts on loopback (``env://`` with the launcher's
 store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R``, and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -99,6 +101,8 @@ def _last_step(metrics: Path) -> int | None:
 
 RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradfleet.cli.worker")
 """What the forkserver imports before it forks the ranks: none of it initialises CUDA."""
+# where a platform has no forkserver (Windows), each rank is a fresh interpreter
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
@@ -121,7 +125,7 @@ def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir
         args={0: (spec,)},
         envs={0: env},
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / f"rank-{rank}"), redirects=Std.ALL),
-        start_method="forkserver",
+        start_method=START_METHOD,
     )
 
 
@@ -180,8 +184,6 @@ def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> s
 def launch(spec: RunSpec) -> dict[str, Any] | None:
     """Start ``spec.workers`` ranks of :func:`run_worker` on loopback, and ``spec.servers``
     dedicated server ranks after them; rank 0's summary."""
-    import multiprocessing
-
     import torch.distributed as dist
 
     # read when the forkserver starts, with the first rank; a later launch finds it running
