@@ -11,7 +11,8 @@ local steps (a machine lost mid-run; it is not a shard host unless H is 0 or 1):
 S the others ask for it (a marker file), a thread of the victim kills its process wherever
 it is, even blocked in a step, and the others go on once it has.  Every other worker keeps
 stepping until ``--steps`` updates or an error; it writes ``<out>/host-<h>.json`` with its
-losses, the global step reached and every error it saw (type and message), once done.
+losses, the global step reached, every error it saw (type and message) and how long its
+``close()`` took, once done.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def main() -> None:
     if record["errors"]:
         time.sleep(3)  # a shard host that saw the error keeps serving while the others see it
     else:
-        opt.close()
+        started = time.monotonic()
+        opt.close()  # a server rank serves until every worker left
+        record["close_s"] = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"host-{host}.json").write_text(json.dumps(record))  # written last: done
     if not args.plain_end:

@@ -97,14 +97,19 @@ def test_a_lost_shard_host_gives_every_worker_one_error_naming_it(
 
 
 CLEAN_END = 20  # seconds: the end takes 1-4 s here; torch's exit barrier would wait 300
+TIMEOUT = 60  # the job's SyncReplicas timeout: what a stuck teardown would wait for
+CLOSE = 10  # seconds a close() may take: under 0.1 s here (0.9 s at 4M parameters)
 
 
 def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_path: Path) -> None:
     """Three runs of a 4-host job ending as a user's script ends (``close()``, then the
     interpreter's own exit; R = N, shards over every worker, the model given): every host's
-    torchrun agent exits 0 within seconds of the last worker's last update.  An agent whose
-    worker outlived the others (stuck in teardown) would hold every other agent in torch's
-    300 s exit barrier, then exit 1 once host 0's store is gone."""
+    torchrun agent exits 0 within seconds of the last worker's last update, and no worker's
+    ``close()`` waits out its timeout.  An agent whose worker outlived the others (stuck in
+    teardown) would hold every other agent in torch's 300 s exit barrier, then exit 1 once
+    host 0's store is gone.  The timeout is a user's (60 s, not the other tests' 10 s), so a
+    teardown that waits for it cannot hide inside the window: a server rank's ``close()``
+    returns once every worker said ``done``, within a step's time of its own last update."""
     cluster = make_cluster(4, "200mbit")
     for run in range(3):
         out = tmp_path / f"run-{run}"
@@ -112,7 +117,8 @@ def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_
         records = out / "records"
         port = 29100 + (int(time.time()) + 17 * run) % 300
         procs = cluster.torchrun(
-            [str(JOB), "--steps", "12", "--all", "--plain-end", "--out", str(records)],
+            [str(JOB), "--steps", "12", "--all", "--plain-end", "--timeout", str(TIMEOUT),
+             "--out", str(records)],
             cwd=ROOT, port=port, logs=out, rdzv_id=f"gfc-end-{run}",
         )  # fmt: skip
         try:
@@ -133,4 +139,6 @@ def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_
                  if (records / f"host-{h}.json").exists()]  # fmt: skip
         assert len(found) == 4, f"run {run}: records of {len(found)} hosts\n{logs}"
         assert all(r["errors"] == [] and r["global_step"] == 12 for r in found), found
+        closing = [r["close_s"] for r in found]
+        assert max(closing) < CLOSE, f"run {run}: close() took {closing} s\n{logs}"
         assert codes == [0, 0, 0, 0], f"run {run}: agents' exit codes {codes}\n{logs}"
