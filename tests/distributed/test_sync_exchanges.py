@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.sync.worker.allreduce import Buckets
+from gradfleet.distributed.sync.worker.allreduce import AllReduceExchange, Buckets
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import exchange_ranks
@@ -140,6 +140,25 @@ def test_default_allreduce_exchange_names_a_lost_peer():
     out = run_ranks(exchange_ranks.lost_peer, 2, timeout=90, kill_on={1: "die"})
     assert out[1] == RankKilled(1)
     assert out[0].startswith("RuntimeError") and "did not join the all-reduce" in out[0], out[0]
+
+
+def test_only_a_link_error_is_reported_as_a_missing_peer():
+    """A collective's gloo or NCCL error (torch's ``DistBackendError``) becomes the error that
+    names a missing peer; a bug in the call (a TypeError) is raised as itself, not disguised
+    as a lost peer."""
+    exchange = AllReduceExchange.__new__(AllReduceExchange)  # only its error handling
+    exchange.world, exchange.rank = 2, 0
+
+    def lost() -> None:
+        raise torch.distributed.DistBackendError("Connection closed by peer [10.0.0.2]:4242")
+
+    def bug() -> None:
+        raise TypeError("all_reduce() got an unexpected keyword argument 'opp'")
+
+    with pytest.raises(RuntimeError, match="rank 0: a peer did not join the all-reduce"):
+        exchange._collective(lost)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'opp'"):
+        exchange._collective(bug)
 
 
 def test_layout_for_the_job():

@@ -11,11 +11,12 @@
 
 from .client import MailboxClient, store_client
 from .mailbox import MailboxServer, ServerUnreachable
-from .pairs import LocalLink, PairLink, local_address_towards
+from .pairs import LINK_ERRORS, LocalLink, PairLink, local_address_towards
 from .peer import Reply
 from .wire import Packer, copy_received, join, split
 
 __all__ = [
+    "LINK_ERRORS",
     "LocalLink",
     "MailboxClient",
     "MailboxServer",

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .mailbox import CLOSED, IN_PROCESS, REQUESTS, MailboxServer, ServerUnreachable, push_control
-from .pairs import SERVER, LocalLink, PairLink, local_address_towards
+from .pairs import LINK_ERRORS, SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT
 from .wire import Packer, dumps, join, loads, split
 
@@ -108,7 +108,7 @@ class MailboxClient:
                 push_control(self.store, REQUESTS, dict(hello, host=bind))
                 prefix = f"gf/pair/{client}/{self.inc}"
                 self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
-        except Exception as exc:  # refused / timed out
+        except LINK_ERRORS as exc:  # refused / timed out / stopped serving
             log.warning("%s at %s is unreachable: %s", server_name, address, exc)
             raise ServerUnreachable(
                 f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"

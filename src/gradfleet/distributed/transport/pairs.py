@@ -41,9 +41,15 @@ import torch.distributed as dist
 
 from .wire import Packer, views
 
-__all__ = ["PairLink", "LocalLink", "local_address_towards"]
+__all__ = ["LINK_ERRORS", "PairLink", "LocalLink", "local_address_towards"]
 
 log = logging.getLogger(__name__)
+
+# What a dead, refusing or silent peer raises: socket errors (a refused or reset connection, a
+# timeout) and torch.distributed's store and gloo errors (``DistError`` is a RuntimeError), or
+# ``ServerUnreachable`` itself.  Caught by name where a peer's loss is expected, so that a bug
+# (a TypeError, a KeyError) is raised as itself instead of being reported as a lost peer.
+LINK_ERRORS: tuple[type[Exception], ...] = (OSError, RuntimeError)
 
 SERVER, CLIENT = 0, 1
 
@@ -231,7 +237,7 @@ class PairLink:
     def close(self) -> None:
         try:
             self.wait_sent()
-        except Exception as exc:  # the peer is gone: nothing to finish
+        except LINK_ERRORS as exc:  # the peer is gone: nothing to finish
             log.debug("pair link closed with unfinished sends: %s", exc)
         self._out = self._in = None  # type: ignore[assignment]
 

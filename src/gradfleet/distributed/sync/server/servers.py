@@ -26,7 +26,7 @@ import torch
 from ...hosting import HostedServer, probe
 from ...moving_average import ExponentialMovingAverage
 from ...replies import Answer
-from ...transport import MailboxClient, ServerUnreachable
+from ...transport import LINK_ERRORS, MailboxClient, ServerUnreachable
 from ..layout.pieces import Piece
 from .chief import SyncChief
 from .replicas_policy import ReplicasPolicy
@@ -139,7 +139,7 @@ class SyncServers:
                 self._probes[name] = probe(
                     addresses[ks[0]], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
                 )
-            except Exception as exc:  # died since it shared its address
+            except LINK_ERRORS as exc:  # died since it shared its address
                 raise ServerUnreachable(f"{name} is unreachable: {exc}") from None
         if self._probes:
             threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True).start()

@@ -212,7 +212,7 @@ class ReadAheadLinks:
                 self.clients.clients[k].notify(
                     "release", worker=self.worker, of_inc=inc, of_seq=seq
                 )
-            except Exception as exc:  # a dead shard: its answer's receive reports it
+            except ServerUnreachable as exc:  # a dead shard: its answer's receive reports it
                 log.info("worker rank %d: release to shard %d failed: %s", self.worker, k, exc)
 
     # ----------------------------------------------------------------- the links

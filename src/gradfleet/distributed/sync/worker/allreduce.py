@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ...apply import apply_gradients
 from ...moving_average import ExponentialMovingAverage
+from ...transport import LINK_ERRORS
 from ..outcome import Outcome
 from ..server.aggregator import TokenQueue
 
@@ -444,7 +445,7 @@ class AllReduceExchange:
             return None
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:
+        except LINK_ERRORS as exc:  # gloo's and NCCL's errors: a peer is missing
             log.error("rank %d: the all-reduce failed: %s", self.rank, exc)
             raise RuntimeError(
                 f"{_OWNER}(transport='allreduce'): rank {self.rank}: a peer did not join the "
