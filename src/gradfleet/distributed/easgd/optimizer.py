@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..apply import GradsAndVars
+from ..closing import close_at_exit, closed
 from ..wrapper import WrapperOptimizer, check_int
 from .async_centre import CENTRE_MODES  # with "async" registered
 from .centre import CentreStrategy
@@ -126,6 +127,7 @@ class ElasticAverageOptimizer(WrapperOptimizer):
         strategy.setup(params, self._comm)
         self._local_centre = [p.detach().clone() for p in params]
         self._index = {id(p): i for i, p in enumerate(params)}
+        close_at_exit(self)  # a program that never calls close() still leaves cleanly
 
     @staticmethod
     def _make_strategy(mode: str | CentreStrategy) -> CentreStrategy:
@@ -191,7 +193,9 @@ class ElasticAverageOptimizer(WrapperOptimizer):
     def close(self) -> None:
         """End of training, on every worker: asynchronous mode leaves the server (whose rank
         serves until every worker left) and stops its threads; the all-reduce mode has
-        nothing to release."""
+        nothing to release.  Called at the interpreter's exit if the program did not
+        (:mod:`..closing`)."""
+        closed(self)
         self._strategy.close()
 
     # ----------------------------------------------------------------- centre access/export

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..closing import close_at_exit, closed
 from ..moving_average import ExponentialMovingAverage
 from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .arguments import (
@@ -260,6 +261,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.server_address = self.exchange.server_address
         self.is_chief = self.exchange.is_chief
         self.dedicated = self.exchange.dedicated
+        close_at_exit(self)  # a program that never calls close() still leaves cleanly
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -448,7 +450,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
     def close(self) -> None:
         """Leave: tell every server; a server rank keeps serving until every worker (also one
         that has not said hello yet) left or has been silent for ``timeout`` seconds, then
-        stops its servers (shards, then chief)."""
+        stops its servers (shards, then chief).  Called at the interpreter's exit if the
+        program did not (:mod:`..closing`)."""
+        closed(self)
         self.exchange.close()
 
     def __enter__(self) -> SyncReplicasOptimizer:
