@@ -54,6 +54,7 @@ LAYERS = {
     "sync.worker.early_pushes": HOSTING,
     "sync.worker.error_latch": HOSTING,
     "dedicated": HOSTING,
+    "closing": HOSTING,
     "sync.layout.shard_layout": HOSTING,
     "wrapper": WRAPPERS,
     "sync.arguments": WRAPPERS,

@@ -78,6 +78,7 @@ class SyncServers:
         self._probes: dict[str, Callable[[], None]] = {}
         self._probe_failure: tuple[str, str] | None = None  # (whom, why): the probing thread's
         self._stop_probing = threading.Event()
+        self._prober: threading.Thread | None = None
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
@@ -142,7 +143,8 @@ class SyncServers:
             except LINK_ERRORS as exc:  # died since it shared its address
                 raise ServerUnreachable(f"{name} is unreachable: {exc}") from None
         if self._probes:
-            threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True).start()
+            self._prober = threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True)
+            self._prober.start()
 
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
@@ -216,3 +218,8 @@ class SyncServers:
             self._chief_server.close(end)
             self._chief_server = None
         self._stop_probing.set()
+        # a probe still inside its store call when the interpreter finalizes would be ended
+        # through torch's C++ frames, aborting the process (..closing): wait for it
+        if self._prober is not None:
+            self._prober.join(min(self.timeout, 5.0) + 1.0)
+            self._prober = None
