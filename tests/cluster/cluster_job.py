@@ -4,7 +4,8 @@ SyncReplicas, ``R = N - 1`` of ``N`` workers (one backup), the variables sharded
 ranks on hosts 0 and 1, a small MLP learning a teacher's labels (the benchmark's workload);
 ``--all``: R = N, shards on every rank, laid out for the job from the model.  ``--plain-end``:
 the program ends as a user's does (``close()``, then the interpreter's exit) instead of
-``os._exit(0)`` once its record is written.
+``os._exit(0)`` once its record is written; ``--no-close`` leaves ``close()`` out, as a program
+that forgets it does.
 
 ``--kill-host H --kill-at S``: the worker on host H is SIGKILLed once the other workers made S
 local steps (a machine lost mid-run; it is not a shard host unless H is 0 or 1): at their step
@@ -54,6 +55,7 @@ def main() -> None:
         action="store_true",
         help="end as a user's script does: close, then the interpreter's own exit",
     )
+    p.add_argument("--no-close", action="store_true", help="never call close()")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -95,7 +97,7 @@ def main() -> None:
     record["global_step"] = opt.global_step
     if record["errors"]:
         time.sleep(3)  # a shard host that saw the error keeps serving while the others see it
-    else:
+    elif not args.no_close:
         started = time.monotonic()
         opt.close()  # a server rank serves until every worker left
         record["close_s"] = time.monotonic() - started

@@ -103,13 +103,17 @@ CLOSE = 10  # seconds a close() may take: under 0.1 s here (0.9 s at 4M paramete
 
 def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_path: Path) -> None:
     """Three runs of a 4-host job ending as a user's script ends (``close()``, then the
-    interpreter's own exit; R = N, shards over every worker, the model given): every host's
+    interpreter's own exit; R = N, shards over every worker, the model given; the third run's
+    program never calls ``close()``, which is then done at the interpreter's exit): every host's
     torchrun agent exits 0 within seconds of the last worker's last update, and no worker's
     ``close()`` waits out its timeout.  An agent whose worker outlived the others (stuck in
     teardown) would hold every other agent in torch's 300 s exit barrier, then exit 1 once
-    host 0's store is gone.  The timeout is a user's (60 s, not the other tests' 10 s), so a
-    teardown that waits for it cannot hide inside the window: a server rank's ``close()``
-    returns once every worker said ``done``, within a step's time of its own last update."""
+    host 0's store is gone; so would an agent whose worker aborted at exit, as a program
+    without ``close()`` did on most hosts before it was closed at exit (threads woken inside
+    torch calls during finalization: SIGABRT).  The timeout is a user's (60 s, not the other
+    tests' 10 s), so a teardown that waits for it cannot hide inside the window: a server
+    rank's ``close()`` returns once every worker said ``done``, within a step's time of its
+    own last update."""
     cluster = make_cluster(4, "200mbit")
     for run in range(3):
         out = tmp_path / f"run-{run}"
@@ -118,7 +122,7 @@ def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_
         port = 29100 + (int(time.time()) + 17 * run) % 300
         procs = cluster.torchrun(
             [str(JOB), "--steps", "12", "--all", "--plain-end", "--timeout", str(TIMEOUT),
-             "--out", str(records)],
+             "--out", str(records), *(["--no-close"] if run == 2 else [])],
             cwd=ROOT, port=port, logs=out, rdzv_id=f"gfc-end-{run}",
         )  # fmt: skip
         try:
@@ -139,6 +143,6 @@ def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_
                  if (records / f"host-{h}.json").exists()]  # fmt: skip
         assert len(found) == 4, f"run {run}: records of {len(found)} hosts\n{logs}"
         assert all(r["errors"] == [] and r["global_step"] == 12 for r in found), found
-        closing = [r["close_s"] for r in found]
+        closing = [r.get("close_s", 0.0) for r in found]
         assert max(closing) < CLOSE, f"run {run}: close() took {closing} s\n{logs}"
         assert codes == [0, 0, 0, 0], f"run {run}: agents' exit codes {codes}\n{logs}"
