@@ -4,17 +4,14 @@ is left waiting in a torch.distributed call that a peer's exit would wake mid-fi
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gradfleet.distributed import closing
 
-ROOT = Path(__file__).resolve().parents[2]
+from .torchrun import torchrun
+
 JOB = Path(__file__).with_name("unclosed_job.py")
 
 
@@ -48,26 +45,9 @@ def test_a_job_that_never_calls_close_exits_0_on_every_rank(wrapper: str) -> Non
     """Three runs each: before, most such runs aborted at exit (SIGABRT, "terminate called
     without an active exception": 5 of 6 with SyncReplicas, 4 of 4 with asynchronous EASGD)
     and torchrun reported the job failed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(JOB), wrapper]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for run in range(3):
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # so a timeout can kill torchrun and its workers
-        )
-        try:
-            out, _ = proc.communicate(timeout=70)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"run {run}: the job did not end in 70 s:\n{out[-4000:]}")
+        code, out = torchrun(JOB, wrapper, timeout=70)
         assert "terminate called" not in out, f"run {run}:\n{out[-4000:]}"
-        assert proc.returncode == 0, f"run {run}: torchrun exited {proc.returncode}\n{out[-4000:]}"
+        assert code == 0, f"run {run}: torchrun exited {code}\n{out[-4000:]}"
         for rank in (0, 1):
             assert f"rank {rank} made 20 steps" in out, out[-4000:]
