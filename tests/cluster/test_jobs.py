@@ -108,12 +108,12 @@ def test_every_host_exits_0_within_seconds_of_the_last_update(make_cluster, tmp_
     torchrun agent exits 0 within seconds of the last worker's last update, and no worker's
     ``close()`` waits out its timeout.  An agent whose worker outlived the others (stuck in
     teardown) would hold every other agent in torch's 300 s exit barrier, then exit 1 once
-    host 0's store is gone; so would an agent whose worker aborted at exit, as a program
-    without ``close()`` did on most hosts before it was closed at exit (threads woken inside
-    torch calls during finalization: SIGABRT).  The timeout is a user's (60 s, not the other
-    tests' 10 s), so a teardown that waits for it cannot hide inside the window: a server
-    rank's ``close()`` returns once every worker said ``done``, within a step's time of its
-    own last update."""
+    host 0's store is gone.  An agent whose worker aborted at exit exits 1 at once and leaves
+    the others in that barrier: a program without ``close()`` did so on most hosts before it
+    was closed at exit (threads woken inside torch calls during finalization: SIGABRT).  The
+    timeout is a user's (60 s, not the other tests' 10 s), so a teardown that waits for it
+    cannot hide inside the window: a server rank's ``close()`` returns once every worker said
+    ``done``, within a step's time of its own last update."""
     cluster = make_cluster(4, "200mbit")
     for run in range(3):
         out = tmp_path / f"run-{run}"
