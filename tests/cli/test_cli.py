@@ -310,10 +310,8 @@ def test_the_rank_forkserver_preloads_nothing_that_touches_cuda() -> None:
         "    torch._C._cuda_getDeviceCount = refuse\n"
         "import importlib\n"
         "from gradfleet.cli.launch import RANK_PRELOAD\n"
-        "import sys\n"
         "for name in RANK_PRELOAD:\n"
-        "    importlib.import_module(name)\n"
-        "    assert name in sys.modules, name\n"
+        "    importlib.import_module(name)  # raises where the module reaches CUDA\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

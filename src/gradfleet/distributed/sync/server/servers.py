@@ -79,6 +79,7 @@ class SyncServers:
         self._probe_failure: tuple[str, str] | None = None  # (whom, why): the probing thread's
         self._stop_probing = threading.Event()
         self._prober: threading.Thread | None = None
+        self._probe_s = min(self.timeout, 5.0)  # how long one probe may wait for its answer
         if rank == self.ranks[0]:
             self.chief = SyncChief(
                 opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
@@ -138,7 +139,7 @@ class SyncServers:
             name = f"shard server rank {r} ({shards}) at {addresses[ks[0]]}"
             try:
                 self._probes[name] = probe(
-                    addresses[ks[0]], min(self.timeout, 5.0), connect_s=self.timeout + 10.0
+                    addresses[ks[0]], self._probe_s, connect_s=self.timeout + 10.0
                 )
             except LINK_ERRORS as exc:  # died since it shared its address
                 raise ServerUnreachable(f"{name} is unreachable: {exc}") from None
@@ -221,5 +222,5 @@ class SyncServers:
         # a probe still inside its store call when the interpreter finalizes would be ended
         # through torch's C++ frames, aborting the process (..closing): wait for it
         if self._prober is not None:
-            self._prober.join(min(self.timeout, 5.0) + 1.0)
+            self._prober.join(self._probe_s + 1.0)
             self._prober = None
