@@ -28,7 +28,8 @@ else:
         torch.optim.SGD(model.parameters(), lr=1e-2), 2, communication_period=2, mode="async"
     )
 generator = torch.Generator().manual_seed(info.rank)
-while opt.global_step < STEPS if sys.argv[1] == "sync-replicas" else opt.local_step < STEPS:
+counter = "global_step" if sys.argv[1] == "sync-replicas" else "local_step"
+while getattr(opt, counter) < STEPS:
     x = torch.randn(32, 64, generator=generator)
     y = torch.randint(0, 10, (32,), generator=generator)
     opt.zero_grad()

@@ -38,6 +38,8 @@ _registered = False
 def close_at_exit(obj: Closable) -> None:
     """Close ``obj`` at the interpreter's exit unless :func:`closed` was called for it."""
     global _registered
+    # registered with the first wrapper, not at import: atexit runs the last registered
+    # first, so this runs before any handler registered while the process group was set up
     if not _registered:
         atexit.register(_close_open)
         _registered = True
