@@ -21,6 +21,7 @@ import torch
 
 import gradfleet
 from gradfleet.distributed.replies import Answer
+from gradfleet.distributed.sync.job import Job
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.replicas_policy import (
     AutoReplicas,
@@ -59,8 +60,8 @@ class ChiefServer:
     def __init__(self, N: int, clock) -> None:
         self.x = torch.tensor(np.zeros(DIM), dtype=F64)
         self.chief = SyncChief(
-            gradfleet.GradientDescentOptimizer([self.x], LR), N, N, 0, timeout=1e9,
-            tokens="distinct", policy=AutoReplicas(), clock=clock,
+            gradfleet.GradientDescentOptimizer([self.x], LR),
+            Job(R=N, N=N, timeout=1e9, policy=AutoReplicas()), clock=clock,
         )  # fmt: skip
         self.tickets: dict[int, Reply] = {}
 
@@ -236,7 +237,7 @@ def test_chosen_replicas_and_applied_sums_match_a_float64_simulation_of_the_rule
 
 def test_fixed_replicas_history_records_every_update():
     x = torch.zeros(2, dtype=F64)
-    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 2, 3, 0, 10, tokens="distinct")
+    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), Job(R=2, N=3, timeout=10))
     for step in range(2):
         for w in range(2):
             chief.handle({"op": "step", "worker": w, "tag": step, "version": -1,
@@ -245,7 +246,7 @@ def test_fixed_replicas_history_records_every_update():
 
 
 def _view(rounds, rho, live=4):
-    return Decision(update=5, live=live, rounds=tuple(rounds), noise_scale=rho, previous=live)
+    return Decision(update=5, live=live, rounds=tuple(rounds), noise_scale=rho)
 
 
 @pytest.mark.parametrize(
@@ -264,8 +265,8 @@ def test_auto_takes_the_most_progress_per_second(rounds, rho, best):
 
 
 def test_auto_waits_for_everyone_until_it_has_measured():
-    assert AutoReplicas().choose(Decision(0, 4, None, 2.0, 4)) == 4
-    assert AutoReplicas().choose(Decision(0, 3, (1.0, 1.0, 9.0), None, 4)) == 3
+    assert AutoReplicas().choose(Decision(0, 4, None, 2.0)) == 4
+    assert AutoReplicas().choose(Decision(0, 3, (1.0, 1.0, 9.0), None)) == 3
 
 
 def test_measurements_expect_a_late_worker_to_need_as_long_again():
@@ -311,14 +312,15 @@ def test_a_policy_choosing_outside_the_live_workers_is_refused():
 
     x = torch.zeros(2, dtype=F64)
     with pytest.raises(ValueError, match=r"chose 4 .* must be an int in \[1, 3\]"):
-        SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 3, 3, 0, 10, tokens="distinct",
-                  policy=Bad())  # fmt: skip
+        SyncChief(gradfleet.GradientDescentOptimizer([x], LR), Job(R=3, N=3, policy=Bad()))
 
 
 def test_a_worker_leaving_lowers_the_pending_update_and_makes_it():
     x = torch.zeros(2, dtype=F64)
-    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 3, 3, 0, 10,
-                      tokens="distinct", policy=AutoReplicas())  # fmt: skip
+    chief = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], LR),
+        Job(R=3, N=3, timeout=10, policy=AutoReplicas()),
+    )
     replies = [Reply() for _ in range(3)]
     for w in range(2):
         for out in chief.handle(
@@ -344,8 +346,10 @@ def test_state_dict_carries_the_choices():
     chief = simulate(ChiefServer, updates=14).chief
     state = chief.state_dict()
     x = torch.zeros(DIM, dtype=F64)
-    again = SyncChief(gradfleet.GradientDescentOptimizer([x], LR), 4, 4, 0, 1e9,
-                      tokens="distinct", policy=AutoReplicas())  # fmt: skip
+    again = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], LR),
+        Job(R=4, N=4, timeout=1e9, policy=AutoReplicas()),
+    )
     again.load_state_dict(state)
     assert again.history == chief.history
     assert again.replicas[again.global_step] == chief.replicas[chief.global_step]
@@ -371,9 +375,9 @@ def test_a_shard_lowers_its_update_when_the_chief_says_so():
     from gradfleet.distributed.sync.server.shards import Applied, Shard, ShardServer
 
     x = torch.zeros(2, dtype=F64)
-    shard = Shard(gradfleet.GradientDescentOptimizer([x], LR), [0], 3)
+    shard = Shard(gradfleet.GradientDescentOptimizer([x], LR), [0], Job(R=3, N=3, timeout=10.0))
     shard.measure()
-    server = ShardServer(1, shard, 3, 10.0)
+    server = ShardServer(1, shard, Job(R=3, N=3, timeout=10.0))
     for w in range(2):
         grads = [torch.full((2,), float(w + 1), dtype=F64)]
         out = server.handle({"op": "push", "worker": w, "tag": 0, "r": 3, "grads": grads}, Reply())

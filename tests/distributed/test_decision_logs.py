@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gradfleet
+from gradfleet.distributed.sync.job import Job
 from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.transport import MailboxClient, MailboxServer
@@ -43,7 +44,9 @@ def test_nonfinite_gradient_dropped_is_logged(caplog):
 
 def test_forgotten_and_lost_workers_are_logged_by_the_chief(caplog):
     x = torch.zeros(1, requires_grad=True)
-    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], 1.0), 1, 3, 1, timeout=0.01)
+    chief = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], 1.0), Job(1, 3, "shared", 1, timeout=0.01)
+    )
     with caplog.at_level(logging.INFO, logger="gradfleet.distributed.membership"):
         serve(chief, {"op": "done", "worker": 2, "forgotten": True})
         assert chief.silent_workers(now=chief.members.start + 1.0) == [0, 1]
@@ -54,7 +57,11 @@ def test_forgotten_and_lost_workers_are_logged_by_the_chief(caplog):
 
 def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog):
     x = torch.zeros(1, requires_grad=True)
-    chief = SyncChief(gradfleet.GradientDescentOptimizer([x], 1.0), 2, 2, 0, 10, num_shards=2)
+    chief = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], 1.0),
+        Job(2, 2, "shared", 0, timeout=10),
+        num_shards=2,
+    )
     waiting = serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
     with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
         for answer in chief.unreachable("shard server rank 1 is unreachable"):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.sync.server.shards import check_server_ranks
+from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.layout.assignment import check_server_ranks
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import dedicated_ranks
@@ -214,7 +215,7 @@ def test_a_dedicated_shard_takes_the_workers_hyperparameters_and_a_colocated_one
     for dedicated, lr in ((True, 0.25), (False, 1.0)):
         x = torch.zeros(2, dtype=torch.float64)
         source = torch.optim.SGD([x], lr=1.0)
-        shard = Shard(source, [0], 1)
+        shard = Shard(source, [0], Job(R=1, N=1))
         shard.follow_workers = dedicated
         shard.follow([{"lr": 0.25, "momentum": 0.0}])
         accepted, updated = shard.push(0, 0, [torch.tensor([1.0, -2.0], dtype=torch.float64)])

@@ -16,10 +16,12 @@ import time
 import pytest
 import torch
 
-from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.layout.assignment import round_robin
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.read_ahead import Held, HeldPushes
-from gradfleet.distributed.sync.server.shards import Shard, ShardServer, round_robin
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer
+from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.sync.worker.shard_clients import push_data
 
 from .test_sync_replicas import FakeReply, serve
@@ -48,12 +50,10 @@ class AheadCluster:
         self.withhold, self.withheld = withhold, 0
         self.shapes = [[tuple(params[i].shape) for i in part] for part in self.parts]
         tokens = init_tokens(num_tokens, R, N)
-        self.chief = SyncChief(
-            opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0], num_shards=shards
-        )
+        job = Job(R, N, "shared", tokens, timeout=10, last_step=last_step)
+        self.chief = SyncChief(opt, job, indices=self.parts[0], num_shards=shards)
         self.shards = [
-            ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step), N, 10)
-            for k in range(1, shards)
+            ShardServer(k, Shard(make_opt(), self.parts[k], job), job) for k in range(1, shards)
         ]
         self.local = [0] * N
         self.versions = [[0] * shards for _ in range(N)]
@@ -222,7 +222,7 @@ def test_a_token_request_waits_for_the_push_it_names():
     """The token request overtook its push (control travels apart from tensors): the chief
     answers it only once that push is in, as TF dequeues a token after its push."""
     make = _model_opt("sgd")
-    chief = SyncChief(make(), 1, 1, 1, 10, indices=[0, 1], num_shards=2)
+    chief = SyncChief(make(), Job(1, 1, "shared", 1, timeout=10), indices=[0, 1], num_shards=2)
     ask = {"op": "step", "worker": 0, "tag": 0, "version": -1, "values": False,
            "after_inc": "i", "after_seq": 5}  # fmt: skip
     token = serve(chief, ask)
@@ -243,7 +243,7 @@ def test_a_push_that_a_token_request_follows_keeps_its_workers_place_in_line():
     instead of taking it.  Without the place in line the run leaves lockstep: worker 0 takes
     both tokens, and worker 1 waits for an update that needs its own next gradient."""
     make = _model_opt("sgd")
-    chief = SyncChief(make(), 2, 2, 0, 10, indices=[0, 1], num_shards=2)
+    chief = SyncChief(make(), Job(2, 2, "shared", 0, timeout=10), indices=[0, 1], num_shards=2)
     grads = [torch.ones(2, dtype=F64), torch.ones(3, 2, dtype=F64)]
 
     def push(w, seq, tag):
@@ -276,7 +276,7 @@ def test_a_place_in_line_never_asked_for_times_out_or_goes_back():
     """A placeholder whose worker's request never comes: past ``timeout`` its error waits for
     that request; a worker that leaves gives back a token it never asked for."""
     make = _model_opt("sgd")
-    chief = SyncChief(make(), 1, 2, 0, 10, indices=[0, 1], num_shards=2)
+    chief = SyncChief(make(), Job(1, 2, "shared", 0, timeout=10), indices=[0, 1], num_shards=2)
     grads = [torch.ones(2, dtype=F64), torch.ones(3, 2, dtype=F64)]
     push = {"op": "push", "worker": 1, "tag": 0, "inc": "i", "seq": 1, "grads": grads,
             "ahead": 0, "token_follows": True}  # fmt: skip
@@ -288,7 +288,7 @@ def test_a_place_in_line_never_asked_for_times_out_or_goes_back():
     assert late.payload["error"] == "TimeoutError"
     assert "worker rank 1 waited" in late.payload["message"]
 
-    chief = SyncChief(make(), 1, 2, 0, 10, indices=[0, 1], num_shards=2)
+    chief = SyncChief(make(), Job(1, 2, "shared", 0, timeout=10), indices=[0, 1], num_shards=2)
     serve(chief, push)
     serve(chief, {"op": "applied", "shard": 1, "step": 1})  # 2 tokens: one kept for worker 1
     assert len(chief.tokens) == 1

@@ -110,11 +110,13 @@ def _equal(a, b):
 def test_readiness_hands_over_what_one_gradient_completes_together():
     """A parameter cut over shards 1-3 completes them with one gradient: one hand-over of all
     three (so they go out in push order), and each shard once per step."""
+    from gradfleet.distributed.sync.layout.shard_layout import shards_holding
     from gradfleet.distributed.sync.worker.overlap import ShardReadiness
 
     big, small = torch.zeros(6, requires_grad=True), torch.zeros(2, requires_grad=True)
     calls = []
-    ready = ShardReadiness([big, small], [[1], [0], [0], [0, 1]], calls.append, "test")
+    owners = [[1], [0], [0], [0, 1]]
+    ready = ShardReadiness([big, small], owners, shards_holding(owners), calls.append, "test")
     try:
         (big.sum() * 0).backward()
         assert calls == [[1, 2]]  # shard 3 also waits for `small`

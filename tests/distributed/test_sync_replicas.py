@@ -11,8 +11,10 @@ import torch
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
 from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.server.aggregator import GradientAggregator, init_tokens
+from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
+from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import run_ranks
 
 from . import sync_ranks
@@ -62,10 +64,7 @@ class Sim:
     def __init__(self, R, N, num_tokens):
         self.server = SyncChief(
             gradfleet.GradientDescentOptimizer(tf_vars(), 2.0),
-            R,
-            N,
-            init_tokens(num_tokens, R, N),
-            timeout=10,
+            Job(R, N, "shared", init_tokens(num_tokens, R, N), timeout=10),
         )
         self.local = [0] * N
 
@@ -224,7 +223,9 @@ def test_random_schedules_match_reference(seed):
     grads = {k: [[rnd.uniform(-1, 1), rnd.uniform(-1, 1)]] for k in range(N)}
     schedule = [rnd.randrange(N) for _ in range(200)]
     x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
-    server = SyncChief(gradfleet.GradientDescentOptimizer([x], 0.3), R, N, tokens, 10)
+    server = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], 0.3), Job(R, N, "shared", tokens, timeout=10)
+    )
     local, pending = [0] * N, [None] * N
     for k in schedule:
         if pending[k] is None:
@@ -272,7 +273,8 @@ def reference_fifo(R, N, num_tokens, schedule, grads, lr):
 def test_several_batches_per_update_when_n_below_r():
     x = torch.tensor([1.0], requires_grad=True)
     server = SyncChief(
-        gradfleet.GradientDescentOptimizer([x], 1.0), 2, 1, init_tokens(-1, 2, 1), 10
+        gradfleet.GradientDescentOptimizer([x], 1.0),
+        Job(2, 1, "shared", init_tokens(-1, 2, 1), timeout=10),
     )
     local = 0
     for g in (1.0, 3.0):  # one worker, two batches, one update averaging both
@@ -290,7 +292,10 @@ def test_several_batches_per_update_when_n_below_r():
 def test_moving_average_after_each_update():
     x = torch.tensor([0.0], requires_grad=True)
     ema = ExponentialMovingAverage(0.5)
-    server = SyncChief(gradfleet.GradientDescentOptimizer([x], 1.0), 1, 1, 1, 10, ema, [0])
+    server = SyncChief(
+        gradfleet.GradientDescentOptimizer([x], 1.0),
+        Job(1, 1, "shared", 1, timeout=10, ema=ema, averaged=(0,)),
+    )
     for _ in range(2):
         serve(
             server,

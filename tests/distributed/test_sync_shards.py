@@ -18,15 +18,11 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
-from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.layout.assignment import assign, by_bytes, round_robin
 from gradfleet.distributed.sync.server.chief import SyncChief
-from gradfleet.distributed.sync.server.shards import (
-    Shard,
-    ShardServer,
-    assign,
-    by_bytes,
-    round_robin,
-)
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer
+from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks
@@ -47,16 +43,14 @@ class Cluster:
         S = max(shards, 1)
         self.parts = round_robin(count, S)
         tokens = init_tokens(num_tokens, R, N)
+        job = Job(R, N, "shared", tokens, timeout=10, last_step=last_step)
         if shards == 0:
-            self.chief = SyncChief(opt, R, N, tokens, 10, last_step=last_step)
+            self.chief = SyncChief(opt, job)
         else:
-            self.chief = SyncChief(
-                opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0], num_shards=S
-            )
+            self.chief = SyncChief(opt, job, indices=self.parts[0], num_shards=S)
         self.shards = []
         for k in range(1, S):
-            server = ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step), N, 10)
-            self.shards.append(server)
+            self.shards.append(ShardServer(k, Shard(make_opt(), self.parts[k], job), job))
         self.local = [0] * N
         self.count = count
 

@@ -22,6 +22,8 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
+from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.layout.assignment import assign
 from gradfleet.distributed.sync.layout.pieces import (
     ELEMENTWISE_TORCH,
     check_dense,
@@ -31,9 +33,9 @@ from gradfleet.distributed.sync.layout.pieces import (
     split_optimizer,
     view,
 )
-from gradfleet.distributed.sync.server.aggregator import init_tokens
 from gradfleet.distributed.sync.server.chief import SyncChief
-from gradfleet.distributed.sync.server.shards import Shard, ShardServer, assign
+from gradfleet.distributed.sync.server.shards import Shard, ShardServer
+from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import run_ranks
 
 from . import dedicated_ranks, overlap_ranks, sync_ranks
@@ -79,15 +81,14 @@ class SplitCluster(Cluster):
         self.pieces = plan(params, shards)
         self.parts = assign([view(params[pc.index], pc) for pc in self.pieces], shards, how)
         tokens = init_tokens(num_tokens, R, N)
+        job = Job(R, N, "shared", tokens, timeout=10, last_step=last_step)
         self.chief = SyncChief(
-            opt, R, N, tokens, 10, last_step=last_step, indices=self.parts[0],
-            num_shards=shards, pieces=self.pieces,
-        )  # fmt: skip
+            opt, job, indices=self.parts[0], num_shards=shards, pieces=self.pieces
+        )
         self.shards = [
-            ShardServer(k, Shard(make_opt(), self.parts[k], R, last_step=last_step,
-                                 pieces=self.pieces), N, 10)
+            ShardServer(k, Shard(make_opt(), self.parts[k], job, self.pieces), job)
             for k in range(1, shards)
-        ]  # fmt: skip
+        ]
         self.local = [0] * N
         self.shapes = [p.shape for p in params]
 
@@ -224,20 +225,20 @@ def test_split_state_dict_round_trip_in_process():
     params = [p for g in make().param_groups for p in g["params"]]
     pieces = plan(params, 2)
     parts = assign([view(params[pc.index], pc) for pc in pieces], 2, "split")
-    a = Shard(make(), parts[1], 1, pieces=pieces)
+    a = Shard(make(), parts[1], Job(1, 1), pieces=pieces)
     grads = [torch.ones_like(a_p) for a_p in a.params]
     a.push(0, 0, [g.clone() for g in grads])  # the accumulators may take the tensors over
     buffer = io.BytesIO()  # saved and loaded as a checkpoint is (it must not share tensors)
     torch.save(a.state_dict(), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    b = Shard(make(), parts[1], 1, pieces=pieces)
+    b = Shard(make(), parts[1], Job(1, 1), pieces=pieces)
     b.load_state_dict(saved)
     for shard in (a, b):
         shard.push(0, 1, [g.clone() for g in grads])
     for x, y in zip(a.params, b.params, strict=True):
         assert torch.equal(x, y)
-    other = Shard(make(), parts[0], 1, pieces=pieces)
+    other = Shard(make(), parts[0], Job(1, 1), pieces=pieces)
     with pytest.raises(ValueError, match="checkpoint shard holds parameters"):
         other.load_state_dict(saved)
 

@@ -10,9 +10,10 @@ import torch
 
 import gradfleet
 from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.server.aggregator import init_tokens
+from gradfleet.distributed.sync.job import Job
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.token_line import TokenLine, unfillable
+from gradfleet.distributed.sync.tokens import init_tokens
 
 F64 = torch.float64
 LR = 0.5
@@ -35,12 +36,7 @@ class Workers:
         self.x = torch.tensor([1.0, -2.0, 0.5], dtype=F64, requires_grad=True)
         self.chief = SyncChief(
             gradfleet.GradientDescentOptimizer([self.x], LR),
-            R,
-            N,
-            init_tokens(num_tokens, R, N),
-            timeout=10,
-            last_step=last_step,
-            tokens=tokens,
+            Job(R, N, tokens, init_tokens(num_tokens, R, N), timeout=10, last_step=last_step),
         )
         self.local = [0] * N
         self.read = [self.values() for _ in range(N)]  # what each worker computed on

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradfleet.distributed.sync.job import Job
 from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.shards import Shard, ShardServer
@@ -75,7 +76,8 @@ def test_a_shard_answers_a_withheld_push_as_a_stale_one():
     """A read-ahead push without gradients, tag below the shard's step: answered at once, not
     accepted, without values (the worker reads after its token), counted dropped; the next
     update still waits for R fresh gradients."""
-    server = ShardServer(1, Shard(_opt(), [0, 1], 2), 3, 10)
+    job = Job(R=2, N=3, timeout=10)
+    server = ShardServer(1, Shard(_opt(), [0, 1], job), job)
     for w in (0, 1):  # update 1
         push = {"op": "push", "worker": w, "tag": 0, "grads": grads(), "ahead": 0}
         serve(server, push, perform=lambda applied: None)
@@ -97,7 +99,7 @@ def test_a_shard_answers_a_withheld_push_as_a_stale_one():
 def test_the_chief_takes_a_withheld_gradient_with_a_token_request():
     """One server: the gradients travel with the token request (``step``); withheld, the
     request still pushes (counted dropped, not accepted) and gets a token."""
-    chief = SyncChief(_opt(), 1, 2, num_tokens=0, timeout=10)
+    chief = SyncChief(_opt(), Job(R=1, N=2, tokens="shared", initial_tokens=0, timeout=10))
     first = serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": grads(), "version": -1})
     assert first.payload["accepted"] and chief.global_step == 1
     late = serve(chief, {"op": "step", "worker": 1, "tag": 0, "withheld": True, "version": 1})

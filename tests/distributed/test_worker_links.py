@@ -187,14 +187,14 @@ def test_a_streamed_step_is_held_by_the_exchange_and_waited_on_per_shard():
         for m, o in ((reference, ref), (model, opt)):
             _loss(m, 0).backward()
             o.step()
-        step = opt.exchange.pending_step
+        step = opt.exchange._pending
         assert isinstance(step, PendingStep) and sorted(step.left) == [0, 1]
         assert opt.reads_pending and opt.counters == {"accepted": 0, "dropped": 0}
         opt.exchange.wait_reads([1])
         assert step.left == [0] and opt.reads_pending
         assert opt.counters == {"accepted": 0, "dropped": 0}
         opt.exchange.wait_reads([0])
-        assert not opt.reads_pending and opt.exchange.pending_step is None
+        assert not opt.reads_pending and opt.exchange._pending is None
         assert (opt.counters, opt.global_step) == (ref.counters, ref.global_step)
         assert opt.last_gradient_accepted is ref.last_gradient_accepted is True
         for a, b in zip(model.parameters(), reference.parameters(), strict=True):

@@ -45,17 +45,18 @@ def announce(
     params: Sequence[torch.Tensor],
     ranks: Sequence[int],
     parts: Sequence[Sequence[int]],
+    workers: int,
 ) -> None:
     """Worker side of steps 1-3 (every worker calls it; rank 0's arguments count): the spec,
-    the servers' statuses, then each dedicated rank (``ranks[k] >= N``) gets the variables of
-    the shards ``k`` it hosts (``parts[k]``: indices of ``params``, which are the pieces'
-    views with ``shard_assignment="split"``), in shard order."""
+    the servers' statuses, then each dedicated rank (``ranks[k] >= workers``) gets the
+    variables of the shards ``k`` it hosts (``parts[k]``: indices of ``params``, which are the
+    pieces' views with ``shard_assignment="split"``), in shard order."""
     box = [spec]
     dist.broadcast_object_list(box, src=0)
     check_statuses(None)
     if dist.get_rank() != 0:
         return
-    for rank in sorted({r for r in ranks if r >= spec["N"]}):
+    for rank in sorted({r for r in ranks if r >= workers}):
         for k, idx in enumerate(parts):
             if ranks[k] != rank:
                 continue
@@ -99,9 +100,11 @@ class HyperparameterPusher:
 
 
 def sync_spec(
-    params: Sequence[torch.Tensor], opt: torch.optim.Optimizer, **fields: Any
+    params: Sequence[torch.Tensor], opt: torch.optim.Optimizer, job: Any, placement: Any
 ) -> dict[str, Any]:
-    """Step 1's spec of a ``SyncReplicasOptimizer`` (``fields``: its arguments)."""
+    """Step 1's spec of a ``SyncReplicasOptimizer``: its ``job`` (:class:`~.sync.job.Job`)
+    and ``placement`` (:class:`~.sync.layout.assignment.Placement`) whole, the variables'
+    shapes and dtypes, and the wrapped optimizer's parameter groups."""
     groups = [
         {"count": len(g["params"]), "hyper": {k: v for k, v in g.items() if k not in _PRIVATE}}
         for g in opt.param_groups
@@ -110,5 +113,6 @@ def sync_spec(
         "kind": SYNC,
         "layout": [(list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params],
         "groups": groups,
-        **fields,
+        "job": job,
+        "placement": placement,
     }

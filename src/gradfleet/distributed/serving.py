@@ -7,9 +7,9 @@ server rank calls :func:`serve` (or builds a :class:`ParameterServer`) instead o
 server learns everything from the first worker, during the wrappers' construction (which every
 rank of the job enters together):
 
-1. rank 0 broadcasts the job's *spec*: which wrapper, its arguments (R, N, tokens, timeout,
-   ``last_step``, ``nonfinite``, the moving averages), the variables' shapes and dtypes, the
-   shard assignment and the wrapped optimizer's parameter groups;
+1. rank 0 broadcasts the job's *spec*: which wrapper, its arguments (SyncReplicas: its whole
+   :class:`~.sync.job.Job` and the layout's :class:`~.sync.layout.assignment.Placement`), the
+   variables' shapes and dtypes and the wrapped optimizer's parameter groups;
 2. every rank gathers every rank's status: a dedicated server that cannot serve that spec (no
    ``optimizer`` factory for SyncReplicas, a checkpoint of another layout) makes every rank
    raise the same error naming it, instead of a hang;
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .easgd.centre_server import CentreServer
 from .hosting import HostedServer, gather_addresses, server_host, share_address
-from .sync.layout.pieces import Piece, view, whole
+from .sync.layout.pieces import view, whole
 from .sync.server.servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
@@ -88,7 +88,6 @@ class ParameterServer:
         self._centre: CentreServer | None = None
         self._hosted: HostedServer | None = None
         self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
-        self._pieces: list[Piece] | None = None  # shard_assignment="split"
         try:
             tensors = self._prepare(optimizer, state)
             problem = None
@@ -119,10 +118,9 @@ class ParameterServer:
                 "SyncReplicasOptimizer, e.g. lambda groups: torch.optim.SGD(groups), got "
                 f"{factory!r}"
             )
-        ranks, parts = spec["ranks"], spec["parts"]
-        # split: parts index the pieces (made Pieces again in case they came as sequences)
-        self._pieces = [Piece(*pc) for pc in spec["pieces"]] if spec.get("pieces") else None
-        pieces = self._pieces or whole(len(spec["layout"]))
+        placement = spec["placement"]
+        ranks, parts = placement.ranks, placement.parts
+        pieces = placement.pieces or whole(len(spec["layout"]))
         here = [pieces[j] for k, r in enumerate(ranks) if r == self.rank for j in parts[k]]
         hosted = {pc.index for pc in here}
         self._values = [
@@ -148,7 +146,7 @@ class ParameterServer:
     def _check_sync_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != SYNC:
             raise ValueError(f"state= holds a {state.get('kind')!r} server, not {SYNC}")
-        ranks = self.spec["ranks"]
+        ranks = self.spec["placement"].ranks
         want = {k for k, r in enumerate(ranks) if r == self.rank and k}
         have = {int(k) for k in state.get("shards", {})}
         if have != want or (state.get("server") is None) != (ranks[0] != self.rank):
@@ -169,15 +167,10 @@ class ParameterServer:
             self._hosted = HostedServer(self._centre, self._centre.members, host, "EASGD centre")
             share_address(self._hosted.address, self.rank)
             return
-        ranks = spec["ranks"]
+        ranks = spec["placement"].ranks
         self._sync = SyncServers(
-            self._opt, spec["parts"], ranks, self.rank, host,
-            replicas_to_aggregate=spec["R"], total_num_replicas=spec["N"],
-            num_tokens=spec["tokens"], timeout=spec["timeout"], ema=spec["ema"],
-            average_indices=spec["averaged"], nonfinite=spec["nonfinite"],
-            last_step=spec["last_step"], hyperparameters_from_workers=True,
-            pieces=self._pieces, tokens=spec.get("token_rule", "shared"),
-            policy=spec.get("policy"),
+            self._opt, spec["job"], spec["placement"], self.rank, host,
+            hyperparameters_from_workers=True,
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:

@@ -134,8 +134,9 @@ class AsyncCentre(CentreStrategy):
                         (list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params
                     ],
                 }  # fmt: skip
-                spec["N"] = self.num_worker
-                announce(spec, params, [self.server_rank], [list(range(len(params)))])
+                announce(
+                    spec, params, [self.server_rank], [list(range(len(params)))], self.num_worker
+                )
             host = server_host(self.host, "AsyncCentre", group)  # collective over the group
             if comm.rank == self.server_rank:
                 self._server = CentreServer(params, self.num_worker, self.timeout)

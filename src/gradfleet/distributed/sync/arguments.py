@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from ..wrapper import check_int
-from .server.aggregator import NONFINITE_POLICIES, init_tokens
+from .finite import NONFINITE_POLICIES
 from .server.replicas_policy import AutoReplicas, ReplicasPolicy
 from .server.token_line import TOKEN_RULES
+from .tokens import init_tokens
 
 __all__ = [
     "average_indices",

@@ -73,12 +73,14 @@ from .arguments import (
     replicas_policy,
     resolve_worker,
 )
+from .exchange import Exchange
+from .job import Job
+from .layout.assignment import SPLITTING, check_server_ranks
 from .layout.shard_layout import choose_layout
 from .outcome import Outcome
 from .server.replicas_policy import ReplicasPolicy
-from .server.shards import SPLITTING, check_server_ranks
+from .server_exchange import ServerExchange, as_addresses
 from .worker.allreduce import AllReduceExchange
-from .worker.server_exchange import Job, ServerExchange, as_addresses
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -237,26 +239,25 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite)
-        # the exchange, chosen once: complete in itself
-        self.exchange: AllReduceExchange | ServerExchange
+        # the job, described once, and the exchange, chosen once: complete in itself
+        job = Job(
+            R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
+            nonfinite=nonfinite, last_step=last_step, ema=variable_averages,
+            averaged=tuple(averaged), global_step=start, policy=policy,
+        )  # fmt: skip
+        self.exchange: Exchange
         if transport == "allreduce":
-            self.exchange = AllReduceExchange(
-                self.optimizer, N, rule, initial, nonfinite, variable_averages, averaged, start,
-                last_step, self.overlap,
-            )  # fmt: skip
+            self.exchange = AllReduceExchange(self.optimizer, job, self.overlap)
         else:
-            job = Job(
-                R, N, rule, initial, float(timeout), nonfinite, last_step, variable_averages,
-                averaged, start, policy,
-            )  # fmt: skip
-            self.exchange = ServerExchange(
+            servers = ServerExchange(
                 self.optimizer, job, worker=self.worker, ranks=ranks,
                 shard_assignment=shard_assignment, overlap=self.overlap, host=host,
                 given=as_addresses(server_address), settle=self._settle,
             )  # fmt: skip
-            self.local_step = self.global_step = self.exchange.start_step
-            if model is not None and self.exchange.reads_ahead:
+            self.exchange = servers
+            if model is not None and servers.reads_ahead:
                 self.stream_reads(model)
+        self.local_step = self.global_step = self.exchange.start_step
         self.server_addresses = self.exchange.server_addresses
         self.server_address = self.exchange.server_address
         self.is_chief = self.exchange.is_chief
@@ -280,7 +281,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         """TF's worker train op: push, dequeue a token, ``local_step := token``; then
         ``global_step`` (a 0-dim int tensor, required as in TF) holds the server's step."""
         pairs = check_grads_and_vars(_OWNER, grads_and_vars)
-        self.wait_reads()
         self.exchange.check_own_gradients()
         if global_step is None:
             raise ValueError(f"{_OWNER}: Global step is required to check staleness")
@@ -292,15 +292,14 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                     f"{tuple(v.shape)} is not managed by the wrapped optimizer"
                 )
             grads[self._index[id(v)]] = g
-        self._sync(grads)
-        self.wait_reads()  # TF's train op ends with the variables read
+        self._sync(grads, stream=False)  # TF's train op ends with the variables read
         with torch.no_grad():
             global_step.fill_(self.global_step)
 
-    def _sync(self, grads: list[torch.Tensor | None]) -> None:
-        self.wait_reads()
+    def _sync(self, grads: list[torch.Tensor | None], stream: bool = True) -> None:
+        """One step through the exchange (which first waits for the last step's reads)."""
         outcome: Outcome = self.exchange.step(
-            self.local_step, [None if g is None else g.detach() for g in grads]
+            self.local_step, [None if g is None else g.detach() for g in grads], stream
         )
         self.local_step = outcome.local_step
         if outcome.accepted is None:  # streamed reads: decided once every shard's values are in
@@ -331,12 +330,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
     @property
     def streaming(self) -> bool:
         """Does ``step()`` leave the reads to the next forward (:meth:`stream_reads`)?"""
-        return isinstance(self.exchange, ServerExchange) and self.exchange.streamed.on
+        return self.exchange.streaming
 
     @property
     def reads_pending(self) -> bool:
         """Are values of the last step still coming in (streamed reads)?"""
-        return isinstance(self.exchange, ServerExchange) and self.exchange.reads_pending
+        return self.exchange.reads_pending
 
     def wait_reads(self) -> None:
         """Until every value of the last step is loaded, and its verdict recorded

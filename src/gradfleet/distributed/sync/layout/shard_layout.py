@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from ...transport import copy_received
-from ..server.shards import SPLITTING, assign
+from .assignment import SPLITTING, Placement, assign
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
 
-__all__ = ["ShardLayout", "choose_layout"]
+__all__ = ["ShardLayout", "choose_layout", "shards_holding"]
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,25 @@ def choose_layout(
     return "backward_order", ranks * per_rank
 
 
+def shards_holding(owners: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """Parameter index -> the shards holding a piece of it, from ``owners`` (the parameter
+    indices of each shard's pieces; a cut parameter is in several shards)."""
+    out: dict[int, list[int]] = {}
+    for k, idx in enumerate(owners):
+        for i in sorted(set(idx)):
+            out.setdefault(i, []).append(k)
+    return out
+
+
 class ShardLayout:
     """Which pieces of which parameters each shard holds, and each shard's values and
-    gradients as views of the worker's own tensors (module docstring).
+    gradients as views of the worker's own tensors (module docstring): the one map of the
+    parameters to the shards, which every other part of the worker reads.
 
     ``pieces``: every piece (the whole parameters unless split); ``parts[k]``: the piece
-    numbers of shard ``k``; ``split``: the pieces when parameters were cut, else None."""
+    numbers of shard ``k``; ``split``: the pieces when parameters were cut, else None;
+    ``owners[k]``: the parameter indices shard ``k`` holds a piece of; ``shards_of[i]``: the
+    shards holding a piece of parameter ``i``; ``placement``: what the servers are told."""
 
     def __init__(
         self,
@@ -85,6 +98,9 @@ class ShardLayout:
         self.split = self._plan_split(optimizer, how, ema, len(ranks))
         self.pieces = self.split or whole(len(self.params))
         self.parts = assign(self.views(self.params), len(ranks), how, ranks)
+        self.owners = [[self.pieces[j].index for j in idx] for idx in self.parts]
+        self.shards_of = shards_holding(self.owners)
+        self.placement = Placement(list(ranks), self.parts, self.split)
 
     def _plan_split(
         self, optimizer: torch.optim.Optimizer, how: str, ema: Any, num_shards: int
@@ -112,10 +128,6 @@ class ShardLayout:
         return [
             None if tensors[pc.index] is None else view(tensors[pc.index], pc) for pc in self.pieces
         ]
-
-    def owners(self) -> list[list[int]]:
-        """The parameter indices each shard holds a piece of."""
-        return [[self.pieces[j].index for j in idx] for idx in self.parts]
 
     def shard_params(self, k: int) -> list[torch.Tensor]:
         """Shard ``k``'s variables on this worker: parameters, or views of them (split)."""

@@ -22,82 +22,22 @@ dense slot counts as zeros (the push is one contribution), a variable that recei
 every accepted push averages to ``None`` (the wrapped optimizer skips it); per-worker counters of
 accepted / dropped / rejected pushes; ``nonfinite`` policy for NaN/Inf gradients.
 
-``TokenQueue`` is TF's ``sync_token_q``: a FIFO of global-step values; the chief enqueues
-``max(N, R)`` copies of the new step after every update; a worker dequeues one after each push
-and uses it as its next tag.  ``init_tokens`` is ``get_init_tokens_op``'s ``num_tokens`` rule.
+TF's token queue is :mod:`..tokens`; the non-finite check and policies are :mod:`..finite`.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["GradientAggregator", "TokenQueue", "init_tokens", "all_finite", "NONFINITE_POLICIES"]
+from ..finite import NONFINITE_POLICIES, all_finite
 
-NONFINITE_POLICIES = ("raise", "drop", "apply")
+__all__ = ["GradientAggregator"]
 
 log = logging.getLogger(__name__)
-
-
-def all_finite(g: torch.Tensor) -> bool:
-    """No NaN/Inf in ``g`` (dense or sparse).  One pass, no temporary: ``aminmax`` propagates
-    NaN and keeps +-Inf (``isfinite(g).all()`` allocates a mask and is ~20x slower).  On the
-    CPU the two results are checked as Python floats (three more tensor ops cost 3x the whole
-    check at 1e4 elements, where a server checks every push); on a device, with tensor ops
-    and one synchronisation instead of two."""
-    if g.is_sparse:
-        g = g._values()
-    if g.is_complex():
-        g = torch.view_as_real(g)
-    if not g.is_floating_point() or g.numel() == 0:
-        return True
-    low, high = torch.aminmax(g)
-    if g.device.type == "cpu":
-        return math.isfinite(low.item()) and math.isfinite(high.item())
-    return bool(torch.isfinite(low) & torch.isfinite(high))
-
-
-def init_tokens(num_tokens: int, replicas_to_aggregate: int, total_num_replicas: int) -> int:
-    """Initial tokens, TF's ``get_init_tokens_op(num_tokens)`` rule: ``-1`` means ``R``; fewer
-    than ``R - N`` cannot finish the first step (``ValueError``, TF's message)."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
-    needed = replicas_to_aggregate - total_num_replicas
-    if num_tokens == -1:
-        return replicas_to_aggregate
-    if num_tokens < needed:
-        raise ValueError(
-            f"Too few tokens to finish the first step: {num_tokens} (given) vs {needed} (needed)"
-        )
-    return max(num_tokens, 0)
-
-
-class TokenQueue:
-    """FIFO of global-step values (TF's ``sync_token_q``)."""
-
-    def __init__(self) -> None:
-        self._q: collections.deque[int] = collections.deque()
-
-    def put(self, value: int, count: int) -> None:
-        self._q.extend([int(value)] * count)
-
-    def get(self) -> int | None:
-        """The oldest token, or ``None`` when empty (a TF worker would block)."""
-        return self._q.popleft() if self._q else None
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def state(self) -> list[int]:
-        return list(self._q)
-
-    def load(self, values: Sequence[int]) -> None:
-        self._q = collections.deque(int(v) for v in values)
 
 
 class GradientAggregator:

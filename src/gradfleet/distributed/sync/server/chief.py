@@ -45,10 +45,11 @@ from typing import Any
 import torch
 
 from ...membership import Membership
-from ...moving_average import ExponentialMovingAverage
 from ...replies import Answer, error
+from ..job import Job
 from ..layout.pieces import Piece
-from .aggregator import GradientAggregator, TokenQueue
+from ..tokens import TokenQueue
+from .aggregator import GradientAggregator
 from .read_ahead import push_answers
 from .replica_choice import ReplicaChoice
 from .replicas_policy import Measurements, ReplicasPolicy
@@ -62,57 +63,45 @@ log = logging.getLogger(__name__)
 
 
 class SyncChief:
-    """Shard 0's server + token line + chief sync op (module docstring).
+    """Shard 0's server + token line + chief sync op (module docstring), for ``job``
+    (:class:`~..job.Job`: R, N, the token rule and initial tokens, ``timeout``, ``nonfinite``,
+    ``last_step``, the moving averages, the starting ``global_step`` -- TF's ``chief_init_op``
+    sets the accumulators to it, ``get_init_tokens_op`` fills the initial tokens with it -- and
+    the ``policy`` that chooses each update's R).
 
     ``indices`` (default: every parameter) are the parameters of shard 0 held here;
     ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports;
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
-    ``global_step``: the step to start from (a restored one: TF's ``chief_init_op`` sets the
-    accumulators to it, ``get_init_tokens_op`` fills the initial tokens with it).
-    ``tokens``: the token line's rule, ``"shared"`` (TF's queue, this machine's default) or
-    ``"distinct"`` (:mod:`.token_line`).  ``policy``: chooses each update's R
-    (``replicas_to_aggregate="auto"``; None: always ``replicas_to_aggregate``).
     """
 
     def __init__(
         self,
         opt: torch.optim.Optimizer,
-        replicas_to_aggregate: int,
-        total_num_replicas: int,
-        num_tokens: int,
-        timeout: float,
-        variable_averages: ExponentialMovingAverage | None = None,
-        average_indices: Sequence[int] = (),
-        nonfinite: str = "raise",
-        last_step: int | None = None,
+        job: Job,
         indices: Sequence[int] | None = None,
         num_shards: int = 1,
         pieces: Sequence[Piece] | None = None,
-        global_step: int = 0,
-        tokens: str = "shared",
-        policy: ReplicasPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         count = sum(len(g["params"]) for g in opt.param_groups) if pieces is None else len(pieces)
-        shard = Shard(
-            opt, range(count) if indices is None else indices, replicas_to_aggregate, nonfinite,
-            variable_averages, average_indices, last_step, pieces,
-        )  # fmt: skip
-        self.server = ShardServer(0, shard, total_num_replicas, timeout, "chief", clock)
-        self.R, self.N = replicas_to_aggregate, total_num_replicas
-        self.global_step = int(global_step)
+        shard = Shard(opt, range(count) if indices is None else indices, job, pieces)
+        self.server = ShardServer(0, shard, job, "chief", clock)
+        self.job = job
+        self.R, self.N = job.R, job.N
+        self.global_step = int(job.global_step)
         shard.aggregator.set_global_step(self.global_step)
-        per_update = max(total_num_replicas, replicas_to_aggregate)
-        self.line = TokenLine(tokens, self.global_step, num_tokens, per_update)
+        self.line = TokenLine(
+            job.tokens, self.global_step, job.initial_tokens, job.tokens_per_update
+        )
         self.requests = TokenRequests()  # read-ahead's order of pushes and token requests
-        self.choice = ReplicaChoice(replicas_to_aggregate, policy)
+        self.choice = ReplicaChoice(job.R, job.policy)
         self.applied = [self.global_step] * num_shards  # each shard's step as last reported
-        self.timeout, self.clock = timeout, clock
-        self.ema = variable_averages
-        self.last_step = last_step
+        self.timeout, self.clock = job.timeout, clock
+        self.ema = job.ema
+        self.last_step = job.last_step
         self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
         self.broken: str | None = None
-        if policy is not None:
+        if job.policy is not None:
             shard.measure()
         self._choose()
 

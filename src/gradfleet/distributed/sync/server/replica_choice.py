@@ -94,7 +94,6 @@ class ReplicaChoice:
             live=max(len(live), 1),
             rounds=self.measured.expected_rounds(now, live),
             noise_scale=self.measured.noise_scale(),
-            previous=self.replicas.get(step - 1, self.fixed),
         )
 
     # ------------------------------------------------------------------ events

@@ -78,14 +78,12 @@ def progress(replicas: int, noise_scale: float) -> float:
 class Decision:
     """What a policy sees before an update: the ``update`` (global step) being decided, the
     live workers' rounds in seconds, sorted (``rounds``; ``None``: not every live worker's
-    round is measured yet), the noise scale ``rho`` (None: not measured yet) and the R chosen
-    for the update before."""
+    round is measured yet) and the noise scale ``rho`` (None: not measured yet)."""
 
     update: int
     live: int
     rounds: tuple[float, ...] | None
     noise_scale: float | None
-    previous: int
 
 
 @runtime_checkable

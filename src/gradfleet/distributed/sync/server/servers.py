@@ -18,18 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...hosting import HostedServer, probe
-from ...moving_average import ExponentialMovingAverage
 from ...replies import Answer
 from ...transport import LINK_ERRORS, MailboxClient, ServerUnreachable
-from ..layout.pieces import Piece
+from ..job import Job
+from ..layout.assignment import Placement
 from .chief import SyncChief
-from .replicas_policy import ReplicasPolicy
 from .shards import Applied, Resized, Shard, ShardServer
 
 __all__ = ["SyncServers", "PROBE_S"]
@@ -40,33 +39,22 @@ PROBE_S = 0.5
 
 
 class SyncServers:
-    """The chief and shard servers hosted by rank ``rank`` (see module docstring); ``parts``
-    index the parameters, or ``pieces`` when given (``shard_assignment="split"``)."""
+    """The chief and shard servers that ``placement`` gives rank ``rank`` (see module
+    docstring), serving ``job``; ``hyperparameters_from_workers``: a dedicated server's copy
+    follows the hyperparameters the workers' pushes carry."""
 
     def __init__(
         self,
         opt: torch.optim.Optimizer,
-        parts: Sequence[Sequence[int]],
-        ranks: Sequence[int],
+        job: Job,
+        placement: Placement,
         rank: int,
         host: str,
         *,
-        replicas_to_aggregate: int,
-        total_num_replicas: int,
-        num_tokens: int,
-        timeout: float,
-        ema: ExponentialMovingAverage | None,
-        average_indices: Sequence[int],
-        nonfinite: str,
-        last_step: int | None,
         hyperparameters_from_workers: bool = False,
-        pieces: Sequence[Piece] | None = None,
-        global_step: int = 0,
-        tokens: str = "shared",
-        policy: ReplicasPolicy | None = None,
     ) -> None:
-        R, N = replicas_to_aggregate, total_num_replicas
-        self.ranks, self.timeout = list(ranks), timeout
+        ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
+        self.ranks, self.timeout = list(ranks), job.timeout
         self.chief: SyncChief | None = None
         self._chief_server: HostedServer | None = None
         self.shards: dict[int, tuple[ShardServer, HostedServer]] = {}
@@ -81,10 +69,7 @@ class SyncServers:
         self._prober: threading.Thread | None = None
         self._probe_s = min(self.timeout, 5.0)  # how long one probe may wait for its answer
         if rank == self.ranks[0]:
-            self.chief = SyncChief(
-                opt, R, N, num_tokens, timeout, ema, average_indices, nonfinite, last_step,
-                parts[0], len(self.ranks), pieces, global_step, tokens, policy,
-            )  # fmt: skip
+            self.chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.chief.shard.follow_workers = hyperparameters_from_workers
             self._chief_server = HostedServer(
                 self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch,
@@ -92,12 +77,11 @@ class SyncServers:
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
-                shard = Shard(opt, parts[k], R, nonfinite, ema, average_indices, last_step, pieces)
-                shard.aggregator.set_global_step(global_step)
+                shard = Shard(opt, parts[k], job, pieces)
                 shard.follow_workers = hyperparameters_from_workers
-                if policy is not None:
+                if job.policy is not None:
                     shard.measure()
-                server = ShardServer(k, shard, N, timeout)
+                server = ShardServer(k, shard, job)
                 hosted = HostedServer(
                     server, server.members, host, f"SyncReplicas shard {k}", perform=self._report
                 )

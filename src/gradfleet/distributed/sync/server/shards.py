@@ -1,9 +1,8 @@
 """Parameter shards of ``SyncReplicasOptimizer``: TF's variables spread over several ps tasks.
 
 ``server_ranks=[r0, r1, ...]`` (S shards): shard ``k`` is hosted by rank ``server_ranks[k]``
-(a rank may host several shards); :func:`assign` gives each shard whole parameters, balancing
-bytes (:func:`by_bytes`, default) or round-robin ``i % S`` (:func:`round_robin`, TF's
-``replica_device_setter`` over ps tasks).  A :class:`Shard` holds its variables,
+(a rank may host several shards); which variables each holds is the layout's decision
+(:mod:`..layout.assignment`).  A :class:`Shard` holds its variables,
 their accumulators (one :class:`GradientAggregator`: TF's per-accumulator staleness rule and
 accepted counts, per shard) and a copy of the wrapped optimizer restricted to its variables.
 Shard 0 lives inside the chief's :class:`~.chief.SyncChief`, which also keeps ``global_step`` and
@@ -53,7 +52,8 @@ import torch
 from ...apply import apply_gradients
 from ...membership import Membership
 from ...replies import Answer
-from ..layout.pieces import Piece, in_backward_order, split_optimizer
+from ..job import Job
+from ..layout.pieces import Piece, split_optimizer
 from .aggregator import GradientAggregator
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
 
@@ -63,109 +63,11 @@ __all__ = [
     "Shard",
     "pushed_gradients",
     "ShardServer",
-    "round_robin",
-    "by_bytes",
-    "assign",
-    "check_server_ranks",
     "shard_optimizer",
     "server_optimizer",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def check_server_ranks(
-    ranks: Sequence[int],
-    N: int,
-    num_params: int,
-    transport: str,
-    address: Any,
-    world_size: int | None = None,
-) -> list[int]:
-    """Validate ``server_ranks`` (and ``server_address`` against it); returns a list.
-
-    Ranks ``0 .. N-1`` are the workers; a job of ``world_size > N`` processes has the dedicated
-    server ranks ``N .. world_size-1``, and every one of them must host a shard.  A process
-    outside the process group (``address`` given, no ``world_size``: a restarted worker) cannot
-    know the job's size, so any rank from ``N`` on may be a dedicated server there."""
-    owner = "SyncReplicasOptimizer"
-    ranks = list(ranks)
-    world = N if world_size is None else world_size
-    if world_size is None and address is not None:
-        world = max([N, *(r + 1 for r in ranks if isinstance(r, int))])
-    if not ranks:
-        raise ValueError(f"{owner}: server_ranks must name at least one rank")
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
-            raise ValueError(
-                f"{owner}: server rank {r!r} is neither a worker rank (total_num_replicas={N}: "
-                f"ranks 0..{N - 1}) nor a dedicated server rank (world size {world}: ranks "
-                f"{N}..{world - 1} only serve)"
-            )
-    idle = sorted(set(range(N, world)) - set(ranks))
-    if idle:
-        raise ValueError(
-            f"{owner}: rank(s) {idle} of the {world} processes are neither workers "
-            f"(total_num_replicas={N}) nor in server_ranks={ranks}; every rank from "
-            f"{N} on must be a dedicated server"
-        )
-    dedicated = [r for r in ranks if r >= N]
-    if dedicated and transport == "allreduce":
-        raise ValueError(f"{owner}: dedicated server ranks {dedicated} need transport='server'")
-    if len(ranks) > 1:
-        if transport == "allreduce":
-            raise ValueError(f"{owner}: server_ranks (sharding) needs transport='server'")
-        if len(ranks) > num_params:
-            raise ValueError(f"{owner}: {len(ranks)} server shards for {num_params} parameters")
-        if isinstance(address, str) or (address is not None and len(address) != len(ranks)):
-            raise ValueError(
-                f"{owner}: with {len(ranks)} shards server_address must list one address per "
-                "shard (the server_addresses property of a running optimizer)"
-            )
-    return ranks
-
-
-def round_robin(num_params: int, num_shards: int) -> list[list[int]]:
-    """Parameter indices of each shard: ``i`` goes to shard ``i % num_shards``."""
-    return [list(range(k, num_params, num_shards)) for k in range(num_shards)]
-
-
-def by_bytes(nbytes: Sequence[int], num_shards: int) -> list[list[int]]:
-    """Parameter indices of each shard, balancing bytes: largest parameter first, each to the
-    shard holding the fewest bytes so far (ties: lowest shard).  Whole parameters only, so
-    per-tensor reductions of the wrapped optimizer (norms) stay exact."""
-    load = [0] * num_shards
-    parts: list[list[int]] = [[] for _ in range(num_shards)]
-    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
-        k = min(range(num_shards), key=lambda k: (load[k], len(parts[k]), k))
-        parts[k].append(i)
-        load[k] += nbytes[i]
-    return [sorted(p) for p in parts]
-
-
-ASSIGNMENTS = ("bytes", "round_robin", "split", "backward_order")
-#: the assignments that cut large parameters into pieces (:mod:`.pieces`)
-SPLITTING = ("split", "backward_order")
-
-
-def assign(
-    params: Sequence[torch.Tensor], num_shards: int, how: str, ranks: Sequence[int] = ()
-) -> list[list[int]]:
-    """Shard assignment ``how`` in :data:`ASSIGNMENTS` (one shard: every parameter).  The
-    indices are of ``params``; for :data:`SPLITTING` pass the pieces' tensors
-    (:func:`.pieces.plan`): ``"split"`` balances their bytes as whole parameters' are,
-    ``"backward_order"`` cuts them into runs in backward's order over ``ranks`` (the shards'
-    server ranks; :func:`.pieces.in_backward_order`)."""
-    if how not in ASSIGNMENTS:
-        raise ValueError(
-            f"SyncReplicasOptimizer: shard_assignment must be one of {ASSIGNMENTS}, got {how!r}"
-        )
-    if how == "round_robin" or num_shards == 1:
-        return round_robin(len(params), num_shards)
-    sizes = [p.numel() * p.element_size() for p in params]
-    if how == "backward_order":
-        return in_backward_order(sizes, list(ranks) or list(range(num_shards)))
-    return by_bytes(sizes, num_shards)
 
 
 def server_optimizer(
@@ -213,19 +115,16 @@ class Shard:
         self,
         opt: torch.optim.Optimizer,
         indices: Sequence[int],
-        replicas_to_aggregate: int,
-        nonfinite: str = "raise",
-        ema: Any = None,
-        average_indices: Sequence[int] = (),
-        last_step: int | None = None,
+        job: Job,
         pieces: Sequence[Piece] | None = None,
     ) -> None:
         self.source = opt  # hyperparameters (LR schedules) are re-read from here
         self.indices = list(indices)  # of the parameters, or of ``pieces`` when split
         self.opt, self.params = shard_optimizer(opt, self.indices, pieces)
-        self.aggregator = GradientAggregator(self.params, replicas_to_aggregate, nonfinite)
-        self.ema, self.last_step = ema, last_step
-        chosen = set(average_indices) if average_indices else set(self.indices)
+        self.aggregator = GradientAggregator(self.params, job.R, job.nonfinite)
+        self.aggregator.set_global_step(job.global_step)
+        self.ema, self.last_step = job.ema, job.last_step
+        chosen = set(job.averaged) if job.averaged else set(self.indices)
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
         self.loads = 0  # checkpoint loads: they change the variables without a step
         self.contributors: set[int] = set()  # workers whose gradient is in the pending update
@@ -395,14 +294,13 @@ class ShardServer:
         self,
         shard_id: int,
         shard: Shard,
-        total_num_replicas: int,
-        timeout: float,
+        job: Job,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.k, self.shard, self.N, self.timeout = shard_id, shard, total_num_replicas, timeout
+        self.k, self.shard, self.N, self.timeout = shard_id, shard, job.N, job.timeout
         self.name = f"shard {shard_id}" if name is None else name
-        self.members = Membership(total_num_replicas, timeout, f"SyncReplicas {self.name}", clock)
+        self.members = Membership(job.N, job.timeout, f"SyncReplicas {self.name}", clock)
         self.held = HeldPushes()
         self.lowered: tuple[int, int] | None = None  # (step, R) the chief lowered it to
 

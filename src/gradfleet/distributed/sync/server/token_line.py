@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .aggregator import TokenQueue
+from ..tokens import TokenQueue
 
 __all__ = ["TOKEN_RULES", "TokenLine", "Waiting", "unfillable"]
 

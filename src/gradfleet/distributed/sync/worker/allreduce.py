@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from ...apply import apply_gradients
-from ...moving_average import ExponentialMovingAverage
 from ...transport import LINK_ERRORS
+from ..job import Job
 from ..outcome import Outcome
-from ..server.aggregator import TokenQueue
+from ..tokens import TokenQueue
 
 __all__ = ["AllReduceExchange", "Buckets"]
 
@@ -154,20 +154,8 @@ class AllReduceExchange:
     """R == N SyncReplicas with all-reduces and a replica of the server's state on every rank
     (module docstring)."""
 
-    def __init__(
-        self,
-        opt: torch.optim.Optimizer,
-        total_num_replicas: int,
-        tokens: str,
-        num_tokens: int,
-        nonfinite: str,
-        ema: ExponentialMovingAverage | None,
-        average_indices: Sequence[int],
-        global_step: int = 0,
-        last_step: int | None = None,
-        overlap: bool = True,
-    ) -> None:
-        N = total_num_replicas
+    def __init__(self, opt: torch.optim.Optimizer, job: Job, overlap: bool = True) -> None:
+        N, tokens, num_tokens, nonfinite = job.N, job.tokens, job.initial_tokens, job.nonfinite
         if tokens == "shared" and num_tokens % N:
             raise ValueError(
                 f"{_OWNER}: transport='allreduce' with tokens='shared' needs num_tokens to be a "
@@ -191,13 +179,13 @@ class AllReduceExchange:
         self.buckets = Buckets(self.params)
         self._broadcast_parameters()
         self.tokens = TokenQueue()
-        self.global_step = int(global_step)  # a restored step: the tokens carry it
+        self.global_step = int(job.global_step)  # a restored step: the tokens carry it
         self.start_step = self.global_step
         if tokens == "shared":
             self.tokens.put(self.global_step, num_tokens)
         self.local_step = self.global_step
-        self.last_step = last_step
-        self.ema, self.average_indices = ema, list(average_indices)
+        self.last_step = job.last_step
+        self.ema, self.average_indices = job.ema, list(job.averaged)
         self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(N)}
         self.bytes_sent = 0
         self.sent_in_backward = 0  # buckets a gradient hook sent (overlap at work)
@@ -300,8 +288,10 @@ class AllReduceExchange:
             raise RuntimeError(f"{_OWNER}: no token left (num_tokens too small)")
         return int(values[self.rank])  # type: ignore[arg-type]
 
-    def step(self, local_step: int, grads: list[torch.Tensor | None]) -> Outcome:
-        """One round with this rank's ``grads``."""
+    def step(
+        self, local_step: int, grads: list[torch.Tensor | None], stream: bool = True
+    ) -> Outcome:
+        """One round with this rank's ``grads`` (``stream``: nothing is ever left to read)."""
         self.local_step = int(local_step)
         try:
             return Outcome(*self._round(grads))
@@ -454,12 +444,14 @@ class AllReduceExchange:
             ) from None
 
     # ------------------------------------------------------------------ the exchange's API
-    # (what SyncReplicasOptimizer asks of any exchange; :class:`.server_exchange.ServerExchange`)
+    # (:class:`..exchange.Exchange`: what SyncReplicasOptimizer asks of any exchange)
     server_addresses: list[str] = []  # no server: nothing to rejoin through
     server_address = None
     is_chief = False
     dedicated: list[int] = []
     withheld_pushes = 0
+    streaming = False  # the parameters are updated in place: nothing to read
+    reads_pending = False
 
     def check_own_gradients(self) -> None:
         """``apply_gradients`` brings gradients of its own: a round backward's hooks
@@ -494,7 +486,7 @@ class AllReduceExchange:
             "workers all-reduce); name server_rank= or server_ranks= to have one"
         )
 
-    def forget_workers(self, ranks: list[int]) -> None:
+    def forget_workers(self, ranks: Sequence[int]) -> None:
         """No server to tell."""
 
     def state(self) -> dict[str, Any]:

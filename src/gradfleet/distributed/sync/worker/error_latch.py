@@ -40,11 +40,6 @@ class ErrorLatch:
         else:
             log.debug("worker rank %d: %s failed as well: %s", self.worker, where, exc)
 
-    @property
-    def failed(self) -> bool:
-        with self._lock:
-            return self._error is not None
-
     def take(self) -> BaseException | None:
         """The kept error, now cleared (the caller raises it)."""
         with self._lock:

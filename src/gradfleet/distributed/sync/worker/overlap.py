@@ -20,7 +20,7 @@ this raises instead of pushing a wrong gradient silently.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -37,23 +37,23 @@ class ShardReadiness:
     trainable parameters have all accumulated their gradient).  Together, so that they go out
     in the worker's push order rather than in the order the hook found them.
 
-    ``params``: the optimizer's parameters in order; ``parts``: parameter indices per shard
-    (``shard_assignment="split"``: a parameter cut into pieces appears in several shards).
+    ``params``: the optimizer's parameters in order; ``owners``: parameter indices per shard,
+    and ``shards_of``: the shards holding each parameter, as the worker's
+    :class:`~..layout.shard_layout.ShardLayout` maps them (``shard_assignment="split"``: a
+    parameter cut into pieces is in several shards).
     """
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        parts: Sequence[Sequence[int]],
+        owners: Sequence[Sequence[int]],
+        shards_of: Mapping[int, Sequence[int]],
         on_ready: Callable[[list[int]], None],
         owner: str,
     ) -> None:
-        self.params, self.parts, self.owner = list(params), [list(p) for p in parts], owner
+        self.params, self.parts, self.owner = list(params), [list(p) for p in owners], owner
         self._on_ready = on_ready
-        self._shards_of: dict[int, list[int]] = {}  # split: a parameter feeds several shards
-        for k, idx in enumerate(self.parts):
-            for i in set(idx):
-                self._shards_of.setdefault(i, []).append(k)
+        self._shards_of = shards_of
         self._handles: dict[int, Any] = {}
         self.sent: set[int] = set()  # shards pushed from a hook in this step
         self._seen: set[int] = set()  # parameters whose gradient accumulated in this step
@@ -89,11 +89,6 @@ class ShardReadiness:
         if ready:
             log.debug("%s: shards %s complete, pushing them now", self.owner, ready)
             self._on_ready(ready)
-
-    @property
-    def started(self) -> bool:
-        """Did any gradient accumulate since the last :meth:`reset`?"""
-        return bool(self._seen)
 
     def remove(self) -> None:
         """Remove the hooks (the optimizer closed)."""

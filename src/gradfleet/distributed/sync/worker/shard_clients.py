@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ...transport import MailboxClient
+from ..finite import all_finite
 from ..layout.pieces import rank_places
-from ..server.aggregator import all_finite
 
 __all__ = ["ShardClients", "busy_error", "push_data", "push_order"]
 

@@ -37,7 +37,7 @@ and the chief's ``global_step`` are set in ``step()``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,17 +53,18 @@ class StreamedReads:
     in, once all are with the step's verdict recorded (``ServerExchange.wait_reads``, which
     holds the step); ``take_answers()``: from now on the read-ahead answers of this step's
     pushes are taken (loaded into the parameters); None where a step's values do not come
-    shard by shard (one server)."""
+    shard by shard (one server).  ``shards_of``: the shards holding each parameter (the
+    layout's map); ``index``: ``id(parameter) -> index``."""
 
     def __init__(
         self,
-        layout: Any,
+        shards_of: Mapping[int, Sequence[int]],
         index: dict[int, int],
         worker: int,
         wait: Callable[[Iterable[int] | None], None],
         take_answers: Callable[[], None] | None,
     ) -> None:
-        self.layout, self.index, self.worker = layout, index, worker
+        self.shards_of, self.index, self.worker = shards_of, index, worker
         self._wait, self._take_answers = wait, take_answers
         self._hooks: list[Any] = []
 
@@ -93,12 +94,8 @@ class StreamedReads:
                 f"SyncReplicasOptimizer.stream_reads: model must be a torch.nn.Module, got "
                 f"{type(model).__name__}"
             )
-        shards_of: dict[int, set[int]] = {}  # parameter index -> shards holding a piece
-        for k, idx in enumerate(self.layout.parts):
-            for j in idx:
-                shards_of.setdefault(self.layout.pieces[j].index, set()).add(k)
         owned = [
-            (m, sorted(set().union(*[self._shards(p, shards_of) for p in m.parameters(False)])))
+            (m, sorted(set().union(*[self._shards(p) for p in m.parameters(False)])))
             for m in model.modules()
         ]
         if not any(shards for _, shards in owned):
@@ -114,9 +111,10 @@ class StreamedReads:
             self._hooks.append(module.register_load_state_dict_pre_hook(self._wait_all))
         log.info("worker rank %d: reads stream into the next forward", self.worker)
 
-    def _shards(self, p: torch.Tensor, shards_of: dict[int, set[int]]) -> set[int]:
+    def _shards(self, p: torch.Tensor) -> set[int]:
+        """The shards holding a piece of ``p`` (none: not a parameter of this optimizer)."""
         i = self.index.get(id(p))
-        return set() if i is None else shards_of.get(i, set())
+        return set() if i is None else set(self.shards_of.get(i, ()))
 
     def _forward_hook(self, shards: list[int]) -> Callable[..., None]:
         def wait_for_shards(module: torch.nn.Module, args: Any) -> None:

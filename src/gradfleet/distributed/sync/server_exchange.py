@@ -1,13 +1,15 @@
 """SyncReplicas through servers: the chief alone, or shards over several ranks.
 
-:class:`ServerExchange` is complete in itself: it owns the parameters' layout over the shards
-(:class:`~.layout.ShardLayout`), the servers this rank hosts (:class:`~.servers.SyncServers`),
-the worker's links to every server, chosen once -- TF's protocol for one server
-(:class:`~.plain_links.PlainLinks`), reading ahead for several shards
-(:class:`~.ahead_links.ReadAheadLinks`), both over the same
-:class:`~.shard_clients.ShardClients` -- the worker's :class:`~.error_latch.ErrorLatch`, and
-the two policies over a step: overlap's gradient hooks (:class:`~.overlap.ShardReadiness`) and
-streamed reads (:class:`~.streaming.StreamedReads`).  A step, from ``step()`` to the wire::
+:class:`ServerExchange` joins the three folders for one worker: the parameters' layout over
+the shards (:class:`~.layout.shard_layout.ShardLayout`), the servers this rank hosts
+(:class:`~.server.servers.SyncServers`), and the worker's side (:mod:`.worker`): its links to
+every server, chosen once -- TF's protocol for one server
+(:class:`~.worker.plain_links.PlainLinks`), reading ahead for several shards
+(:class:`~.worker.ahead_links.ReadAheadLinks`), both over the same
+:class:`~.worker.shard_clients.ShardClients` -- the worker's
+:class:`~.worker.error_latch.ErrorLatch`, and the two policies over a step: overlap's gradient
+hooks (:class:`~.worker.overlap.ShardReadiness`) and streamed reads
+(:class:`~.worker.streaming.StreamedReads`).  A step, from ``step()`` to the wire::
 
     ServerExchange.step -> links.push (every shard's gradients; the token request)
                         -> links.token_and_reads (the token; the step's pending reads)
@@ -22,51 +24,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...dedicated import HyperparameterPusher, announce, sync_spec
-from ...hosting import gather_addresses, server_host, share_address
-from ...moving_average import ExponentialMovingAverage
-from ...transport import ServerUnreachable
-from ..layout.shard_layout import ShardLayout
-from ..outcome import Outcome
-from ..server.aggregator import all_finite
-from ..server.replicas_policy import ReplicasPolicy
-from ..server.servers import SyncServers
-from .ahead_links import ReadAheadLinks
-from .error_latch import ErrorLatch
-from .overlap import ShardReadiness
-from .pending_step import Step
-from .plain_links import PlainLinks
-from .shard_clients import ShardClients
-from .streaming import StreamedReads
+from ..dedicated import HyperparameterPusher, announce, sync_spec
+from ..hosting import gather_addresses, server_host, share_address
+from ..transport import ServerUnreachable
+from .finite import all_finite_list
+from .job import Job
+from .layout.shard_layout import ShardLayout
+from .outcome import Outcome
+from .server.servers import SyncServers
+from .worker.ahead_links import ReadAheadLinks
+from .worker.error_latch import ErrorLatch
+from .worker.overlap import ShardReadiness
+from .worker.pending_step import Step
+from .worker.plain_links import PlainLinks
+from .worker.shard_clients import ShardClients
+from .worker.streaming import StreamedReads
 
-__all__ = ["Job", "ServerExchange", "as_addresses"]
+__all__ = ["ServerExchange", "as_addresses"]
 
 log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
 Grads = list[torch.Tensor | None]
-
-
-@dataclass(frozen=True)
-class Job:
-    """What the servers need to know of the job (the optimizer's checked arguments)."""
-
-    R: int
-    N: int
-    rule: str  # the token line's: "distinct" or "shared"
-    initial_tokens: int
-    timeout: float
-    nonfinite: str
-    last_step: int | None
-    ema: ExponentialMovingAverage | None
-    averaged: list[int]
-    global_step: int
-    policy: ReplicasPolicy | None = None  # replicas_to_aggregate="auto" (or a policy object)
 
 
 class ServerExchange:
@@ -125,12 +108,12 @@ class ServerExchange:
         self._pending: Step | None = None
         self._own = True
         self.streamed = StreamedReads(
-            self.layout, self.index, worker, self.wait_reads, take_answers
+            self.layout.shards_of, self.index, worker, self.wait_reads, take_answers
         )
         self.readiness: ShardReadiness | None = None
         if overlap:
             self.readiness = ShardReadiness(
-                self.params, self.layout.owners(), self._push_early, _OWNER
+                self.params, self.layout.owners, self.layout.shards_of, self._push_early, _OWNER
             )
         self._extra: dict[str, Any] | None = None  # what this step's pushes carry
         self._local_step = self.start_step
@@ -138,34 +121,23 @@ class ServerExchange:
 
     def _start_servers(self, host: str | None) -> list[str]:
         """Start the servers this rank hosts, tell every rank their addresses (collective)."""
-        job, ranks = self.job, self.ranks
+        placement = self.layout.placement
         if self.dedicated:  # they learn the job from rank 0 (see ..serving)
-            spec = sync_spec(
-                self.params, self.optimizer, R=job.R, N=job.N, tokens=job.initial_tokens,
-                timeout=job.timeout, ema=job.ema, averaged=job.averaged,
-                nonfinite=job.nonfinite, last_step=job.last_step, ranks=ranks,
-                parts=self.layout.parts, pieces=self.layout.split, token_rule=job.rule,
-                policy=job.policy,
-            )  # fmt: skip
-            announce(spec, self.layout.views(self.params), ranks, self.layout.parts)
+            spec = sync_spec(self.params, self.optimizer, self.job, placement)
+            announce(
+                spec, self.layout.views(self.params), placement.ranks, placement.parts, self.job.N
+            )
         host = server_host(host, _OWNER)  # collective: every rank of the group calls it
-        if self.worker in ranks:
-            self.servers = SyncServers(
-                self.optimizer, self.layout.parts, ranks, self.worker, host,
-                replicas_to_aggregate=job.R, total_num_replicas=job.N,
-                num_tokens=job.initial_tokens, timeout=job.timeout, ema=job.ema,
-                average_indices=job.averaged, nonfinite=job.nonfinite,
-                last_step=job.last_step, pieces=self.layout.split,
-                global_step=job.global_step, tokens=job.rule, policy=job.policy,
-            )  # fmt: skip
+        if self.worker in placement.ranks:
+            self.servers = SyncServers(self.optimizer, self.job, placement, self.worker, host)
         mine = self.servers.addresses() if self.servers is not None else {}
-        if len(ranks) == 1:  # one server: its rank tells the others
-            addresses = {0: share_address(mine.get(0), ranks[0])}
+        if len(placement.ranks) == 1:  # one server: its rank tells the others
+            addresses = {0: share_address(mine.get(0), placement.ranks[0])}
         else:
             addresses = gather_addresses(mine)
         if self.servers is not None:
             self.servers.connect(addresses)
-        return [addresses[k] for k in range(len(ranks))]
+        return [addresses[k] for k in range(len(placement.ranks))]
 
     # ----------------------------------------------------------------- the step
     def _open_links(self) -> PlainLinks | ReadAheadLinks:
@@ -173,9 +145,9 @@ class ServerExchange:
             raise RuntimeError(f"{_OWNER}: the optimizer is closed")
         return self.links
 
-    def step(self, local_step: int, grads: Grads) -> Outcome:
-        """Push ``grads`` tagged ``local_step``, take a token, read the variables (streamed:
-        left to the next forward)."""
+    def step(self, local_step: int, grads: Grads, stream: bool = True) -> Outcome:
+        """Push ``grads`` tagged ``local_step``, take a token, read the variables (streamed,
+        unless ``stream`` is False: left to the next forward)."""
         links = self._open_links()
         self.wait_reads()
         self.latch.raise_if_failed()  # a thread's error since the last step boundary
@@ -185,32 +157,33 @@ class ServerExchange:
         try:
             if self.readiness is not None:
                 try:
-                    return self._overlapped_step(grads)
+                    return self._overlapped_step(grads, stream)
                 finally:
                     self.readiness.reset()
             tag = local_step
-            if len(self.layout) > 1 and self.job.nonfinite != "apply" and not _all_finite(grads):
+            judged_apart = len(self.layout) > 1 and self.job.nonfinite != "apply"
+            if judged_apart and not all_finite_list(grads):
                 log.warning(
                     "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
                     "shard holding it reports it)", self.worker,
                 )  # fmt: skip
                 tag = -1
             accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
-            return self._finish_step(tag, accepted)
+            return self._finish_step(tag, accepted, stream)
         except ServerUnreachable as exc:
             self.latch.decide(f"step {local_step}", exc)
             raise
         finally:
             self._extra = None
 
-    def _finish_step(self, tag: int, accepted: bool) -> Outcome:
+    def _finish_step(self, tag: int, accepted: bool, stream: bool) -> Outcome:
         """Take the token (answers to the pushes meanwhile), then the shards' values, each
         loaded as its reply arrives; with streamed reads a step whose values are still coming
         is held for the next forward (:meth:`wait_reads`), its verdict decided then."""
         links = self._open_links()
         own = accepted and tag == self._local_step
         step = links.token_and_reads(tag)
-        if self.streamed.on and step.left:
+        if stream and self.streamed.on and step.left:
             self._pending, self._own = step, own
             token = step.token
             outcome = Outcome(None, int(token["token"]), int(token["global_step"]))
@@ -249,7 +222,7 @@ class ServerExchange:
         self.links.push_early(jobs, self._local_step, self._extras())
         self.streamed.pushed_early()
 
-    def _overlapped_step(self, grads: Grads) -> Outcome:
+    def _overlapped_step(self, grads: Grads, stream: bool) -> Outcome:
         """Push the shards backward did not complete (``grads``), then the token and read.
         No bad-input tagging here: ``check_overlap`` allows overlap only where each shard
         judges its own gradients (one shard, or ``nonfinite="apply"``)."""
@@ -260,7 +233,7 @@ class ServerExchange:
         parts = self.layout.grad_parts(grads)
         rest = {k: part for k, part in enumerate(parts) if k not in sent}
         links.push_rest(rest, tag, self._extras() if rest else {})
-        return self._finish_step(tag, True)
+        return self._finish_step(tag, True, stream)
 
     def check_own_gradients(self) -> None:
         """``apply_gradients`` brings gradients of its own: not after backward pushed some."""
@@ -296,9 +269,9 @@ class ServerExchange:
         self.settle(bool(result["accepted"]) and self._own, int(result["global_step"]))
 
     @property
-    def pending_step(self) -> Step | None:
-        """The last step, held while its values are still coming in (streamed reads)."""
-        return self._pending
+    def streaming(self) -> bool:
+        """Does ``step()`` leave the reads to the next forward (:meth:`stream_reads`)?"""
+        return self.streamed.on
 
     @property
     def reads_pending(self) -> bool:
@@ -359,7 +332,7 @@ class ServerExchange:
         report = self._ask("worker_silence", 0, "members")
         return {int(w): float(s) for w, s in report["silence"].items()}
 
-    def forget_workers(self, ranks: list[int]) -> None:
+    def forget_workers(self, ranks: Sequence[int]) -> None:
         self._settled_links("forget_workers").clients.forget(ranks)
 
     # ----------------------------------------------------------------- checkpoints
@@ -434,10 +407,6 @@ class ServerExchange:
             self.links = None
         if self.servers is not None:
             self.servers.close()
-
-
-def _all_finite(grads: Iterable[torch.Tensor | None]) -> bool:
-    return all(g is None or all_finite(g) for g in grads)
 
 
 def as_addresses(server_address: str | Sequence[str] | None) -> list[str] | None:
