@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.replicas_policy import (
     AutoReplicas,

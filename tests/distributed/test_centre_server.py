@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.easgd.centre_server import CentreServer
+from gradfleet.distributed.easgd.server.centre_server import CentreServer
 
 
 def hello(server: CentreServer, worker: int) -> list[torch.Tensor]:

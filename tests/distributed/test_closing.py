@@ -1,6 +1,7 @@
-"""A program that never calls ``close()`` still ends cleanly (``gradfleet.distributed.closing``):
-every open wrapper is closed at the interpreter's exit, before finalization, so no daemon thread
-is left waiting in a torch.distributed call that a peer's exit would wake mid-finalization."""
+"""A program that never calls ``close()`` still ends cleanly
+(``gradfleet.distributed.hosting.closing``): every open wrapper is closed at the interpreter's
+exit, before finalization, so no daemon thread is left waiting in a torch.distributed call
+that a peer's exit would wake mid-finalization."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradfleet.distributed import closing
+from gradfleet.distributed.hosting import closing
 
 from .torchrun import torchrun
 

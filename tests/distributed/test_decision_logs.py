@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.transport import MailboxClient, MailboxServer
@@ -47,10 +47,10 @@ def test_forgotten_and_lost_workers_are_logged_by_the_chief(caplog):
     chief = SyncChief(
         gradfleet.GradientDescentOptimizer([x], 1.0), Job(1, 3, "shared", 1, timeout=0.01)
     )
-    with caplog.at_level(logging.INFO, logger="gradfleet.distributed.membership"):
+    with caplog.at_level(logging.INFO, logger="gradfleet.distributed.common.membership"):
         serve(chief, {"op": "done", "worker": 2, "forgotten": True})
         assert chief.silent_workers(now=chief.members.start + 1.0) == [0, 1]
-    got = messages(caplog, "gradfleet.distributed.membership")
+    got = messages(caplog, "gradfleet.distributed.common.membership")
     assert "SyncReplicas chief: worker rank 2 forgotten (reported dead for good)" in got
     assert any("worker rank 0 lost: never said hello" in m for m in got)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.layout.assignment import check_server_ranks
 from gradfleet.distributed.testing import RankKilled, run_ranks
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfleet.distributed import init, process_group
+from gradfleet.distributed import init
+from gradfleet.distributed.transport import process_group
 from gradfleet.distributed.testing import run_ranks
 
 from . import ranks

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from gradfleet.distributed import hosting
-from gradfleet.distributed.hosting import (
+from gradfleet.distributed.hosting import hosted_server as hosting
+from gradfleet.distributed.common.membership import Membership
+from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.hosting.hosted_server import (
     HostedServer,
     choose_server_host,
     env_server_host,
     server_host,
 )
-from gradfleet.distributed.membership import Membership
-from gradfleet.distributed.replies import Answer
 from gradfleet.distributed.transport import ServerUnreachable
 
 ONE_HOST = [("node-a", "10.0.0.1")] * 3

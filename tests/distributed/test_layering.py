@@ -1,12 +1,15 @@
 """The layering of ``gradfleet.distributed`` (its package docstring), checked from the imports.
 
-Every module belongs to one layer; it may import modules of its own layer or lower ones only.
-The algorithm layer imports neither ``torch.distributed`` nor the transport.  And no module
+Every module belongs to its folder's layer, which the folder declares in its ``__init__``
+docstring; it may import modules of its own layer or lower ones only.  The algorithm layer
+imports neither ``torch.distributed`` nor the transport, and SyncReplicas' folders never reach
+across.  And no module
 swallows an exception without a log line."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -16,73 +19,25 @@ import gradfleet.distributed
 ROOT = Path(gradfleet.distributed.__file__).parent
 PACKAGE = "gradfleet.distributed"
 
-ALGORITHMS, COMMUNICATION, HOSTING, WRAPPERS, JOBS = 1, 2, 3, 4, 5
-LAYERS = {
-    "apply": ALGORITHMS,
-    "flat": ALGORITHMS,
-    "membership": ALGORITHMS,
-    "moving_average": ALGORITHMS,
-    "replies": ALGORITHMS,
-    "sync.server.aggregator": ALGORITHMS,
-    "sync.server.shards": ALGORITHMS,
-    "sync.layout.pieces": ALGORITHMS,
-    "sync.server.read_ahead": ALGORITHMS,
-    "sync.server.chief": ALGORITHMS,
-    "sync.server.token_line": ALGORITHMS,
-    "sync.server.token_requests": ALGORITHMS,
-    "sync.server.replicas_policy": ALGORITHMS,
-    "sync.server.replica_choice": ALGORITHMS,
-    "sync.outcome": ALGORITHMS,
-    "sync.job": ALGORITHMS,
-    "sync.tokens": ALGORITHMS,
-    "sync.finite": ALGORITHMS,
-    "sync.exchange": ALGORITHMS,
-    "sync.layout.assignment": ALGORITHMS,
-    "easgd.centre_server": ALGORITHMS,
-    "transport": COMMUNICATION,
-    "transport.wire": COMMUNICATION,
-    "transport.pairs": COMMUNICATION,
-    "transport.peer": COMMUNICATION,
-    "transport.mailbox": COMMUNICATION,
-    "transport.client": COMMUNICATION,
-    "collectives": COMMUNICATION,
-    "process_group": COMMUNICATION,
-    "hosting": HOSTING,
-    "sync.server.servers": HOSTING,
-    "sync.worker.shard_clients": HOSTING,
-    "sync.worker.plain_links": HOSTING,
-    "sync.worker.ahead_links": HOSTING,
-    "sync.worker.pacing": HOSTING,
-    "sync.worker.pending_step": HOSTING,
-    "sync.worker.answer_taker": HOSTING,
-    "sync.worker.streaming": HOSTING,
-    "sync.worker.early_pushes": HOSTING,
-    "sync.worker.error_latch": HOSTING,
-    "dedicated": HOSTING,
-    "closing": HOSTING,
-    "sync.layout.shard_layout": HOSTING,
-    "wrapper": WRAPPERS,
-    "sync.arguments": WRAPPERS,
-    "sync.worker.allreduce": WRAPPERS,
-    "sync.optimizer": WRAPPERS,
-    "sync.worker.overlap": WRAPPERS,
-    "sync.server_exchange": WRAPPERS,
-    "sync": WRAPPERS,
-    "sync.server": ALGORITHMS,  # the folders' __init__ modules: docstrings only
-    "sync.worker": ALGORITHMS,
-    "sync.layout": ALGORITHMS,
-    "easgd.centre": WRAPPERS,
-    "easgd.async_centre": WRAPPERS,
-    "easgd.optimizer": WRAPPERS,
-    "easgd": WRAPPERS,
-    "model_average": WRAPPERS,
-    "towers": WRAPPERS,
-    "replicate": WRAPPERS,
-    "serving": WRAPPERS,
-    "job_control": JOBS,
-    "testing": JOBS,
-    "": JOBS,  # the package itself exports everything
-}
+#: the layers, lowest first; each folder names its own in its ``__init__`` docstring
+LAYER_NAMES = ("algorithms", "communication", "hosting", "wrappers", "jobs")
+ALGORITHMS = 1
+_DECLARED = re.compile(r"^Layer: (\w+)\.$", re.M)
+
+
+def folder_layer(folder: Path) -> int:
+    """The layer a folder declares (``Layer: NAME.`` in its ``__init__`` docstring)."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    found = _DECLARED.findall(doc)
+    assert len(found) == 1 and found[0] in LAYER_NAMES, (
+        f"{folder}: its __init__ docstring must say 'Layer: NAME.' once, NAME in {LAYER_NAMES}"
+    )
+    return LAYER_NAMES.index(found[0]) + 1
+
+
+def layers() -> dict[str, int]:
+    """Every module's layer: its folder's."""
+    return {name: folder_layer(path.parent) for name, path in modules().items()}
 
 
 def module_name(path: Path) -> str:
@@ -132,20 +87,39 @@ def internal(names: set[str]) -> set[str]:
     return out
 
 
-def test_every_module_has_a_layer():
-    assert set(modules()) == set(LAYERS), set(modules()) ^ set(LAYERS)
+def test_every_folder_declares_its_layer():
+    for init in ROOT.rglob("__init__.py"):
+        folder_layer(init.parent)
 
 
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name", sorted(modules()))
 def test_no_module_imports_a_higher_layer(name):
-    path = modules()[name]
+    path, layer = modules()[name], layers()
     for other in internal(imported(name, path)) - {name}:
-        assert LAYERS[other] <= LAYERS[name], (
-            f"{name} (layer {LAYERS[name]}) imports {other} (layer {LAYERS[other]})"
+        assert layer[other] <= layer[name], (
+            f"{name} (layer {layer[name]}) imports {other} (layer {layer[other]})"
         )
 
 
-@pytest.mark.parametrize("name", sorted(n for n, layer in LAYERS.items() if layer == ALGORITHMS))
+#: folders of SyncReplicas that must not import each other (the shared pieces sit in
+#: ``sync.common``; ``sync.server_exchange`` joins the three)
+APART = {"sync.worker": ("sync.server",), "sync.layout": ("sync.server", "sync.worker"),
+         "sync.server": ("sync.worker",)}  # fmt: skip
+
+
+@pytest.mark.parametrize("folder", sorted(APART))
+def test_sync_folders_never_reach_across(folder):
+    for name, path in modules().items():
+        if name != folder and not name.startswith(folder + "."):
+            continue
+        for other in internal(imported(name, path)):
+            for apart in APART[folder]:
+                assert other != apart and not other.startswith(apart + "."), (
+                    f"{name} imports {other}: {folder} never reaches into {apart}"
+                )
+
+
+@pytest.mark.parametrize("name", sorted(n for n, layer in layers().items() if layer == ALGORITHMS))
 def test_algorithms_do_no_io(name):
     names = imported(name, modules()[name])
     assert not {n for n in names if n.startswith("torch.distributed")}, name
@@ -185,7 +159,7 @@ def _logs(handler: ast.ExceptHandler) -> bool:
     )
 
 
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name", sorted(modules()))
 def test_no_exception_swallowed_without_a_log_line(name):
     tree = ast.parse(modules()[name].read_text())
     silent = [
@@ -196,7 +170,7 @@ def test_no_exception_swallowed_without_a_log_line(name):
     assert not silent, f"{name}: broad except without a log line at lines {silent}"
 
 
-@pytest.mark.parametrize("name", sorted(LAYERS))
+@pytest.mark.parametrize("name", sorted(modules()))
 def test_loggers_are_named_for_their_module(name):
     text = modules()[name].read_text()
     for node in ast.walk(ast.parse(text)):

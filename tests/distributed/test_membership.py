@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from gradfleet.distributed.membership import Membership
+from gradfleet.distributed.common.membership import Membership
 from gradfleet.distributed.testing import run_ranks
 
 from . import membership_ranks
@@ -44,7 +44,7 @@ def test_silence_counts_from_the_last_message_and_is_logged_once(caplog):
     clock.now += 4.0
     members.heard(0)
     clock.now += 2.0
-    with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.membership"):
+    with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.common.membership"):
         assert members.silent() == [1]
         assert members.silent() == [1]  # logged once
     lost = [r.getMessage() for r in caplog.records]
@@ -57,7 +57,7 @@ def test_forgotten_worker_is_gone_at_once_and_a_hello_brings_it_back(caplog):
     for w in range(3):
         members.hello(w)
     members.leave(0)
-    with caplog.at_level(logging.INFO, logger="gradfleet.distributed.membership"):
+    with caplog.at_level(logging.INFO, logger="gradfleet.distributed.common.membership"):
         members.leave(1, forgotten=True)
         members.leave(2, forgotten=True)
     assert members.finished()

@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
+from gradfleet.distributed.sync.common.tokens import init_tokens
 from gradfleet.distributed.sync.layout.assignment import round_robin
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.read_ahead import Held, HeldPushes
 from gradfleet.distributed.sync.server.shards import Shard, ShardServer
-from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.sync.worker.shard_clients import push_data
 
 from .test_sync_replicas import FakeReply, serve

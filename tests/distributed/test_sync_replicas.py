@@ -10,11 +10,11 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
-from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.sync.common.job import Job
+from gradfleet.distributed.sync.common.tokens import init_tokens
 from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
-from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import run_ranks
 
 from . import sync_ranks

@@ -18,11 +18,11 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
+from gradfleet.distributed.sync.common.tokens import init_tokens
 from gradfleet.distributed.sync.layout.assignment import assign, by_bytes, round_robin
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.shards import Shard, ShardServer
-from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks

@@ -22,7 +22,8 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import ExponentialMovingAverage, SyncReplicasOptimizer
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
+from gradfleet.distributed.sync.common.tokens import init_tokens
 from gradfleet.distributed.sync.layout.assignment import assign
 from gradfleet.distributed.sync.layout.pieces import (
     ELEMENTWISE_TORCH,
@@ -35,7 +36,6 @@ from gradfleet.distributed.sync.layout.pieces import (
 )
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.shards import Shard, ShardServer
-from gradfleet.distributed.sync.tokens import init_tokens
 from gradfleet.distributed.testing import run_ranks
 
 from . import dedicated_ranks, overlap_ranks, sync_ranks

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.replies import Answer
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.sync.common.job import Job
+from gradfleet.distributed.sync.common.tokens import init_tokens
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.token_line import TokenLine, unfillable
-from gradfleet.distributed.sync.tokens import init_tokens
 
 F64 = torch.float64
 LR = 0.5

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfleet.distributed.hosting import probe
+from gradfleet.distributed.hosting.hosted_server import probe
 from gradfleet.distributed.transport import (
     LocalLink,
     MailboxClient,

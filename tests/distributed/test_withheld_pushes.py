@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.sync.job import Job
+from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.server.aggregator import GradientAggregator
 from gradfleet.distributed.sync.server.chief import SyncChief
 from gradfleet.distributed.sync.server.shards import Shard, ShardServer

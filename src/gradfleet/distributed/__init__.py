@@ -10,38 +10,20 @@
 * :func:`serve` / :class:`ParameterServer` -- a rank that only serves (TF's ps task): the
   SyncReplicas servers or the asynchronous EASGD centre on ranks outside the workers.
 
-Layers, lowest first; a module imports only from its own layer or lower ones
-(``tests/distributed/test_layering.py`` checks it from the imports):
-
-1. algorithms, no I/O -- state machines and pure helpers: ``sync.server.aggregator`` (TF's
-   accumulators, staleness, tokens), ``sync.server.shards``, ``sync.server.chief`` and the
-   chief's parts (the SyncReplicas servers), ``sync.layout.pieces``, ``easgd.centre_server``
-   (the asynchronous centre), ``membership`` (which workers a server expects, saw leave,
-   lost), ``replies`` (what a state machine returns: answers and effects), ``apply`` (apply
-   gradients with any optimizer), ``flat``, ``moving_average``.
-   They import neither ``torch.distributed`` nor the transport and are tested in one process.
-2. communication -- ``transport/`` (request/reply on a c10d store for control, a gloo pair per
-   client for tensors, the wire format), ``collectives`` (lists of tensors over a process
-   group), ``process_group`` (:func:`init`).
-3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
-   effects, publishing addresses, closing when every worker left), ``sync.server.servers``
-   (the SyncReplicas servers of a rank), the worker's links in ``sync.worker``
-   (``shard_clients``, ``plain_links``: TF's push, token, read; ``ahead_links``, ``pacing``,
-   ``pending_step``, ``answer_taker``, ``early_pushes``, ``error_latch``, ``streaming``:
-   reading ahead, paced pushes, the answers and overlap's pushes on threads, a step's reads
-   waited on per shard, streamed reads), ``sync.layout.shard_layout`` (a worker's view of its
-   parameters shard by shard), ``dedicated`` (what rank 0 tells the dedicated server ranks).
-4. wrappers -- ``wrapper`` (the shared ``torch.optim.Optimizer`` base), ``sync.optimizer``
-   and its exchanges (``sync.worker.server_exchange``, ``sync.worker.allreduce``),
-   ``easgd.optimizer``, ``easgd.centre``, ``easgd.async_centre``, ``model_average``,
-   ``towers``, ``replicate``, ``serving`` (a dedicated server rank).
-5. jobs -- ``job_control`` (the per-worker launch recipe's environment, the job's store keys) and
-   ``testing`` (multi-process test harness).
+Folders by concept: ``wrappers/`` (model averaging, towers), ``sync/`` (SyncReplicas),
+``easgd/`` (EASGD), ``hosting/`` (where servers run), ``transport/`` (how bytes travel),
+``common/`` (pure pieces they share).  Each folder belongs to one layer -- algorithms (no I/O),
+communication, hosting, wrappers, jobs (this package: ``job_control``, ``testing``) -- and says
+which in its docstring; a module imports only from its own layer or lower ones
+(``docs/distributed-design.md``; ``tests/distributed/test_layering.py`` checks it).
 
 Every module logs its decisions (a dropped stale or non-finite gradient, a lost or forgotten
 worker, an unreachable server, a fallback) on ``logging.getLogger(__name__)``.
+
+Layer: jobs.
 """
 
+from .common.moving_average import ExponentialMovingAverage
 from .easgd import (
     CENTRE_MODES,
     AllReduceCentre,
@@ -49,13 +31,12 @@ from .easgd import (
     CentreStrategy,
     ElasticAverageOptimizer,
 )
-from .model_average import ModelAverageOptimizer
-from .moving_average import ExponentialMovingAverage
-from .process_group import COMBINED_BACKEND, DistInfo, init, shutdown
-from .replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
-from .serving import ParameterServer, serve
+from .hosting.serving import ParameterServer, serve
 from .sync import AutoReplicas, Decision, ReplicasPolicy, SyncReplicasOptimizer
-from .towers import TowerOptimizer, current_tower
+from .transport.process_group import COMBINED_BACKEND, DistInfo, init, shutdown
+from .wrappers.model_average import ModelAverageOptimizer
+from .wrappers.replicate import ReplicatedModel, TowerOutput, replicate_model, split_batch
+from .wrappers.towers import TowerOptimizer, current_tower
 
 __all__ = [
     "AllReduceCentre",

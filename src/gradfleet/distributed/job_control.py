@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import torch.distributed as dist
 
-from .hosting import env_server_host
+from .hosting.hosted_server import env_server_host
 
 __all__ = ["JobControl", "JobPlace", "apply_job_env", "job_store", "server_host"]
 

@@ -123,7 +123,7 @@ def centre_wrapper(
         return None
     # Imported here: the distributed package is not needed by plain checkpoints.
     from gradfleet.distributed.easgd import ElasticAverageOptimizer
-    from gradfleet.distributed.model_average import ModelAverageOptimizer
+    from gradfleet.distributed.wrappers.model_average import ModelAverageOptimizer
 
     if not isinstance(optimizer, (ElasticAverageOptimizer, ModelAverageOptimizer)):
         return None

@@ -2,8 +2,10 @@
 
 * :mod:`.optimizer` -- the wrapper: elastic penalty, exchange schedule, checkpoints;
 * :mod:`.centre` -- the centre strategy interface and :class:`AllReduceCentre` (synchronous);
-* :mod:`.centre_server` -- the asynchronous centre's state machine;
+* :mod:`.server.centre_server` -- the asynchronous centre's state machine (pure);
 * :mod:`.async_centre` -- :class:`AsyncCentre`: that centre hosted on a server rank.
+
+Layer: wrappers.
 """
 
 from .async_centre import AsyncCentre

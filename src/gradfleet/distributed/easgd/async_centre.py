@@ -35,12 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import Collective, LocalCollective, TorchCollective
-from ..dedicated import CENTRE, announce
-from ..hosting import HostedServer, server_host, share_address
-from ..transport import MailboxClient, copy_received
+from ..common.flat import copy_received
+from ..hosting.dedicated import CENTRE, announce
+from ..hosting.hosted_server import HostedServer, server_host, share_address
+from ..transport import MailboxClient
+from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
-from .centre_server import CentreServer
+from .server.centre_server import CentreServer
 
 __all__ = ["AsyncCentre", "CENTRE_MODES"]
 

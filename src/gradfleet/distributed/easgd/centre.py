@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..collectives import Collective, resolve_collective
+from ..transport.collectives import Collective, resolve_collective
 
 __all__ = ["CentreStrategy", "AllReduceCentre", "CENTRE_MODES"]
 

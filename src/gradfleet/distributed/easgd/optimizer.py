@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..apply import GradsAndVars
-from ..closing import close_at_exit, closed
-from ..wrapper import WrapperOptimizer, check_int
+from ..common.apply import GradsAndVars
+from ..hosting.closing import close_at_exit, closed
+from ..wrappers.wrapper import WrapperOptimizer, check_int
 from .async_centre import CENTRE_MODES  # with "async" registered
 from .centre import CentreStrategy
 

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..wrapper import check_int
-from .finite import NONFINITE_POLICIES
+from ..wrappers.wrapper import check_int
+from .common.finite import NONFINITE_POLICIES
+from .common.tokens import init_tokens
 from .server.replicas_policy import AutoReplicas, ReplicasPolicy
 from .server.token_line import TOKEN_RULES
-from .tokens import init_tokens
 
 __all__ = [
     "average_indices",

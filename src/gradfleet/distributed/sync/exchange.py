@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .outcome import Outcome
+from .common.outcome import Outcome
 
 __all__ = ["Exchange", "Grads"]
 

@@ -61,9 +61,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..closing import close_at_exit, closed
-from ..moving_average import ExponentialMovingAverage
-from ..wrapper import WrapperOptimizer, check_grads_and_vars, check_int
+from ..common.moving_average import ExponentialMovingAverage
+from ..hosting.closing import close_at_exit, closed
+from ..wrappers.wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .arguments import (
     average_indices,
     check_arguments,
@@ -73,11 +73,11 @@ from .arguments import (
     replicas_policy,
     resolve_worker,
 )
+from .common.job import Job
+from .common.outcome import Outcome
 from .exchange import Exchange
-from .job import Job
 from .layout.assignment import SPLITTING, check_server_ranks
 from .layout.shard_layout import choose_layout
-from .outcome import Outcome
 from .server.replicas_policy import ReplicasPolicy
 from .server_exchange import ServerExchange, as_addresses
 from .worker.allreduce import AllReduceExchange

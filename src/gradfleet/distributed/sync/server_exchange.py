@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from ..dedicated import HyperparameterPusher, announce, sync_spec
-from ..hosting import gather_addresses, server_host, share_address
+from ..hosting.dedicated import HyperparameterPusher, announce, sync_spec
+from ..hosting.hosted_server import gather_addresses, server_host, share_address
+from ..hosting.sync_servers import SyncServers
 from ..transport import ServerUnreachable
-from .finite import all_finite_list
-from .job import Job
+from .common.finite import all_finite_list
+from .common.job import Job
+from .common.outcome import Outcome
 from .layout.shard_layout import ShardLayout
-from .outcome import Outcome
-from .server.servers import SyncServers
 from .worker.ahead_links import ReadAheadLinks
 from .worker.error_latch import ErrorLatch
 from .worker.overlap import ShardReadiness

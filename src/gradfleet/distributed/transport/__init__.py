@@ -7,13 +7,15 @@
   incarnation), so a restarted worker simply builds a new pair; a client in the server's own
   process hands its tensors over in memory (``LocalLink``).
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
+
+Layer: communication.
 """
 
 from .client import MailboxClient, store_client
 from .mailbox import MailboxServer, ServerUnreachable
 from .pairs import LINK_ERRORS, LocalLink, PairLink, local_address_towards
 from .peer import Reply
-from .wire import Packer, copy_received, join, split
+from .wire import Packer, join, split
 
 __all__ = [
     "LINK_ERRORS",
@@ -24,7 +26,6 @@ __all__ = [
     "Packer",
     "Reply",
     "ServerUnreachable",
-    "copy_received",
     "join",
     "local_address_towards",
     "split",

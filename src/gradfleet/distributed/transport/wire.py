@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "split", "join", "layout", "views", "copy_received", "Packer", "dumps", "loads", "ALIGN",
+    "split", "join", "layout", "views", "Packer", "dumps", "loads", "ALIGN",
 ]  # fmt: skip
 
 ALIGN = 16
@@ -207,13 +207,6 @@ def _target(into: Sequence[Any] | None, k: int, dtype_name: str, shape: Sequence
     if t.is_cuda or not t.is_contiguous() or t.is_sparse:
         return None
     return t.reshape(-1).view(torch.uint8)
-
-
-def copy_received(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` unless the transport received ``src`` in ``dst`` already (a reply
-    tensor received with ``receive_into``)."""
-    if src.data_ptr() != dst.data_ptr():
-        dst.copy_(src)
 
 
 def views(spec: dict[str, Any], messages: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...transport import copy_received
+from ...common.flat import copy_received
 from .assignment import SPLITTING, Placement, assign
 from .pieces import Piece, check_dense, check_elementwise, plan, view, whole
 

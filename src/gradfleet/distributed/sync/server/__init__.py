@@ -1,4 +1,7 @@
-"""The SyncReplicas servers: a shard's state machine (variables, accumulators, read-ahead
-answers), the chief's (shard 0 plus ``global_step``, the token line, the order of read-ahead
-requests and each update's R), and hosting them on a rank.  Everything but :mod:`.servers` is
-pure: no I/O."""
+"""The SyncReplicas servers' state machines, pure: a shard's (variables, accumulators,
+read-ahead answers) and the chief's (shard 0 plus ``global_step``, the token line, the order of
+read-ahead requests and each update's R, chosen by a replicas policy).  Hosting them on a rank
+is :mod:`gradfleet.distributed.hosting.sync_servers`.
+
+Layer: algorithms.
+"""

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..finite import NONFINITE_POLICIES, all_finite
+from ..common.finite import NONFINITE_POLICIES, all_finite
 
 __all__ = ["GradientAggregator"]
 

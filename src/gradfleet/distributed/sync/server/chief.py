@@ -3,7 +3,7 @@
 :class:`SyncChief` is a :class:`~.shards.ShardServer` for shard 0 (every variable when
 unsharded) to which it adds ``global_step``, the :class:`~.token_line.TokenLine` and each
 update's R (:class:`~.replica_choice.ReplicaChoice`).  It is a state machine: ``handle(request,
-ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects (and
+ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.common.replies.Answer` objects (and
 effects), one request at a time (the hosting server never overlaps two calls), so it needs no
 lock and does no I/O.  What it adds to a shard's handling:
 
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ...membership import Membership
-from ...replies import Answer, error
-from ..job import Job
+from ...common.membership import Membership
+from ...common.replies import Answer, error
+from ..common.job import Job
+from ..common.tokens import TokenQueue
 from ..layout.pieces import Piece
-from ..tokens import TokenQueue
 from .aggregator import GradientAggregator
 from .read_ahead import push_answers
 from .replica_choice import ReplicaChoice

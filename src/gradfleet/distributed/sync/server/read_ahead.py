@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...replies import Answer
+from ...common.replies import Answer
 
 __all__ = [
     "Held",

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from ...apply import apply_gradients
-from ...membership import Membership
-from ...replies import Answer
-from ..job import Job
+from ...common.apply import apply_gradients
+from ...common.membership import Membership
+from ...common.replies import Answer
+from ..common.job import Job
 from ..layout.pieces import Piece, split_optimizer
 from .aggregator import GradientAggregator
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer

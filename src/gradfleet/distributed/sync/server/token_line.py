@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..tokens import TokenQueue
+from ..common.tokens import TokenQueue
 
 __all__ = ["TOKEN_RULES", "TokenLine", "Waiting", "unfillable"]
 

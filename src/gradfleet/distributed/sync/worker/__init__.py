@@ -1,3 +1,7 @@
-"""A SyncReplicas worker's side: its two exchanges (through servers, or an all-reduce without
-one), the links to the servers (plain, or reading ahead over paced pushes), the pending step,
-and the policies over a step (overlap with backward, streamed reads, the error latch)."""
+"""A SyncReplicas worker's side: the all-reduce exchange (no server), the links to the
+servers (plain, or reading ahead over paced pushes), the pending step, and the policies over a
+step (overlap with backward, streamed reads, the error latch).  Nothing here imports
+:mod:`..server`: what both sides need is in :mod:`..common`.
+
+Layer: hosting.
+"""

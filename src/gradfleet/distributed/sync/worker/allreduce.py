@@ -48,11 +48,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...apply import apply_gradients
+from ...common.apply import apply_gradients
 from ...transport import LINK_ERRORS
-from ..job import Job
-from ..outcome import Outcome
-from ..tokens import TokenQueue
+from ..common.job import Job
+from ..common.outcome import Outcome
+from ..common.tokens import TokenQueue
 
 __all__ = ["AllReduceExchange", "Buckets"]
 

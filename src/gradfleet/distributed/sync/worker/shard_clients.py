@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...transport import MailboxClient
-from ..finite import all_finite
+from ..common.finite import all_finite
 from ..layout.pieces import rank_places
 
 __all__ = ["ShardClients", "busy_error", "push_data", "push_order"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .apply import GradsAndVars, apply_gradients
+from ..common.apply import GradsAndVars, apply_gradients
 
 __all__ = ["WrapperOptimizer", "GradsAndVars"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gradfleet.kernels.dtensor import is_dtensor
 
-from .flat import flatten, unflatten_
+from ..common.flat import flatten, unflatten_
 
 __all__ = ["Collective", "LocalCollective", "TorchCollective", "resolve_collective"]
 

@@ -1,11 +1,12 @@
 """Hosting the SyncReplicas servers of one rank: the chief and the shards ``server_ranks`` give it.
 
-:class:`SyncServers` builds the state machines (:class:`~.chief.SyncChief` on
-``server_ranks[0]``, a :class:`~.shards.ShardServer` for every other shard this rank hosts),
-serves each on its own :class:`~gradfleet.distributed.hosting.HostedServer`, and performs their
-effects: a shard's :class:`~.shards.Applied` becomes an ``applied`` report to the chief, and the
-chief's rank probes every other server rank every ``PROBE_S`` seconds, so that a dead one makes
-every worker fail with an error naming it (:meth:`~.chief.SyncChief.unreachable`).
+:class:`SyncServers` builds the state machines (:class:`~..sync.server.chief.SyncChief` on
+``server_ranks[0]``, a :class:`~..sync.server.shards.ShardServer` for every other shard this
+rank hosts), serves each on its own :class:`~.hosted_server.HostedServer`, and performs their
+effects: a shard's :class:`~..sync.server.shards.Applied` becomes an ``applied`` report to the
+chief, and the chief's rank probes every other server rank every ``PROBE_S`` seconds, so that a
+dead one makes every worker fail with an error naming it
+(:meth:`~..sync.server.chief.SyncChief.unreachable`).
 
 The probes run on a thread of their own and the chief's tick only reads their verdict: a probe
 is a round trip, and over links whose queues are full of gradients it takes tens of
@@ -23,13 +24,13 @@ from typing import Any
 
 import torch
 
-from ...hosting import HostedServer, probe
-from ...replies import Answer
-from ...transport import LINK_ERRORS, MailboxClient, ServerUnreachable
-from ..job import Job
-from ..layout.assignment import Placement
-from .chief import SyncChief
-from .shards import Applied, Resized, Shard, ShardServer
+from ..common.replies import Answer
+from ..sync.common.job import Job
+from ..sync.layout.assignment import Placement
+from ..sync.server.chief import SyncChief
+from ..sync.server.shards import Applied, Resized, Shard, ShardServer
+from ..transport import LINK_ERRORS, MailboxClient, ServerUnreachable
+from .hosted_server import HostedServer, probe
 
 __all__ = ["SyncServers", "PROBE_S"]
 

@@ -1,7 +1,7 @@
 """The asynchronous EASGD centre as a state machine (TF's ``global_center_variable`` on a ps).
 
 :class:`CentreServer` holds the centre ``c`` and the start-up barrier.  ``handle(request,
-ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.replies.Answer` objects and do
+ticket)`` and ``tick()`` return :class:`~gradfleet.distributed.common.replies.Answer` objects and do
 no I/O; :class:`~.async_centre.AsyncCentre` hosts it.  Requests:
 
 * ``hello``:    check the worker's shapes; answer the centre (TF's init op: ``x := c``).
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..membership import Membership
-from ..replies import Answer, error
+from ...common.membership import Membership
+from ...common.replies import Answer, error
 
 __all__ = ["CentreServer"]
 

@@ -4,7 +4,7 @@
 :class:`Job`; the same value travels whole to the exchange it chose, to the servers it hosts
 (:class:`~.server.servers.SyncServers`, the chief :class:`~.server.chief.SyncChief` and the
 shards), and -- inside the spec rank 0 announces -- to the dedicated server ranks
-(:mod:`gradfleet.distributed.serving`).  No layer lists the options again.
+(:mod:`gradfleet.distributed.hosting.serving`).  No layer lists the options again.
 
 Names, as the optimizer's arguments have them: ``tokens`` is the token *rule*
 (``"distinct"``: one gradient per worker per update; ``"shared"``: TF's ``sync_token_q``), and
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types only: the job is plain data, read by every folder
-    from ..moving_average import ExponentialMovingAverage
-    from .server.replicas_policy import ReplicasPolicy
+    from ...common.moving_average import ExponentialMovingAverage
+    from ..server.replicas_policy import ReplicasPolicy
 
 __all__ = ["Job"]
 

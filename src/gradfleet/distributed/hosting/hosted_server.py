@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from .membership import Membership
-from .replies import Answer, error
-from .transport import MailboxServer, store_client
+from ..common.membership import Membership
+from ..common.replies import Answer, error
+from ..transport import MailboxServer, store_client
 
 __all__ = [
     "HostedServer",

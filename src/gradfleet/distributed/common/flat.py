@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten", "unflatten_"]
+__all__ = ["copy_received", "flatten", "unflatten_"]
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -34,3 +34,10 @@ def unflatten_(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+def copy_received(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` unless ``src`` already is ``dst``'s memory (the transport may receive
+    a reply tensor in place, into the parameter it is for)."""
+    if src.data_ptr() != dst.data_ptr():
+        dst.copy_(src)

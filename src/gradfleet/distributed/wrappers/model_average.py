@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import resolve_collective
+from ..transport.collectives import resolve_collective
 from .wrapper import WrapperOptimizer, check_int
 
 __all__ = ["ModelAverageOptimizer"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .apply import GradsAndVars, apply_gradients
+from ..common.apply import GradsAndVars, apply_gradients
 from .wrapper import (
     WrapperOptimizer,
     autograd_gradients,

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..easgd.server.centre_server import CentreServer
+from ..sync.layout.pieces import view, whole
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
-from .easgd.centre_server import CentreServer
-from .hosting import HostedServer, gather_addresses, server_host, share_address
-from .sync.layout.pieces import view, whole
-from .sync.server.servers import SyncServers
+from .hosted_server import HostedServer, gather_addresses, server_host, share_address
+from .sync_servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
 
