@@ -36,19 +36,27 @@ def test_every_module_is_on_the_page_under_its_package(package):
     )
 
 
+def trail_functions(text: str) -> list[str]:
+    """The dotted names of a page's trail tables (rows ``| N | `gradfleet...` |``)."""
+    return re.findall(r"^\| \d+ \| `(gradfleet\.[\w.]+)` \|", text, flags=re.M)
+
+
+def resolve(dotted: str) -> object:
+    """The object ``dotted`` names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{dotted}: no such module")
+
+
 def test_every_function_a_trail_names_exists():
-    names = re.findall(r"^\| \d+ \| `(gradfleet\.[\w.]+)` \|", DOC.read_text(), flags=re.M)
+    names = trail_functions(DOC.read_text())
     assert len(names) >= 5
     for dotted in names:
-        parts = dotted.split(".")
-        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
-            try:
-                obj = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
-                continue
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr)
-            assert callable(obj), dotted
-            break
-        else:
-            raise AssertionError(f"{dotted}: no such module")
+        assert callable(resolve(dotted)), dotted

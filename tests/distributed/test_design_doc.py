@@ -37,3 +37,12 @@ def test_the_layer_table_names_every_module_in_its_folders_layer():
         assert f"`{module}`" in row, f"{name}: not in the {LAYER_NAMES[layer - 1]} row"
         if folder:
             assert f"`{folder.replace('.', '/')}/`" in row, f"{name}: its folder is not named"
+
+
+def test_every_function_a_trail_names_exists():
+    from ..test_code_map import resolve, trail_functions
+
+    names = trail_functions(DOC.read_text())
+    assert len(names) >= 20  # the sharded path and the all-reduce path
+    for dotted in names:
+        assert callable(resolve(dotted)), dotted
