@@ -40,6 +40,7 @@ LAYERS = {
     "transport.peer": COMMUNICATION,
     "transport.mailbox": COMMUNICATION,
     "transport.client": COMMUNICATION,
+    "all_reduce": COMMUNICATION,
     "collectives": COMMUNICATION,
     "process_group": COMMUNICATION,
     "hosting": HOSTING,

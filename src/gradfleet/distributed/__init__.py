@@ -21,8 +21,9 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    gradients with any optimizer), ``flat``, ``moving_average``.
    They import neither ``torch.distributed`` nor the transport and are tested in one process.
 2. communication -- ``transport/`` (request/reply on a c10d store for control, a gloo pair per
-   client for tensors, the wire format), ``collectives`` (lists of tensors over a process
-   group), ``process_group`` (:func:`init`).
+   client for tensors, the wire format), ``all_reduce`` (sums over a process group and the
+   mean of the ranks' gradients, one rule for sparse rows), ``collectives`` (lists of tensors
+   over a process group), ``process_group`` (:func:`init`).
 3. hosting -- ``hosting`` (where a server listens, serving a state machine and performing its
    effects, publishing addresses, closing when every worker left), ``sync.server.servers``
    (the SyncReplicas servers of a rank), the worker's links in ``sync.worker``
