@@ -80,7 +80,7 @@ def test_default_train_reaches_stated_accuracy(tmp_path: Path, cli) -> None:
 
 
 STRATEGY_RUNS = [
-    ("allreduce", "ctr"),  # sparse EmbeddingBag gradients through the all-gather path
+    ("allreduce", "ctr"),  # sparse EmbeddingBag gradients: rows averaged over their senders
     ("model-average:interval=4", "digits"),
     ("easgd:period=2", "digits"),
     ("easgd:mode=async,period=2", "digits"),

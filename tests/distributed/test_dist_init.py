@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from gradfleet.distributed import init
-from gradfleet.distributed.transport import process_group
 from gradfleet.distributed.testing import run_ranks
+from gradfleet.distributed.transport import process_group
 
 from . import ranks
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gradfleet.distributed.hosting import hosted_server as hosting
 from gradfleet.distributed.common.membership import Membership
 from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.hosting import hosted_server as hosting
 from gradfleet.distributed.hosting.hosted_server import (
     HostedServer,
     choose_server_host,

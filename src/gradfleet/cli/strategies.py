@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradfleet.distributed as gfd
+from gradfleet.distributed.collectives import TorchCollective
+from gradfleet.distributed.transport.all_reduce import mean_gradients
 
 from .strategy_table import DEFAULT_RHO, easgd_modes
 
@@ -106,22 +108,12 @@ class Strategy:
         return None
 
 
-def _all_reduce_mean(tensors: list[torch.Tensor], world: int) -> int:
-    """Replace each tensor by its mean over the ranks, in one flat all-reduce; returns the
-    bytes reduced."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return _nbytes(flat)
-
-
 class AllReduce(Strategy):
-    """Average gradients with torch.distributed: one all-reduce for dense gradients, an
-    all-gather of (indices, values) for sparse ones (which all-reduce cannot sum)."""
+    """Average gradients every step with gradfleet's all-reduce
+    (:func:`gradfleet.distributed.transport.all_reduce.mean_gradients`): the dense ones summed
+    and divided by the world size, each sparse row divided by the number of ranks that sent it
+    -- the rule of SyncReplicas, so that ``compare`` sets the two strategies side by side on
+    one average."""
 
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         params = [p.data for p in model.parameters()]
@@ -132,33 +124,11 @@ class AllReduce(Strategy):
     def reduce_gradients(self) -> None:
         if self.world == 1:
             return
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        dense = [p.grad for p in params if not p.grad.is_sparse]
-        if dense:
-            self.bytes_sent += _all_reduce_mean(dense, self.world)
-        for p in params:
-            if p.grad.is_sparse:
-                p.grad = self._gather_sparse(p.grad.coalesce())
-
-    def _gather_sparse(self, grad: torch.Tensor) -> torch.Tensor:
-        idx, val = grad.indices(), grad.values()
-        dev = val.device  # NCCL gathers CUDA tensors only, gloo CPU ones
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([idx.shape[1]], device=dev))
-        n_max = int(max(s.item() for s in sizes))
-        # all_gather needs equal shapes: pad to the largest nnz, cut after.
-        pad_idx = torch.zeros(idx.shape[0], n_max, dtype=idx.dtype, device=dev)
-        pad_val = torch.zeros((n_max, *val.shape[1:]), dtype=val.dtype, device=dev)
-        pad_idx[:, : idx.shape[1]], pad_val[: val.shape[0]] = idx, val
-        all_idx = [torch.empty_like(pad_idx) for _ in range(self.world)]
-        all_val = [torch.empty_like(pad_val) for _ in range(self.world)]
-        dist.all_gather(all_idx, pad_idx)
-        dist.all_gather(all_val, pad_val)
-        self.bytes_sent += _nbytes(pad_idx) + _nbytes(pad_val)
-        n = [int(s.item()) for s in sizes]
-        indices = torch.cat([i[:, :k] for i, k in zip(all_idx, n)], dim=1)
-        values = torch.cat([v[:k] for v, k in zip(all_val, n)]) / self.world
-        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+        params = list(self.model.parameters())
+        means, sent = mean_gradients(params, [p.grad for p in params], owner="allreduce")
+        self.bytes_sent += sent
+        for p, g in zip(params, means, strict=True):
+            p.grad = g
 
 
 class DDP(Strategy):
@@ -184,13 +154,14 @@ class DDP(Strategy):
         """The same bytes in the same buckets as DDP's backward, without backward."""
         self._zero_gradients()
         bucket: list[torch.Tensor] = []
+        mean = TorchCollective().all_reduce_mean_
         for p in reversed(list(self.model.parameters())):  # DDP's order: about backward's
             bucket.append(p.grad)
             if sum(_nbytes(t) for t in bucket) >= DDP_BUCKET_BYTES:
-                _all_reduce_mean(bucket, self.world)
+                mean(bucket)
                 bucket = []
         if bucket:
-            _all_reduce_mean(bucket, self.world)
+            mean(bucket)
         self.opt.step()
 
 

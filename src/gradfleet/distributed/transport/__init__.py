@@ -7,6 +7,9 @@
   incarnation), so a restarted worker simply builds a new pair; a client in the server's own
   process hands its tensors over in memory (``LocalLink``).
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
+* :mod:`.all_reduce` -- the one all-reduce of gradients and their mean over the ranks (one rule
+  for sparse rows); :mod:`.collectives` -- lists of tensors over a process group;
+  :mod:`.process_group` -- :func:`~gradfleet.distributed.init`.
 
 Layer: communication.
 """

@@ -3,7 +3,8 @@
 Every wrapper talks to its peers through a :class:`Collective`: a thin object that knows the
 process group, its rank and size, and offers in-place ``all_reduce_sum_`` / ``broadcast_`` over a
 *list* of tensors. Lists are flattened into one buffer per (device, dtype) so a round costs one
-collective per buffer instead of one per parameter. With ``num_worker == 1`` and no process group
+collective per buffer instead of one per parameter; the sum is :func:`.all_reduce.summed`, the
+all-reduce that every part of gradfleet uses. With ``num_worker == 1`` and no process group
 the :class:`LocalCollective` makes every operation a no-op, so the wrappers work unchanged in a
 plain single-process script.
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from gradfleet.kernels.dtensor import is_dtensor
 
 from ..common.flat import flatten, unflatten_
+from .all_reduce import by_device_and_dtype, collective_device, summed
 
 __all__ = ["Collective", "LocalCollective", "TorchCollective", "resolve_collective"]
 
@@ -91,13 +93,6 @@ def _local_shards(
     return out
 
 
-def _buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
-
-
 class TorchCollective(Collective):
     """Collectives on a ``torch.distributed`` process group (``None`` = the default group)."""
 
@@ -112,29 +107,23 @@ class TorchCollective(Collective):
         return dist.get_global_rank(self.group, group_rank)
 
     def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
-        for ts in _buckets(_local_shards(tensors, self.group)).values():
-            flat = flatten(ts)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            unflatten_(flat, ts)
+        local = _local_shards(tensors, self.group)
+        sums, _ = summed(local, self.group)
+        with torch.no_grad():
+            for t, s in zip(local, sums, strict=True):
+                t.copy_(s)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        for ts in _buckets(_local_shards(tensors, self.group)).values():
+        for ts in by_device_and_dtype(_local_shards(tensors, self.group)).values():
             flat = flatten(ts)
             dist.broadcast(flat, src=self._global_rank(src), group=self.group)
             unflatten_(flat, ts)
 
     def all_reduce_max_int(self, values: Sequence[int]) -> list[int]:
-        device = _collective_device(self.group)
+        device = collective_device(self.group)
         buf = torch.tensor(list(values), dtype=torch.int64, device=device)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in buf.tolist()]
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL can only reduce CUDA tensors; gloo reduces CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def resolve_collective(

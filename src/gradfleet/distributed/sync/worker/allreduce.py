@@ -24,9 +24,10 @@ computes the earlier layers.
 * **The update**: dense sums divided by N (a gradient that is None counts as zeros; a
   parameter with no gradient on any rank stays untouched), sparse rows divided by the number of
   ranks that sent the row (their counts travel in one more small all-reduce, only when some
-  rank had a sparse gradient) -- the server's accumulator rule -- applied with each rank's own
-  copy of the wrapped optimizer (identical on every rank: the parameters are broadcast from
-  rank 0 at the start, as the server's variables are read by every worker).
+  rank had a sparse gradient) -- the server's accumulator rule, gradfleet's one rule
+  (:mod:`gradfleet.distributed.transport.all_reduce`) -- applied with each rank's own copy of the
+  wrapped optimizer (identical on every rank: the parameters are broadcast from rank 0 at the
+  start, as the server's variables are read by every worker).
 * **Tokens**: ``"distinct"``, every update takes one gradient per worker, so ``local_step ==
   global_step`` always; ``"shared"`` replays TF's token queue (``num_tokens`` initial tokens, N
   per update): a round whose tag is stale (TF's wasted round after start-up) is dropped by every
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from ...common.apply import apply_gradients
 from ...transport import LINK_ERRORS
+from ...transport.all_reduce import GradientMean, collective_device, densify_
 from ..common.job import Job
 from ..common.outcome import Outcome
 from ..common.tokens import TokenQueue
@@ -110,16 +112,7 @@ class Buckets:
 
     def fill(self, i: int, g: torch.Tensor | None) -> None:
         """Parameter ``i``'s slot := its gradient (None: zeros; sparse: its rows summed in)."""
-        slot = self.slot[i]
-        with torch.no_grad():
-            if g is None:
-                slot.zero_()
-            elif g.is_sparse:
-                g = g.coalesce()
-                slot.zero_()
-                slot.index_add_(0, g.indices()[0].to(slot.device), g.values().to(slot))
-            else:
-                slot.copy_(g)
+        densify_(self.slot[i], g)
 
 
 def _any_nonfinite(grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -337,10 +330,9 @@ class AllReduceExchange:
         # the buckets backward did not complete, in order, then the flags
         while len(self._works) < len(self.buckets):
             self._send(len(self._works))
-        flags = torch.zeros(2 * n + 2 * self.world, dtype=torch.float64, device=self._device())
-        for i, g in enumerate(grads):
-            if g is not None:
-                flags[n * g.is_sparse + i] = 1.0
+        reduce = partial(self._collective, dist.all_reduce)
+        mean = GradientMean(self.params, self.N, reduce, collective_device(), _OWNER)
+        flags = mean.flags(grads, extra=2 * self.world)  # then the nonfinite and changed flags
         if self.nonfinite == "raise":  # a tensor op: no host synchronisation per gradient
             flags[2 * n + self.rank] = _any_nonfinite(grads, flags.device)
         flags[2 * n + self.world + self.rank] = float(changed)
@@ -355,26 +347,7 @@ class AllReduceExchange:
             )
         if flags[2 * n + self.world :].any():
             self._resend(grads, [r for r in range(self.world) if flags[2 * n + self.world + r]])
-        mixed = [i for i in range(n) if flags[i] > 0 and flags[n + i] > 0]
-        if mixed:
-            raise ValueError(
-                f"{_OWNER}: variables {mixed} got dense gradients on some ranks and sparse ones "
-                "on others"
-            )
-        rows = self._row_counts(grads, [i for i in range(n) if flags[n + i] > 0])
-        out: list[torch.Tensor | None] = []
-        for i, p in enumerate(self.params):
-            total = self.buckets.slot[i]
-            if flags[i] == 0 and flags[n + i] == 0:
-                out.append(None)
-            elif i not in rows:  # None counts as zeros: divide by the N gradients
-                out.append(total / self.N)
-            else:
-                idx = rows[i].nonzero().reshape(-1)
-                div = rows[i][idx].to(p.dtype).reshape(-1, *[1] * (p.dim() - 1))
-                values = total[idx] / div
-                out.append(torch.sparse_coo_tensor(idx.unsqueeze(0), values, p.shape).coalesce())
-        return out
+        return mean.means(grads, [self.buckets.slot[i] for i in range(n)], flags)
 
     def _resend(self, grads: list[torch.Tensor | None], ranks: list[int]) -> None:
         """Some rank's gradients changed after backward sent them: every rank sends all
@@ -394,36 +367,6 @@ class AllReduceExchange:
         for b in range(len(self.buckets)):
             self._send(b)
         self._wait()
-
-    def _row_counts(
-        self, grads: list[torch.Tensor | None], sparse: list[int]
-    ) -> dict[int, torch.Tensor]:
-        """For the parameters some rank sent a sparse gradient for: how many ranks sent each
-        row (one more all-reduce, of those parameters' rows only)."""
-        if not sparse:
-            return {}
-        rows = {
-            i: torch.zeros(self.params[i].shape[0], dtype=torch.float64, device=self._device())
-            for i in sparse
-        }
-        for i in sparse:
-            g = grads[i]
-            if g is not None and g.is_sparse:
-                rows[i][g.coalesce().indices()[0].to(rows[i].device)] = 1.0
-        flat = torch.cat(list(rows.values()))
-        self._collective(dist.all_reduce, flat)
-        offset = 0
-        for i in sparse:
-            n = rows[i].numel()
-            rows[i] = flat[offset : offset + n].to(self.params[i].device)
-            offset += n
-        return rows
-
-    def _device(self) -> torch.device:
-        """Where small tensors go: NCCL reduces CUDA tensors only, gloo CPU ones too."""
-        if self.world > 1 and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _wait(self) -> None:
         for work in self._works:
