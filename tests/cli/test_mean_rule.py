@@ -1,9 +1,9 @@
 """One average for the CLI's ``allreduce`` strategy and SyncReplicas' all-reduce exchange
 (``gradfleet.distributed.transport.all_reduce``): the same gradients in, the same averaged
-gradients out, and both equal to the rule written out here in float64 -- dense gradients summed over the N
-ranks and divided by N (a missing one counts as zeros), each sparse row divided by the number
-of ranks whose gradient holds it (TF's ``SparseConditionalAccumulator``).  Three gloo ranks
-(``run_ranks``, never hanging)."""
+gradients out, and both equal to the rule written out here in float64 -- dense gradients summed
+over the N ranks and divided by N (a missing one counts as zeros), each sparse row divided by
+the number of ranks whose gradient holds it (TF's ``SparseConditionalAccumulator``). Three gloo
+ranks (``run_ranks``, never hanging)."""
 
 from __future__ import annotations
 

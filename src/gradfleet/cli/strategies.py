@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed.collectives import TorchCollective
 from gradfleet.distributed.transport.all_reduce import mean_gradients
+from gradfleet.distributed.transport.collectives import TorchCollective
 
 from .strategy_table import DEFAULT_RHO, easgd_modes
 
