@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gradfleet.kernels import plan
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "speed.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
 
 
 def _blocks() -> list[str]:
