@@ -51,8 +51,8 @@ cat "$out/env.txt"
 
 echo "== CUDA tests ($(left) s left)"
 timeout 230 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 200 -rfEs \
-    tests/test_cuda.py tests/distributed/test_towers_cuda.py tests/cli/test_device.py \
-    tests/distributed/test_transport.py tests/test_fast_paths.py \
+    tests/kernels/test_cuda.py tests/kernels/test_fast_paths.py tests/cli/test_device.py \
+    tests/distributed/wrappers/test_towers_cuda.py tests/distributed/transport/test_transport.py \
     -k "cuda or device or towers or default_path" \
     >"$out/cuda-tests.log" 2>&1
 echo "rc $?"

@@ -30,7 +30,7 @@ from gradfleet.distributed import TowerOptimizer
 from gradfleet.kernels import fused
 from tests.conformance.specs import SPECS
 from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
-from tests.test_fast_paths import _snapshot
+from tests.kernels.test_fast_paths import _snapshot
 
 _SPECS = {spec.cls: spec for spec in SPECS + RETURNN_SPECS}
 CONCRETE = [cls for cls in gf.optimizers.ALL if cls is not gf.BaseCustomOptimizer]

@@ -316,7 +316,7 @@ SKIPS: list[Skip] = [
         None,
         "patches torch.optim's private _multi_tensor_<name> function; gradfleet's default "
         "on CUDA is its fused kernel where it keeps eager CUDA's numbers, else foreach "
-        "(tests/test_fast_paths.py::test_default_path_rule, tests/test_cuda.py)",
+        "(tests/kernels/test_fast_paths.py::test_default_path_rule, tests/kernels/test_cuda.py)",
     ),
     Skip(
         "test_param_group_with_lrscheduler_goes_right_direction",
@@ -349,7 +349,7 @@ SKIPS: list[Skip] = [
     Skip(
         "test_fused_matches_forloop",
         None,
-        "float32/float64: tests/test_fast_paths.py::test_fused_matches_loop runs every "
+        "float32/float64: tests/kernels/test_fast_paths.py::test_fused_matches_loop runs every "
         "optimizer fused against the loop in both dtypes (small and large parameters, None "
         "gradients, a zero-size parameter, 10 steps, every step's parameters and state); "
         "here each optimizer and dtype is two more kernel compiles (1-3 s each), so only "
@@ -374,7 +374,7 @@ SKIPS: list[Skip] = [
         None,
         "its expected peak is a count of torch's own foreach intermediates per torch class; "
         "gradfleet's fused step is checked to allocate no parameter-sized temporary instead "
-        "(tests/test_fast_paths.py)",
+        "(tests/kernels/test_fast_paths.py)",
     ),
 ]
 
@@ -386,7 +386,8 @@ if not private.HALF_PRECISION_EXACT:
             f"torch {torch.__version__}: before 2.13 inductor's CPU code generator cannot take "
             "(2.8-2.10) or drops (2.11, 2.12) the round trips to half precision that give the "
             "loop's bits; fused float16/bfloat16 differ from the loop within the bound "
-            "docs/releases.md states (tests/test_fast_paths.py checks it on those releases)",
+            "docs/releases.md states (tests/kernels/test_fast_paths.py checks it on those "
+            "releases)",
             dtypes=(torch.float16, torch.bfloat16),
         )
     )
@@ -812,7 +813,7 @@ def test_cpu_load_state_dict(info, device):
 # is rounded to the dtype as the loop rounds it, so the loop's bits, except where the maths
 # sums a whole tensor (NormalizedSGD's norm), which the kernel sums in another order: see
 # _half_norm_bound.  The first configuration only: each is a compile per dtype and parameter
-# set (the foreach runs cover the others through the same maths, tests/test_fast_paths.py).
+# set (the foreach runs cover the others through the same maths, tests/kernels/test_fast_paths.py).
 
 
 def _half_norm_bound(got, want, dtype, lr, where) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gradfleet as gf
-from tests.test_fast_paths import FUSED_TOL, _snapshot
+from tests.kernels.test_fast_paths import FUSED_TOL, _snapshot
 from tests.test_torch_conventions import CONCRETE, PATHS, _config
 
 # Classes whose maths has a coefficient torch's momentum-cycling schedulers edit: the group
@@ -223,7 +223,7 @@ def test_torch_only_arguments_are_refused_with_the_alternative(cls, kwargs, alte
 @pytest.mark.parametrize("value", [False, True])
 def test_capturable_is_accepted_either_way(value):
     """torch's ``capturable=True`` asks for a step a CUDA graph can replay; every gradfleet
-    step already is one (tests/test_cuda.py replays each optimizer on each path), so both
+    step already is one (tests/kernels/test_cuda.py replays each optimizer on each path), so both
     values build the same optimizer, and anything but a bool is still refused."""
     opt = gf.AdamOptimizer(_params(), lr=0.1, capturable=value)
     assert "capturable" not in opt.defaults

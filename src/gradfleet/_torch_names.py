@@ -39,7 +39,7 @@ TORCH_ONLY: dict[str, tuple[Any, str]] = {
     "momentum": (0, "momentum is MomentumOptimizer's (or RMSPropOptimizer's)"),
     "dampening": (0, "TF's momentum accumulator has no dampening (a = momentum * a + g)"),
     "lr_decay": (0, "use a learning-rate scheduler or a callable learning_rate"),
-    # Either value: every step already captures in a CUDA graph (tests/test_cuda.py).
+    # Either value: every step already captures in a CUDA graph (tests/kernels/test_cuda.py).
     "capturable": ((False, True), "gradfleet's steps never read a tensor back"),
     "differentiable": (False, "gradfleet's steps run under torch.no_grad"),
 }

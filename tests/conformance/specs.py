@@ -273,7 +273,7 @@ SPECS: list[Spec] = [
             "l1_regularization_strength": _maybe(r, _uniform(r, 0.0, 0.2)),
             "l2_regularization_strength": _maybe(r, _uniform(r, 0.0, 0.5)),
         },
-        dtypes=("float32",),  # TF refuses float64 vars here; tests/test_tf_optimizers.py
+        dtypes=("float32",),  # TF refuses float64 vars here; tests/optimizers/test_tf_optimizers.py
     ),
     Spec(
         gf.ProximalGradientDescentOptimizer,
@@ -292,7 +292,7 @@ SPECS: list[Spec] = [
             "l1_regularization_strength": _maybe(r, _uniform(r, 0.0, 0.5)),
             "l2_regularization_strength": _maybe(r, _uniform(r, 0.0, 0.5)),
         },
-        dtypes=("float32",),  # TF refuses float64 vars here; tests/test_tf_optimizers.py
+        dtypes=("float32",),  # TF refuses float64 vars here; tests/optimizers/test_tf_optimizers.py
     ),
     Spec(
         gf.RMSPropOptimizer,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gradfleet as gf
-from tests.test_dtensor import CONCRETE, build
+from tests.kernels.test_dtensor import CONCRETE, build
 
 STEPS, MORE_STEPS = 3, 2
 BATCH = 8
@@ -156,7 +156,7 @@ def ddp_and_zero(ctx) -> dict:
 
 def _constructor_arguments(cls) -> dict:
     """The keyword arguments ``build`` gives ``cls`` (ZeRO constructs the optimizer)."""
-    from tests.test_dtensor import _SPECS
+    from tests.kernels.test_dtensor import _SPECS
 
     spec = _SPECS.get(cls)
     return dict(spec.configs[0]) if spec else {"learning_rate": 0.1}

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import gradfleet as gf
 from gradfleet.distributed.testing import run_ranks
-from tests.test_dtensor import CONCRETE
+from tests.kernels.test_dtensor import CONCRETE
 
 from . import fsdp_ranks
 

@@ -8,7 +8,7 @@ inductor kernel per device/dtype bucket, traced from the maths with ``make_fx``)
 here is per-algorithm: both fast paths call the subclass's ``_apply_dense`` (or ``_rule``)
 unchanged.
 
-Exactness against the reference loop (checked by tests/test_fast_paths.py):
+Exactness against the reference loop (checked by tests/kernels/test_fast_paths.py):
 
 * foreach: bit-identical on CPU (each ``_foreach_*`` op runs the same ATen kernel per
   tensor, in the same order).

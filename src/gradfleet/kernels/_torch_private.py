@@ -58,8 +58,8 @@ COMBO_KERNELS = torch.__version__ >= "2.11"
 #: first the running torch has is used).  Triton's own ``/`` is ``div.full.f32``, up to 2 ulp
 #: off, where eager CUDA and TF's kernels divide exactly; FTRL's linear slot accumulates
 #: quotients with cancellation, so the approximate one put it past the fused tolerance on an
-#: H200 (tests/test_cuda.py).  Torch 2.8 has neither (2.9 not checked): there the CUDA kernels
-#: divide approximately.
+#: H200 (tests/kernels/test_cuda.py).  Torch 2.8 has neither (2.9 not checked): there the CUDA
+#: kernels divide approximately.
 _DIVISION_ROUNDING = ("eager_numerics.division_rounding", "emulate_divison_rounding")
 
 
@@ -78,7 +78,7 @@ def exact_division_option() -> dict[str, bool]:
 #: the loop's bits.  In torch 2.11 and 2.12.1 the C++ backend converts to half precision and
 #: then goes on computing with the float32 value (seen in its generated code; 2.13.0 uses the
 #: rounded value), so fused float16/bfloat16 results differ from the loop there, within the
-#: bound docs/releases.md states (tests/test_fast_paths.py checks both).
+#: bound docs/releases.md states (tests/kernels/test_fast_paths.py checks both).
 HALF_PRECISION_EXACT = torch.__version__ >= "2.13"
 #: Up to torch 2.10 the vectorised C++ backend names the keyword the precision-cast round trip
 #: passes ``use_compute_dtypes`` (a TypeError on the first float16/bfloat16 kernel; fixed in

@@ -105,7 +105,7 @@ class _Foreach:
     Python numbers; "tensor": also 0-dim tensors on the list's device).  While a CUDA graph
     is being captured a 0-dim CUDA tensor operand takes the per-tensor loop instead: some
     ``_foreach_*`` ops with a tensor scalar wait for the device (``_foreach_add`` on torch
-    2.11, found by tests/test_cuda.py), which a capture refuses; the loop's kernels read
+    2.11, found by tests/kernels/test_cuda.py), which a capture refuses; the loop's kernels read
     the scalar on the device, and a replay is as cheap per launch.  ``inplace``: the
     op returns its first operand.  Reflected operators (``__radd__``) map to the same op
     only where it is commutative bit for bit (IEEE ``+`` and ``*`` are).

@@ -1,0 +1,103 @@
+"""Asynchronous EASGD (``mode="async"``): TF's oracle over real ranks, a deterministic
+round-robin order against a float64 simulation, the start-up barrier, restart-and-rejoin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradfleet
+from gradfleet.distributed import AsyncCentre, ElasticAverageOptimizer
+from gradfleet.distributed.testing import RankKilled, run_ranks
+from tests.distributed import sync_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_tf_oracle_two_workers_tau1_alpha_half():
+    out = run_ranks(sync_ranks.easgd_oracle, 2, timeout=60)
+    assert out[0]["v"] == (0.5, 1.5) and out[1]["v"] == (0.75, 1.75)
+    assert out[0]["centre"] == [0.75, 1.75] == out[1]["centre"]
+    assert out[0]["local_centre"] == [0.0, 1.0] and out[1]["local_centre"] == [0.5, 1.5]
+    assert out[0]["global_step"] == 1 == out[1]["global_step"]
+
+
+def simulate_round_robin(world, steps, tau, alpha, lr=0.1):
+    """Float64 replay of async EASGD with workers taking turns in rank order."""
+    models = [sync_ranks.make_model() for _ in range(world)]
+    opts = [gradfleet.GradientDescentOptimizer(m.parameters(), lr) for m in models]  # TF's lr cast
+    centre = [p.detach().clone() for p in models[0].parameters()]
+    traj = [[] for _ in range(world)]
+    for s in range(steps):
+        for r, m in enumerate(models):
+            m.zero_grad()
+            sync_ranks.loss_of(m, r, s).backward()
+            opts[r].step()
+            with torch.no_grad():
+                if (s + 1) % tau == 0:
+                    for p, c in zip(m.parameters(), centre):
+                        d = p - c
+                        c.add_(alpha * d)
+                        p.sub_(alpha * d)
+            traj[r].append([p.detach().clone() for p in m.parameters()])
+    return traj, centre
+
+
+@pytest.mark.parametrize(("world", "tau", "alpha"), [(2, 1, 0.5), (3, 2, 0.3)])
+def test_round_robin_matches_simulation(world, tau, alpha):
+    out = run_ranks(sync_ranks.easgd_round_robin, world, args=(5, tau, alpha), timeout=60)
+    traj, centre = simulate_round_robin(world, 5, tau, alpha)
+    for r in range(world):
+        for got, want in zip(out[r][0], traj[r], strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for g, w in zip(out[0][1], centre, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_synchronous_adds_only_a_startup_barrier():
+    out = run_ranks(sync_ranks.easgd_barrier, 2, args=(1.5,), timeout=60)
+    # the barrier held rank 0 until the late rank 1 arrived ...
+    assert out[0]["passed"] >= out[1]["arrived"]
+    assert out[0]["waited"] > 1.2
+    # ... and the late rank waited for no one: less than the early one, which waited for it
+    # (no absolute bound: on a loaded machine setting up the centre alone takes seconds)
+    assert out[1]["waited"] < out[0]["waited"]
+
+
+def test_restarted_worker_rejoins_while_others_continue():
+    out = run_ranks(sync_ranks.easgd_rejoin, 4, args=(5.0,), timeout=60, kill_on={2: "die"})
+    assert out[2] == RankKilled(2)
+    first, second, restarted = out[0], out[1], out[3]
+    # the survivors never stopped: they kept stepping for the whole run
+    assert first["steps"] > 100 and second["steps"] > 100
+    assert first["counters"]["joins"] == {0: 1, 1: 1, 2: 2}
+    assert first["rejoin_seen_at"] is not None and first["rejoin_seen_at"] > 10
+    # the restarted worker started from the live centre, not its own garbage, and trained
+    assert all(bool((p != 123.0).all()) for p in restarted["joined_with"])
+    assert restarted["steps"] > 50 and restarted["local_step"] == restarted["steps"]
+    assert first["counters"]["exchanges"][2] > 5  # more than the first incarnation's 10/tau
+    assert all(o["finite"] for o in (first, second, restarted))
+
+
+def test_single_process_async_mode_and_checkpoint():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    strategy = AsyncCentre(timeout=10)
+    opt = ElasticAverageOptimizer(
+        gradfleet.GradientDescentOptimizer([x], 1.0), 1, 1, 0.5, rho=0.0, mode=strategy
+    )
+    assert opt.mode == "async"
+    opt.apply_gradients([(torch.tensor([-1.0, -1.0]), x)])
+    # x: (2, 3) -> d = (1, 1) -> x = (1.5, 2.5), centre = (1.5, 2.5)
+    torch.testing.assert_close(x.detach(), torch.tensor([1.5, 2.5]))
+    state = opt.state_dict()
+    opt.apply_gradients([(torch.tensor([-1.0, -1.0]), x)])
+    opt.load_state_dict(state)
+    torch.testing.assert_close(opt.centre()[0], torch.tensor([1.5, 2.5]))
+    strategy.close()
+
+
+def test_unknown_mode_lists_async():
+    x = torch.zeros(1, requires_grad=True)
+    with pytest.raises(ValueError, match="'async'"):
+        ElasticAverageOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, mode="nope")
