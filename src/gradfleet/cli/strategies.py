@@ -1,11 +1,12 @@
-"""Distribution strategies: one small adapter per strategy around gradfleet.distributed (what
-each takes and its checks: :mod:`.strategy_table`).
+"""Distribution strategies: one small adapter per strategy around gradfleet.distributed. Each
+belongs to its entry of :data:`.strategy_table.TABLE` (``StrategyInfo.adapter``), which also
+says what the strategy takes and checks it.
 
 An adapter wraps the optimizer (``setup``), runs one training step (``train_step``) or one
 update's communication alone (``transfer_step``), counts the bytes this worker hands to
 collectives, and says what to save as "the model" (for EASGD, the centre). Strategies are named
-on the command line as ``NAME[:key=value,...]``; the cluster benchmark (``benchmarks/cluster.py``)
-builds its rows with these same adapters, through :func:`make_strategy`.
+on the command line as ``NAME[:key=value,...]``; the benchmarks build their strategies with
+these same adapters, through the table.
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ from torch import nn
 
 import gradfleet.distributed as gfd
 
-from .strategy_table import DEFAULT_RHO, easgd_modes
-
-__all__ = ["DDP_BUCKET_BYTES", "Strategy", "make_strategy"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "DEFAULT_RHO",
+    "DDP",
+    "AllReduce",
+    "Easgd",
+    "ModelAverage",
+    "Strategy",
+    "SyncReplicas",
+    "Towers",
+    "easgd_modes",
+]
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
@@ -213,6 +223,18 @@ class ModelAverage(Strategy):
             self.opt.average()
 
 
+DEFAULT_RHO = 0.1  # EASGD's elastic penalty unless rho= is given
+
+
+def easgd_modes() -> dict[str, str]:
+    """``easgd:mode=`` name -> ElasticAverageOptimizer mode, for the modes this build has."""
+    modes = {"sync": "allreduce"}
+    for name in gfd.CENTRE_MODES:
+        if name != "allreduce":
+            modes["async"] = name
+    return modes
+
+
 def _rho(value: Any) -> float | None:
     return None if value == "tf" else float(value)
 
@@ -373,20 +395,3 @@ class SyncReplicas(Strategy):
     def forget(self, ranks: list[int]) -> None:
         if ranks:
             self.opt.forget_workers(ranks)
-
-
-_ADAPTERS: dict[str, type[Strategy]] = {
-    "none": Strategy,
-    "allreduce": AllReduce,
-    "ddp": DDP,
-    "model-average": ModelAverage,
-    "easgd": Easgd,
-    "towers": Towers,
-    "sync-replicas": SyncReplicas,
-}
-
-
-def make_strategy(name: str, args: dict[str, Any], rank: int, world: int) -> Strategy:
-    """The adapter of table strategy ``name`` (:data:`.strategy_table.TABLE`), for ``rank`` of
-    ``world`` workers; ``args`` as checked by ``validate_strategy``, plus the launcher's."""
-    return _ADAPTERS[name](args, rank, world)
