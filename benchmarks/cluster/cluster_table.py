@@ -2,7 +2,7 @@
 (:mod:`gradfleet.cli.strategy_table`, :mod:`gradfleet.cli.strategies`): what the benchmark
 measures is what ``gradfleet train --strategy`` runs.
 
-A row (``benchmarks.cluster.Row``) names its strategy and options in the benchmark's words:
+A row (``benchmarks.cluster.cluster.Row``) names its strategy and options in the benchmark's words:
 
 * ``compute``: the table's ``none`` (each host trains alone: the compute-only reference);
 * ``ddp``, ``allreduce``: the table's strategies of those names;

@@ -4,8 +4,9 @@ For each wrapper it runs 4 ranks for ``--seconds`` seconds (a 3-64-64-1 MLP, bat
 and reports, from rank 0: optimizer steps per second (for SyncReplicas also global updates per
 second), and bytes each worker sends per step.  With ``--delay`` rank 3 sleeps after every step.
 
-    python benchmarks/distributed_scaling.py [--seconds 4] [--delay 0.05] [--out benchmarks/results]
-    python benchmarks/distributed_scaling.py --params 1e5,1e6,1e7,1e8 [--seconds 4]
+    python -m benchmarks.distributed.distributed_scaling [--seconds 4] [--delay 0.05]
+                                                         [--out benchmarks/results]
+    python -m benchmarks.distributed.distributed_scaling --params 1e5,1e6,1e7,1e8 [--seconds 4]
 
 ``--params``: the model-size sweep of ``distributed_sweep`` (data plane against gloo
 all-reduce, reduce+broadcast and point-to-point baselines, straggler columns at every size),
@@ -131,7 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--delay", type=float, default=0.05)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results")))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     ap.add_argument("--params", default="", help="comma-separated sizes: the sweep")
     args = ap.parse_args()
     if args.params:
@@ -165,7 +166,7 @@ def _meta(seconds: float) -> dict:
 
 
 def run_sweep(args: argparse.Namespace) -> None:
-    from benchmarks import distributed_sweep as sweep
+    from benchmarks.distributed import distributed_sweep as sweep
 
     counts = [int(float(c)) for c in args.params.split(",")]
     rows = sweep.sweep(counts, args.seconds, log=lambda line: print(line, flush=True))

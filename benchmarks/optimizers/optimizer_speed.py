@@ -2,15 +2,16 @@
 
 Run from the repository root::
 
-    python -m benchmarks.optimizer_speed --out benchmarks/results
+    python -m benchmarks.optimizers.optimizer_speed --out benchmarks/results
 
 It writes ``optimizer_speed.json`` and ``optimizer_speed.png`` under ``--out`` and prints
 the table.  Method:
 
 * Device: ``--device cpu`` (default), ``cuda`` or ``cuda:N``.
-* Parameters: ``--preset`` (``benchmarks/speed_setup.py``): ``default``, a transformer-like
-  set of ~16.8M float32 parameters in 41 tensors; ``transformer-134m`` (134M in 81);
-  ``small-tensors`` (6.8M in 99, 62 of them biases and norm weights of 256-1024 elements).
+* Parameters: ``--preset`` (``benchmarks/optimizers/speed_setup.py``): ``default``, a
+  transformer-like set of ~16.8M float32 parameters in 41 tensors; ``transformer-134m`` (134M
+  in 81); ``small-tensors`` (6.8M in 99, 62 of them biases and norm weights of 256-1024
+  elements).
   ``--params N`` rescales the preset's width.  Gradients are fixed random tensors, so every
   path of every optimizer moves the same data.
 * Step time: median of ``--reps`` steps after ``--warmup`` steps; on CPU the wall clock
@@ -32,7 +33,7 @@ the table.  Method:
   (CPU feature probes) is measured first and reported on its own.
 
 ``--overhead N`` measures instead the per-parameter cost of a fused ``step()`` on N tiny
-parameters, beside torch's fused Adam's (``benchmarks/step_overhead.py``; writes
+parameters, beside torch's fused Adam's (``benchmarks/optimizers/step_overhead.py``; writes
 ``step_overhead.json``).
 """
 
@@ -49,8 +50,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import speed_setup, step_overhead
-from benchmarks.speed_setup import fresh_parameters, parameter_shapes
+from benchmarks.optimizers import speed_setup, step_overhead
+from benchmarks.optimizers.speed_setup import fresh_parameters, parameter_shapes
 from gradfleet import kernels
 
 __all__ = ["main", "parameter_shapes", "peak_extra_mib"]

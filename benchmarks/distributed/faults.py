@@ -9,7 +9,7 @@ non-zero exit, with the seconds from the kill to the last process's end), or *hu
 ended within ``--deadline`` seconds; everything is then killed). *Steps lost*: the model
 updates a failed job had made (lost without checkpoints); 0 for a completed one.
 
-    python benchmarks/faults.py --jobs 2 --json benchmarks/results/faults.json
+    python -m benchmarks.distributed.faults --jobs 2 --json benchmarks/results/faults.json
 """
 
 from __future__ import annotations

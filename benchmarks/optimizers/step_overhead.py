@@ -1,6 +1,6 @@
 """Per-parameter cost of ``step()`` where the kernels' work is negligible (``--overhead N``).
 
-``python -m benchmarks.optimizer_speed --overhead 200`` runs every fused optimizer on N
+``python -m benchmarks.optimizers.optimizer_speed --overhead 200`` runs every fused optimizer on N
 float32 parameters of ``--overhead-numel`` elements (16 by default: a few nanoseconds of
 maths each), so a step's time is its per-step and per-parameter bookkeeping plus the calls
 into the compiled kernels.  Reported per parameter (step time / N), as the median of the
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.speed_setup import build, fresh_parameters, gradfleet_configs, machine
+from benchmarks.optimizers.speed_setup import build, fresh_parameters, gradfleet_configs, machine
 
 
 def _timed(fn) -> tuple[float, float]:
