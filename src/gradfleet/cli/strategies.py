@@ -69,17 +69,21 @@ class Strategy:
         self.opt.zero_grad()
         loss = loss_fn(self.forward_model, x, y)
         loss.backward()
+        self.apply_gradients()
+        return float(loss.detach())
+
+    def apply_gradients(self) -> None:
+        """One update from the gradients in the parameters' ``.grad``, as a training step
+        makes it after backward (the data-plane benchmark's step on fixed gradients)."""
         self.reduce_gradients()
         self.opt.step()
-        return float(loss.detach())
 
     def transfer_step(self) -> None:
         """One update's communication without forward and backward, on zero gradients (which
         leave Adam's parameters where they are while its moments are zero): the cluster
         benchmark's transfer-only time."""
         self._zero_gradients()
-        self.reduce_gradients()
-        self.opt.step()
+        self.apply_gradients()
 
     def _zero_gradients(self) -> None:
         for p in self.model.parameters():
@@ -240,14 +244,18 @@ def _rho(value: Any) -> float | None:
 
 
 class Easgd(Strategy):
+    """Elastic averaging around a centre: all-reduced on every rank (``mode=sync``), or held by
+    a centre server (``mode=async``: :attr:`centre`, its client, whose ``bytes_sent`` and
+    ``counters()`` the benchmarks read; None in sync mode)."""
+
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from gradfleet.distributed import CENTRE_MODES
 
         self.period = int(self.args.get("period", 4))
         mode = easgd_modes()[self.args.get("mode", "sync")]
-        self._centre = None
+        self.centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
-            self._centre = CENTRE_MODES[mode](
+            self.centre = CENTRE_MODES[mode](
                 server_rank=int(self.args.get("server_rank", 0)),  # rank N: --servers 1
                 timeout=float(self.args.get("timeout", 60.0)),
                 host=self.args.get("host", "127.0.0.1"),
@@ -260,9 +268,9 @@ class Easgd(Strategy):
             self.period,
             moving_rate=self.args.get("moving_rate"),
             rho=_rho(self.args.get("rho", DEFAULT_RHO)),
-            mode=self._centre or mode,
+            mode=self.centre or mode,
         )
-        self.server_address = getattr(self._centre, "address", None)
+        self.server_address = getattr(self.centre, "address", None)
         self._payload = sum(_nbytes(p) for p in model.parameters())
         # exchanges cross processes with several workers, or with the centre on its own rank
         self._remote = self.world > 1 or int(self.args.get("server_rank", 0)) >= self.world
@@ -287,8 +295,8 @@ class Easgd(Strategy):
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:
-        if ranks and self._centre is not None:
-            self._centre.forget_workers(ranks)
+        if ranks and self.centre is not None:
+            self.centre.forget_workers(ranks)
 
 
 class Towers(Strategy):
