@@ -36,12 +36,12 @@ from typing import Any
 from gradfleet.cli.config import parse_spec
 from gradfleet.cli.strategy_table import STRATEGIES, tolerated_losses, validate_strategy
 
-# Each strategy's option sets (one job kind each; a strategy not named here runs with its
-# defaults): short averaging periods, so that a kill lands between exchanges as often as in one.
+# Each strategy's option sets, one job kind each (a strategy not named here: one kind, with its
+# defaults).
 OPTIONS: dict[str, list[dict[str, Any]]] = {
     "model-average": [{"interval": 4}],
     "easgd": [{"period": 4}, {"mode": "async", "period": 4}],
-    # with 3 workers: one backup, and none
+    # with the default 3 workers: one backup, and none
     "sync-replicas": [{"replicas_to_aggregate": 2}, {"replicas_to_aggregate": 3}],
 }
 
