@@ -66,7 +66,7 @@ for name in $optimizers; do
     else
         what=(--paths default foreach fused --only "$name")
     fi
-    timeout 120 python3 -m benchmarks.optimizer_speed --device "$device" --preset "$preset" \
+    timeout 120 python3 -m benchmarks.optimizers.optimizer_speed --device "$device" --preset "$preset" \
         "${what[@]}" --out "$scratch/speed/$name" >>"$out/speed.log" 2>&1
     echo "$name rc $?"
     tar -czf "$out/speed.tar.gz" -C "$scratch" speed
@@ -77,7 +77,7 @@ done
 if [ "$(left)" -gt 200 ]; then
     for run in cold warm; do
         echo "== $run compile (shared cache)" >>"$out/speed.log"
-        TORCHINDUCTOR_CACHE_DIR="$scratch/inductor" timeout 100 python3 -m benchmarks.optimizer_speed \
+        TORCHINDUCTOR_CACHE_DIR="$scratch/inductor" timeout 100 python3 -m benchmarks.optimizers.optimizer_speed \
             --device "$device" --preset "$preset" --paths default --only AdamOptimizer \
             --out "$scratch/speed/$run" >>"$out/speed.log" 2>&1
     done
@@ -95,7 +95,7 @@ if [ "${GPU_CHECK_CLUSTER:-0}" = 1 ]; then
         export LD_LIBRARY_PATH=/tmp/iproute2/usr/lib/x86_64-linux-gnu:/tmp/iproute2/lib/x86_64-linux-gnu
     fi
     mkdir -p "$scratch/cluster"
-    timeout 240 python3 benchmarks/cluster.py --only ddp,sr-shard-order4-ovs,sr-ded-order4-ovs \
+    timeout 240 python3 benchmarks/cluster/cluster.py --only ddp,sr-shard-order4-ovs,sr-ded-order4-ovs \
         --scenarios uniform --updates 10 --out "$scratch/cluster" --name cluster-gpu-host \
         >"$out/cluster.log" 2>&1
     echo "rc $?"

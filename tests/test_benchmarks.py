@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from benchmarks import optimizer_speed, speed_setup
+from benchmarks.optimizers import optimizer_speed, speed_setup
 
 
 def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):

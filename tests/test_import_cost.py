@@ -1,6 +1,6 @@
 """``import gradfleet`` and the CLI commands that do not train stay cheap.
 
-What is loaded is checked, not how long it takes (timings: benchmarks/import_time.py): in a
+What is loaded is checked, not how long it takes (timings: benchmarks/startup/import_time.py): in a
 fresh interpreter, nothing heavy may be in ``sys.modules`` that ``import torch`` itself did
 not already load.
 """

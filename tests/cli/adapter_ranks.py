@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradfleet.cli.strategies import make_strategy
+from gradfleet.cli.strategy_table import TABLE
 
 LR, WIDTH, INPUTS, CLASSES = 0.05, 8, 6, 3
 
@@ -39,7 +39,7 @@ def drive(ctx: Any, configs: list[tuple[str, dict, int, int]]) -> list[dict]:
     out = []
     for name, args, transfers, steps in configs:
         m = model()
-        strategy = make_strategy(name, dict(args), ctx.rank, ctx.world_size)
+        strategy = TABLE[name].adapter(dict(args), ctx.rank, ctx.world_size)
         strategy.setup(m, torch.optim.Adam(m.parameters(), lr=LR))
         record: dict = {"start": _params(m), "updates": []}
         local = 0
@@ -68,7 +68,7 @@ def build_error(ctx: Any, args: dict) -> str:
     """The ValueError building a sync-replicas adapter with ``args`` raises (every rank alike,
     before any server starts)."""
     m = model()
-    strategy = make_strategy("sync-replicas", dict(args), ctx.rank, ctx.world_size)
+    strategy = TABLE["sync-replicas"].adapter(dict(args), ctx.rank, ctx.world_size)
     try:
         strategy.setup(m, torch.optim.Adam(m.parameters(), lr=LR))
     except ValueError as err:

@@ -1,4 +1,4 @@
-"""The strategy adapters as the CLI and the cluster benchmark build them (``make_strategy``):
+"""The strategy adapters as the CLI and the cluster benchmark build them (the table's ``adapter``):
 torch DDP (the benchmark's reference, in the table but not offered by ``--strategy``), the
 transfer-only step on zero gradients, and sync-replicas' benchmark arguments.
 

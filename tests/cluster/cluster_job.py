@@ -34,7 +34,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_worker import Teacher, build_model  # noqa: E402
+from benchmarks.cluster.cluster_worker import Teacher, build_model  # noqa: E402
 
 import gradfleet.distributed as gfd  # noqa: E402
 

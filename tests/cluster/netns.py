@@ -1,6 +1,7 @@
 """The emulated cluster as a pytest fixture: ``make_cluster(hosts, link, slow)`` builds
-``benchmarks.netcluster.Cluster`` (hosts = network namespaces on a bridge, tc-shaped links) and
-removes it when the test ends, or skips the test with the reason namespaces cannot be made."""
+``benchmarks.cluster.netcluster.Cluster`` (hosts = network namespaces on a bridge, tc-shaped
+links) and removes it when the test ends, or skips the test with the reason namespaces cannot be
+made."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from benchmarks.netcluster import Cluster, stop, unavailable_reason, wait_all
+from benchmarks.cluster.netcluster import Cluster, stop, unavailable_reason, wait_all
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK = """

@@ -2,7 +2,7 @@
 server host (static rendezvous, so the server's rank follows the workers') runs SyncReplicas
 with its one server there and async EASGD with its centre there; both train, and the server
 host's link carries the workers' traffic.  Every row's strategy comes from the CLI's strategy
-table (``benchmarks.cluster_table``), its servers where the row says."""
+table (``benchmarks.cluster.cluster_table``), its servers where the row says."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks import cluster
-from benchmarks.cluster_table import Context, placement, table_strategy
-from benchmarks.cluster_worker import build_model
-from benchmarks.netcluster import unavailable_reason
+from benchmarks.cluster import cluster
+from benchmarks.cluster.cluster_table import Context, placement, table_strategy
+from benchmarks.cluster.cluster_worker import build_model
+from benchmarks.cluster.netcluster import unavailable_reason
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 PARAMS, UPDATES, WORKERS = 2e5, 12, 4

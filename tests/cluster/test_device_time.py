@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
-from benchmarks.cluster_worker import DeviceTime, build_model
+from benchmarks.cluster.cluster_worker import DeviceTime, build_model
 
 
 def _run(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], float, float]:

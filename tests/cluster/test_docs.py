@@ -8,7 +8,7 @@ import re
 import subprocess
 
 import pytest
-from benchmarks.netcluster import PREFIX, unavailable_reason
+from benchmarks.cluster.netcluster import PREFIX, unavailable_reason
 
 from .netns import ROOT
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from benchmarks.netcluster import Cluster, stop
+from benchmarks.cluster.netcluster import Cluster, stop
 
 from .netns import ROOT
 

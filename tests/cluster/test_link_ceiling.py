@@ -1,4 +1,4 @@
-"""``benchmarks/link_ceiling.py``: each pattern moves exactly the bytes of the strategy it
+"""``benchmarks/cluster/link_ceiling.py``: each pattern moves exactly the bytes of the strategy it
 stands for (each host's interface counters against the pattern's arithmetic), the pushes-only
 pattern one direction of each link, and the time the pushes were in is recorded."""
 
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks import link_ceiling
-from benchmarks.netcluster import unavailable_reason
+from benchmarks.cluster import link_ceiling
+from benchmarks.cluster.netcluster import unavailable_reason
 
 PARAMS = 4e5  # 1.6 MB a step: seconds per pattern at 200 Mbit/s
 

@@ -1,5 +1,6 @@
-"""``benchmarks/link_timeline.py``: the summary's arithmetic against a timeline built by hand,
-and, where namespaces can be made, a sampler inside a cluster's bridge that sees a transfer."""
+"""``benchmarks/cluster/link_timeline.py``: the summary's arithmetic against a timeline built by
+hand, and, where namespaces can be made, a sampler inside a cluster's bridge that sees a
+transfer."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from benchmarks.link_timeline import _live, read, slack_uploads, summarize
-from benchmarks.netcluster import PREFIX
+from benchmarks.cluster.link_timeline import _live, read, slack_uploads, summarize
+from benchmarks.cluster.netcluster import PREFIX
 
 from .netns import ROOT, transfer
 
@@ -68,7 +69,7 @@ def test_watch_takes_only_a_live_runs_bridge() -> None:
 def test_the_sampler_in_the_bridge_sees_a_transfer(make_cluster, tmp_path: Path) -> None:
     cluster = make_cluster(2, "40mbit")
     out = tmp_path / "links.txt"
-    script = [sys.executable, str(ROOT / "benchmarks" / "link_timeline.py")]
+    script = [sys.executable, str(ROOT / "benchmarks" / "cluster" / "link_timeline.py")]
     sampler = subprocess.Popen(
         ["ip", "netns", "exec", cluster.bridge, *script, "sample", str(out), "--seconds", "4"]
     )

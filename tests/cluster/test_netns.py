@@ -8,7 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks.netcluster import PREFIX, Cluster, rate_bits, remove_leftovers, unavailable_reason
+from benchmarks.cluster.netcluster import (
+    PREFIX,
+    Cluster,
+    rate_bits,
+    remove_leftovers,
+    unavailable_reason,
+)
 
 from .netns import transfer
 

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from benchmarks import cluster, cluster_report
+from benchmarks.cluster import cluster, cluster_report
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

@@ -1,8 +1,8 @@
-"""The cluster benchmark's compute slowdowns (``benchmarks.cluster_slowdown``): each schedule
-against a step-by-step simulation of what its docstring says, determinism by seed (also in
-another process), the moving straggler moving, transient slowdowns independent per host with
-the stated factor and rate, and the scenarios' schedules as ``benchmarks/cluster.py`` builds
-them from its flags."""
+"""The cluster benchmark's compute slowdowns (``benchmarks.cluster.cluster_slowdown``): each
+schedule against a step-by-step simulation of what its docstring says, determinism by seed (also
+in another process), the moving straggler moving, transient slowdowns independent per host with
+the stated factor and rate, and the scenarios' schedules as ``benchmarks/cluster/cluster.py``
+builds them from its flags."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks import cluster
-from benchmarks.cluster_slowdown import (
+from benchmarks.cluster import cluster
+from benchmarks.cluster.cluster_slowdown import (
     MovingStraggler,
     SlowHost,
     Transient,
@@ -116,7 +116,7 @@ def test_transient_schedules_are_fixed_by_their_seed() -> None:
     # another process, another hash seed, the spec through JSON: the same schedule
     code = (
         "import json, sys\n"
-        "from benchmarks.cluster_slowdown import from_spec, table\n"
+        "from benchmarks.cluster.cluster_slowdown import from_spec, table\n"
         "print(json.dumps(table(from_spec(json.loads(sys.argv[1])), 4, 300)))\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}

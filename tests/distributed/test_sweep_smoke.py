@@ -1,11 +1,11 @@
-"""Smoke test of the data-plane sweep (benchmarks/distributed_sweep.py): tiny model, two paths,
-the rates and CPU figures are positive and the ratio is computed.  Speed itself is never
-asserted here."""
+"""Smoke test of the data-plane sweep (benchmarks/distributed/distributed_sweep.py): tiny model,
+two paths, the rates and CPU figures are positive and the ratio is computed.  Speed itself is
+never asserted here."""
 
 from __future__ import annotations
 
 import pytest
-from benchmarks import distributed_sweep
+from benchmarks.distributed import distributed_sweep
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmarks.optimizer_speed import peak_extra_mib
+from benchmarks.optimizers.optimizer_speed import peak_extra_mib
 
 import gradfleet as gf
 from gradfleet.kernels import _torch_private as private

@@ -228,7 +228,7 @@ def test_overhead_benchmark_reports_per_parameter_step_cost(tmp_path, capsys, mo
     fused Adam timed on the same tensors, and the steps timed were replays."""
     import json
 
-    from benchmarks import optimizer_speed
+    from benchmarks.optimizers import optimizer_speed
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     argv = ["--overhead", "5", "--only", "GradientDescentOptimizer", "--out", str(tmp_path)]

@@ -40,18 +40,13 @@ from .spec import RunSpec
 from .strategy_table import tolerated_losses
 from .worker import run_worker
 
-__all__ = ["WorkerFailed", "run_local", "launch", "under_torchrun"]
+__all__ = ["WorkerFailed", "run_local", "launch"]
 
 log = logging.getLogger(__name__)
 
 
 class WorkerFailed(RuntimeError):
     """A rank failed: ``str()`` is one line naming the rank, the cause and its log."""
-
-
-def under_torchrun() -> bool:
-    """True when this process is already one rank of a torchrun / elastic job."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def run_local(spec: RunSpec) -> dict[str, Any] | None:

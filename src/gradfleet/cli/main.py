@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,11 +24,12 @@ from rich.table import Table
 from . import strategy_table as strat
 from .config import ConfigError, parse_straggler
 from .convert import app as convert_app
-from .launch import WorkerFailed, launch, run_local, under_torchrun
+from .launch import WorkerFailed, launch, run_local
 from .logs import configure_logging
 from .progress import Progress
 from .spec import LOG_LEVELS, RunSpec, resolve, resume_spec
 from .summary import summary_table
+from .torchrun import env_rank, under_torchrun
 from .workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
@@ -63,16 +63,12 @@ def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
     out = Path(spec.out)
     (out / "config.json").write_text(spec.to_json())
     spawn = strat.STRATEGIES[spec.strategy].spawns and spec.workers + spec.servers > 1
-    show = not under_torchrun() or _env_rank() == 0
+    show = not under_torchrun() or env_rank() == 0
     assert spec.steps is not None
     progress = Progress(out / "metrics.jsonl", spec.steps, label, quiet or not show)
     with progress:
         summary = launch(spec) if spawn and not under_torchrun() else run_local(spec)
     return summary or {}
-
-
-def _env_rank() -> int:
-    return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
 
 
 # ----------------------------------------------------------------------------- commands

@@ -20,6 +20,7 @@ from .config import ConfigError, load_config, optimizer_config, parse_spec, pars
 from .devices import check_device, parse_device
 from .run_files import latest_checkpoint
 from .servers import lockstep, validate_servers
+from .torchrun import under_torchrun
 from .workloads import load_workload
 
 __all__ = ["LOG_LEVELS", "RunSpec", "resolve", "resume_spec", "settings_markdown", "settings_table"]
@@ -208,8 +209,6 @@ def _settings(config: str | None, optimizer: str | None) -> dict[str, Any]:
 
 def check_run_device(device: str, strategy: str, workers: int) -> None:
     """A GPU for each process of the run on this machine, and for each tower."""
-    from .launch import under_torchrun
-
     if under_torchrun():
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     else:

@@ -1,11 +1,12 @@
-"""Distribution strategies: one small adapter per strategy around gradfleet.distributed (what
-each takes and its checks: :mod:`.strategy_table`).
+"""Distribution strategies: one small adapter per strategy around gradfleet.distributed. Each
+belongs to its entry of :data:`.strategy_table.TABLE` (``StrategyInfo.adapter``), which also
+says what the strategy takes and checks it.
 
 An adapter wraps the optimizer (``setup``), runs one training step (``train_step``) or one
 update's communication alone (``transfer_step``), counts the bytes this worker hands to
 collectives, and says what to save as "the model" (for EASGD, the centre). Strategies are named
-on the command line as ``NAME[:key=value,...]``; the cluster benchmark (``benchmarks/cluster.py``)
-builds its rows with these same adapters, through :func:`make_strategy`.
+on the command line as ``NAME[:key=value,...]``; the benchmarks build their strategies with
+these same adapters, through the table.
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ import gradfleet.distributed as gfd
 from gradfleet.distributed.transport.all_reduce import mean_gradients
 from gradfleet.distributed.transport.collectives import TorchCollective
 
-from .strategy_table import DEFAULT_RHO, easgd_modes
-
-__all__ = ["DDP_BUCKET_BYTES", "Strategy", "make_strategy"]
+__all__ = [
+    "DDP_BUCKET_BYTES",
+    "DEFAULT_RHO",
+    "DDP",
+    "AllReduce",
+    "Easgd",
+    "ModelAverage",
+    "Strategy",
+    "SyncReplicas",
+    "Towers",
+    "easgd_modes",
+]
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
@@ -61,17 +71,21 @@ class Strategy:
         self.opt.zero_grad()
         loss = loss_fn(self.forward_model, x, y)
         loss.backward()
+        self.apply_gradients()
+        return float(loss.detach())
+
+    def apply_gradients(self) -> None:
+        """One update from the gradients in the parameters' ``.grad``, as a training step
+        makes it after backward (the data-plane benchmark's step on fixed gradients)."""
         self.reduce_gradients()
         self.opt.step()
-        return float(loss.detach())
 
     def transfer_step(self) -> None:
         """One update's communication without forward and backward, on zero gradients (which
         leave Adam's parameters where they are while its moments are zero): the cluster
         benchmark's transfer-only time."""
         self._zero_gradients()
-        self.reduce_gradients()
-        self.opt.step()
+        self.apply_gradients()
 
     def _zero_gradients(self) -> None:
         for p in self.model.parameters():
@@ -184,19 +198,35 @@ class ModelAverage(Strategy):
             self.opt.average()
 
 
+DEFAULT_RHO = 0.1  # EASGD's elastic penalty unless rho= is given
+
+
+def easgd_modes() -> dict[str, str]:
+    """``easgd:mode=`` name -> ElasticAverageOptimizer mode, for the modes this build has."""
+    modes = {"sync": "allreduce"}
+    for name in gfd.CENTRE_MODES:
+        if name != "allreduce":
+            modes["async"] = name
+    return modes
+
+
 def _rho(value: Any) -> float | None:
     return None if value == "tf" else float(value)
 
 
 class Easgd(Strategy):
+    """Elastic averaging around a centre: all-reduced on every rank (``mode=sync``), or held by
+    a centre server (``mode=async``: :attr:`centre`, its client, whose ``bytes_sent`` and
+    ``counters()`` the benchmarks read; None in sync mode)."""
+
     def setup(self, model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from gradfleet.distributed import CENTRE_MODES
 
         self.period = int(self.args.get("period", 4))
         mode = easgd_modes()[self.args.get("mode", "sync")]
-        self._centre = None
+        self.centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
-            self._centre = CENTRE_MODES[mode](
+            self.centre = CENTRE_MODES[mode](
                 server_rank=int(self.args.get("server_rank", 0)),  # rank N: --servers 1
                 timeout=float(self.args.get("timeout", 60.0)),
                 host=self.args.get("host", "127.0.0.1"),
@@ -209,9 +239,9 @@ class Easgd(Strategy):
             self.period,
             moving_rate=self.args.get("moving_rate"),
             rho=_rho(self.args.get("rho", DEFAULT_RHO)),
-            mode=self._centre or mode,
+            mode=self.centre or mode,
         )
-        self.server_address = getattr(self._centre, "address", None)
+        self.server_address = getattr(self.centre, "address", None)
         self._payload = sum(_nbytes(p) for p in model.parameters())
         # exchanges cross processes with several workers, or with the centre on its own rank
         self._remote = self.world > 1 or int(self.args.get("server_rank", 0)) >= self.world
@@ -236,8 +266,8 @@ class Easgd(Strategy):
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:
-        if ranks and self._centre is not None:
-            self._centre.forget_workers(ranks)
+        if ranks and self.centre is not None:
+            self.centre.forget_workers(ranks)
 
 
 class Towers(Strategy):
@@ -344,20 +374,3 @@ class SyncReplicas(Strategy):
     def forget(self, ranks: list[int]) -> None:
         if ranks:
             self.opt.forget_workers(ranks)
-
-
-_ADAPTERS: dict[str, type[Strategy]] = {
-    "none": Strategy,
-    "allreduce": AllReduce,
-    "ddp": DDP,
-    "model-average": ModelAverage,
-    "easgd": Easgd,
-    "towers": Towers,
-    "sync-replicas": SyncReplicas,
-}
-
-
-def make_strategy(name: str, args: dict[str, Any], rank: int, world: int) -> Strategy:
-    """The adapter of table strategy ``name`` (:data:`.strategy_table.TABLE`), for ``rank`` of
-    ``world`` workers; ``args`` as checked by ``validate_strategy``, plus the launcher's."""
-    return _ADAPTERS[name](args, rank, world)

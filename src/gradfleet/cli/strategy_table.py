@@ -1,11 +1,11 @@
-"""What each distribution strategy is and takes: the table behind ``--strategy
+"""What each distribution strategy is, takes and runs with: the table behind ``--strategy
 NAME[:key=value,...]``, the checks of a strategy's arguments before any process starts, and how
-many workers a run of it can lose (:func:`tolerated_losses`).  The adapters that run them:
-:mod:`.strategies`.
+many workers a run of it can lose (:func:`tolerated_losses`).  Each entry names the adapter
+that runs it (:mod:`.strategies`): ``TABLE[name].adapter(args, rank, world)``.
 
-:data:`TABLE` is every strategy gradfleet builds, the CLI's and the cluster benchmark's
-(``benchmarks/cluster.py``) alike; :data:`STRATEGIES` is what ``--strategy`` offers, all of
-them but the benchmark's torch DDP reference (``cli=False``).
+:data:`TABLE` is every strategy gradfleet builds, the CLI's and the benchmarks' alike;
+:data:`STRATEGIES` is what ``--strategy`` offers, all of them but the cluster benchmark's torch
+DDP reference (``cli=False``).
 """
 
 from __future__ import annotations
@@ -16,18 +16,26 @@ from typing import Any
 
 import gradfleet.distributed as gfd
 
+from .strategies import (
+    DDP,
+    DEFAULT_RHO,
+    AllReduce,
+    Easgd,
+    ModelAverage,
+    Strategy,
+    SyncReplicas,
+    Towers,
+    easgd_modes,
+)
+
 __all__ = [
-    "DEFAULT_RHO",
     "STRATEGIES",
     "TABLE",
     "StrategyInfo",
     "available",
-    "easgd_modes",
     "tolerated_losses",
     "validate_strategy",
 ]
-
-DEFAULT_RHO = 0.1  # EASGD's elastic penalty unless rho= is given
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class StrategyInfo:
     name: str
     help: str
     args: dict[str, str]  # argument -> description (with its default)
+    adapter: type[Strategy]  # runs it: adapter(args, rank, world), args as checked here
     min_workers: int = 1
     max_workers: int | None = None
     spawns: bool = True  # False: one process (towers run as threads)
@@ -44,14 +53,20 @@ class StrategyInfo:
 TABLE: dict[str, StrategyInfo] = {
     s.name: s
     for s in (
-        StrategyInfo("none", "plain single-process training", {}, max_workers=1, spawns=False),
         StrategyInfo(
-            "allreduce", "synchronous data parallel: average gradients every step (sparse ok)", {}
+            "none", "plain single-process training", {}, Strategy, max_workers=1, spawns=False
+        ),
+        StrategyInfo(
+            "allreduce",
+            "synchronous data parallel: average gradients every step (sparse ok)",
+            {},
+            AllReduce,
         ),
         StrategyInfo(
             "model-average",
             "local SGD: local steps, exact model average every `interval` steps",
             {"interval": "local steps between averaging rounds (default 8)"},
+            ModelAverage,
         ),
         StrategyInfo(
             "easgd",
@@ -63,11 +78,13 @@ TABLE: dict[str, StrategyInfo] = {
                 "rho": "elastic penalty (default 0.1; rho=tf: TF's moving_rate / learning_rate, "
                 "which suits plain SGD but stalls Adam)",
             },
+            Easgd,
         ),
         StrategyInfo(
             "towers",
             "one process, `--workers` model replicas (towers) on slices of each batch",
             {},
+            Towers,
             spawns=False,
         ),
         StrategyInfo(
@@ -92,6 +109,7 @@ TABLE: dict[str, StrategyInfo] = {
                 "shard_assignment": "bytes, round_robin, split or backward_order (default: "
                 "backward_order, 4 per rank, with several shards where the optimizer allows)",
             },
+            SyncReplicas,
             min_workers=2,
         ),
         StrategyInfo(
@@ -99,6 +117,7 @@ TABLE: dict[str, StrategyInfo] = {
             "torch DistributedDataParallel: bucketed gradient all-reduce overlapped with "
             "backward (the cluster benchmark's reference)",
             {},
+            DDP,
             cli=False,
         ),
     )
@@ -121,17 +140,6 @@ def _int(spec: str, key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"strategy {spec}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
-
-
-def easgd_modes() -> dict[str, str]:
-    """CLI mode name -> ElasticAverageOptimizer mode, for the modes this build has."""
-    from gradfleet.distributed import CENTRE_MODES
-
-    modes = {"sync": "allreduce"}
-    for name in CENTRE_MODES:
-        if name != "allreduce":
-            modes["async"] = name
-    return modes
 
 
 def validate_strategy(

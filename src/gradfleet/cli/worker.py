@@ -28,8 +28,9 @@ from .logs import configure_logging
 from .run_files import Metrics, atomic_save, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
-from .strategies import Strategy, make_strategy
+from .strategies import Strategy
 from .strategy_table import STRATEGIES, tolerated_losses
+from .torchrun import env_rank
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
 __all__ = ["run_worker"]
@@ -210,9 +211,8 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
     # Towers run as threads of this one process: the "world" is the tower count.
-    strategy = make_strategy(
-        name, args, rank, job.workers if STRATEGIES[name].spawns else spec.workers
-    )
+    info = STRATEGIES[name]
+    strategy = info.adapter(args, rank, job.workers if info.spawns else spec.workers)
     strategy.setup(workload.model, opt)
     if job.control is not None and rank == 0 and strategy.server_address is not None:
         job.control.publish_server(strategy.server_address)
@@ -229,7 +229,7 @@ def _loss_fn(workload: Workload):
 
 def run_worker(spec: RunSpec) -> dict[str, Any] | None:
     """Train as this rank; rank 0 returns the summary dict."""
-    configure_logging(spec.log_level, _env_rank())
+    configure_logging(spec.log_level, env_rank())
     out = Path(spec.out)
     job = _Job(spec)
     try:
@@ -240,10 +240,6 @@ def run_worker(spec: RunSpec) -> dict[str, Any] | None:
         return _train(spec, job, out)
     finally:
         job.close()
-
-
-def _env_rank() -> int:
-    return int(os.environ.get("GRADFLEET_RANK", os.environ.get("RANK", 0)))
 
 
 def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:

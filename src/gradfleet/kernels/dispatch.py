@@ -7,12 +7,12 @@
 * ``foreach=False`` (and fused not True): the per-parameter reference loop;
 * both ``None`` (the default): the loop on CPU, the fused path on CUDA.  On CPU the loop
   is measured faster than foreach (``_foreach_*`` runs the same per-tensor ATen kernels plus
-  list overhead; benchmarks/optimizer_speed.py: Adam 52 vs 69 ms on 16.8M parameters).  On
-  CUDA foreach is a launch and a pass over memory per operation of the maths (Adam: 12, four
-  times torch's fused Adam's time on an H200) where the fused kernel reads and writes each
-  tensor once (0.92x torch's fused Adam); its price is a compile on the first step (seconds,
-  cached on disk by inductor for later processes).  CUDA stays on foreach where the fused
-  kernel would not keep eager CUDA's numbers or cannot compile
+  list overhead; benchmarks/optimizers/optimizer_speed.py: Adam 52 vs 69 ms on 16.8M
+  parameters).  On CUDA foreach is a launch and a pass over memory per operation of the maths
+  (Adam: 12, four times torch's fused Adam's time on an H200) where the fused kernel reads and
+  writes each tensor once (0.92x torch's fused Adam); its price is a compile on the first step
+  (seconds, cached on disk by inductor for later processes).  CUDA stays on foreach where the
+  fused kernel would not keep eager CUDA's numbers or cannot compile
   (``_torch_private.fused_by_default_on_cuda``: no Triton for the GPU, torch 2.8's
   approximate division), for groups with parameters on other devices too, for optimizers
   without a fused path, and under ``torch.compile``, which fuses the foreach maths itself.

@@ -70,7 +70,7 @@ _OPTIONS = {
 #: FTRL, AMSGrad and RMSProp to 0.93-1.14x torch fused Adam's bandwidth (from 0.68-1.02x);
 #: docs/speed.md "GPU".  On by default from torch 2.11, the release it was measured and
 #: tested on (tests/kernels/test_cuda.py runs every optimizer with it on and off);
-#: ``benchmarks/optimizer_speed.py --fused-option combo_kernels=0`` switches it off.
+#: ``benchmarks/optimizers/optimizer_speed.py --fused-option combo_kernels=0`` switches it off.
 CUDA_OPTIONS: dict[str, Any] = {"combo_kernels": True} if private.COMBO_KERNELS else {}
 #: CPU: parameters of at most this many elements run in a single-threaded kernel of their own
 #: (a 4096-element Adam update is a few microseconds of work, the order of one OpenMP

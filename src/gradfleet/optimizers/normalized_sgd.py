@@ -54,7 +54,7 @@ def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     sum is taken per block of 4096 elements and then over blocks: a two-level sum as
     accurate as ATen's, which inductor keeps in vector registers; a single reduction over
     more than 4096 elements gets inductor's cascade helper, whose accumulator lives in
-    memory and runs at a third of the memory bandwidth (benchmarks/optimizer_speed.py).
+    memory and runs at a third of the memory bandwidth (benchmarks/optimizers/optimizer_speed.py).
     """
     if not fused.tracing() or x.numel() <= _BLOCK:
         return (x * x).sum()

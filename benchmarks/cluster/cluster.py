@@ -1,6 +1,6 @@
 """Cluster benchmark: gradfleet's strategies against DDP on an emulated, network-bound cluster.
 
-    python benchmarks/cluster.py [--hosts 4] [--link 200mbit] [--params 10e6] [--updates 6]
+    python benchmarks/cluster/cluster.py [--hosts 4] [--link 200mbit] [--params 10e6] [--updates 6]
                                  [--scenarios uniform,slow-link,slow-compute,moving-straggler,
                                               transient] [--only ddp,...]
 
@@ -41,29 +41,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import cluster_report  # noqa: E402
-from benchmarks.cluster_slowdown import (  # noqa: E402
+from benchmarks.cluster import cluster_report  # noqa: E402
+from benchmarks.cluster.cluster_slowdown import (  # noqa: E402
     MovingStraggler,
     Slowdown,
     SlowHost,
     Transient,
     to_spec,
 )
-from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason  # noqa: E402
+from benchmarks.cluster.netcluster import Cluster, rate_bits, stop, unavailable_reason  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "benchmarks" / "cluster_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("cluster_worker.py")
 SLOW = 3  # the host that is slowed in the uneven scenarios
 
 
 @dataclass(frozen=True)
 class Row:
-    """One strategy configuration (``strategy``, ``options``: :mod:`benchmarks.cluster_table`).
-    ``kind``: ``"sync"`` (one global update per step of every replica) or ``"local"`` (every
-    local step is an update); ``R``: gradients per update;
-    ``server_hosts``: extra hosts that only serve (dedicated servers, ranks after the
+    """One strategy configuration (``strategy``, ``options``:
+    :mod:`benchmarks.cluster.cluster_table`). ``kind``: ``"sync"`` (one global update per step
+    of every replica) or ``"local"`` (every local step is an update); ``R``: gradients per
+    update; ``server_hosts``: extra hosts that only serve (dedicated servers, ranks after the
     workers), at the base link rate."""
 
     key: str
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster benchmark skipped: {reason}")
         return 2
     chosen = [r for r in rows(args.hosts) if not args.only or r.key in args.only.split(",")]
-    from benchmarks.cluster_table import table_strategy  # torch: not for --replot
+    from benchmarks.cluster.cluster_table import table_strategy  # torch: not for --replot
 
     for row in chosen:  # checked as the CLI checks --strategy, before any host starts
         try:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(cluster_report.line(result), flush=True)
     report = {
         "machine": cluster_report.machine(),
-        "command": "python benchmarks/cluster.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python benchmarks/cluster/cluster.py " + " ".join(argv or sys.argv[1:]),
         "wall_s": time.time() - started,
         "load_before": load,
         "cores": os.cpu_count(),

@@ -2,7 +2,7 @@
 (:mod:`gradfleet.cli.strategy_table`, :mod:`gradfleet.cli.strategies`): what the benchmark
 measures is what ``gradfleet train --strategy`` runs.
 
-A row (``benchmarks.cluster.Row``) names its strategy and options in the benchmark's words:
+A row (``benchmarks.cluster.cluster.Row``) names its strategy and options in the benchmark's words:
 
 * ``compute``: the table's ``none`` (each host trains alone: the compute-only reference);
 * ``ddp``, ``allreduce``: the table's strategies of those names;
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradfleet.cli.strategies import make_strategy
 from gradfleet.cli.strategy_table import TABLE, validate_strategy
 
 __all__ = ["ROW_OPTIONS", "Context", "RowStrategy", "placement", "table_strategy"]
@@ -158,7 +157,7 @@ class RowStrategy:
     ) -> None:
         name, args = table_strategy(strategy, options, ctx.world)
         args.update(placement(name, options, ctx, last_step))
-        self.adapter = make_strategy(name, args, ctx.rank, 1 if name == "none" else ctx.world)
+        self.adapter = TABLE[name].adapter(args, ctx.rank, 1 if name == "none" else ctx.world)
         self.adapter.setup(model, torch.optim.Adam(model.parameters(), lr=lr))
         self._local = 0
 

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netcluster import rate_bits
+from benchmarks.cluster.netcluster import rate_bits
 
 LOSS_WINDOW = 4  # steps averaged before comparing host 0's loss with the target
 

@@ -3,9 +3,14 @@
 For each wrapper it runs 4 ranks for ``--seconds`` seconds (a 3-64-64-1 MLP, batch 32, plain SGD)
 and reports, from rank 0: optimizer steps per second (for SyncReplicas also global updates per
 second), and bytes each worker sends per step.  With ``--delay`` rank 3 sleeps after every step.
+The wrappers are strategies of the CLI's table (:data:`gradfleet.cli.strategy_table.TABLE`)
+with the arguments of :data:`CONFIGS`, run by the table's adapters as ``gradfleet train
+--strategy NAME:ARGS`` runs them, but for the model: sync-replicas is not given it (one server
+holding every parameter, where the CLI lays the shards out for the model).
 
-    python benchmarks/distributed_scaling.py [--seconds 4] [--delay 0.05] [--out benchmarks/results]
-    python benchmarks/distributed_scaling.py --params 1e5,1e6,1e7,1e8 [--seconds 4]
+    python -m benchmarks.distributed.distributed_scaling [--seconds 4] [--delay 0.05]
+                                                         [--out benchmarks/results]
+    python -m benchmarks.distributed.distributed_scaling --params 1e5,1e6,1e7,1e8 [--seconds 4]
 
 ``--params``: the model-size sweep of ``distributed_sweep`` (data plane against gloo
 all-reduce, reduce+broadcast and point-to-point baselines, straggler columns at every size),
@@ -25,20 +30,21 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import gradfleet
-from gradfleet.distributed import (
-    AsyncCentre,
-    ElasticAverageOptimizer,
-    ModelAverageOptimizer,
-    SyncReplicasOptimizer,
-)
+from gradfleet.cli.strategies import Strategy
+from gradfleet.cli.strategy_table import TABLE, tolerated_losses, validate_strategy
 from gradfleet.distributed.testing import run_ranks
 
 WORLD = 4
-CONFIGS = ["allreduce", "sync_replicas_backup1", "model_average", "async_easgd"]
+# row -> (table strategy, its arguments)
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "allreduce": ("allreduce", {}),
+    "sync_replicas_backup1": ("sync-replicas", {"replicas_to_aggregate": 3}),
+    "model_average": ("model-average", {"interval": 4}),
+    "async_easgd": ("easgd", {"mode": "async", "period": 4, "rho": 0.0}),
+}
 
 
 def _model() -> nn.Module:
@@ -48,65 +54,63 @@ def _model() -> nn.Module:
     )
 
 
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
 def _ring_bytes(model: nn.Module) -> float:
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     return 2 * (WORLD - 1) / WORLD * size
 
 
 def _worker(ctx, config: str, seconds: float, delay: float) -> dict:
+    name, args = CONFIGS[config]
+    last_step = int(seconds * 60)
+    # the launcher's arguments (the strategies that take none ignore them): last_step releases
+    # every worker at the end (a clock would strand late workers); with_model: module doc
+    launcher = {"timeout": 30, "last_step": last_step, "with_model": False}
+    strategy = TABLE[name].adapter({**args, **launcher}, ctx.rank, WORLD)
     model = _model()
-    sgd = gradfleet.GradientDescentOptimizer(model.parameters(), 0.01)
-    extra = None
-    if config == "allreduce":
-        opt = sgd
-    elif config == "sync_replicas_backup1":
-        # last_step releases every worker at the end (a clock would strand late workers)
-        opt = SyncReplicasOptimizer(sgd, 3, 4, timeout=30, last_step=int(seconds * 60))
-    elif config == "model_average":
-        opt = ModelAverageOptimizer(sgd, WORLD, interval_steps=4)
-    else:
-        extra = AsyncCentre(timeout=30)
-        opt = ElasticAverageOptimizer(sgd, WORLD, 4, mode=extra, rho=0.0)
+    strategy.setup(model, gradfleet.GradientDescentOptimizer(model.parameters(), 0.01))
     gen = torch.Generator().manual_seed(ctx.rank)
-    # collectives need the same step count on every rank: a fixed budget, not a clock
+    # collectives in lockstep need the same step count on every rank: a fixed budget, not a
+    # clock; sync-replicas runs until its last update
     budget = None
-    if config in ("allreduce", "model_average"):
+    if tolerated_losses(name, args, WORLD) == 0:
         budget = int(seconds / (delay + 0.01)) if delay else int(seconds * 100)
     steps, start = 0, time.monotonic()
-    while not _finished(config, opt, steps, budget, start, seconds):
+    while not _finished(name, strategy, steps, budget, start, seconds, last_step):
         x = torch.randn(32, 3, generator=gen)
-        opt.zero_grad()
-        ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
-        if config == "allreduce":
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(flat)
-            flat /= WORLD
-            offset = 0
-            for p in model.parameters():
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        opt.step()
+        strategy.train_step(x, x.sum(1, keepdim=True), _loss)
         steps += 1
         if ctx.rank == 3 and delay:
             time.sleep(delay)
     elapsed = time.monotonic() - start
     out = {"steps": steps, "elapsed": elapsed}
-    if config in ("allreduce", "model_average"):
-        per_round = _ring_bytes(model)
-        out["bytes_per_step"] = per_round / (4 if config == "model_average" else 1)
-    elif config == "sync_replicas_backup1":
-        out["bytes_per_step"] = opt.bytes_sent / steps
-        out["global_steps"] = opt.global_step
-        opt.close()
+    if name == "sync-replicas":
+        out["bytes_per_step"] = strategy.bytes_sent / steps
+        out["global_steps"] = strategy.updates(steps)
+    elif name == "easgd":
+        out["bytes_per_step"] = strategy.centre.bytes_sent / steps
     else:
-        out["bytes_per_step"] = extra.bytes_sent / steps
-        extra.close()
+        interval = int(args.get("interval", 1))  # model-average: a round every interval steps
+        out["bytes_per_step"] = _ring_bytes(model) / interval
+    strategy.finish()
+    strategy.close()
     return out
 
 
-def _finished(config, opt, steps, budget, start, seconds) -> bool:
-    if config == "sync_replicas_backup1":
-        return opt.global_step >= int(seconds * 60)
+def _finished(
+    name: str,
+    strategy: Strategy,
+    steps: int,
+    budget: int | None,
+    start: float,
+    seconds: float,
+    last_step: int,
+) -> bool:
+    if name == "sync-replicas":
+        return strategy.updates(steps) >= last_step  # the global step
     if budget is not None:
         return steps >= budget
     return time.monotonic() - start >= seconds
@@ -131,11 +135,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--delay", type=float, default=0.05)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results")))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     ap.add_argument("--params", default="", help="comma-separated sizes: the sweep")
     args = ap.parse_args()
     if args.params:
         return run_sweep(args)
+    for name, strategy_args in CONFIGS.values():  # a clear error before any rank starts
+        validate_strategy(name, strategy_args, WORLD, TABLE)
     rows = []
     for config in CONFIGS:
         for delay in (0.0, args.delay):
@@ -165,7 +171,7 @@ def _meta(seconds: float) -> dict:
 
 
 def run_sweep(args: argparse.Namespace) -> None:
-    from benchmarks import distributed_sweep as sweep
+    from benchmarks.distributed import distributed_sweep as sweep
 
     counts = [int(float(c)) for c in args.params.split(",")]
     rows = sweep.sweep(counts, args.seconds, log=lambda line: print(line, flush=True))

@@ -2,15 +2,16 @@
 
 Run from the repository root::
 
-    python -m benchmarks.optimizer_speed --out benchmarks/results
+    python -m benchmarks.optimizers.optimizer_speed --out benchmarks/results
 
 It writes ``optimizer_speed.json`` and ``optimizer_speed.png`` under ``--out`` and prints
 the table.  Method:
 
 * Device: ``--device cpu`` (default), ``cuda`` or ``cuda:N``.
-* Parameters: ``--preset`` (``benchmarks/speed_setup.py``): ``default``, a transformer-like
-  set of ~16.8M float32 parameters in 41 tensors; ``transformer-134m`` (134M in 81);
-  ``small-tensors`` (6.8M in 99, 62 of them biases and norm weights of 256-1024 elements).
+* Parameters: ``--preset`` (``benchmarks/optimizers/speed_setup.py``): ``default``, a
+  transformer-like set of ~16.8M float32 parameters in 41 tensors; ``transformer-134m`` (134M
+  in 81); ``small-tensors`` (6.8M in 99, 62 of them biases and norm weights of 256-1024
+  elements).
   ``--params N`` rescales the preset's width.  Gradients are fixed random tensors, so every
   path of every optimizer moves the same data.
 * Step time: median of ``--reps`` steps after ``--warmup`` steps; on CPU the wall clock
@@ -32,7 +33,7 @@ the table.  Method:
   (CPU feature probes) is measured first and reported on its own.
 
 ``--overhead N`` measures instead the per-parameter cost of a fused ``step()`` on N tiny
-parameters, beside torch's fused Adam's (``benchmarks/step_overhead.py``; writes
+parameters, beside torch's fused Adam's (``benchmarks/optimizers/step_overhead.py``; writes
 ``step_overhead.json``).
 """
 
@@ -49,8 +50,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import speed_setup
-from benchmarks.speed_setup import parameter_shapes
+from benchmarks.optimizers import speed_setup, step_overhead
+from benchmarks.optimizers.speed_setup import fresh_parameters, parameter_shapes
 from gradfleet import kernels
 
 __all__ = ["main", "parameter_shapes", "peak_extra_mib"]
@@ -69,13 +70,6 @@ def make_tensors(shapes, seed: int = 0, device: torch.device | str = "cpu"):
     params = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
     grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
     return params, grads
-
-
-def _fresh(params, grads):
-    out = [torch.nn.Parameter(p.clone()) for p in params]
-    for p, g in zip(out, grads):
-        p.grad = g  # shared, read-only for every optimizer
-    return out
 
 
 # ------------------------------------------------------------------ measurement
@@ -185,49 +179,14 @@ def measure(opt, params, warmup: int, reps: int, partner=None) -> dict[str, Any]
     return stats
 
 
-# ------------------------------------------------------------------ optimizers
-def gradfleet_configs() -> dict[type, tuple[dict, Any]]:
-    """(config, make) per optimizer: the conformance suite's first config where known."""
-    import gradfleet as gf
-
-    specs: dict[type, Any] = {}
-    try:
-        from tests.conformance.specs import SPECS
-        from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
-
-        specs = {s.cls: s for s in SPECS + RETURNN_SPECS}
-    except ImportError:
-        pass
-    out = {}
-    for cls in gf.optimizers.ALL:
-        spec = specs.get(cls)
-        config = dict(spec.configs[0]) if spec else {"learning_rate": 1e-3}
-        out[cls] = (config, spec.make if spec else None)
-    return out
-
-
-def build(cls, config, make, params, path: str):
-    options = {
-        "loop": {"foreach": False},
-        "foreach": {"foreach": True},
-        "fused": {"fused": True},
-        "default": {},  # what a user gets without flags (gradfleet.kernels.resolve_path)
-    }
-    if make is None:
-        return cls(params, **config, **options[path])
-    opt = make(params, dict(config))
-    for group in opt.param_groups:
-        group.update(options[path])
-    return opt
-
-
+# ------------------------------------------------------------------ baselines
 def torch_best(name: str, kwargs: dict, params, grads, warmup, reps) -> dict[str, Any]:
     """torch's fastest implementation of ``torch.optim.<name>`` on these tensors."""
     best: dict[str, Any] | None = None
     impls = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
     for impl, flags in impls.items():
         try:
-            opt = getattr(torch.optim, name)(_fresh(params, grads), **kwargs, **flags)
+            opt = getattr(torch.optim, name)(fresh_parameters(params, grads), **kwargs, **flags)
             stats = measure(opt, opt.param_groups[0]["params"], warmup, reps)
         except (RuntimeError, TypeError, ValueError):
             continue  # this implementation does not exist for this class on this device
@@ -255,16 +214,16 @@ def run(args) -> dict[str, Any]:
     )
     compiles = {"fused", "default"} & set(args.paths)
     startup = inductor_startup_s(device) if compiles else None
-    adam = torch.optim.Adam([*_fresh(params, grads)], fused=True)
+    adam = torch.optim.Adam([*fresh_parameters(params, grads)], fused=True)
     ref = measure(adam, adam.param_groups[0]["params"], args.warmup, args.reps)
     baselines = {"Adam(fused=True)": ref}
     if "default" in args.paths:  # what a torch user gets without flags (foreach on CUDA)
-        plain = torch.optim.Adam([*_fresh(params, grads)])
+        plain = torch.optim.Adam([*fresh_parameters(params, grads)])
         plain_params = plain.param_groups[0]["params"]
         baselines["Adam()"] = measure(plain, plain_params, args.warmup, args.reps)
     ceilings = memory_ceilings(params, grads, args.warmup, args.reps, adam.step, device)
     rows = []
-    for cls, (config, make) in gradfleet_configs().items():
+    for cls, (config, make) in speed_setup.gradfleet_configs().items():
         if args.only and cls.__name__ not in args.only:
             continue
         equiv = TORCH_EQUIVALENT.get(cls.__name__)
@@ -273,9 +232,9 @@ def run(args) -> dict[str, Any]:
             if key not in baselines:
                 baselines[key] = torch_best(*equiv, params, grads, args.warmup, args.reps)
         for path in args.paths:
-            ps = _fresh(params, grads)
+            ps = fresh_parameters(params, grads)
             try:
-                opt = build(cls, config, make, ps, path)
+                opt = speed_setup.build(cls, config, make, ps, path)
                 stats = measure(opt, ps, args.warmup, args.reps, adam.step)
             except NotImplementedError:
                 break  # abstract base class
@@ -295,7 +254,7 @@ def run(args) -> dict[str, Any]:
             rows.append(stats)
             print(format_row(stats), flush=True)
     return {
-        "machine": machine(device),
+        "machine": speed_setup.machine(device),
         "device": str(device),
         "preset": args.preset,
         "parameters": n,
@@ -321,23 +280,6 @@ def _inductor_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {k: int(v) for k, v in counters["inductor"].items() if k.startswith("fxgraph")}
-
-
-def machine(device: torch.device) -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "gpu": speed_setup.device_name(device),
-        "load_average": os.getloadavg(),
-    }
 
 
 # ------------------------------------------------------------------ output
@@ -496,8 +438,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.overhead is not None:
         if args.device.type != "cpu":
             parser.error("--overhead: measured on --device cpu")
-        from benchmarks import step_overhead
-
         result = step_overhead.run(args)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "step_overhead.json").write_text(json.dumps(result, indent=1, default=str))

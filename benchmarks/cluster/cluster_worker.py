@@ -9,7 +9,7 @@ rank draws its own batches.  Phases:
    to every forward/backward (:class:`DeviceTime`: sleeps, a third in forward and two thirds
    in backward, spread over the layers), during which the CPU is free, as while a GPU
    computes; ``c`` includes it.  ``--slowdown`` names a compute slowdown schedule
-   (:mod:`benchmarks.cluster_slowdown`): at its local training step ``s``, host ``h`` sleeps
+   (:mod:`benchmarks.cluster.cluster_slowdown`): at its local training step ``s``, host ``h`` sleeps
    ``(f - 1) * c`` before the forward, ``f = factor_at(h, s)`` (a machine ``f`` times slower
    for that step).
 2. transfer-only: ``warmup_updates`` updates of communication alone on zero gradients, not
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script by torchrun
 
 import gradfleet.distributed as gfd  # noqa: E402
-from benchmarks.cluster_slowdown import Slowdown, from_spec  # noqa: E402
-from benchmarks.cluster_table import Context, RowStrategy  # noqa: E402
+from benchmarks.cluster.cluster_slowdown import Slowdown, from_spec  # noqa: E402
+from benchmarks.cluster.cluster_table import Context, RowStrategy  # noqa: E402
 
 INPUTS, CLASSES, HIDDEN_LAYERS = 256, 4, 3
 
@@ -130,7 +130,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of emulated accelerator time per forward/backward")  # fmt: skip
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--slowdown", default="", help="JSON of a compute slowdown schedule "
-                   "(benchmarks.cluster_slowdown.to_spec; default: none)")  # fmt: skip
+                   "(benchmarks.cluster.cluster_slowdown.to_spec; default: none)")  # fmt: skip
     p.add_argument("--updates", type=int, default=6)
     p.add_argument("--fast-hosts", default="", help="comma-separated host indices for servers")
     p.add_argument(

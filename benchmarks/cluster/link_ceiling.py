@@ -1,11 +1,11 @@
 """What the emulated links can carry per step, with no optimizer and no protocol around it.
 
-    python benchmarks/link_ceiling.py [--link 200mbit] [--params 10e6] [--steps 6]
+    python benchmarks/cluster/link_ceiling.py [--link 200mbit] [--params 10e6] [--steps 6]
                                       [--patterns allreduce,dedicated,over-workers]
                                       [--shards-per-server 4] [--out DIR] [--name NAME]
 
-The cluster benchmark (``benchmarks/cluster.py``) compares whole training strategies. This one
-moves only the bytes of one synchronous step of each, with torch.distributed's gloo
+The cluster benchmark (``benchmarks/cluster/cluster.py``) compares whole training strategies.
+This one moves only the bytes of one synchronous step of each, with torch.distributed's gloo
 collectives and point-to-point calls, over the same namespaces and ``tc tbf`` links
 (``netcluster``), so that a strategy's measured step can be set against the fastest step its
 traffic allows here:
@@ -43,9 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.netcluster import Cluster, rate_bits, stop, unavailable_reason, wait_all  # noqa: E402
+from benchmarks.cluster.netcluster import Cluster, rate_bits, stop, unavailable_reason, wait_all  # noqa: E402
 from gradfleet.distributed.sync.worker.shard_clients import push_order  # noqa: E402
 
 WORKERS = 4
@@ -153,7 +153,7 @@ def measure(pattern: str, args, workdir: Path) -> dict:
     result = workdir / f"{pattern}.json"
     cfg = {"pattern": pattern, "params": args.params, "steps": args.steps, "result": str(result),
            "shards_per_server": args.shards_per_server}  # fmt: skip
-    env = {"GF_CEILING": json.dumps(cfg), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {"GF_CEILING": json.dumps(cfg), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with Cluster(hosts, args.link) as cluster:
         before, tcp_before = cluster.counters(), cluster.tcp_counters()
         procs = cluster.torchrun(
@@ -188,10 +188,10 @@ def measure(pattern: str, args, workdir: Path) -> dict:
 def report(results: dict, args) -> str:
     rate = rate_bits(args.link) / 8
     p = args.params * 4
-    from benchmarks.cluster_report import machine
+    from benchmarks.cluster.cluster_report import machine
 
     lines = [
-        f"Machine: {machine()}. Command: `python benchmarks/link_ceiling.py "
+        f"Machine: {machine()}. Command: `python benchmarks/cluster/link_ceiling.py "
         f"{' '.join(sys.argv[1:])}`.",
         "",
         f"Links {args.link} ({rate / 1e6:.0f} MB/s), {args.params:.0e} float32 parameters "

@@ -1,6 +1,6 @@
 """Per-parameter cost of ``step()`` where the kernels' work is negligible (``--overhead N``).
 
-``python -m benchmarks.optimizer_speed --overhead 200`` runs every fused optimizer on N
+``python -m benchmarks.optimizers.optimizer_speed --overhead 200`` runs every fused optimizer on N
 float32 parameters of ``--overhead-numel`` elements (16 by default: a few nanoseconds of
 maths each), so a step's time is its per-step and per-parameter bookkeeping plus the calls
 into the compiled kernels.  Reported per parameter (step time / N), as the median of the
@@ -21,6 +21,8 @@ import time
 from typing import Any
 
 import torch
+
+from benchmarks.optimizers.speed_setup import build, fresh_parameters, gradfleet_configs, machine
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -48,20 +50,18 @@ def time_pair(step, partner, warmup: int, reps: int) -> dict[str, float]:
 
 
 def run(args) -> dict[str, Any]:
-    from benchmarks.optimizer_speed import _fresh, build, gradfleet_configs, machine
-
     n, numel = args.overhead, args.overhead_numel
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(numel, generator=gen) for _ in range(n)]
     grads = [torch.randn(numel, generator=gen) * 1e-3 for _ in range(n)]
-    adam = torch.optim.Adam(_fresh(params, grads), fused=True)
+    adam = torch.optim.Adam(fresh_parameters(params, grads), fused=True)
     print(f"{n} float32 parameters of {numel} elements; fused path", flush=True)
     rows = []
     for cls, (config, make) in gradfleet_configs().items():
         if args.only and cls.__name__ not in args.only:
             continue
         try:
-            opt = build(cls, config, make, _fresh(params, grads), "fused")
+            opt = build(cls, config, make, fresh_parameters(params, grads), "fused")
             opt.step()  # compiles
         except NotImplementedError:
             continue  # abstract base class

@@ -1,4 +1,5 @@
-"""Parameter sets and device clocks for ``benchmarks/optimizer_speed.py``.
+"""What the optimizer speed benchmarks (``optimizer_speed``, ``step_overhead``) measure and how:
+the parameter sets, the optimizers and their paths, device clocks, the machine.
 
 Presets (``--preset``), all float32 and shaped like transformer parameters:
 
@@ -17,8 +18,10 @@ kept) to the multiple of 8 whose parameter count is nearest to ``N``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -168,3 +171,68 @@ def peak_extra_cuda_mib(step: Callable[[], object], device: torch.device) -> flo
 def device_name(device: torch.device) -> str | None:
     """The GPU's name for CUDA devices, else None."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+# ------------------------------------------------------------------ the optimizers
+def gradfleet_configs() -> dict[type, tuple[dict, Any]]:
+    """(config, make) per optimizer: the conformance suite's first config where known."""
+    import gradfleet as gf
+
+    specs: dict[type, Any] = {}
+    try:
+        from tests.conformance.specs import SPECS
+        from tests.conformance.specs_returnn import SPECS as RETURNN_SPECS
+
+        specs = {s.cls: s for s in SPECS + RETURNN_SPECS}
+    except ImportError:
+        pass
+    out = {}
+    for cls in gf.optimizers.ALL:
+        spec = specs.get(cls)
+        config = dict(spec.configs[0]) if spec else {"learning_rate": 1e-3}
+        out[cls] = (config, spec.make if spec else None)
+    return out
+
+
+def build(cls, config, make, params, path: str):
+    """Optimizer ``cls`` with ``config`` on ``params``, on ``path`` (loop, foreach, fused, or
+    default: no flag), built by the conformance spec's ``make`` where it has one."""
+    options = {
+        "loop": {"foreach": False},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "default": {},  # what a user gets without flags (gradfleet.kernels.resolve_path)
+    }
+    if make is None:
+        return cls(params, **config, **options[path])
+    opt = make(params, dict(config))
+    for group in opt.param_groups:
+        group.update(options[path])
+    return opt
+
+
+def fresh_parameters(params, grads):
+    """Copies of ``params`` as new Parameters, each holding its gradient of ``grads``."""
+    out = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(out, grads):
+        p.grad = g  # shared, read-only for every optimizer
+    return out
+
+
+# ------------------------------------------------------------------ the machine
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the figures were measured on: CPU model and cores, torch, the GPU, the load."""
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": device_name(device),
+        "load_average": os.getloadavg(),
+    }

@@ -9,7 +9,11 @@ non-zero exit, with the seconds from the kill to the last process's end), or *hu
 ended within ``--deadline`` seconds; everything is then killed). *Steps lost*: the model
 updates a failed job had made (lost without checkpoints); 0 for a completed one.
 
-    python benchmarks/faults.py --jobs 2 --json benchmarks/results/faults.json
+The strategies: every one of the CLI's table that starts a process per worker
+(:data:`gradfleet.cli.strategy_table.STRATEGIES`), with the option sets of :data:`OPTIONS`;
+whether a job can lose a worker is the table's ``tolerated_losses``.
+
+    python -m benchmarks.distributed.faults --jobs 2 --json benchmarks/results/faults.json
 """
 
 from __future__ import annotations
@@ -27,25 +31,39 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import median
+from typing import Any
 
-STRATEGIES = [
-    "allreduce",
-    "model-average:interval=4",
-    "easgd:period=4",
-    "easgd:mode=async,period=4",
-    "sync-replicas:replicas_to_aggregate=2",  # one backup of 3 workers
-    "sync-replicas:replicas_to_aggregate=3",  # no backup
-]
+from gradfleet.cli.config import parse_spec
+from gradfleet.cli.strategy_table import STRATEGIES, tolerated_losses, validate_strategy
 
-
-# Strategies that cannot lose a worker: under torchrun they run with --nproc-per-node N (the
-# per-worker recipe refuses them); the others with the recipe, one agent per worker.
-LOCKSTEP = {
-    "allreduce",
-    "model-average:interval=4",
-    "easgd:period=4",
-    "sync-replicas:replicas_to_aggregate=3",
+# Each strategy's option sets, one job kind each (a strategy not named here: one kind, with its
+# defaults).
+OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "model-average": [{"interval": 4}],
+    "easgd": [{"period": 4}, {"mode": "async", "period": 4}],
+    # with the default 3 workers: one backup, and none
+    "sync-replicas": [{"replicas_to_aggregate": 2}, {"replicas_to_aggregate": 3}],
 }
+
+
+def configurations() -> list[str]:
+    """The ``--strategy`` of each job kind: the table's strategies that start a process per
+    worker, each with its option sets."""
+    out = []
+    for name, info in STRATEGIES.items():
+        if not info.spawns:
+            continue
+        for args in OPTIONS.get(name, [{}]):
+            text = ",".join(f"{k}={v}" for k, v in args.items())
+            out.append(f"{name}:{text}" if text else name)
+    return out
+
+
+def lockstep(strategy: str, workers: int) -> bool:
+    """A job that cannot lose a worker: under torchrun it runs with --nproc-per-node N (the
+    per-worker recipe refuses it); the others with the recipe, one agent per worker."""
+    name, args = parse_spec(strategy, "strategy")
+    return tolerated_losses(name, args, workers) == 0
 
 
 def _port() -> int:
@@ -71,7 +89,7 @@ def _start(launcher: str, strategy: str, workers: int, steps: int, out: Path) ->
         return [subprocess.Popen([sys.executable, *train], **common)]
     agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
     agent += ["--monitor-interval=0.2"]
-    if strategy in LOCKSTEP:  # torch's own launch: one agent for the N workers
+    if lockstep(strategy, workers):  # torch's own launch: one agent for the N workers
         return [subprocess.Popen([*agent, f"--nproc-per-node={workers}", *train], **common)]
     port, procs = _port(), []
     for r in range(workers):
@@ -141,13 +159,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--launchers", default="cli,torchrun")
-    ap.add_argument("--strategy", action="append", help="repeat; default: all six")
+    ap.add_argument("--strategy", action="append", help="repeat; default: every kind")
     ap.add_argument("--deadline", type=float, default=240, help="seconds before 'hung'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    strategies = args.strategy or STRATEGIES
+    strategies = args.strategy or configurations()
+    for strategy in strategies:  # a clear error before any job starts
+        try:
+            validate_strategy(*parse_spec(strategy, "strategy"), args.workers)
+        except ValueError as err:
+            ap.error(f"--strategy {strategy}: {err}")
     report = []
     print(f"{'launcher':9} {'strategy':40} {'done':>4} {'fast':>4} {'after s':>8} {'hung':>4} "
           "steps lost")  # fmt: skip

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.import_time --runs 7 --out benchmarks/results
+    python -m benchmarks.startup.import_time --runs 7 --out benchmarks/results
 
 Method: every command is a fresh interpreter (``sys.executable``), timed wall-clock from
 start to exit; the commands run in rounds (torch, gradfleet, --help, list, bad input, torch,

@@ -7,7 +7,7 @@ updates per second (rank 0, after ``WARM`` warm-up updates):
 * ``allreduce``: one flat all-reduce of the gradients per update (DDP's traffic);
 * ``reduce_broadcast``: reduce to rank 0 + broadcast from it (a server's traffic, gloo's way);
 * ``sync_server``: SyncReplicas R=N=4 through one server (rank 0);
-* ``sync_sharded``: SyncReplicas R=N=4, ``server_ranks=[0, 1, 2, 3]``;
+* ``sync_sharded``: SyncReplicas R=N=4, a shard on each rank;
 * ``sync_backup`` / ``sync_backup_straggler``: R=3 of N=4, rank 3 sleeping as long as a
   straggler-free step takes; ``allreduce_straggler``: all-reduce with the same sleeper;
 * ``p2p_roundtrip``: ranks 1-3 each send the parameters to rank 0 and get them back (gloo
@@ -23,6 +23,11 @@ updates per second (rank 0, after ``WARM`` warm-up updates):
 
 Ratios: ``sync_server / reduce_broadcast``, ``sync_sharded / allreduce``, ``sync_backup_straggler
 / sync_backup`` and ``/ allreduce_straggler``, ``async_easgd / p2p_roundtrip``.
+
+The wrappers' paths (:data:`STRATEGIES`) are strategies of the CLI's table
+(:data:`gradfleet.cli.strategy_table.TABLE`), run by its adapters on the fixed gradients
+(``apply_gradients``, no forward or backward); the others are gloo baselines and ceilings written
+here.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import gradfleet
-from gradfleet.distributed import AsyncCentre, ElasticAverageOptimizer, SyncReplicasOptimizer
+from gradfleet.cli.strategies import Strategy
+from gradfleet.cli.strategy_table import TABLE, validate_strategy
 from gradfleet.distributed.testing import run_ranks
 
 WORLD, WARM = 4, 2
@@ -51,6 +58,16 @@ PATHS = [
     "async_easgd",
     "easgd_ceiling",
 ]
+# the wrappers' paths: (table strategy, its arguments). Sync-replicas is given no model, so its
+# layout is the arguments' alone: one server holding every parameter (named: with R = N the
+# default would be the all-reduce exchange), or a shard on each rank.
+STRATEGIES: dict[str, tuple[str, dict]] = {
+    "sync_server": ("sync-replicas", {"replicas_to_aggregate": WORLD, "transport": "server"}),
+    "sync_sharded": ("sync-replicas", {"replicas_to_aggregate": WORLD, "shards": WORLD}),
+    "sync_backup": ("sync-replicas", {"replicas_to_aggregate": WORLD - 1}),
+    "sync_backup_straggler": ("sync-replicas", {"replicas_to_aggregate": WORLD - 1}),
+    "async_easgd": ("easgd", {"mode": "async", "period": 1, "moving_rate": 0.2, "rho": 0.0}),
+}
 RATIOS = {
     "sync_server/reduce_broadcast": ("sync_server", "reduce_broadcast"),
     "sync_sharded/allreduce": ("sync_sharded", "allreduce"),
@@ -116,33 +133,41 @@ def _collective(ctx, path: str, count: int, steps: int, delay: float) -> Result:
     return clock.result(steps)
 
 
+def _strategy(ctx, path: str, params: list[torch.Tensor], last_step: int) -> Strategy:
+    """The table's adapter of wrapper path ``path`` around plain SGD on ``params``, with the
+    launcher's timeout and last update."""
+    name, args = STRATEGIES[path]
+    launcher = {"timeout": 120, "last_step": last_step, "with_model": False}
+    strategy = TABLE[name].adapter({**args, **launcher}, ctx.rank, WORLD)
+    module = nn.ParameterList(params)
+    strategy.setup(module, gradfleet.GradientDescentOptimizer(module.parameters(), 0.01))
+    return strategy
+
+
+def _step(strategy: Strategy, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    strategy.apply_gradients()
+
+
 def _sync(ctx, path: str, count: int, steps: int, delay: float) -> Result | None:
     """Global updates per second over the updates after the warm-up, as this worker saw them;
     None if it saw none of them: TF hands tokens to whoever asks first, so a worker (often
     the chief, busy serving) can go many updates without one and first see the global step
     past the end (seen for sharded servers at 1e6 parameters)."""
     params, grads = _params(count, ctx.rank)
-    R = 3 if path.startswith("sync_backup") else WORLD
-    ranks = list(range(WORLD)) if path == "sync_sharded" else None
-    opt = SyncReplicasOptimizer(
-        gradfleet.GradientDescentOptimizer(params, 0.01),
-        R,
-        WORLD,
-        timeout=120,
-        last_step=WARM + steps,
-        server_ranks=ranks,
-    )
-    clock = None
-    while opt.global_step < WARM + steps:
-        if clock is None and opt.global_step >= WARM:
-            clock, first = _Clock(), opt.global_step
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
+    strategy = _strategy(ctx, path, params, last_step=WARM + steps)
+    clock, local = None, 0
+    while strategy.updates(local) < WARM + steps:
+        if clock is None and strategy.updates(local) >= WARM:
+            clock, first = _Clock(), strategy.updates(local)
+        _step(strategy, params, grads)
+        local += 1
         if ctx.rank == 3 and delay:
             time.sleep(delay)
-    result = None if clock is None else clock.result(opt.global_step - first)
-    opt.close()
+    result = None if clock is None else clock.result(strategy.updates(local) - first)
+    strategy.finish()
+    strategy.close()
     return result
 
 
@@ -164,20 +189,15 @@ def _p2p(ctx, count: int, steps: int) -> Result:
 
 def _easgd(ctx, count: int, steps: int) -> Result:
     params, grads = _params(count, ctx.rank)
-    centre = AsyncCentre(timeout=120)
-    opt = ElasticAverageOptimizer(
-        gradfleet.GradientDescentOptimizer(params, 0.01), WORLD, 1, 0.2, rho=0.0, mode=centre
-    )
+    strategy = _strategy(ctx, "async_easgd", params, last_step=steps)
     dist.barrier()
     clock = _Clock()
     for _ in range(steps):
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
+        _step(strategy, params, grads)
     clock.stop()
     dist.barrier()  # every worker done: the centre's exchange count is final
-    total = sum(centre.counters()["exchanges"].values()) if ctx.rank == 0 else 0
-    centre.close()
+    total = sum(strategy.centre.counters()["exchanges"].values()) if ctx.rank == 0 else 0
+    strategy.close()
     return clock.result(WORLD * steps if ctx.rank else total)
 
 
@@ -284,6 +304,9 @@ def _rank(ctx, path: str, count: int, steps: int, delay: float) -> Result | None
 
 def sweep(counts: list[int], seconds: float, log=print, paths=PATHS, min_steps=6) -> list[dict]:
     """One row per parameter count: updates/s of every path and the ratios."""
+    for path in paths:  # a clear error before any rank starts
+        if path in STRATEGIES:
+            validate_strategy(*STRATEGIES[path], WORLD)
     rows = []
     for count in counts:
         steps = max(min_steps, int(seconds * 2e7 / count))

@@ -1,10 +1,10 @@
 """Each emulated host's link, every 10 ms: how a strategy fills its links over time.
 
-`benchmarks/cluster.py` reports each link's average use; this shows how the use is made up.
+`benchmarks/cluster/cluster.py` reports each link's average use; this shows how the use is made up.
 While a cluster run is going, as root:
 
-    python benchmarks/link_timeline.py watch --seconds 170 --out /tmp/links.txt
-    python benchmarks/link_timeline.py summarize /tmp/links.txt --rate 200mbit --last 46
+    python benchmarks/cluster/link_timeline.py watch --seconds 170 --out /tmp/links.txt
+    python benchmarks/cluster/link_timeline.py summarize /tmp/links.txt --rate 200mbit --last 46
 
 ``watch`` finds the running cluster's bridge namespace and samples, from inside it, every
 host's bridge-side interface (its ``tx`` is the host's download, its ``rx`` the host's upload),
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.netcluster import PREFIX, process_alive, rate_bits  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.cluster.netcluster import PREFIX, process_alive, rate_bits  # noqa: E402
 
 
 def sample(out: Path, seconds: float, interval: float = 0.01) -> None:
