@@ -8,17 +8,17 @@ its partitions with a credit of bytes.  Unlike waves (each sent once the last on
 answered), no push waits for another worker, and on the emulated cluster pacing is no slower
 than waves.
 
-The rule: a push of at least ``PACED_BYTES`` of gradients asks its server for a receipt, and
-the next push to a server rank leaves once fewer than ``per_rank`` of this worker's pushes to
-that rank are unconfirmed (oldest first).  ``per_rank`` is 1 where the worker's receipted
-pushes go to several server ranks: every rank then takes one push from each worker at a time,
-TCP shares each link evenly between them, and a rank's shards still complete in push order, as
-when each worker's pushes to a rank queue on one connection
-(``benchmarks/cluster/link_ceiling.py``'s pattern).  A total credit (two pushes in flight, whichever ranks they go to) left one server
-host's link taking pushes from three workers while another's idled: 4 dedicated server hosts
-ran at 0.85-0.88x DDP, 0.92-0.94x with one per rank (docs/cluster.md).  Where one rank takes
-them all, ``per_rank`` is ``IN_FLIGHT``: with one at a time its link would idle for each
-receipt's round trip.
+The rule: a push of at least ``PACED_BYTES`` of gradients asks its server for a receipt, and the
+next push to a server rank leaves once fewer than ``per_rank`` of this worker's pushes to that
+rank are unconfirmed (oldest first). ``per_rank`` is 1 where the worker's receipted pushes go to
+several server ranks: every rank then takes one push from each worker at a time, TCP shares each
+link evenly between them, and a rank's shards still complete in push order, as when each
+worker's pushes to a rank queue on one connection (``benchmarks/cluster/link_ceiling.py``'s
+pattern). A total credit (two pushes in flight, whichever ranks they go to) left one server
+host's link taking pushes from three workers while another's idled: 4 dedicated server hosts ran
+at 0.85-0.88x DDP, 0.92-0.94x with one per rank (docs/cluster.md). Where one rank takes them
+all, ``per_rank`` is ``IN_FLIGHT``: with one at a time its link would idle for each receipt's
+round trip.
 """
 
 from __future__ import annotations
