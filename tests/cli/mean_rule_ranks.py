@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradfleet.cli.strategies import make_strategy
+from gradfleet.cli.strategy_table import TABLE
 from gradfleet.distributed import SyncReplicasOptimizer
 
 EMB_ROWS, DIM = 5, 2
@@ -71,7 +71,7 @@ def _error(fn: Any) -> str | None:
 def cli_allreduce(ctx: Any, mixed: bool) -> dict[str, Any]:
     """The CLI's ``allreduce`` adapter: its reduction, then the optimizer's step."""
     model = Model()
-    strategy = make_strategy("allreduce", {}, ctx.rank, ctx.world_size)
+    strategy = TABLE["allreduce"].adapter({}, ctx.rank, ctx.world_size)
     recorder = Recorder(model.parameters())
     strategy.setup(model, recorder)
     for name, g in gradients(ctx.rank, mixed).items():
