@@ -12,7 +12,7 @@ from benchmarks.netcluster import PREFIX, Cluster, rate_bits, remove_leftovers, 
 
 from .netns import transfer
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multihost]
 WHY = unavailable_reason()
 needs_netns = pytest.mark.skipif(WHY is not None, reason=f"no emulated cluster here: {WHY}")
 

@@ -20,7 +20,7 @@ from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import sync_ranks
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.faults]
 
 
 def test_sync_replicas_backup_survives_kill9():
