@@ -11,7 +11,10 @@ import pytest
 import torch
 from benchmarks.optimizers import optimizer_speed, speed_setup
 
+pytestmark = pytest.mark.slow  # the speed benchmark end to end: about 50 s on 2 cores
 
+
+@pytest.mark.compile
 def test_optimizer_speed_benchmark_writes_json_table_and_plot(tmp_path, capsys, monkeypatch):
     # main() picks a fresh inductor cache unless one is set; keep that choice to this test
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))

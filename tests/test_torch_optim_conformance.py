@@ -830,7 +830,7 @@ def _half_norm_bound(got, want, dtype, lr, where) -> None:
 _HALF_SUMS = {gf.NormalizedSGD}
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 @optims(
     "test_fused_matches_forloop",
     dtypes=[torch.float64, torch.float32, torch.bfloat16, torch.float16],
@@ -850,7 +850,7 @@ def test_fused_matches_forloop(info, device, dtype):
     _compare_derived(info, device, dtype, "fused", equal, first_only=True)
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 @optims("test_fused_error_on_params_on_meta")
 def test_fused_error_on_params_on_meta(info, device):
     """Parameters on the meta device (no data) cannot step fused: a clear error that changes

@@ -236,7 +236,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path: Path, cli, args, me
     assert not (tmp_path / "r").exists() and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_worker_failure_names_rank_and_log(tmp_path: Path) -> None:
     # torch's Adam has no sparse support: rank 0 fails inside the loop.
     res = run(

@@ -56,6 +56,7 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
         "easgd:mode=async,period=4",
     ],
 )
+@pytest.mark.faults
 def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None:
     steps = 400
     out, proc = _train(tmp_path, strategy, 3, steps)
@@ -91,6 +92,7 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
         ("sync-replicas:replicas_to_aggregate=2", 2),  # R = N: no backup
     ],
 )
+@pytest.mark.faults
 def test_intolerant_strategy_fails_fast(tmp_path: Path, strategy: str, workers: int) -> None:
     out, proc = _train(tmp_path, strategy, workers, 100000, "--log-level", "info")
     deadline = time.monotonic() + 200

@@ -34,7 +34,7 @@ from .launching import (
 )
 from .test_torchrun import AGENT, recipe_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multihost]
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,6 @@ STRATEGIES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_wrapper_trains_across_two_hosts(
     hosts: list[Host], tmp_path: Path, strategy: str
@@ -138,7 +137,6 @@ def test_every_wrapper_trains_across_two_hosts(
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
 
 
-@pytest.mark.slow
 def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path) -> None:
     """Ranks 0 and 1 on the first host, rank 2 on the second; one agent per worker."""
     world, steps, out = 3, 400, tmp_path / "run"
@@ -173,7 +171,6 @@ def _ranks_on(host: Host, out: Path, world: int) -> list[int]:
     return sorted(pids[int(p)] for p in listed if int(p) in pids)
 
 
-@pytest.mark.slow
 def test_host_agent_ends_its_workers_the_other_host_finishes(
     hosts: list[Host], tmp_path: Path
 ) -> None:
@@ -222,7 +219,6 @@ def test_host_agent_ends_its_workers_the_other_host_finishes(
     assert summary["test_accuracy"] >= summary["target_accuracy"]
 
 
-@pytest.mark.slow
 def test_dedicated_servers_on_the_second_host(hosts: list[Host], tmp_path: Path) -> None:
     """``--servers 2`` under one agent per host: the workers (ranks 0-1) on the first host,
     the two shard servers (ranks 2-3) on the second, listening on its address. Lockstep

@@ -51,7 +51,7 @@ def test_resume_drops_the_line_a_killed_run_cut_short(tmp_path: Path) -> None:
     assert not path.with_suffix(".jsonl.tmp").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_kill9_then_resume_prints_no_traceback(tmp_path: Path) -> None:
     """As a user meets it: ``train --checkpoint-every 7`` SIGKILLed, then ``--resume``."""

@@ -144,6 +144,7 @@ def test_dedicated_servers_equal_colocated_and_resume_exactly(
     [("sync-replicas", 2, 3), ("easgd:mode=async", 1, 2)],
     ids=["sync-shard", "easgd-centre"],
 )
+@pytest.mark.faults
 def test_killed_server_ends_the_run_naming_it(
     tmp_path: Path, strategy: str, servers: int, victim: int
 ) -> None:
@@ -243,7 +244,7 @@ def test_a_worker_that_never_reports_is_ended_after_the_grace(
     assert seen == f"; worker rank 1: {said}"
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 @pytest.mark.timeout(240)
 def test_lost_worker_with_a_backup_goes_on_with_a_dedicated_server(tmp_path: Path) -> None:
     steps = 200
@@ -392,7 +393,7 @@ def test_server_checkpoint_handshake_on_the_job_store() -> None:
     assert released == [True]
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> None:
     """One torchrun agent per rank (docs/failures.md's recipe), ranks 3 and 4 serve two

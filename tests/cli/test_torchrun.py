@@ -45,6 +45,7 @@ AGENT = [*TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=1", "--monit
 @pytest.mark.parametrize(
     "strategy", ["sync-replicas:replicas_to_aggregate=2", "easgd:mode=async,period=4"]
 )
+@pytest.mark.faults
 def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -> None:
     world, steps, port, out = 3, 500, free_port(), tmp_path / "run"
     train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world)]
@@ -70,7 +71,7 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     assert summary["test_accuracy"] >= summary["target_accuracy"]
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_recipe_worker_killed_not_restarted_rank0_stops_waiting(tmp_path: Path) -> None:
     """Rank 2's agent has no restart left: nothing tells rank 0 that rank 2 is gone, but its
     heartbeat stops, so rank 0 ends the run without waiting the job timeout (600 s here, longer
@@ -99,7 +100,7 @@ def test_recipe_worker_killed_not_restarted_rank0_stops_waiting(tmp_path: Path) 
     assert summary["test_accuracy"] >= summary["target_accuracy"]
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_one_agent_for_all_workers_ends_the_job_when_one_is_killed(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node N``: one agent for the N workers ends every survivor when one
     is killed (``--max-restarts 0``), even where a backup could have covered it; no summary."""

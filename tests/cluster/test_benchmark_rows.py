@@ -108,6 +108,7 @@ def test_a_row_with_an_option_its_strategy_lacks_is_refused() -> None:
         table_strategy("sync-replicas", {"assignment": "rows"}, WORKERS)
 
 
+@pytest.mark.multihost
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
 def test_dedicated_server_host_rows_train(tmp_path: Path) -> None:
     argv = ["--params", str(PARAMS), "--updates", str(UPDATES), "--scenarios", "uniform",

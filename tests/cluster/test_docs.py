@@ -158,7 +158,7 @@ def test_reading_the_results(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(0 <= u <= 1.1 for u in namespace["use"].values())
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"{unavailable_reason()}")
 def test_an_emulated_cluster_from_python(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)

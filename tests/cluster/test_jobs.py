@@ -15,7 +15,7 @@ from benchmarks.cluster.netcluster import Cluster, stop
 
 from .netns import ROOT
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multihost]
 JOB = ROOT / "tests" / "cluster" / "cluster_job.py"
 STEPS = 40
 DEADLINE = 150  # start-up alone (4 torchruns, 4 workers) is ~40 s on 2 loaded cores

@@ -15,7 +15,7 @@ PARAMS = 4e5  # 1.6 MB a step: seconds per pattern at 200 Mbit/s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow
+@pytest.mark.multihost
 def test_each_pattern_moves_its_strategys_bytes(tmp_path: Path) -> None:
     reason = unavailable_reason()
     if reason:

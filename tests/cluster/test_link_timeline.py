@@ -64,7 +64,7 @@ def test_watch_takes_only_a_live_runs_bridge() -> None:
     assert not _live(f"{PREFIX}x-br") and not _live(f"{PREFIX}0-1-br")
 
 
-@pytest.mark.slow
+@pytest.mark.multihost
 @pytest.mark.timeout(120)
 def test_the_sampler_in_the_bridge_sees_a_transfer(make_cluster, tmp_path: Path) -> None:
     cluster = make_cluster(2, "40mbit")

@@ -18,7 +18,7 @@ from benchmarks.cluster.netcluster import (
 
 from .netns import transfer
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multihost]
 WHY = unavailable_reason()
 needs_netns = pytest.mark.skipif(WHY is not None, reason=f"no emulated cluster here: {WHY}")
 

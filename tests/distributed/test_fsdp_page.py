@@ -68,6 +68,7 @@ def test_fsdp_zero_hsdp_examples_run_on_4_ranks():
     reason="torch.compile(opt.step, fullgraph=True) is supported from torch 2.13 "
     "(docs/releases.md): torch 2.8's dynamo stops on an unsupported method call",
 )
+@pytest.mark.compile
 def test_torch_compile_example_runs():
     namespace = {"torch": torch, "gf": gf}
     exec(section_blocks()[3], namespace)  # noqa: S102

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from benchmarks.distributed import distributed_sweep
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # the sweep end to end
 
 
 def test_sweep_runs_server_path_and_its_gloo_baseline():

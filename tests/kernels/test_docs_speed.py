@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from gradfleet.kernels import plan
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "speed.md"
@@ -14,6 +16,7 @@ def _blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
+@pytest.mark.compile
 def test_speed_page_python_blocks_run_and_replay(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     seen: list[bool] = []

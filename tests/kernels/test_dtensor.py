@@ -216,7 +216,7 @@ def _nan_in_one_shard(mesh) -> str:
     return "stepped"
 
 
-@pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.timeout(400)
 def test_dtensor_matrix_every_optimizer_every_path():
     before = fused.compiled_signatures

@@ -185,6 +185,7 @@ def test_default_path_rule(params, flags, fast_paths, compiles, compiling, want,
     assert gf.kernels.resolve_path(_Fast(fast_paths), group) == want
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("cls,config", FIRST_CONFIGS)
 def test_fused_matches_loop(cls, config):
     # A bucket that loses one gradient is a new signature (one more compile), so only a
@@ -194,6 +195,7 @@ def test_fused_matches_loop(cls, config):
     _compare(ref, _run(cls, config, partial, fused=True), exact=False)
 
 
+@pytest.mark.compile
 def test_fused_does_not_recompile():
     """Later steps (and a new learning rate) reuse the compiled kernel: no new graph."""
     p = [torch.nn.Parameter(torch.randn(6, 3)), torch.nn.Parameter(torch.randn(5))]
@@ -270,6 +272,7 @@ def _gamma(n: int, dtype: torch.dtype) -> float:
     return n * u / (1 - n * u)
 
 
+@pytest.mark.compile
 def test_fused_normalized_sgd_blocked_norm_matches_float64(num_threads):
     """NormalizedSGD's fused kernel sums squares in blocks of 4096 (a faster reduction under
     inductor); on tensors longer than a block, with a tail, it still matches float64.
@@ -308,6 +311,7 @@ def test_fused_normalized_sgd_blocked_norm_matches_float64(num_threads):
             assert bool(((dropped - update).abs() > bound).any())
 
 
+@pytest.mark.compile
 def test_fused_follows_gradient_layout_changes():
     """A transposed (non-contiguous) gradient, then a contiguous one, then transposed again:
     the fused step compiles one kernel per layout and matches the loop at every step."""
@@ -360,6 +364,7 @@ def test_fused_refuses_hidden_tensor_state_and_changes_nothing():
     torch.testing.assert_close(w.detach(), torch.full((3,), 0.8))
 
 
+@pytest.mark.compile
 def test_fused_follows_slot_layout_changes():
     """A slot replaced by a differently strided tensor (e.g. loaded from a checkpoint of a
     transposed model) is part of the kernel's signature: recompiled, still correct."""
@@ -383,6 +388,7 @@ def test_fused_follows_slot_layout_changes():
 @pytest.mark.parametrize(
     "cls", [gf.AdamOptimizer, gf.FtrlOptimizer, gf.NormalizedSGD, gf.RMSPropOptimizer]
 )
+@pytest.mark.compile
 def test_fused_step_allocates_no_parameter_sized_temporary(cls):
     """The compiled kernel stores straight into parameter and slot memory: a step allocates
     far less than one parameter (NormalizedSGD: only its per-block partial sums)."""
@@ -452,6 +458,7 @@ def _half_compare(cls, config, dtype, exact: bool) -> None:
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
+@pytest.mark.compile
 def test_fused_half_precision_rounds_like_the_loop(cls, config, dtype):
     """Element-wise maths: the loop's bits (within the stated bound on torch < 2.13)."""
     _half_compare(cls, config, dtype, exact=True)
@@ -485,6 +492,7 @@ def test_loop_half_precision_does_not_depend_on_tensor_size(cls, config, dtype):
         assert torch.equal(small.detach(), big.detach()[:3])
 
 
+@pytest.mark.compile
 @HALF
 def test_fused_half_precision_normalized_sgd_within_bound(dtype, num_threads):
     """NormalizedSGD sums 5000 squares in float32 in another order (one that depends on the
@@ -494,6 +502,7 @@ def test_fused_half_precision_normalized_sgd_within_bound(dtype, num_threads):
     _half_compare(gf.NormalizedSGD, {"learning_rate": 0.1}, dtype, exact=False)
 
 
+@pytest.mark.compile
 def test_fused_bucket_of_only_empty_parameters():
     """A dtype bucket whose only parameter is zero-size has nothing to compile; the other
     bucket still steps, as on the loop."""

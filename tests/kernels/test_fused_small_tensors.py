@@ -8,6 +8,7 @@ go where, and that each kernel is compiled once with the threading it is meant t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gradfleet as gf
@@ -35,6 +36,7 @@ def test_small_parameters_only_on_cpu():
     assert fused.small_parameters(_zeros(3, 5, device="meta")) == []
 
 
+@pytest.mark.compile
 def test_mixed_bucket_compiles_a_single_threaded_and_a_parallel_kernel(monkeypatch):
     compiled = []
     compile_step = fused.compile_step
@@ -54,6 +56,7 @@ def test_mixed_bucket_compiles_a_single_threaded_and_a_parallel_kernel(monkeypat
     assert sorted(compiled) == [([16, 32], True), ([big], False)]
 
 
+@pytest.mark.compile
 def test_all_small_bucket_is_one_single_threaded_kernel(monkeypatch):
     flags = []
     compile_step = fused.compile_step

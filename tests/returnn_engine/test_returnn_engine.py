@@ -20,6 +20,8 @@ import torch
 import gradfleet as gf
 from tests.returnn_engine import harness
 
+pytestmark = pytest.mark.slow  # RETURNN's engine: about 1 s of set-up per training run
+
 pytest.importorskip("returnn.torch.engine", reason="the test extra installs returnn")
 
 # (dotted name, options in TF names); each option must reach the optimizer's param group.

@@ -42,7 +42,7 @@ def test_what_is_left_open_is_closed_once_at_exit(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.slow
+@pytest.mark.faults
 @pytest.mark.parametrize("wrapper", ["sync-replicas", "easgd-async"])
 def test_a_job_that_never_calls_close_exits_0_on_every_rank(wrapper: str) -> None:
     """Three runs each: before, most such runs aborted at exit (SIGABRT, "terminate called

@@ -14,12 +14,11 @@ import pytest
 from tests.cli.launching import finish, stop
 from tests.cli.test_multihost import _agents_per_host, hosts  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multihost]
 
 SCRIPT = Path(__file__).with_name("multihost_user_script.py")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["sync", "async-easgd"])
 def test_servers_listen_where_the_other_host_reaches_them(hosts, tmp_path, wrapper):  # noqa: F811
     procs = _agents_per_host(hosts, 1, [str(SCRIPT), wrapper], tmp_path)

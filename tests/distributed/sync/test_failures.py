@@ -19,7 +19,7 @@ import torch
 from gradfleet.distributed.testing import RankKilled, run_ranks
 from tests.distributed import sync_ranks
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.faults]
 
 
 def test_sync_replicas_backup_survives_kill9():
