@@ -4,6 +4,7 @@ run told apart (numbered, and named whole in the legend), every figure whole."""
 from __future__ import annotations
 
 import io
+
 import pytest
 from rich.console import Console
 
