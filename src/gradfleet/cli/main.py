@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from . import strategy_table as strat
 from .config import ConfigError, parse_straggler
@@ -34,21 +35,60 @@ from .workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
 
+out_console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True)
+
+
+def _error_line(message: str) -> None:
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    _error_line(message)
+    return typer.Exit(code)
+
+
+def _click_error(name: str) -> type[Exception]:
+    """Click's exception class ``name``, of the click typer uses (its own copy since 0.2x)."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+_USAGE_ERROR, _CLICK_ERROR = _click_error("UsageError"), _click_error("ClickException")
+
+
+class _OneLineErrors(TyperGroup):
+    """The command group whose parsing errors (a missing option, a value of the wrong type,
+    an unknown command or flag) are one ``error:`` line with exit code 2, as every other bad
+    input is, instead of click's usage box."""
+
+    def main(  # type: ignore[override]
+        self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+        standalone_mode: bool = True, **extra: Any,
+    ) -> Any:  # fmt: skip
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _CLICK_ERROR as err:
+            ctx = getattr(err, "ctx", None) if isinstance(err, _USAGE_ERROR) else None
+            where = f" (see {ctx.command_path} --help)" if ctx else ""
+            _error_line(err.format_message().rstrip(".") + where)  # type: ignore[attr-defined]
+            code = err.exit_code  # type: ignore[attr-defined]
+        except typer.Abort:
+            _error_line("aborted")
+            code = 1
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="TensorFlow-exact optimizers and TF1 distribution strategies on PyTorch: train and "
     "compare on one machine.",
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out_console = Console(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True)
 app.add_typer(convert_app, name="convert")
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 # ----------------------------------------------------------------------------- running
@@ -306,21 +346,24 @@ def list_(
     ] = True,
 ) -> None:
     """The optimizers, strategies and workloads available, with their arguments."""
-    from gradfleet.registry import GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS, constructor_arguments
+    from gradfleet.registry import constructor_arguments
+
+    from .optimizer_choice import offered, takes_sparse
 
     table = Table(title="optimizers (--optimizer NAME[:key=value,...])")
     table.add_column("name")
     table.add_column("class")
-    table.add_column("arguments")
-    seen: set[type] = set()
-    for source in (GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS):
-        # shortest alias first: "adam" rather than "adamoptimizer"
-        for name, cls in sorted(source.items(), key=lambda kv: (kv[1].__name__, len(kv[0]))):
-            if cls in seen:
-                continue
-            seen.add(cls)
-            table.add_row(name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else "")
+    table.add_column("sparse", justify="center")
+    if args:
+        table.add_column("arguments")
+    for name, cls in offered().items():
+        sparse = "yes" if takes_sparse(cls) else "no"
+        table.add_row(name, cls.__name__, sparse, *[", ".join(constructor_arguments(cls))] * args)
     out_console.print(table)
+    out_console.print(
+        "sparse: it also takes the sparse gradients of a sparse embedding (workload ctr)",
+        highlight=False,
+    )
     st = Table(title="strategies (--strategy NAME[:key=value,...])")
     for col in ("name", "what", "arguments", "workers"):
         st.add_column(col)

@@ -18,6 +18,7 @@ from typing import Any
 from . import strategy_table as strat
 from .config import ConfigError, load_config, optimizer_config, parse_spec, parse_straggler
 from .devices import check_device, parse_device
+from .optimizer_choice import check_trainable, gradient_kinds, lookup
 from .run_files import latest_checkpoint
 from .servers import lockstep, validate_servers
 from .workloads import load_workload
@@ -184,16 +185,19 @@ def _choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def _check_optimizer(opts: dict[str, Any]) -> None:
-    """Build the optimizer on a dummy parameter: unknown names and bad values fail here."""
+def _check_optimizer(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with its class looked up (a name that is none fails here, with "did you
+    mean"), built on a stand-in parameter (bad values fail here)."""
     import torch
 
     from gradfleet.registry import create_optimizer
 
+    config = {**opts, "class": lookup(opts.get("class"))}
     try:
-        create_optimizer([torch.nn.Parameter(torch.zeros(1))], opts)
+        create_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"optimizer {opts.get('class')!r}: {err}") from None
+    return config
 
 
 def _settings(config: str | None, optimizer: str | None) -> dict[str, Any]:
@@ -244,7 +248,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     opts = optimizer_config(merged.get("optimizer") or workload.optimizer, lr)
-    _check_optimizer(opts)
+    check_trainable(_check_optimizer(opts), gradient_kinds(workload.model), workload_name)
     servers = _integer("--servers", merged.get("servers", RunSpec.servers), 0)
     num_params = sum(1 for _ in workload.model.parameters())
     validate_servers(name, args, workers, servers, num_params)
