@@ -81,3 +81,31 @@ def test_convert_checks_names_and_paths_in_order(cli, tmp_path, without_tensorfl
 def test_torch_checkpoint_reports_a_missing_file_first(cli, without_tensorflow) -> None:
     line = _error(cli(["convert", "torch-checkpoint", "absent.pt"]))
     assert line == "error: absent.pt: no such file"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--steps", "0"],
+        ["--batch-size", "0"],
+        ["--timeout", "0"],
+        ["--straggler", "3:10"],
+        ["--eval-every", "-1"],
+        ["--log-level", "loud"],
+        ["-o", "adamm"],
+        ["-s", "gossip"],
+        ["--device", "tpu"],
+    ],
+)
+def test_train_checks_values_and_names_before_building_anything(cli, monkeypatch, bad) -> None:
+    """A wrong value or name is reported before the workload's data or any optimizer is
+    built (the optimizer's first build imports most of torch's compiler stack)."""
+    import gradfleet.registry
+    from gradfleet.cli import spec
+
+    def built(*args, **kwargs):
+        raise AssertionError("built before the bad input was reported")
+
+    monkeypatch.setattr(spec, "load_workload", built)
+    monkeypatch.setattr(gradfleet.registry, "create_optimizer", built)
+    _error(cli(["train", "-n", "2", *bad]))

@@ -19,8 +19,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
-app = typer.Typer(help="convert checkpoints between TensorFlow/RETURNN and PyTorch")
+from .command_classes import Command, Group
+
+app = typer.Typer(
+    cls=Group,
+    help="convert checkpoints between TensorFlow/RETURNN and PyTorch",
+    rich_markup_mode="rich",
+)
 
 #: A progress line is shown for checkpoints at least this large (bytes).
 PROGRESS_MIN_BYTES = 64 << 20
@@ -47,7 +54,7 @@ MapOpt = Annotated[
         show_default=False,
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress line")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="no progress line")]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -177,13 +184,16 @@ FreshSlotsOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--fresh-slots",
-        help="a parameter (torch name) whose optimizer slots start afresh where the "
-        "checkpoint has none (repeat for several)",
+        metavar="NAME",
+        help=escape(
+            "a parameter (torch name) whose optimizer slots start afresh where the checkpoint "
+            "has none (repeat for several) [default: none]"
+        ),
     ),
 ]
 
 
-@app.command("tf-checkpoint")
+@app.command("tf-checkpoint", cls=Command)
 def tf_checkpoint(
     prefix: Annotated[str, typer.Argument(help="TF checkpoint prefix or directory")],
     optimizer: OptimizerOpt = None,
@@ -251,7 +261,7 @@ def _tf_checkpoint(prefix, optimizer, cls, given, map_file, out, fresh_slots, qu
     print(f"{cls.__name__}: {used}")
 
 
-@app.command("torch-checkpoint")
+@app.command("torch-checkpoint", cls=Command)
 def torch_checkpoint(
     path: Annotated[Path, typer.Argument(help="checkpoint.pt written by tf-checkpoint")],
     optimizer: OptimizerOpt = None,
