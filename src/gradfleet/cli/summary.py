@@ -25,16 +25,15 @@ _UNBOUNDED = 10_000  # columns: wider than any table's minimum
 COLUMNS: dict[str, str] = {
     "steps": "model updates made (--steps)",
     "loss": "rank 0's training loss at its last step",
-    "test acc": "test-set accuracy of the final model",
-    "steps/s": "steps / wall s: model updates per second, waits and exchanges included",
-    "step ms": "the median of rank 0's step times: one batch's forward, backward, "
-    "communication and update, waits for other workers included. A strategy that exchanges "
-    "every K steps (model-average, easgd) shows a local step here; its exchanges show in "
-    "steps/s",
+    "test acc": "accuracy of the final model on the test set",
+    "steps/s": "steps per second of wall time",
+    "step ms": "median time of one of rank 0's steps: forward, backward, communication and "
+    "update, waits for other workers included (model-average and easgd: a local step; their "
+    "exchanges show in steps/s)",
     "samples/s": "training samples per second, all workers together",
-    "R": "sync-replicas only: gradients per update (chosen per update: their mean and range)",
-    "comm MB": "megabytes rank 0 sent to the other processes",
-    "wall s": "seconds from the common start of training to rank 0's last step",
+    "R": "sync-replicas: gradients per update (chosen per update: their mean and range)",
+    "comm MB": "megabytes rank 0 sent to other processes",
+    "wall s": "seconds of training, from the common start to rank 0's last step",
 }
 
 
