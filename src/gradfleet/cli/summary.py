@@ -17,7 +17,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
 
-__all__ = ["COLUMNS", "ResultsTable", "summary_table"]
+__all__ = ["COLUMNS", "ResultsTable", "columns_markdown", "summary_table"]
 
 _UNBOUNDED = 10_000  # columns: wider than any table's minimum
 
@@ -30,11 +30,17 @@ COLUMNS: dict[str, str] = {
     "step ms": "median time of one of rank 0's steps: forward, backward, communication and "
     "update, waits for other workers included (model-average and easgd: a local step; their "
     "exchanges show in steps/s)",
-    "samples/s": "training samples per second, all workers together",
+    "samples/s": "rank 0's training samples per second, times the workers",
     "R": "sync-replicas: gradients per update (chosen per update: their mean and range)",
     "comm MB": "megabytes rank 0 sent to other processes",
     "wall s": "seconds of training, from the common start to rank 0's last step",
 }
+
+
+def columns_markdown() -> str:
+    """:data:`COLUMNS` as the Markdown table of docs/cli.md."""
+    rows = [f"| `{heading}` | {meaning} |" for heading, meaning in COLUMNS.items()]
+    return "\n".join(["| column | what it is |", "|---|---|", *rows]) + "\n"
 
 
 def _replicas(history: list[int] | None) -> str:
