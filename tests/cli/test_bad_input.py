@@ -95,6 +95,8 @@ def test_torch_checkpoint_reports_a_missing_file_first(cli, without_tensorflow) 
         ["-o", "adamm"],
         ["-s", "gossip"],
         ["--device", "tpu"],
+        ["-w", "digitz"],
+        ["-w", "absent.py"],
     ],
 )
 def test_train_checks_values_and_names_before_building_anything(cli, monkeypatch, bad) -> None:
@@ -109,3 +111,8 @@ def test_train_checks_values_and_names_before_building_anything(cli, monkeypatch
     monkeypatch.setattr(spec, "load_workload", built)
     monkeypatch.setattr(gradfleet.registry, "create_optimizer", built)
     _error(cli(["train", "-n", "2", *bad]))
+
+
+def test_a_misspelt_workload_gets_did_you_mean(cli) -> None:
+    line = _error(cli(["train", "-w", "digitz"]))
+    assert "unknown workload 'digitz'; did you mean digits?" in line

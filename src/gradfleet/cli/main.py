@@ -217,7 +217,12 @@ DEFAULT_COMPARISON = [
     "model-average:interval=8",
     "easgd:period=4",
 ]
-COMPARE_WORKERS, COMPARE_STRAGGLER = 3, "2:20"
+COMPARE_WORKERS, COMPARE_DELAY_MS = 3, 20
+
+
+def compare_straggler(workers: int) -> str | None:
+    """``compare``'s ``--straggler`` when none is given: the last worker, slowed."""
+    return f"{workers - 1}:{COMPARE_DELAY_MS:g}" if workers > 1 else None
 
 
 @app.command(cls=Command, epilog=TABLE_HELP)
@@ -260,8 +265,13 @@ def compare(
     seed: Opt[int, _setting("seed", "--seed", metavar="N")] = 0,
     straggler: Opt[
         str | None,
-        _setting("straggler", "--straggler", metavar="RANK:MS", default=COMPARE_STRAGGLER),
-    ] = COMPARE_STRAGGLER,
+        _setting(
+            "straggler",
+            "--straggler",
+            metavar="RANK:MS",
+            default=f"the last worker, +{COMPARE_DELAY_MS} ms",
+        ),
+    ] = None,
     device: Opt[str | None, _setting("device", "--device", metavar="DEVICE")] = None,
     out: Opt[
         Path,
@@ -276,6 +286,8 @@ def compare(
 ) -> None:
     """Run one workload under several strategies (and optimizers); plot and tabulate."""
     from .plot import plot_runs
+
+    straggler = straggler or compare_straggler(workers)
 
     specs: list[tuple[str, RunSpec]] = []
     try:

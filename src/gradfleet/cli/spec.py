@@ -21,7 +21,7 @@ from .devices import check_device, parse_device
 from .optimizer_choice import check_trainable, gradient_kinds, lookup
 from .run_files import latest_checkpoint
 from .servers import lockstep, validate_servers
-from .workloads import load_workload
+from .workloads import check_workload, load_workload
 
 __all__ = [
     "LOG_LEVELS",
@@ -289,6 +289,11 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     given = optimizer_config(merged["optimizer"], lr) if merged.get("optimizer") else None
     if given is not None:
         lookup(given.get("class"))  # a name that is none: "did you mean"
+    workload_name = merged.get("workload", RunSpec.workload)
+    try:
+        check_workload(workload_name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     strategy = merged.get("strategy", RunSpec.strategy)
     name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
     strat.validate_strategy(name, args, workers)
@@ -302,7 +307,6 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     check_run_device(device, name, workers)
     # a bad value fails before the workload's data is built
     config = None if given is None else _check_optimizer(given)
-    workload_name = merged.get("workload", RunSpec.workload)
     try:
         workload = load_workload(workload_name, seed)
     except ValueError as err:
