@@ -84,16 +84,17 @@ def _env_rank() -> int:
 Opt = Annotated
 
 
+def _option(*flags: str, metavar: str, meaning: str, default: str) -> Any:
+    """An option whose ``--help`` says what it takes, what it is and its default."""
+    help_text = escape(f"{meaning} [default: {default}]")  # not a rich markup tag
+    return typer.Option(*flags, metavar=metavar, help=help_text, show_default=False)
+
+
 def _setting(name: str, *flags: str, metavar: str, default: str | None = None) -> Any:
     """The option of run setting ``name``: what it is and its default as the run
     specification (and so docs/cli.md) says, or ``default`` where this command's differs."""
     meaning, spec_default = setting_help(name)
-    return typer.Option(
-        *flags,
-        metavar=metavar,
-        help=escape(f"{meaning} [default: {default or spec_default}]"),
-        show_default=False,
-    )
+    return _option(*flags, metavar=metavar, meaning=meaning, default=default or spec_default)
 
 
 QUIET = typer.Option("--quiet", "-q", metavar="", help="no progress display")
@@ -110,21 +111,16 @@ def train(
     ] = None,
     learning_rate: Opt[
         float | None,
-        typer.Option(
-            "--lr",
-            metavar="RATE",
-            help=escape("learning rate [default: the optimizer's]"),
-            show_default=False,
-        ),
+        _option("--lr", metavar="RATE", meaning="learning rate", default="the optimizer's"),
     ] = None,
     config: Opt[
         str | None,
-        typer.Option(
+        _option(
             "--config",
             "-c",
             metavar="FILE",
-            help=escape("RETURNN-style config file (.py or .json) [default: none]"),
-            show_default=False,
+            meaning="RETURNN-style config file (.py or .json)",
+            default="none",
         ),
     ] = None,
     strategy: Opt[
@@ -147,13 +143,11 @@ def train(
     ] = None,
     resume: Opt[
         Path | None,
-        typer.Option(
+        _option(
+            "--resume",
             metavar="DIR",
-            help=escape(
-                "continue the run in this directory from its last checkpoint [default: none, "
-                "a new run]"
-            ),
-            show_default=False,
+            meaning="continue the run in this directory from its last checkpoint",
+            default="none, a new run",
         ),
     ] = None,
     quiet: Opt[bool, QUIET] = False,
@@ -229,21 +223,22 @@ def compare_straggler(workers: int) -> str | None:
 def compare(
     strategy: Opt[
         list[str],
-        typer.Option(
+        _option(
             "--strategy",
             "-s",
             metavar="NAME[:k=v,...]",
-            help=escape(f"repeat: each is one run [default: {', '.join(DEFAULT_COMPARISON)}]"),
-            show_default=False,
+            meaning="repeat: each is one run",
+            default=", ".join(DEFAULT_COMPARISON),
         ),
     ] = DEFAULT_COMPARISON,  # noqa: B006 - typer needs the literal list as the default
     optimizer: Opt[
         list[str] | None,
-        typer.Option(
+        _option(
             "--optimizer",
             "-o",
             metavar="NAME[:k=v,...]",
-            help=escape("repeat to also compare optimizers [default: the workload's]"),
+            meaning="repeat to also compare optimizers",
+            default="the workload's",
         ),
     ] = None,
     workload: Opt[str, _setting("workload", "--workload", "-w", metavar="NAME")] = "digits",
@@ -252,13 +247,11 @@ def compare(
     ] = COMPARE_WORKERS,
     servers: Opt[
         int | None,
-        typer.Option(
+        _option(
             "--servers",
             metavar="K",
-            help=escape(
-                "K dedicated server processes for every run (each strategy must have servers) "
-                "[default: 0]"
-            ),
+            meaning="K dedicated server processes for every run (each strategy must have servers)",
+            default="0",
         ),
     ] = None,
     steps: Opt[int | None, _setting("steps", "--steps", metavar="N")] = None,
@@ -275,10 +268,11 @@ def compare(
     device: Opt[str | None, _setting("device", "--device", metavar="DEVICE")] = None,
     out: Opt[
         Path,
-        typer.Option(
+        _option(
+            "--out",
             metavar="DIR",
-            help=escape("directory for the runs, the plot and the table [default: runs/compare]"),
-            show_default=False,
+            meaning="directory for the runs, the plot and the table",
+            default="runs/compare",
         ),
     ] = Path("runs/compare"),
     quiet: Opt[bool, QUIET] = False,
