@@ -71,12 +71,14 @@ def refusal(config: dict[str, Any], kinds: Iterable[Kind]) -> str | None:
             f"{cls.__name__}.step() needs a closure that evaluates the loss again, and train "
             "calls step() once per batch, without one"
         )
+    # foreach and fused choose how a dense step runs, not what it takes; fused would compile
+    trial = {k: v for k, v in config.items() if k not in ("foreach", "fused")}
     for kind in kinds:
         what = "sparse" if kind[1] else f"dense {kind[0]}-D"
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                create_optimizer([_stand_in(kind)], config).step()
+                create_optimizer([_stand_in(kind)], trial).step()
         except Exception as err:  # whatever it refuses a batch with, the ranks would meet
             return f"on a {what} parameter's gradient: {type(err).__name__}: {err}"
     return None
