@@ -238,14 +238,21 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path: Path, cli, args, me
 
 @pytest.mark.faults
 def test_worker_failure_names_rank_and_log(tmp_path: Path) -> None:
-    # torch's Adam has no sparse support: rank 0 fails inside the loop.
+    # a workload whose loss fails: every rank fails inside the loop, after every check passed
+    (tmp_path / "failing.py").write_text(
+        "from gradfleet.cli.workloads import digits\n\n"
+        "def workload(seed):\n"
+        "    w = digits(seed)\n"
+        "    def loss_fn(out, y):\n"
+        "        raise RuntimeError('the loss fails')\n"
+        "    w.loss_fn = loss_fn\n"
+        "    return w\n"
+    )
     res = run(
         [
             "train",
             "-w",
-            "ctr",
-            "-o",
-            "adamw",
+            "failing.py",
             "-s",
             "allreduce",
             "-n",

@@ -1,4 +1,5 @@
-"""docs/cli.md: its settings table is the run specification's, and its code runs."""
+"""docs/cli.md: its settings table is the run specification's, its columns table the results
+table's, and its code runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradfleet.cli.spec import RunSpec, resolve, settings_markdown
+from gradfleet.cli.summary import columns_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
@@ -24,6 +26,14 @@ def test_settings_table_is_the_run_specification() -> None:
     assert f"| `timeout` | yes | `--timeout` | `{RunSpec.timeout!r}` |" in table.group(1)
 
 
+def test_columns_table_is_the_results_tables() -> None:
+    text = DOC.read_text()
+    table = re.search(r"<!-- columns: .*? -->\n\n(.*?)<!-- end of columns -->", text, re.S)
+    assert table is not None, "the columns markers are missing"
+    assert table.group(1) == columns_markdown(), "regenerate with columns_markdown()"
+    assert "| `step ms` | median time of one of rank 0's steps" in table.group(1)
+
+
 def test_command_table_lists_every_command() -> None:
     from gradfleet.cli.main import app
 
@@ -38,7 +48,7 @@ def test_command_table_lists_every_command() -> None:
 
 def test_every_python_block_runs() -> None:
     blocks = _python_blocks()
-    assert len(blocks) == 2
+    assert len(blocks) == 1
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), {})
 

@@ -78,7 +78,7 @@ def test_the_updates_table_quotes_the_stored_results() -> None:
 DEFAULTS = {  # "Default options against the best hand-set ones": label -> row key
     "DDP": "ddp",
     "SyncReplicas, default options": "sr-default",
-    "SyncReplicas, one server on rank 0 (the old default)": "sr-one",
+    "SyncReplicas, one server on rank 0": "sr-one",
     "SyncReplicas, sharded over the workers, no other option": "sr-shard",
     "SyncReplicas, shards in backward order, 4 per host, overlap, streamed reads (best hand-set)": (
         "sr-shard-order4-ovs"

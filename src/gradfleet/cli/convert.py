@@ -19,29 +19,53 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
-app = typer.Typer(help="convert checkpoints between TensorFlow/RETURNN and PyTorch")
+from .command_classes import Command, Group
+
+app = typer.Typer(
+    cls=Group,
+    help="convert checkpoints between TensorFlow/RETURNN and PyTorch",
+    rich_markup_mode="rich",
+)
 
 #: A progress line is shown for checkpoints at least this large (bytes).
 PROGRESS_MIN_BYTES = 64 << 20
 
+# --optimizer, --map and --out are required, and checked after the checkpoint's path: a
+# mistyped path is the first thing to report (click would ask for the options first).
 OptimizerOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--optimizer",
-        help="gradfleet optimizer: a name (adam) or a JSON config "
+        metavar="NAME|JSON",
+        help="required: gradfleet optimizer, a name (adam) or a JSON config "
         '(\'{"class": "rmsprop", "learning_rate": 0.01, "centered": true}\')',
+        show_default=False,
     ),
 ]
 MapOpt = Annotated[
-    Path, typer.Option("--map", "-m", help="Python file with get_model() and NAME_MAP")
+    Path | None,
+    typer.Option(
+        "--map",
+        "-m",
+        metavar="FILE.py",
+        help="required: Python file with get_model() and NAME_MAP",
+        show_default=False,
+    ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress line")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="no progress line")]
 
 
 def _fail(message: str) -> typer.Exit:
     print(f"error: {message}", file=sys.stderr)
     return typer.Exit(2)
+
+
+def _given(value: Any, flag: str) -> Any:
+    if value is None:
+        raise _fail(f"missing option {flag}")
+    return value
 
 
 def _model_and_map(map_file: Path) -> tuple[Any, Any]:
@@ -65,11 +89,15 @@ def _model_and_map(map_file: Path) -> tuple[Any, Any]:
 
 def _optimizer_spec(spec: str) -> tuple[type, dict[str, Any]]:
     """``--optimizer`` as (gradfleet class, the arguments given)."""
-    from gradfleet.registry import get_optimizer_class
+    from gradfleet.registry import GRADFLEET_OPTIMIZERS
     from gradfleet.tf_checkpoint.slot_names import SLOT_ORDER
 
     from .config import ConfigError, parse_spec
+    from .optimizer_choice import lookup, shortest_names
 
+    layouts = tuple(SLOT_ORDER)  # the classes with a TF checkpoint layout (and subclasses)
+    choices = shortest_names(GRADFLEET_OPTIMIZERS)
+    with_layout = {name: cls for name, cls in choices.items() if issubclass(cls, layouts)}
     try:
         if spec.lstrip().startswith("{"):
             given = json.loads(spec)
@@ -78,10 +106,10 @@ def _optimizer_spec(spec: str) -> tuple[type, dict[str, Any]]:
             name = given.pop("class")
         else:
             name, given = parse_spec(spec, "optimizer")
-        cls = get_optimizer_class(name)
+        cls = lookup(name, with_layout)
     except (ConfigError, ValueError, TypeError) as exc:
         raise _fail(f"--optimizer {spec}: {exc}") from None
-    if not any(issubclass(cls, known) for known in SLOT_ORDER):
+    if not issubclass(cls, layouts):
         known = ", ".join(sorted(c.__name__ for c in SLOT_ORDER))
         raise _fail(
             f"--optimizer {spec}: {cls.__name__} has no TensorFlow checkpoint layout; "
@@ -156,30 +184,42 @@ FreshSlotsOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--fresh-slots",
-        help="a parameter (torch name) whose optimizer slots start afresh where the "
-        "checkpoint has none (repeat for several)",
+        metavar="NAME",
+        help=escape(
+            "a parameter (torch name) whose optimizer slots start afresh where the checkpoint "
+            "has none (repeat for several) [default: none]"
+        ),
     ),
 ]
 
 
-@app.command("tf-checkpoint")
+@app.command("tf-checkpoint", cls=Command)
 def tf_checkpoint(
     prefix: Annotated[str, typer.Argument(help="TF checkpoint prefix or directory")],
-    optimizer: OptimizerOpt,
-    map_file: MapOpt,
-    out: Annotated[Path, typer.Option("--out", "-o", help="output directory")],
+    optimizer: OptimizerOpt = None,
+    map_file: MapOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", metavar="DIR", help="required: output directory"),
+    ] = None,
     fresh_slots: FreshSlotsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """TF checkpoint -> OUT/checkpoint.pt (model, optimizer state, global_step), with the
     hyperparameters of the TF graph (PREFIX.meta)."""
-    from gradfleet.tf_checkpoint.bundle import quiet_tensorflow
+    from gradfleet.tf_checkpoint.bundle import check_checkpoint_path, quiet_tensorflow
 
+    try:  # from the files alone, before anything is imported for the conversion
+        check_checkpoint_path(prefix)
+    except FileNotFoundError as exc:
+        raise _fail(str(exc)) from None
+    cls, given = _optimizer_spec(_given(optimizer, "--optimizer"))
+    map_file, out = _given(map_file, "--map"), _given(out, "--out")
     with quiet_tensorflow():
-        _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots or [], quiet)
+        _tf_checkpoint(prefix, optimizer, cls, given, map_file, out, fresh_slots or [], quiet)
 
 
-def _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots, quiet) -> None:
+def _tf_checkpoint(prefix, optimizer, cls, given, map_file, out, fresh_slots, quiet) -> None:
     import torch
 
     from gradfleet.tf_checkpoint import (
@@ -190,7 +230,6 @@ def _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots, quiet) -> None
     )
     from gradfleet.tf_checkpoint.names import resolve
 
-    cls, given = _optimizer_spec(optimizer)
     model, name_map = _model_and_map(map_file)
     try:
         prefix = CheckpointReader(prefix).prefix  # a directory: its latest checkpoint
@@ -222,28 +261,36 @@ def _tf_checkpoint(prefix, optimizer, map_file, out, fresh_slots, quiet) -> None
     print(f"{cls.__name__}: {used}")
 
 
-@app.command("torch-checkpoint")
+@app.command("torch-checkpoint", cls=Command)
 def torch_checkpoint(
     path: Annotated[Path, typer.Argument(help="checkpoint.pt written by tf-checkpoint")],
-    optimizer: OptimizerOpt,
-    map_file: MapOpt,
-    out: Annotated[str, typer.Option("--out", "-o", help="TF checkpoint prefix to write")],
+    optimizer: OptimizerOpt = None,
+    map_file: MapOpt = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", "-o", metavar="PREFIX", help="required: TF checkpoint prefix to write"
+        ),
+    ] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """OUT/checkpoint.pt -> a TF checkpoint that TF's Saver restores."""
     from gradfleet.tf_checkpoint.bundle import quiet_tensorflow
 
+    if not path.is_file():
+        raise _fail(f"{path}: no such file")
+    cls, given = _optimizer_spec(_given(optimizer, "--optimizer"))
+    map_file, out = _given(map_file, "--map"), _given(out, "--out")
     with quiet_tensorflow():
-        _torch_checkpoint(path, optimizer, map_file, out, quiet)
+        _torch_checkpoint(path, optimizer, cls, given, map_file, out, quiet)
 
 
-def _torch_checkpoint(path, optimizer, map_file, out, quiet) -> None:
+def _torch_checkpoint(path, optimizer, cls, given, map_file, out, quiet) -> None:
     import torch
 
     from gradfleet.optimizer import HyperparametersReplacedWarning
     from gradfleet.tf_checkpoint import TensorFlowMissing, save_tf_checkpoint
 
-    cls, given = _optimizer_spec(optimizer)
     model, name_map = _model_and_map(map_file)
     opt = _build(optimizer, cls, given, model)
     try:

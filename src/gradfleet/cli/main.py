@@ -19,36 +19,41 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import strategy_table as strat
+from .command_classes import Command, Group, error_line
 from .config import ConfigError, parse_straggler
 from .convert import app as convert_app
 from .launch import WorkerFailed, launch, run_local
 from .logs import configure_logging
 from .progress import Progress
-from .spec import LOG_LEVELS, RunSpec, resolve, resume_spec
-from .summary import summary_table
+from .spec import RunSpec, resolve, resume_spec, setting_help
+from .summary import COLUMNS, summary_table
 from .torchrun import env_rank, under_torchrun
 from .workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
 
+out_console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    error_line(message)
+    return typer.Exit(code)
+
+
 app = typer.Typer(
+    cls=Group,
     help="TensorFlow-exact optimizers and TF1 distribution strategies on PyTorch: train and "
     "compare on one machine.",
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
 )
-out_console = Console(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True)
 app.add_typer(convert_app, name="convert")
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 # ----------------------------------------------------------------------------- running
@@ -73,82 +78,76 @@ def execute(spec: RunSpec, label: str, quiet: bool) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- commands
 Opt = Annotated
-LOG_LEVEL_HELP = f"{', '.join(LOG_LEVELS)}: of the launcher and every worker (warning)"
-DEVICE_HELP = (
-    "cpu (default), cuda (rank r, or tower t, on cuda:r / cuda:t) or cuda:N (one rank, or "
-    "every tower, on GPU N)"
+
+
+def _option(*flags: str, metavar: str, meaning: str, default: str) -> Any:
+    """An option whose ``--help`` says what it takes, what it is and its default."""
+    help_text = escape(f"{meaning} [default: {default}]")  # not a rich markup tag
+    return typer.Option(*flags, metavar=metavar, help=help_text, show_default=False)
+
+
+def _setting(name: str, *flags: str, metavar: str, default: str | None = None) -> Any:
+    """The option of run setting ``name``: what it is and its default as the run
+    specification (and so docs/cli.md) says, or ``default`` where this command's differs."""
+    meaning, spec_default = setting_help(name)
+    return _option(*flags, metavar=metavar, meaning=meaning, default=default or spec_default)
+
+
+QUIET = typer.Option("--quiet", "-q", metavar="", help="no progress display")
+TABLE_HELP = "\b\nThe results table (runs numbered; the legend below it names them):\n" + "\n".join(
+    escape(f"  {heading}: {meaning}") for heading, meaning in COLUMNS.items()
 )
 
 
-@app.command()
+@app.command(cls=Command, epilog=TABLE_HELP)
 def train(
-    workload: Opt[
-        str | None,
-        typer.Option(
-            "--workload", "-w", help="digits, ctr, or FILE.py[:function] returning a Workload"
-        ),
-    ] = None,
+    workload: Opt[str | None, _setting("workload", "--workload", "-w", metavar="NAME")] = None,
     optimizer: Opt[
-        str | None,
-        typer.Option(
-            "--optimizer",
-            "-o",
-            help="NAME[:key=value,...] (see `gradfleet list`) or a RETURNN-style config "
-            "FILE.py/.json",
-        ),
+        str | None, _setting("optimizer", "--optimizer", "-o", metavar="NAME[:k=v,...]|FILE")
     ] = None,
     learning_rate: Opt[
-        float | None, typer.Option("--lr", help="learning rate (overrides the optimizer's)")
+        float | None,
+        _option("--lr", metavar="RATE", meaning="learning rate", default="the optimizer's"),
     ] = None,
     config: Opt[
-        str | None, typer.Option("--config", "-c", help="RETURNN-style config file (.py or .json)")
+        str | None,
+        _option(
+            "--config",
+            "-c",
+            metavar="FILE",
+            meaning="RETURNN-style config file (.py or .json)",
+            default="none",
+        ),
     ] = None,
     strategy: Opt[
-        str | None,
-        typer.Option(
-            "--strategy",
-            "-s",
-            help="NAME[:key=value,...]: none, allreduce, model-average, easgd, towers, "
-            "sync-replicas",
-        ),
+        str | None, _setting("strategy", "--strategy", "-s", metavar="NAME[:k=v,...]")
     ] = None,
-    workers: Opt[
-        int | None,
-        typer.Option("--workers", "-n", help="local worker processes (towers: replicas)"),
-    ] = None,
-    servers: Opt[
-        int | None,
-        typer.Option(
-            "--servers",
-            help="K extra processes that only serve (ranks N..N+K-1): sync-replicas (K=1: one "
-            "server, K>1: shards) or easgd:mode=async (K=1: its centre); 0: inside the workers",
-        ),
-    ] = None,
-    steps: Opt[int | None, typer.Option(help="training steps per worker")] = None,
-    seed: Opt[int | None, typer.Option(help="data and initialisation seed")] = None,
-    batch_size: Opt[int | None, typer.Option(help="per-worker batch size")] = None,
-    straggler: Opt[str | None, typer.Option(help="RANK:DELAY_MS, slow one worker down")] = None,
-    eval_every: Opt[int | None, typer.Option(help="evaluate on the test set every K steps")] = None,
+    workers: Opt[int | None, _setting("workers", "--workers", "-n", metavar="N")] = None,
+    servers: Opt[int | None, _setting("servers", "--servers", metavar="K")] = None,
+    steps: Opt[int | None, _setting("steps", "--steps", metavar="N")] = None,
+    seed: Opt[int | None, _setting("seed", "--seed", metavar="N")] = None,
+    batch_size: Opt[int | None, _setting("batch_size", "--batch-size", metavar="N")] = None,
+    straggler: Opt[str | None, _setting("straggler", "--straggler", metavar="RANK:MS")] = None,
+    eval_every: Opt[int | None, _setting("eval_every", "--eval-every", metavar="K")] = None,
     checkpoint_every: Opt[
-        int | None, typer.Option(help="checkpoint every K steps (0: never)")
+        int | None, _setting("checkpoint_every", "--checkpoint-every", metavar="K")
     ] = None,
-    timeout: Opt[
-        float | None,
-        typer.Option(
-            help="seconds to wait for a silent worker or server before failing "
-            f"({RunSpec.timeout:g})"
-        ),
-    ] = None,
-    device: Opt[str | None, typer.Option(help=DEVICE_HELP)] = None,
+    timeout: Opt[float | None, _setting("timeout", "--timeout", metavar="SECONDS")] = None,
+    device: Opt[str | None, _setting("device", "--device", metavar="DEVICE")] = None,
     out: Opt[
-        Path | None, typer.Option(help="run directory (default runs/<time>-<workload>-...)")
+        Path | None, _setting("out", "--out", metavar="DIR", default="a new one in runs/")
     ] = None,
     resume: Opt[
         Path | None,
-        typer.Option(help="continue the run in this directory from its last checkpoint"),
+        _option(
+            "--resume",
+            metavar="DIR",
+            meaning="continue the run in this directory from its last checkpoint",
+            default="none, a new run",
+        ),
     ] = None,
-    quiet: Opt[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
-    log_level: Opt[str | None, typer.Option(help=LOG_LEVEL_HELP)] = None,
+    quiet: Opt[bool, QUIET] = False,
+    log_level: Opt[str | None, _setting("log_level", "--log-level", metavar="LEVEL")] = None,
 ) -> None:
     """Train a workload with any optimizer and distribution strategy."""
     flags = dict(
@@ -204,43 +203,81 @@ def train(
 # All-reduce against backup workers, local SGD and EASGD: the comparison gradfleet exists for.
 DEFAULT_COMPARISON = [
     "allreduce",
-    "sync-replicas:replicas_to_aggregate=1",
+    "sync-replicas:replicas_to_aggregate=2",  # one backup worker of 3: the slowed one
     "model-average:interval=8",
     "easgd:period=4",
 ]
+COMPARE_WORKERS, COMPARE_DELAY_MS = 3, 20
 
 
-@app.command()
+def compare_straggler(workers: int) -> str | None:
+    """``compare``'s ``--straggler`` when none is given: the last worker, slowed."""
+    return f"{workers - 1}:{COMPARE_DELAY_MS:g}" if workers > 1 else None
+
+
+@app.command(cls=Command, epilog=TABLE_HELP)
 def compare(
     strategy: Opt[
         list[str],
-        typer.Option("--strategy", "-s", help="repeat: each NAME[:key=value,...] is one run"),
+        _option(
+            "--strategy",
+            "-s",
+            metavar="NAME[:k=v,...]",
+            meaning="repeat: each is one run",
+            default=", ".join(DEFAULT_COMPARISON),
+        ),
     ] = DEFAULT_COMPARISON,  # noqa: B006 - typer needs the literal list as the default
     optimizer: Opt[
         list[str] | None,
-        typer.Option("--optimizer", "-o", help="repeat to also compare optimizers"),
-    ] = None,
-    workload: Opt[str, typer.Option("--workload", "-w")] = "digits",
-    workers: Opt[int, typer.Option("--workers", "-n")] = 2,
-    servers: Opt[
-        int | None,
-        typer.Option(
-            "--servers",
-            help="K dedicated server processes for every run (each strategy must have servers)",
+        _option(
+            "--optimizer",
+            "-o",
+            metavar="NAME[:k=v,...]",
+            meaning="repeat to also compare optimizers",
+            default="the workload's",
         ),
     ] = None,
-    steps: Opt[int | None, typer.Option()] = None,
-    seed: Opt[int, typer.Option()] = 0,
-    straggler: Opt[str | None, typer.Option(help="RANK:DELAY_MS applied to every run")] = "1:20",
-    device: Opt[str | None, typer.Option(help=DEVICE_HELP)] = None,
-    out: Opt[Path, typer.Option(help="directory for the runs, the plot and the table")] = Path(
-        "runs/compare"
-    ),
-    quiet: Opt[bool, typer.Option("--quiet", "-q")] = False,
-    log_level: Opt[str | None, typer.Option(help=LOG_LEVEL_HELP)] = None,
+    workload: Opt[str, _setting("workload", "--workload", "-w", metavar="NAME")] = "digits",
+    workers: Opt[
+        int, _setting("workers", "--workers", "-n", metavar="N", default=str(COMPARE_WORKERS))
+    ] = COMPARE_WORKERS,
+    servers: Opt[
+        int | None,
+        _option(
+            "--servers",
+            metavar="K",
+            meaning="K dedicated server processes for every run (each strategy must have servers)",
+            default="0",
+        ),
+    ] = None,
+    steps: Opt[int | None, _setting("steps", "--steps", metavar="N")] = None,
+    seed: Opt[int, _setting("seed", "--seed", metavar="N")] = 0,
+    straggler: Opt[
+        str | None,
+        _setting(
+            "straggler",
+            "--straggler",
+            metavar="RANK:MS",
+            default=f"the last worker, +{COMPARE_DELAY_MS} ms",
+        ),
+    ] = None,
+    device: Opt[str | None, _setting("device", "--device", metavar="DEVICE")] = None,
+    out: Opt[
+        Path,
+        _option(
+            "--out",
+            metavar="DIR",
+            meaning="directory for the runs, the plot and the table",
+            default="runs/compare",
+        ),
+    ] = Path("runs/compare"),
+    quiet: Opt[bool, QUIET] = False,
+    log_level: Opt[str | None, _setting("log_level", "--log-level", metavar="LEVEL")] = None,
 ) -> None:
     """Run one workload under several strategies (and optimizers); plot and tabulate."""
     from .plot import plot_runs
+
+    straggler = straggler or compare_straggler(workers)
 
     specs: list[tuple[str, RunSpec]] = []
     try:
@@ -295,28 +332,32 @@ def compare(
     )
 
 
-@app.command("list")
+@app.command("list", cls=Command)
 def list_(
     args: Opt[
-        bool, typer.Option("--args/--no-args", help="show each optimizer's arguments")
+        bool,
+        typer.Option("--args/--no-args", metavar="", help="show each optimizer's arguments"),
     ] = True,
 ) -> None:
     """The optimizers, strategies and workloads available, with their arguments."""
-    from gradfleet.registry import GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS, constructor_arguments
+    from gradfleet.registry import constructor_arguments
+
+    from .optimizer_choice import offered, takes_sparse
 
     table = Table(title="optimizers (--optimizer NAME[:key=value,...])")
     table.add_column("name")
     table.add_column("class")
-    table.add_column("arguments")
-    seen: set[type] = set()
-    for source in (GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS):
-        # shortest alias first: "adam" rather than "adamoptimizer"
-        for name, cls in sorted(source.items(), key=lambda kv: (kv[1].__name__, len(kv[0]))):
-            if cls in seen:
-                continue
-            seen.add(cls)
-            table.add_row(name, cls.__name__, ", ".join(constructor_arguments(cls)) if args else "")
+    table.add_column("sparse", justify="center")
+    if args:
+        table.add_column("arguments")
+    for name, cls in offered().items():
+        sparse = "yes" if takes_sparse(cls) else "no"
+        table.add_row(name, cls.__name__, sparse, *[", ".join(constructor_arguments(cls))] * args)
     out_console.print(table)
+    out_console.print(
+        "sparse: it also takes the sparse gradients of a sparse embedding (workload ctr)",
+        highlight=False,
+    )
     st = Table(title="strategies (--strategy NAME[:key=value,...])")
     for col in ("name", "what", "arguments", "workers"):
         st.add_column(col)

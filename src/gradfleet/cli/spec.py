@@ -18,12 +18,21 @@ from typing import Any
 from . import strategy_table as strat
 from .config import ConfigError, load_config, optimizer_config, parse_spec, parse_straggler
 from .devices import check_device, parse_device
+from .optimizer_choice import check_trainable, gradient_kinds, lookup
 from .run_files import latest_checkpoint
 from .servers import lockstep, validate_servers
 from .torchrun import under_torchrun
-from .workloads import load_workload
+from .workloads import check_workload, load_workload
 
-__all__ = ["LOG_LEVELS", "RunSpec", "resolve", "resume_spec", "settings_markdown", "settings_table"]
+__all__ = [
+    "LOG_LEVELS",
+    "RunSpec",
+    "resolve",
+    "resume_spec",
+    "setting_help",
+    "settings_markdown",
+    "settings_table",
+]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -75,11 +84,21 @@ class RunSpec:
         ),
     )
     device: str = field(
-        default="cpu", metadata=_key("cpu, cuda (rank r on cuda:r) or cuda:N", "--device")
+        default="cpu",
+        metadata=_key(
+            "cpu, cuda (rank r, or tower t, on cuda:r / cuda:t) or cuda:N (one rank, or every "
+            "tower, on GPU N)",
+            "--device",
+        ),
     )
     steps: int | None = field(
         default=None,
-        metadata=_key("training steps (model updates)", "--steps", default="the workload's"),
+        metadata=_key(
+            "model updates to train: each worker's training steps (sync-replicas: the "
+            "updates its servers make from R gradients each)",
+            "--steps",
+            default="the workload's",
+        ),
     )
     seed: int = field(default=0, metadata=_key("data and initialisation seed", "--seed"))
     batch_size: int | None = field(
@@ -104,7 +123,10 @@ class RunSpec:
     )
     log_level: str = field(
         default="warning",
-        metadata=_key("logging level of the launcher and every worker", "--log-level"),
+        metadata=_key(
+            f"{', '.join(LOG_LEVELS)}: logging level of the launcher and every worker",
+            "--log-level",
+        ),
     )
     threads: int = field(
         default=1, metadata=_key("torch threads per rank", config=False, default="1")
@@ -157,6 +179,13 @@ def settings_table() -> list[tuple[str, bool, str, str, str]]:
     return rows
 
 
+def setting_help(name: str) -> tuple[str, str]:
+    """What setting ``name`` is and its default, as ``--help`` shows them."""
+    f = next(f for f in dataclasses.fields(RunSpec) if f.name == name)
+    default = f.metadata["default"] or ("none" if f.default is None else str(f.default))
+    return f.metadata["help"], default.removesuffix(".0")  # 120.0 s: 120
+
+
 def settings_markdown() -> str:
     """:func:`settings_table` as the Markdown table of ``docs/cli.md``."""
     lines = ["| field | config file | flag | default | meaning |", "|---|---|---|---|---|"]
@@ -185,16 +214,19 @@ def _choice(flag: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def _check_optimizer(opts: dict[str, Any]) -> None:
-    """Build the optimizer on a dummy parameter: unknown names and bad values fail here."""
+def _check_optimizer(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with its class looked up (a name that is none fails here, with "did you
+    mean"), built on a stand-in parameter (bad values fail here)."""
     import torch
 
     from gradfleet.registry import create_optimizer
 
+    config = {**opts, "class": lookup(opts.get("class"))}
     try:
-        create_optimizer([torch.nn.Parameter(torch.zeros(1))], opts)
+        create_optimizer([torch.nn.Parameter(torch.zeros(1))], config)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"optimizer {opts.get('class')!r}: {err}") from None
+    return config
 
 
 def _settings(config: str | None, optimizer: str | None) -> dict[str, Any]:
@@ -219,7 +251,11 @@ def check_run_device(device: str, strategy: str, workers: int) -> None:
 # ----------------------------------------------------------------------------- resolving
 def resolve(flags: dict[str, Any]) -> RunSpec:
     """Merge a config file (``flags["config"]``) and the flags (``None``: not given) into a
-    checked spec; nothing is written."""
+    checked spec; nothing is written.
+
+    Checked in the cheapest order: the config file, then plain values, then names (of the
+    optimizer, the strategy, the device), then what needs building: the optimizer on a
+    stand-in parameter, the workload's model and data, a trial step of the optimizer."""
     flags = dict(flags)
     file = _settings(flags.pop("config", None), flags.get("optimizer"))
     if flags.get("optimizer") and flags["optimizer"].endswith((".py", ".json")):
@@ -228,46 +264,59 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     lr = merged.get("learning_rate")
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
         raise ConfigError(f"--lr must be a number, got {lr!r}")
-    if merged.get("optimizer"):  # a bad optimizer fails before the workload's data is built
-        _check_optimizer(optimizer_config(merged["optimizer"], lr))
-    strategy = merged.get("strategy", RunSpec.strategy)
-    name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
     workers = _integer("--workers", merged.get("workers", RunSpec.workers), 1)
-    strat.validate_strategy(name, args, workers)
-    device = parse_device(merged.get("device", RunSpec.device))  # before any data is built
-    check_run_device(device, name, workers)
-    seed = _integer("--seed", merged.get("seed", RunSpec.seed), 0)
-    workload_name = merged.get("workload", RunSpec.workload)
-    try:
-        workload = load_workload(workload_name, seed)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    opts = optimizer_config(merged.get("optimizer") or workload.optimizer, lr)
-    _check_optimizer(opts)
     servers = _integer("--servers", merged.get("servers", RunSpec.servers), 0)
-    num_params = sum(1 for _ in workload.model.parameters())
-    validate_servers(name, args, workers, servers, num_params)
-    checkpoint_every = _integer(
-        "--checkpoint-every", merged.get("checkpoint_every", RunSpec.checkpoint_every), 0
-    )
-    if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
-        raise ConfigError(
-            "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
-            "lockstep (replicas_to_aggregate = --workers and num_tokens=0): otherwise its ranks "
-            "run different numbers of local steps, so there is no common point to checkpoint"
-        )
-    steps = _integer("--steps", merged.get("steps", workload.steps), 1)
+    seed = _integer("--seed", merged.get("seed", RunSpec.seed), 0)
+    given_steps = merged.get("steps")
+    if given_steps is not None:
+        _integer("--steps", given_steps, 1)
     batch_size = merged.get("batch_size")
     if batch_size is not None:
         _integer("--batch-size", batch_size, 1)
+    checkpoint_every = _integer(
+        "--checkpoint-every", merged.get("checkpoint_every", RunSpec.checkpoint_every), 0
+    )
     timeout = _seconds("--timeout", merged.get("timeout", RunSpec.timeout))
     straggler = merged.get("straggler")
     if straggler is not None:
         straggler = parse_straggler(straggler)
         if straggler[0] >= workers:
             raise ConfigError(f"--straggler rank {straggler[0]} but only {workers} worker(s)")
-    eval_every = _integer("--eval-every", merged.get("eval_every", max(steps // 5, 1)), 0)
+    if merged.get("eval_every") is not None:
+        _integer("--eval-every", merged["eval_every"], 0)
     log_level = _choice("--log-level", merged.get("log_level", RunSpec.log_level), LOG_LEVELS)
+    given = optimizer_config(merged["optimizer"], lr) if merged.get("optimizer") else None
+    if given is not None:
+        lookup(given.get("class"))  # a name that is none: "did you mean"
+    workload_name = merged.get("workload", RunSpec.workload)
+    try:
+        check_workload(workload_name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    strategy = merged.get("strategy", RunSpec.strategy)
+    name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
+    strat.validate_strategy(name, args, workers)
+    if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
+        raise ConfigError(
+            "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
+            "lockstep (replicas_to_aggregate = --workers and num_tokens=0): otherwise its ranks "
+            "run different numbers of local steps, so there is no common point to checkpoint"
+        )
+    device = parse_device(merged.get("device", RunSpec.device))
+    check_run_device(device, name, workers)
+    # a bad value fails before the workload's data is built
+    config = None if given is None else _check_optimizer(given)
+    try:
+        workload = load_workload(workload_name, seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    opts = given or optimizer_config(workload.optimizer, lr)
+    config = config or _check_optimizer(opts)
+    check_trainable(config, gradient_kinds(workload.model), workload_name)
+    num_params = sum(1 for _ in workload.model.parameters())
+    validate_servers(name, args, workers, servers, num_params)
+    steps = given_steps if given_steps is not None else workload.steps
+    eval_every = merged.get("eval_every", max(steps // 5, 1))
     return RunSpec(
         workload=workload_name,
         optimizer=opts,

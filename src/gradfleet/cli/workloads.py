@@ -15,6 +15,7 @@ function named as ``file.py:function``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Workload", "WORKLOADS", "load_workload", "batch_indices", "workload_to"]
+__all__ = [
+    "Workload",
+    "WORKLOADS",
+    "check_workload",
+    "load_workload",
+    "batch_indices",
+    "workload_to",
+]
 
 
 @dataclass
@@ -199,17 +207,29 @@ def ctr(seed: int = 0) -> Workload:
 WORKLOADS: dict[str, Callable[[int], Workload]] = {"digits": digits, "ctr": ctr}
 
 
-def load_workload(spec: str, seed: int) -> Workload:
-    """A built-in name, ``file.py`` (function ``workload``) or ``file.py:function``."""
+def check_workload(spec: str) -> None:
+    """A ``ValueError`` unless ``spec`` names a built-in workload or an existing ``file.py``:
+    what can be known without building it."""
     if spec in WORKLOADS:
-        return WORKLOADS[spec](seed)
-    path, _, func = spec.partition(":")
+        return
+    path = spec.partition(":")[0]
     if not path.endswith(".py"):
+        close = difflib.get_close_matches(spec, WORKLOADS, n=1)
+        meant = f"did you mean {close[0]}? " if close else ""
         raise ValueError(
-            f"unknown workload {spec!r}; use one of {', '.join(WORKLOADS)} or a file.py[:function]"
+            f"unknown workload {spec!r}; {meant}use one of {', '.join(WORKLOADS)} or a "
+            "file.py[:function]"
         )
     if not Path(path).is_file():
         raise ValueError(f"workload file {path!r} does not exist")
+
+
+def load_workload(spec: str, seed: int) -> Workload:
+    """A built-in name, ``file.py`` (function ``workload``) or ``file.py:function``."""
+    check_workload(spec)
+    if spec in WORKLOADS:
+        return WORKLOADS[spec](seed)
+    path, _, func = spec.partition(":")
     namespace = runpy.run_path(path, run_name="__gradfleet_workload__")
     factory = namespace.get(func or "workload")
     if not callable(factory):

@@ -76,6 +76,23 @@ def quiet_tensorflow() -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+_NO_CHECKPOINT_IN_DIRECTORY = "no TensorFlow checkpoint in directory {!r}"
+_NO_CHECKPOINT_AT = "no TensorFlow checkpoint at {0!r} (expected {0}.index and {0}.data-*)"
+
+
+def check_checkpoint_path(prefix: str | os.PathLike) -> None:
+    """``FileNotFoundError`` where no checkpoint can be, found from the files alone, without
+    importing TensorFlow (seconds): a directory needs TF's ``checkpoint`` state file (which
+    names its latest checkpoint), a prefix its ``PREFIX.index``.  :class:`CheckpointReader`
+    checks the rest."""
+    prefix = os.fspath(prefix)
+    if os.path.isdir(prefix):
+        if not os.path.isfile(os.path.join(prefix, "checkpoint")):
+            raise FileNotFoundError(_NO_CHECKPOINT_IN_DIRECTORY.format(prefix))
+    elif not os.path.exists(prefix + ".index"):
+        raise FileNotFoundError(_NO_CHECKPOINT_AT.format(prefix))
+
+
 class CheckpointReader:
     """The variables of one checkpoint: ``shapes`` and ``dtypes`` by name (no tensor is read
     until ``get``), ``get(name)`` a numpy array.
@@ -91,14 +108,11 @@ class CheckpointReader:
         if os.path.isdir(prefix):  # a directory: its latest checkpoint, as TF resolves it
             latest = tf.train.latest_checkpoint(prefix)
             if latest is None:
-                raise FileNotFoundError(f"no TensorFlow checkpoint in directory {prefix!r}")
+                raise FileNotFoundError(_NO_CHECKPOINT_IN_DIRECTORY.format(prefix))
             log.info("%s: reading its latest checkpoint %s", prefix, latest)
             prefix = latest
         if not os.path.exists(prefix + ".index"):
-            raise FileNotFoundError(
-                f"no TensorFlow checkpoint at {prefix!r} (expected {prefix}.index and "
-                f"{prefix}.data-*)"
-            )
+            raise FileNotFoundError(_NO_CHECKPOINT_AT.format(prefix))
         self.prefix = prefix
         self._reader = tf.train.load_checkpoint(prefix)
         keys = self._reader.get_variable_to_shape_map()
