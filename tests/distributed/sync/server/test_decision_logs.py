@@ -1,5 +1,6 @@
 """Every decision of the servers leaves a log record: a stale gradient dropped, a non-finite
-gradient dropped, a worker forgotten or lost, a dead shard server, a dropped peer."""
+gradient dropped, a worker forgotten or lost, a dead shard server, a bug that stops the chief,
+a dropped peer."""
 
 from __future__ import annotations
 
@@ -54,14 +55,19 @@ def test_forgotten_and_lost_workers_are_logged_by_the_chief(caplog):
     assert any("worker rank 0 lost: never said hello" in m for m in got)
 
 
-def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog):
+def _chief_with_a_worker_waiting():
+    """A sharded chief (2 shards, R = N = 2) and worker 0's token request, waiting."""
     x = torch.zeros(1, requires_grad=True)
     chief = SyncChief(
         gradfleet.GradientDescentOptimizer([x], 1.0),
         Job(2, 2, "shared", 0, timeout=10),
         num_shards=2,
     )
-    waiting = serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
+    return chief, serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
+
+
+def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog):
+    chief, waiting = _chief_with_a_worker_waiting()
     with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
         for answer in chief.unreachable("shard server rank 1 is unreachable"):
             answer.ticket.send(answer.payload)
@@ -69,6 +75,27 @@ def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog
     assert messages(caplog, "gradfleet.distributed.sync.server.chief") == [
         "shard server rank 1 is unreachable"
     ]
+
+
+def test_the_chief_decides_once_and_a_bug_stays_a_bug(caplog):
+    """A bug in the chief's watching (its probe) stops the chief: the waiting worker and every
+    later one get that error's own class, the first cause is logged once with its traceback,
+    and a later verdict (the same probe's server now unreachable) changes nothing."""
+    chief, waiting = _chief_with_a_worker_waiting()
+    try:
+        {}["shard 1"]
+    except KeyError as exc:
+        bug = exc
+    with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
+        for answer in chief.fail("KeyError", "the chief's probe raised KeyError", cause=bug):
+            answer.ticket.send(answer.payload)
+        for answer in chief.unreachable("shard server rank 1 is unreachable"):
+            answer.ticket.send(answer.payload)
+    assert waiting.payload == {"error": "KeyError", "message": "the chief's probe raised KeyError"}
+    later = serve(chief, {"op": "step", "worker": 1, "tag": 0, "grads": [None], "version": 0})
+    assert later.payload["error"] == "KeyError"
+    (record,) = caplog.records
+    assert record.getMessage() == "the chief's probe raised KeyError" and record.exc_info
 
 
 def test_a_dropped_peer_is_logged(caplog):
