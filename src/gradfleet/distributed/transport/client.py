@@ -7,7 +7,7 @@ process.  A dead or silent server becomes :class:`ServerUnreachable` naming it (
 errors of ``LINK_ERRORS`` count: a bug in the call raises as itself), and an error a handler
 raised is raised here as itself (``errors.remote_error``).
 
-The client never logs above DEBUG and holds no error for later: once its server is lost the
+Its calls never log above DEBUG and it holds no error for later: once its server is lost the
 client is dead (every later call raises at once, with the first cause), and the caller --
 which knows what the server was for -- decides and logs.
 """
