@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -308,6 +309,78 @@ def sync_error(
         if r not in (ctx.rank, victim):
             ctx.wait_signal(r, "erred", timeout=30.0)
     return said
+
+
+def _plant_bug(where: str) -> None:
+    """Rank 0's bug: in the chief's handling of token requests from global step 2
+    (``"handler"``), or in its probe of the other server rank from the third probe on
+    (``"probe"``)."""
+    if where == "handler":
+        from gradfleet.distributed.sync.server.chief import SyncChief
+
+        token_request = SyncChief._token_request
+
+        def buggy(chief, worker, msg, ticket):
+            if chief.global_step >= 2:
+                raise KeyError(f"bug planted in the chief at global step {chief.global_step}")
+            return token_request(chief, worker, msg, ticket)
+
+        SyncChief._token_request = buggy  # type: ignore[method-assign]
+        return
+    from gradfleet.distributed.hosting import sync_servers
+
+    real = sync_servers.probe
+
+    def buggy_probe(address, seconds, connect_s=None):
+        check, calls = real(address, seconds, connect_s), []
+
+        def buggy_check():
+            calls.append(1)
+            if len(calls) >= 3:
+                raise KeyError("bug planted in the probe")
+            check()
+
+        return buggy_check
+
+    sync_servers.probe = buggy_probe
+
+
+def sync_server_bug(ctx: RankContext, where: str) -> dict:
+    """R=2 of N=2; a bug planted on rank 0 (:func:`_plant_bug`; ``"probe"``: shards on ranks 0
+    and 1).  Each worker trains until its step raises; it reports what it raised, and rank 0
+    the chief's ERROR records (message, and whether they carry a traceback)."""
+    records: list[tuple[str, bool]] = []
+    if ctx.rank == 0:
+        _plant_bug(where)
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append((record.getMessage(), record.exc_info is not None))
+
+        chief_log = logging.getLogger("gradfleet.distributed.sync.server.chief")
+        chief_log.addHandler(Keep(logging.ERROR))
+    model = make_model()
+    opt = SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
+        2,
+        2,
+        timeout=20.0,
+        server_ranks=[0] if where == "handler" else [0, 1],
+    )
+    _joined(ctx)
+    said, count, start = "finished", 0, time.monotonic()
+    try:
+        while time.monotonic() - start < 30.0:
+            opt.zero_grad()
+            loss_of(model, ctx.rank, count).backward()
+            opt.step()
+            count += 1
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    # the servers go with their rank: each worker waits until the other had its error
+    ctx.signal("erred")
+    ctx.wait_signal(1 - ctx.rank, "erred", timeout=45.0)
+    return {"said": said, "chief_errors": records}
 
 
 def sync_bad_shapes(ctx: RankContext) -> str:

@@ -136,7 +136,11 @@ def _swallows(handler: ast.ExceptHandler) -> bool:
     )
     raises = any(isinstance(n, ast.Raise) for n in ast.walk(handler))
     stored = handler.name is not None and any(
-        isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id == handler.name
+        isinstance(n, ast.Assign)
+        and any(
+            isinstance(v, ast.Name) and v.id == handler.name
+            for v in ([n.value] if not isinstance(n.value, ast.Tuple) else n.value.elts)
+        )
         for n in ast.walk(handler)
     )
     latched = handler.name is not None and any(

@@ -40,6 +40,7 @@ from typing import Any, Final
 import torch.distributed as dist
 
 from .hosting.hosted_server import env_server_host
+from .transport.errors import LINK_ERRORS
 
 __all__ = ["JobControl", "JobPlace", "apply_job_env", "job_store", "server_host"]
 
@@ -226,7 +227,7 @@ class JobControl:
             while not self._beating.wait(self.heartbeat_s):
                 try:
                     store.add(key, 1)
-                except Exception:  # the store's host is gone: the job is over
+                except LINK_ERRORS:  # the store's host is gone: the job is over
                     log.warning("rank %d: heartbeat stopped, the job store is unreachable", rank)
                     return
 

@@ -4,6 +4,8 @@
 * SyncReplicas without backups: the survivors stop within the timeout naming the dead rank;
 * a restarted worker rejoins at local_step := global_step (new pair group, others continue);
 * a dead server rank: every worker stops at once with an error naming it (both wrappers);
+* a bug in a server (the chief's handler, its probe of the shards) is raised by every worker
+  as itself, never taken for a lost server;
 * straggler: R=3 of N=4 keeps >= 85% of the straggler-free rate, R=N=4 falls to its pace;
 * checkpoint/resume reproduces the uninterrupted trajectory (deterministic configurations).
 """
@@ -101,6 +103,30 @@ def test_sync_replicas_server_death_names_server_rank():
 def test_async_easgd_server_death_names_server_rank():
     out = run_ranks(sync_ranks.easgd_server_dies, 2, timeout=60, kill_on={0: "die"})
     assert out[1].startswith("ServerUnreachable") and "server rank 0" in out[1]
+
+
+def test_a_bug_in_the_chiefs_handler_is_raised_as_itself_on_every_worker():
+    """A programming error inside the chief's handler (a KeyError from global step 2) is
+    raised by every worker as that KeyError: not a RuntimeError, and not ServerUnreachable
+    (a bug must never be answered as a lost server)."""
+    out = run_ranks(sync_ranks.sync_server_bug, 2, args=("handler",), timeout=90)
+    for r in (0, 1):
+        said = out[r]["said"]
+        assert said.startswith("KeyError: ") and "bug planted in the chief" in said, said
+
+
+def test_a_bug_in_the_chiefs_probe_is_raised_as_itself_not_a_lost_server():
+    """The chief's probe of shard 1's rank raises a bug (a KeyError), while that rank is
+    alive: every worker raises that KeyError naming the probe, never ``ServerUnreachable``,
+    and the chief logs it once, at ERROR, with its traceback."""
+    out = run_ranks(sync_ranks.sync_server_bug, 2, args=("probe",), timeout=90)
+    for r in (0, 1):
+        said = out[r]["said"]
+        assert said.startswith("KeyError: "), said
+        assert "the chief's probe of shard server rank 1" in said and "a bug, not a lost" in said
+        assert "bug planted in the probe" in said, said
+    ((message, traced),) = out[0]["chief_errors"]
+    assert "raised KeyError" in message and traced
 
 
 def _rate(args):

@@ -143,9 +143,10 @@ def test_default_allreduce_exchange_names_a_lost_peer():
 
 
 def test_only_a_link_error_is_reported_as_a_missing_peer():
-    """A collective's gloo or NCCL error (torch's ``DistBackendError``) becomes the error that
-    names a missing peer; a bug in the call (a TypeError) is raised as itself, not disguised
-    as a lost peer."""
+    """A collective's gloo error (a plain RuntimeError from gloo's transport) or NCCL's
+    (torch's ``DistBackendError``) becomes the error that names a missing peer; a bug in the
+    call (a TypeError, torch's RuntimeError for a shape mismatch) is raised as itself, not
+    disguised as a lost peer."""
     exchange = AllReduceExchange.__new__(AllReduceExchange)  # only its error handling
     exchange.world, exchange.rank = 2, 0
 
@@ -155,10 +156,24 @@ def test_only_a_link_error_is_reported_as_a_missing_peer():
     def bug() -> None:
         raise TypeError("all_reduce() got an unexpected keyword argument 'opp'")
 
+    def gloo_lost() -> None:  # gloo's own: a plain RuntimeError, as torch 2.13 raises it
+        raise RuntimeError(
+            "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+            "closed by peer [10.0.0.2]:4242. This is typically caused by a remote worker crashing."
+        )
+
+    def shapes() -> None:  # torch's shape mismatch: a RuntimeError too, and a bug
+        torch.ones(3).add_(torch.ones(4))
+
     with pytest.raises(RuntimeError, match="rank 0: a peer did not join the all-reduce"):
         exchange._collective(lost)
+    with pytest.raises(RuntimeError, match="did not join.*gloo_lost failed: .*Connection closed"):
+        exchange._collective(gloo_lost)
     with pytest.raises(TypeError, match="unexpected keyword argument 'opp'"):
         exchange._collective(bug)
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(3\) must match") as raised:
+        exchange._collective(shapes)
+    assert "did not join" not in str(raised.value)
 
 
 def test_layout_for_the_job():

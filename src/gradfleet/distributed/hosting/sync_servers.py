@@ -12,6 +12,12 @@ The probes run on a thread of their own and the chief's tick only reads their ve
 is a round trip, and over links whose queues are full of gradients it takes tens of
 milliseconds, which on the chief's own thread held up tokens, pushes and reports (one probe
 per server rank, not per shard: the shards of one rank live and die with its process).
+
+The probing thread hands its first failure to the chief's tick (:meth:`SyncServers._watch`),
+which decides once, through the chief (:meth:`~..sync.server.chief.SyncChief.fail`): a probe
+that raised one of ``LINK_ERRORS`` found its server lost, and every worker raises
+``ServerUnreachable`` naming it; a probe that raised anything else (a bug) makes every worker
+raise that error as itself, never "unreachable".
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from ..sync.common.job import Job
 from ..sync.layout.assignment import Placement
 from ..sync.server.chief import SyncChief
 from ..sync.server.shards import Applied, Resized, Shard, ShardServer
-from ..transport import LINK_ERRORS, MailboxClient, ServerUnreachable
+from ..transport import LINK_ERRORS, MailboxClient, ServerUnreachable, lost_peer
 from .hosted_server import HostedServer, probe
 
 __all__ = ["SyncServers", "PROBE_S"]
@@ -65,7 +71,8 @@ class SyncServers:
         self._unread_resizes: set[int] = set()
         self._linked = threading.Event()
         self._probes: dict[str, Callable[[], None]] = {}
-        self._probe_failure: tuple[str, str] | None = None  # (whom, why): the probing thread's
+        # the probing thread's first failure, (whom, error), for the chief's tick to decide
+        self._probe_failure: tuple[str, BaseException] | None = None
         self._stop_probing = threading.Event()
         self._prober: threading.Thread | None = None
         self._probe_s = min(self.timeout, 5.0)  # how long one probe may wait for its answer
@@ -169,26 +176,36 @@ class SyncServers:
 
     def _probe(self) -> None:
         """The probing thread: every ``PROBE_S`` seconds, each other server rank once, until
-        one is gone (its verdict is for :meth:`_watch`) or the servers close."""
+        a probe fails (its error is for :meth:`_watch` to decide and log) or the servers
+        close."""
         while not self._stop_probing.wait(PROBE_S):
             for name, check in self._probes.items():
                 try:
                     check()
-                except Exception as exc:  # any failure to reach it: the shard server is gone
-                    log.warning("SyncReplicas chief: probe of %s failed: %s", name, exc)
-                    first = str(exc).splitlines()[0] if str(exc) else ""
-                    self._probe_failure = (name, f"{type(exc).__name__}: {first}")
+                except Exception as exc:  # a lost server, or a bug: decided by _watch
+                    self._probe_failure = (name, exc)
                     return
 
     def _watch(self) -> list[Answer]:
-        """The chief's tick: a failed probe fails every worker's request (once)."""
-        chief = self.chief
-        if chief is None or self._probe_failure is None or chief.broken is not None:
+        """The chief's tick: a failed probe fails every worker's request (decided once, by
+        the chief): ``ServerUnreachable`` for a lost server, the error itself for a bug."""
+        chief, failure = self.chief, self._probe_failure
+        if chief is None or failure is None:
             return []
-        name, why = self._probe_failure
-        return chief.unreachable(
-            f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief stops at "
-            f"global step {chief.global_step}: {why}"
+        self._probe_failure = None
+        name, exc = failure
+        if lost_peer(exc):
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            return chief.unreachable(
+                f"SyncReplicasOptimizer: {name} is unreachable (dead or stuck), the chief "
+                f"stops at global step {chief.global_step}: {type(exc).__name__}: {first}"
+            )
+        return chief.fail(
+            type(exc).__name__,
+            f"SyncReplicasOptimizer: the chief's probe of {name} raised {type(exc).__name__} "
+            f"(a bug, not a lost server), the chief stops at global step {chief.global_step}: "
+            f"{exc}",
+            cause=exc,
         )
 
     # ------------------------------------------------------------------ end

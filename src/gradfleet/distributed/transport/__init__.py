@@ -7,6 +7,8 @@
   incarnation), so a restarted worker simply builds a new pair; a client in the server's own
   process hands its tensors over in memory (``LocalLink``).
 * :mod:`.wire` -- a message as JSON control + one packed byte buffer of tensors (no pickling).
+* :mod:`.errors` -- what a lost peer raises (``LINK_ERRORS``; gloo's transport errors named as
+  ``LinkLost``), told apart from a bug, and a server's error as its client raises it.
 * :mod:`.all_reduce` -- the one all-reduce of gradients and their mean over the ranks (one rule
   for sparse rows); :mod:`.collectives` -- lists of tensors over a process group;
   :mod:`.process_group` -- :func:`~gradfleet.distributed.init`.
@@ -15,13 +17,15 @@ Layer: communication.
 """
 
 from .client import MailboxClient, store_client
-from .mailbox import MailboxServer, ServerUnreachable
-from .pairs import LINK_ERRORS, LocalLink, PairLink, local_address_towards
+from .errors import LINK_ERRORS, LinkLost, ServerUnreachable, gloo_link, lost_peer
+from .mailbox import MailboxServer
+from .pairs import LocalLink, PairLink, local_address_towards
 from .peer import Reply
 from .wire import Packer, join, split
 
 __all__ = [
     "LINK_ERRORS",
+    "LinkLost",
     "LocalLink",
     "MailboxClient",
     "MailboxServer",
@@ -29,8 +33,10 @@ __all__ = [
     "Packer",
     "Reply",
     "ServerUnreachable",
+    "gloo_link",
     "join",
     "local_address_towards",
+    "lost_peer",
     "split",
     "store_client",
 ]

@@ -3,7 +3,13 @@
 A :class:`MailboxClient` connects to the server's ``TCPStore`` (control: JSON requests on
 ``gf/req``, replies on ``gf/rep/{client}``) and, for tensors, builds a gloo pair with the server
 (:class:`~.pairs.PairLink`), or a :class:`~.pairs.LocalLink` when the server lives in this
-process.  A dead or silent server becomes :class:`ServerUnreachable` naming it.
+process.  A dead or silent server becomes :class:`ServerUnreachable` naming it (only the
+errors of ``LINK_ERRORS`` count: a bug in the call raises as itself), and an error a handler
+raised is raised here as itself (``errors.remote_error``).
+
+Its calls never log above DEBUG and it holds no error for later: once its server is lost the
+client is dead (every later call raises at once, with the first cause), and the caller --
+which knows what the server was for -- decides and logs.
 """
 
 from __future__ import annotations
@@ -20,22 +26,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .mailbox import CLOSED, IN_PROCESS, REQUESTS, MailboxServer, ServerUnreachable, push_control
-from .pairs import LINK_ERRORS, SERVER, LocalLink, PairLink, local_address_towards
+from .errors import LINK_ERRORS, ServerUnreachable, remote_error
+from .mailbox import CLOSED, IN_PROCESS, REQUESTS, MailboxServer, pair_failure, push_control
+from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT
 from .wire import Packer, dumps, join, loads, split
 
 __all__ = ["MailboxClient", "store_client"]
 
 log = logging.getLogger(__name__)
-
-_ERRORS = {
-    "ValueError": ValueError,
-    "FloatingPointError": FloatingPointError,
-    "TimeoutError": TimeoutError,
-    "RuntimeError": RuntimeError,
-    "ServerUnreachable": ServerUnreachable,
-}
 
 
 def store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -60,8 +59,8 @@ class MailboxClient:
     """Talk to a :class:`MailboxServer` at ``address`` (``"host:port"``) as ``client``.
 
     ``call`` (= ``request`` then ``response``) raises :class:`ServerUnreachable` naming
-    ``server_name`` when the server is dead or silent for ``timeout`` seconds, and re-raises
-    errors the handler reported.  ``data=False``: control messages only (no pair group).
+    ``server_name`` when the server is dead or silent for ``timeout`` seconds, and raises
+    an error the handler raised as itself.  ``data=False``: control messages only (no pair group).
     ``in_process=False``: a gloo pair even when the server lives in this process.
     """
 
@@ -103,16 +102,28 @@ class MailboxClient:
                     server_end, self.link = LocalLink.pair()
                 self._replies = server.connect_local(client, self.inc, server_end)
             elif data:
-                hello = {"op": "_pair", "client": client, "inc": self.inc}
-                bind = local_address_towards(host)
-                push_control(self.store, REQUESTS, dict(hello, host=bind))
-                prefix = f"gf/pair/{client}/{self.inc}"
-                self.link = PairLink(self.store, prefix, 1 - SERVER, bind, timeout)
+                self.link = self._pair(host, timeout)
         except LINK_ERRORS as exc:  # refused / timed out / stopped serving
             log.warning("%s at %s is unreachable: %s", server_name, address, exc)
             raise ServerUnreachable(
                 f"{server_name} at {address} is unreachable: {type(exc).__name__}: {exc}"
             ) from None
+
+    def _pair(self, host: str, timeout: float) -> PairLink:
+        """Ask the server for a pair and build this side of it; a bug that kept the server
+        from building its side is raised here as itself, once this side gave up."""
+        hello = {"op": "_pair", "client": self.client, "inc": self.inc}
+        bind = local_address_towards(host)
+        push_control(self.store, REQUESTS, dict(hello, host=bind))
+        prefix = f"gf/pair/{self.client}/{self.inc}"
+        name = f"{self.server_name} at {self.address}"
+        try:
+            return PairLink(self.store, prefix, 1 - SERVER, bind, timeout, name)
+        except LINK_ERRORS:
+            if self.store.check([pair_failure(prefix)]):
+                failure = loads(self.store.get(pair_failure(prefix)))
+                raise remote_error(failure["error"], failure["message"]) from None
+            raise
 
     def request(self, op: str, timeout: float | None = None, **fields: Any) -> None:
         """Send one request (tensors start travelling at once); :meth:`response` waits."""
@@ -134,7 +145,7 @@ class MailboxClient:
                 self.link.send(messages)
                 self.bytes_out += sum(m.numel() for m in messages)
             self.bytes_out += self._control(self.store, message)
-        except (dist.DistError, RuntimeError) as exc:
+        except LINK_ERRORS as exc:
             self._fail(exc)
 
     def _control(self, store: dist.Store | None, message: dict[str, Any]) -> int:
@@ -153,7 +164,7 @@ class MailboxClient:
         try:
             return loads(self._replies.get(timeout=wait))
         except queue.Empty:
-            raise RuntimeError(f"no reply in {wait:g}s") from None
+            raise TimeoutError(f"no reply in {wait:g}s") from None
 
     @property
     def last_request(self) -> tuple[str, int]:
@@ -177,7 +188,7 @@ class MailboxClient:
             if self._local is None:
                 self.open_notes()
             self.bytes_out += self._control(self._notes, message)
-        except (dist.DistError, RuntimeError) as exc:
+        except LINK_ERRORS as exc:
             self._fail(exc)
 
     @property
@@ -201,7 +212,7 @@ class MailboxClient:
                 got = loads(self._notes.queue_pop(f"gf/rcpt/{self.client}"))
                 if got.get("inc") == self.inc and int(got["seq"]) >= seq:
                     return
-        except (dist.DistError, RuntimeError) as exc:
+        except LINK_ERRORS as exc:
             self._fail(exc, ("receipt", timeout, start))
 
     def response(self, receive_into: Sequence[Any] | None = None) -> dict[str, Any]:
@@ -226,6 +237,8 @@ class MailboxClient:
         the servers in the same order, one server's link busy at a time.  An error reply
         raises here (it carries no tensors)."""
         assert self._pending is not None, "response() without request()"
+        if self._dead:
+            raise ServerUnreachable(self._dead)
         op, wait, start = self._pending
         try:
             self.store.set_timeout(timedelta(seconds=wait))
@@ -242,18 +255,18 @@ class MailboxClient:
             if layout is not None:
                 assert self.link is not None
                 receiving = self.link.begin_receive(layout, self._inbox, receive_into)
-        except (dist.DistError, RuntimeError) as exc:
+        except LINK_ERRORS as exc:
             self._fail(exc)
         self._pending = None
-        if "error" in reply:
-            raise _ERRORS.get(reply["error"], RuntimeError)(reply["message"])
+        if "error" in reply:  # the handler's error, as itself
+            raise remote_error(reply["error"], reply["message"])
 
         def finish() -> dict[str, Any]:
             if receiving is None:
                 return reply
             try:
                 return join(reply, receiving())
-            except (dist.DistError, RuntimeError) as exc:
+            except LINK_ERRORS as exc:
                 self._pending = (op, wait, start)
                 self._fail(exc)
                 raise  # unreachable: _fail raises
@@ -271,14 +284,16 @@ class MailboxClient:
         return self.response(receive_into)
 
     def _fail(self, exc: Exception, pending: tuple[str, float, float] | None = None) -> None:
-        op, wait, start = pending or self._pending or ("?", self.timeout, time.monotonic())
-        late = time.monotonic() - start
-        what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        self._dead = (
-            f"{self.server_name} at {self.address} {what} during {op!r} "
-            f"(dead or stuck): {type(exc).__name__}: {first}"
-        )
-        # the connection stays dead (later calls fail at once); the caller decides and logs
-        log.debug("%s", self._dead)
+        """The server is lost (``exc``: one of ``LINK_ERRORS``): the client is dead from now
+        on, with this first cause (later calls fail at once); the caller decides and logs."""
+        if self._dead is None:
+            op, wait, start = pending or self._pending or ("?", self.timeout, time.monotonic())
+            late = time.monotonic() - start
+            what = "closed the connection" if late < wait * 0.9 else f"sent no reply in {wait:g}s"
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self._dead = (
+                f"{self.server_name} at {self.address} {what} during {op!r} "
+                f"(dead or stuck): {type(exc).__name__}: {first}"
+            )
+            log.debug("%s", self._dead)
         raise ServerUnreachable(self._dead) from None

@@ -19,6 +19,12 @@ small fields, the tensors' layout) travels through the store queues (``gf/req``,
 (gloo send/recv, received into a preallocated buffer).  Tensors a handler or caller receives
 are views of that buffer, valid until the next message on the same link: copy what you keep.
 
+What fails where: a lost client (its link raising one of ``LINK_ERRORS``) loses its own pair
+and nothing else, logged at WARNING.  Anything else is a bug -- in a handler, in receiving a
+request's tensors, in packing a reply -- and is logged at ERROR with its traceback and sent
+to the client that waits for the answer, which raises it as itself (``errors.remote_error``):
+a bug is never taken for a lost peer.
+
 A client in the server's own process (the worker on the server rank, found by address in
 ``IN_PROCESS``) gets a :class:`~.pairs.LocalLink`: its tensors are handed over without a
 socket or a copy, as a collective treats a rank's own contribution, and its control skips the
@@ -48,11 +54,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .errors import LINK_ERRORS, error_reply, lost_peer
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT, Peer, Reply
 from .wire import Packer, dumps, join, loads
 
-__all__ = ["MailboxServer", "ServerUnreachable", "REQUESTS", "push_control"]
+__all__ = ["MailboxServer", "REQUESTS", "push_control", "pair_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +70,10 @@ MAX_CONTROL = 4 << 20  # the store rejects values of ~8 MiB; control messages ar
 IN_PROCESS: weakref.WeakValueDictionary[str, MailboxServer] = weakref.WeakValueDictionary()
 
 
-class ServerUnreachable(RuntimeError):
-    """The server rank cannot be reached (dead, or no reply within the timeout)."""
+def pair_failure(prefix: str) -> str:
+    """The store key where a server leaves the error that kept it from building a client's
+    pair (a bug: a lost client needs no message), for that client to raise as itself."""
+    return f"{prefix}/failed"
 
 
 def push_control(store: dist.Store, name: str, message: dict[str, Any]) -> int:
@@ -170,7 +179,7 @@ class MailboxServer:
         :class:`LocalLink`, are handed over already).  JSON still, as through the store: the
         handler sees the same message (string keys, lists), and a copy of it."""
         if self._stopping.is_set():
-            raise RuntimeError(f"the server at {self.address} was closed")
+            raise ConnectionError(f"the server at {self.address} was closed")
         msg = loads(data)
         started = self._start_receiving(msg)
         if started is None:
@@ -207,9 +216,16 @@ class MailboxServer:
         wildcard = self.host in ("", "0.0.0.0")
         bind = local_address_towards(client_host) if wildcard else self.host
         try:
-            link = PairLink(self._pair_store, prefix, SERVER, bind, self.pair_timeout)
-        except Exception as exc:  # the client vanished while connecting: no pair, no replies
+            link = PairLink(
+                self._pair_store, prefix, SERVER, bind, self.pair_timeout, f"client {client}"
+            )
+        except LINK_ERRORS as exc:  # the client vanished while connecting: no pair, no replies
             log.warning("server %s: no data link with %s: %s", self.address, client, exc)
+            return
+        except Exception as exc:  # a bug: the client raises it once its own side gives up
+            log.error("server %s: building the data link with %s failed", self.address,
+                      client, exc_info=exc)  # fmt: skip
+            self._pair_store.set(pair_failure(prefix), dumps(error_reply(exc)))
             return
         with self._peers_lock:
             self.peers[client] = Peer(incarnation, link)
@@ -263,13 +279,10 @@ class MailboxServer:
             peer = self.peers.get(msg.get("client", ""))
         if peer is None or peer.incarnation != msg.get("inc"):
             return None
-        try:
-            return peer, peer.link.begin_receive(layout, peer.next_inbox())
-        except Exception as exc:  # dead client: only its own pair breaks
-            log.warning("server %s: receiving from %s failed, peer dropped: %s",
-                        self.address, msg["client"], exc)  # fmt: skip
-            self.drop(msg["client"], peer)
-            return None
+        finish = self._receiving(
+            msg, peer, lambda: peer.link.begin_receive(layout, peer.next_inbox())
+        )
+        return None if finish is None else (peer, finish)
 
     def _accept(self, msg: dict[str, Any]) -> None:
         """Start receiving a request's tensors; queue it for the handling thread (through its
@@ -307,19 +320,36 @@ class MailboxServer:
             self._work.put((request, None, None))
 
     def _request(self, msg: dict[str, Any], peer: Peer | None, finish: Any) -> dict | None:
-        """The request with its tensors once they have arrived (None: the client died)."""
+        """The request with its tensors once they have arrived (None: the client died, or
+        receiving them failed)."""
         if finish is None:
             return msg
-        try:
-            tensors = finish()
-        except Exception as exc:  # died mid-message: drop its pair, serve the others
-            log.warning("server %s: %s died mid-message, peer dropped: %s",
-                        self.address, msg["client"], exc)  # fmt: skip
-            self.drop(msg["client"], peer)
+        tensors = self._receiving(msg, peer, finish)
+        if tensors is None:
             return None
         with self._peers_lock:  # waiting threads of several clients count here
             self.bytes_in += sum(t.numel() * t.element_size() for t in tensors)
         return join(msg, tensors)
+
+    def _receiving(self, msg: dict[str, Any], peer: Peer | None, step: Callable[[], Any]) -> Any:
+        """``step()`` (starting or finishing the receive of ``msg``'s tensors), or None if it
+        failed.  A lost client: its pair is dropped (the others are served on).  A bug: logged
+        with its traceback and sent to the client as the request's answer, which it raises as
+        itself; its pair is dropped too, since what the link has posted is unknown."""
+        try:
+            return step()
+        except Exception as exc:
+            client = msg.get("client", "?")
+            if lost_peer(exc):
+                log.warning("server %s: receiving from %s failed, peer dropped: %s",
+                            self.address, client, exc)  # fmt: skip
+                self.drop(client, peer)
+                return None
+            log.error("server %s: receiving %r from %s failed (peer dropped)", self.address,
+                      msg.get("op"), client, exc_info=exc)  # fmt: skip
+            self.drop(client, peer)
+            Reply(self, client, int(msg.get("seq", -1)), msg.get("inc")).send(error_reply(exc))
+            return None
 
     def _handle(self) -> None:
         """The handling thread: every request once its tensors are in, ticks between them
@@ -342,9 +372,13 @@ class MailboxServer:
         try:
             self._handler(request, reply)
         except Exception as exc:  # the error goes back to the caller, the server lives on
-            log.info("server %s: %r from %s failed: %s: %s", self.address, msg.get("op"),
-                     msg.get("client"), type(exc).__name__, exc)  # fmt: skip
-            reply.send({"error": type(exc).__name__, "message": str(exc)})
+            if lost_peer(exc):  # a peer of the handler's own (a shard's chief, say) is gone
+                log.warning("server %s: %r from %s failed: %s: %s", self.address,
+                            msg.get("op"), msg.get("client"), type(exc).__name__, exc)  # fmt: skip
+            else:  # a bug, or a request the handler refuses: the caller raises it as itself
+                log.error("server %s: %r from %s failed", self.address, msg.get("op"),
+                          msg.get("client"), exc_info=exc)  # fmt: skip
+            reply.send(error_reply(exc))
         finally:
             deferred, self.deferred = self.deferred, None
             for client, message in deferred:

@@ -23,6 +23,9 @@ is what a collective does with a rank's own contribution.
 
 Where gloo listens: the server side on the server's ``host``; a client on the local address
 that routes to the server (loopback for a loopback server), or ``$GRADFLEET_DATA_HOST``.
+
+Every gloo call of a :class:`PairLink` runs under :func:`~.errors.gloo_link`: a lost peer
+raises :class:`~.errors.LinkLost` naming it (gloo's own error is a plain ``RuntimeError``).
 """
 
 from __future__ import annotations
@@ -39,17 +42,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import LINK_ERRORS, gloo_link
 from .wire import Packer, views
 
-__all__ = ["LINK_ERRORS", "PairLink", "LocalLink", "local_address_towards"]
+__all__ = ["PairLink", "LocalLink", "local_address_towards"]
 
 log = logging.getLogger(__name__)
-
-# What a dead, refusing or silent peer raises: socket errors (a refused or reset connection, a
-# timeout) and torch.distributed's store and gloo errors (``DistError`` is a RuntimeError), or
-# ``ServerUnreachable`` itself.  Caught by name where a peer's loss is expected, so that a bug
-# (a TypeError, a KeyError) is raised as itself instead of being reported as a lost peer.
-LINK_ERRORS: tuple[type[Exception], ...] = (OSError, RuntimeError)
 
 SERVER, CLIENT = 0, 1
 
@@ -123,23 +121,33 @@ class _Standing:
 
 
 class PairLink:
-    """Both ends of one server-client data channel (``rank`` 0: server, 1: client)."""
+    """Both ends of one server-client data channel (``rank`` 0: server, 1: client);
+    ``peer_name`` names the other end in a lost link's :class:`~.errors.LinkLost`."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, rank: int, bind: str, timeout: float
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        bind: str,
+        timeout: float,
+        peer_name: str | None = None,
     ) -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timedelta(seconds=timeout)
         options._devices = [_device(bind)]
         self.rank, self.peer = rank, 1 - rank
+        side = "client" if rank == SERVER else "server"
+        self.peer_name = peer_name or f"the {side} of the pair link {prefix}"
         # one group (one socket) per direction, built in the same order on both sides: gloo
         # sends a message only after the receiver's "ready" notice, which travels against the
         # data; on one socket the notice for the client's next message would queue behind
         # the megabytes the server is sending it (EASGD's x waited for the whole c_read)
-        groups = {
-            d: dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{d}", store), rank, 2, options)
-            for d in ("to-server", "to-client")
-        }
+        with gloo_link(self.peer_name, "connecting"):
+            groups = {
+                d: dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{d}", store), rank, 2, options)
+                for d in ("to-server", "to-client")
+            }
         self._out = groups["to-client" if rank == SERVER else "to-server"]
         self._in = groups["to-server" if rank == SERVER else "to-client"]
         self._sending: list[dist.Work] = []
@@ -163,21 +171,26 @@ class PairLink:
         if sizes and sizes == self._peer_standing:  # the peer's standing receive takes it
             tag = _standing_tag(self._send_turn)
             self._send_turn ^= 1
-        self._sending = [self._out.send([m], self.peer, tag + k) for k, m in enumerate(messages)]
+        with gloo_link(self.peer_name, "send"):
+            self._sending = [
+                self._out.send([m], self.peer, tag + k) for k, m in enumerate(messages)
+            ]
         self.bytes_sent += sum(sizes)
         if self._peer_standing in (None, sizes):  # the peer posts one for the next such
             self._peer_standing = sizes if _standable(sizes) else None
 
     def wait_sent(self) -> None:
         works, self._sending = self._sending, []
-        for work in works:
-            work.wait()
+        with gloo_link(self.peer_name, "send"):
+            for work in works:
+                work.wait()
 
     def recv(self, messages: list[torch.Tensor]) -> None:
         """Receive the peer's next messages into ``messages`` (sizes must match the send)."""
-        landed, works = self._post(messages)
-        for work in works:
-            work.wait()
+        with gloo_link(self.peer_name, "receive"):
+            landed, works = self._post(messages)
+            for work in works:
+                work.wait()
         for m, got in zip(messages, landed, strict=True):
             if got is not m:
                 m.copy_(got)
@@ -206,11 +219,14 @@ class PairLink:
         the returned function waits for it and gives its tensors (views of those buffers,
         valid until the next message into ``inbox``; a small message whose receive was
         posted ahead lands in this link's own buffers instead, valid at least as long)."""
-        messages, works = self._post(inbox.receive(spec, into))
+        buffers = inbox.receive(spec, into)
+        with gloo_link(self.peer_name, "receive"):
+            messages, works = self._post(buffers)
 
         def finish() -> list[torch.Tensor]:
-            for work in works:
-                work.wait()
+            with gloo_link(self.peer_name, "receive"):
+                for work in works:
+                    work.wait()
             self.bytes_received += sum(m.numel() for m in messages)
             return views(spec, messages)
 

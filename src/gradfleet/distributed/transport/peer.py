@@ -4,6 +4,9 @@ and the answer a handler owes one of its requests (:class:`Reply`).
 A reply is split as a request is (:mod:`.wire`): its tensors go out on the client's link, packed
 into the peer's outbox (or into one buffer shared by every reply with the same values), and its
 JSON part, with the tensors' layout, to the client's reply queue (:meth:`MailboxServer.post`).
+A reply that cannot go out because the client is lost drops that client's pair; one that
+cannot go out because of a bug (a tensor the wire cannot carry, say) is answered with that
+error instead, which the client raises as itself.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import queue
 from typing import TYPE_CHECKING, Any
 
+from .errors import error_reply, lost_peer
 from .pairs import LocalLink, PairLink
 from .wire import Packer, split
 
@@ -64,6 +68,7 @@ class Reply:
         if tensors:
             if peer is None or peer.incarnation != self.inc:
                 return  # that incarnation is gone; its successor ignores this reply
+            sending = False
             try:
                 peer.link.wait_sent()
                 message[LAYOUT], messages = (
@@ -71,10 +76,17 @@ class Reply:
                     if fresh
                     else self._server.packed(tensors, share, peer.outbox)
                 )
+                sending = True
                 peer.link.send(messages)
-            except Exception as exc:  # dead client: only its own pair breaks
-                log.warning("server %s: reply to %s failed, peer dropped: %s",
-                            self._server.address, self.client, exc)  # fmt: skip
-                self._server.drop(self.client, peer)
-                return
+            except Exception as exc:  # a dead client's own pair breaks; a bug goes to it
+                if lost_peer(exc):
+                    log.warning("server %s: reply to %s failed, peer dropped: %s",
+                                self._server.address, self.client, exc)  # fmt: skip
+                    self._server.drop(self.client, peer)
+                    return
+                log.error("server %s: reply to %s failed, the error is its answer",
+                          self._server.address, self.client, exc_info=exc)  # fmt: skip
+                if sending:  # some messages may be out: the link's state is unknown
+                    self._server.drop(self.client, peer)
+                message = dict(error_reply(exc), seq=self.seq, inc=self.inc)
         self._server.post(self.client, message)

@@ -1,5 +1,6 @@
 """Every decision of the servers leaves a log record: a stale gradient dropped, a non-finite
-gradient dropped, a worker forgotten or lost, a dead shard server, a dropped peer."""
+gradient dropped, a worker forgotten or lost, a dead shard server, a bug that stops the chief,
+a dropped peer."""
 
 from __future__ import annotations
 
@@ -54,14 +55,19 @@ def test_forgotten_and_lost_workers_are_logged_by_the_chief(caplog):
     assert any("worker rank 0 lost: never said hello" in m for m in got)
 
 
-def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog):
+def _chief_with_a_worker_waiting():
+    """A sharded chief (2 shards, R = N = 2) and worker 0's token request, waiting."""
     x = torch.zeros(1, requires_grad=True)
     chief = SyncChief(
         gradfleet.GradientDescentOptimizer([x], 1.0),
         Job(2, 2, "shared", 0, timeout=10),
         num_shards=2,
     )
-    waiting = serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
+    return chief, serve(chief, {"op": "step", "worker": 0, "tag": 0, "grads": [None], "version": 0})
+
+
+def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog):
+    chief, waiting = _chief_with_a_worker_waiting()
     with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
         for answer in chief.unreachable("shard server rank 1 is unreachable"):
             answer.ticket.send(answer.payload)
@@ -71,10 +77,34 @@ def test_unreachable_shard_server_is_logged_and_fails_the_waiting_workers(caplog
     ]
 
 
+def test_the_chief_decides_once_and_a_bug_stays_a_bug(caplog):
+    """A bug in the chief's watching (its probe) stops the chief: the waiting worker and every
+    later one get that error's own class, the first cause is logged once with its traceback,
+    and a later verdict (the same probe's server now unreachable) changes nothing."""
+    chief, waiting = _chief_with_a_worker_waiting()
+    try:
+        {}["shard 1"]
+    except KeyError as exc:
+        bug = exc
+    with caplog.at_level(logging.ERROR, logger="gradfleet.distributed.sync.server.chief"):
+        for answer in chief.fail("KeyError", "the chief's probe raised KeyError", cause=bug):
+            answer.ticket.send(answer.payload)
+        for answer in chief.unreachable("shard server rank 1 is unreachable"):
+            answer.ticket.send(answer.payload)
+    assert waiting.payload == {"error": "KeyError", "message": "the chief's probe raised KeyError"}
+    later = serve(chief, {"op": "step", "worker": 1, "tag": 0, "grads": [None], "version": 0})
+    assert later.payload["error"] == "KeyError"
+    (record,) = caplog.records
+    assert record.getMessage() == "the chief's probe raised KeyError" and record.exc_info
+
+
 def test_a_dropped_peer_is_logged(caplog):
-    """A client that dies while its tensors are on the way: the server drops its pair (and
-    only its pair) and says so."""
+    """A client whose link dies while its tensors are on the way (its gloo groups destroyed
+    under the server's feet): the server drops its pair (and only its pair) and says so, at
+    WARNING, naming it; a bug would be an ERROR instead (``tests/distributed/transport/
+    test_errors.py``)."""
     server = MailboxServer(lambda msg, reply: reply.send({"n": len(msg.get("x", []))}))
+    logger = "gradfleet.distributed.transport.mailbox"
     try:
         client = MailboxClient(server.address, "w9", 10.0, "test server", in_process=False)
         # the server registers the pair once its side of gloo's connect returned, which can
@@ -82,20 +112,21 @@ def test_a_dropped_peer_is_logged(caplog):
         deadline = time.monotonic() + 30
         while "w9" not in server.peers and time.monotonic() < deadline:
             time.sleep(0.01)
-        with caplog.at_level(logging.WARNING, logger="gradfleet.distributed.transport.mailbox"):
-            client.link.close()  # the data link goes away under the server's feet
-            client.link.group = None
-            server.peers["w9"].link.group = None  # a broken pair: the next receive fails
-            client.request("x", x=[])  # control only: served
-            assert client.response()["n"] == 0
+        with caplog.at_level(logging.WARNING, logger=logger):
+            client.link.close()  # its gloo groups go: the server's side sees the socket close
+            layout = b'{"packed": 16, "entries": [["torch.float32", [4], 0, false]]}'
             client.store.queue_push(
                 "gf/req",
-                b'{"op": "x", "client": "w9", "seq": 99, "inc": "%s", "$layout": {}}'
-                % client.inc.encode(),
+                b'{"op": "x", "client": "w9", "seq": 99, "inc": "%s", "$layout": %s}'
+                % (client.inc.encode(), layout),
             )
-            server.close()
-        got = messages(caplog, "gradfleet.distributed.transport.mailbox")
-        assert any("receiving from w9 failed, peer dropped" in m for m in got), got
+            while "w9" in server.peers and time.monotonic() < deadline:
+                time.sleep(0.01)
         assert "w9" not in server.peers
+        (dropped,) = [r for r in caplog.records if r.name == logger]
+        assert dropped.levelno == logging.WARNING
+        got = dropped.getMessage()
+        assert "receiving from w9 failed, peer dropped: client w9: receive failed" in got, got
+        assert "Connection closed by peer" in got, got
     finally:
         server.close()

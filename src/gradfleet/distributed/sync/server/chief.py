@@ -28,7 +28,9 @@ Shard 0's update (its R gradients in) is TF's chief sync op for its variables; w
 shards the chief learns the other shards' updates from their ``applied`` reports and sets
 ``global_step`` to the minimum shard step (tokens after every increment).  The hosting code
 watches the shard servers; :meth:`SyncChief.unreachable` then answers every waiting and later
-request with ``ServerUnreachable`` naming the dead one.
+request with ``ServerUnreachable`` naming the dead one, and :meth:`SyncChief.fail` with the
+error itself when the watching failed for another reason (a bug): the chief's one decision that
+it cannot go on, whose first cause is kept (``broken``) and logged once.
 
 ``last_step`` (beyond TF): once ``global_step`` reaches it every token request is answered at
 once, so no worker blocks at the end of training (TF's end-of-training hangs, #7970).
@@ -100,7 +102,8 @@ class SyncChief:
         self.ema = job.ema
         self.last_step = job.last_step
         self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
-        self.broken: str | None = None
+        # (error class name, message) every request gets once the chief cannot go on
+        self.broken: tuple[str, str] | None = None
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -184,7 +187,7 @@ class SyncChief:
             return [replace(answer, payload={**answer.payload, **extra})]  # type: ignore[arg-type]
         if self.broken is not None:
             self.members.heard(worker)
-            return [error(ticket, "ServerUnreachable", self.broken)]
+            return [error(ticket, *self.broken)]
         if "grads" in msg or "withheld" in msg:  # a push: this worker's round (withheld: untimed)
             self.measured.arrived(worker, int(msg["tag"]), self.clock(), "grads" in msg)
         if op == "hello":
@@ -358,10 +361,18 @@ class SyncChief:
 
     # ------------------------------------------------------------------ liveness
     def unreachable(self, message: str) -> list[Answer]:
-        """A shard server is gone: every waiting and later request fails with ``message``."""
+        """A shard server is gone: every waiting and later request fails with
+        ``ServerUnreachable(message)``."""
+        return self.fail("ServerUnreachable", message)
+
+    def fail(self, kind: str, message: str, cause: BaseException | None = None) -> list[Answer]:
+        """The chief cannot go on: every waiting and later request fails with the error
+        ``kind`` (a class name, e.g. ``"ServerUnreachable"``, or a bug's own) and ``message``.
+        The first cause is kept and logged once, at ERROR (with ``cause``'s traceback if
+        given); later calls only answer the waiting requests with it."""
         if self.broken is None:
-            log.error("%s", message)
-        self.broken = message
+            log.error("%s", message, exc_info=cause)
+            self.broken = (kind, message)
         return self.tick()
 
     def tick(self, now: float | None = None) -> list[Answer | Resized]:
@@ -370,7 +381,7 @@ class SyncChief:
         out = []
         if self.broken is not None:
             for entry in self.line.take_all():
-                out += self._answer(entry.worker, entry.ticket, "ServerUnreachable", self.broken)
+                out += self._answer(entry.worker, entry.ticket, *self.broken)
         while len(self.line) and now - self.line.waiting[0].since > self.timeout:
             first = self.line.waiting[0]
             message = self.stall_message(first.worker, now - first.since)  # still waiting

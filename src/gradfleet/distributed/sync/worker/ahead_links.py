@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...transport import ServerUnreachable
+from ...transport import ServerUnreachable, lost_peer
 from .answer_taker import AnswerTaker, Load
 from .early_pushes import EarlyPushes
 from .error_latch import ErrorLatch
@@ -174,7 +174,9 @@ class ReadAheadLinks:
             token = self._token_link.response()
         except BaseException as token_error:
             link_error = self._abandon(sent)
-            if link_error is not None:  # a shard's own link saw it die: say so
+            # the token's error was a lost server and a shard's own link saw it die: say so
+            # (a bug is raised as itself, whatever the links saw meanwhile)
+            if link_error is not None and lost_peer(token_error):
                 raise link_error from token_error
             raise
         if int(token["token"]) <= tag:  # a surplus token: the update may still wait for us

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.apply import apply_gradients
-from ...transport import LINK_ERRORS
+from ...transport import LINK_ERRORS, gloo_link
 from ...transport.all_reduce import GradientMean, collective_device, densify_
 from ..common.job import Job
 from ..common.outcome import Outcome
@@ -377,8 +377,9 @@ class AllReduceExchange:
         if self.world == 1:
             return None
         try:
-            return fn(*args, **kwargs)
-        except LINK_ERRORS as exc:  # gloo's and NCCL's errors: a peer is missing
+            with gloo_link("a peer of the all-reduce", getattr(fn, "__name__", "collective")):
+                return fn(*args, **kwargs)
+        except LINK_ERRORS as exc:  # gloo's (named by gloo_link) and NCCL's: a peer is missing
             log.error("rank %d: the all-reduce failed: %s", self.rank, exc)
             raise RuntimeError(
                 f"{_OWNER}(transport='allreduce'): rank {self.rank}: a peer did not join the "

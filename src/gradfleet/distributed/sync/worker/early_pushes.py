@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 class EarlyPushes:
     """Send each submitted shard with ``send(k, job)`` on one thread, the ready ones in the
     order of ``order``; the first error stops the sending, goes to ``latch`` and is raised by
-    :meth:`drain`."""
+    :meth:`drain` (or by whichever step boundary takes it from the latch first).  The latch
+    is the one record of the failure: while it holds an error nothing more goes out, and
+    once the error is taken (raised) the next step's pushes go out again."""
 
     def __init__(
         self, send: Callable[[int, Any], None], order: Sequence[int], latch: ErrorLatch
@@ -40,7 +42,6 @@ class EarlyPushes:
         self._ready: dict[int, Any] = {}
         self._busy = False
         self._submitted = False  # a shard was handed over since the last drain()
-        self._failed = False  # this step's sending stopped at an error (in the latch)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gradfleet-pushes", daemon=True)
         self._thread.start()
@@ -50,7 +51,7 @@ class EarlyPushes:
         turn; shards handed over together go out in push order among themselves."""
         with self._cond:
             self._submitted = True
-            if not self._failed:  # after an error nothing more goes out this step
+            if not self._latch.failed:  # after an error nothing more goes out this step
                 self._ready.update(jobs)
                 self._cond.notify_all()
 
@@ -60,7 +61,6 @@ class EarlyPushes:
         with self._cond:
             if not self._cond.wait_for(lambda: not self._ready and not self._busy, timeout):
                 raise TimeoutError(f"overlap's pushes not sent after {timeout:g}s")
-            self._failed = False
             self._submitted = False
         self._latch.raise_if_failed()
 
@@ -90,7 +90,6 @@ class EarlyPushes:
             except BaseException as exc:  # raised on the worker's thread by drain()
                 self._latch.report(f"overlap's push to shard {k}", exc)
                 with self._cond:
-                    self._failed = True
                     self._ready.clear()
             finally:
                 with self._cond:

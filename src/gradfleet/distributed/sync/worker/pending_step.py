@@ -53,14 +53,16 @@ class PendingStep:
         self.left = list(shards)  # shards whose values are not final yet
         self.timeout = clients.timeout + 10.0
         self._result: dict[str, Any] | None = None
-        self._error: BaseException | None = None
+        # the step failed: its error (the answer taker's, kept in the worker's error latch)
+        # was raised once; a later wait says only that
+        self._failed = False
 
     def wait(self, shards: Iterable[int]) -> None:
         """Until the values of ``shards`` are final (read again where behind the token)."""
         wanted = set(shards)
         todo = [k for k in self.left if k in wanted]
-        if self._error is not None:
-            raise self._error
+        if self._failed:
+            raise RuntimeError("read-ahead: this step's reads failed (its error was raised before)")
         if not todo:
             return
         answers = {}
@@ -83,13 +85,10 @@ class PendingStep:
         self.clients.read(behind, {k: self.taker.targets(k) for k in behind}, self.load)
 
     def _fail(self) -> None:
-        try:
-            self.taker.end(self.timeout)
-        except BaseException as exc:
-            self._error = exc
-            raise
-        self._error = RuntimeError("read-ahead: a shard's answer was lost")
-        raise self._error
+        """A shard's values will not come: raise the taker's error (from the latch), once."""
+        self._failed = True
+        self.taker.end(self.timeout)
+        raise RuntimeError("read-ahead: a shard's answer was lost")
 
     def finish(self) -> dict[str, Any]:
         """Every shard final: the step's ``token``, ``accepted``, ``global_step`` and ``r``."""
@@ -98,8 +97,8 @@ class PendingStep:
         self.wait(self.left)
         try:
             answers = self.taker.end(self.timeout)
-        except BaseException as exc:
-            self._error = exc
+        except BaseException:
+            self._failed = True
             raise
         token = self.token
         # the step this worker has seen is the oldest shard values it holds now: a shard that
