@@ -5,14 +5,19 @@ every parameter of the workload: dense weights and biases, and the sparse rows o
 embedding. An optimizer that cannot take that -- a closure-based one (LBFGS), one that
 refuses dense gradients (SparseAdam) or parameters other than matrices (Muon), a base class
 (BaseCustomOptimizer) -- is left out of ``gradfleet list``, and naming it is one ``error:``
-line before any rank starts, saying why. What an optimizer can take is found by trying it:
-one step on a small stand-in parameter of each kind, on the CPU, as the ranks would step.
+line before any rank starts, saying why.
+
+Before a run, what the optimizer can take is found by trying it: one step on a small stand-in
+parameter of each kind the workload has, on the CPU, as the ranks would step
+(:func:`check_trainable`). ``list`` cannot try them, since building any optimizer loads torch's
+compiler (seconds): it reads what the classes declare (a required closure, gradfleet's
+``sparse``) and :data:`CANNOT_DRIVE`, which tests/cli/test_optimizer_choice.py holds to a real
+training step of every class.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import warnings
 from collections.abc import Iterable
@@ -20,13 +25,13 @@ from typing import Any
 
 import torch
 
+from gradfleet.optimizer import Optimizer as GradfleetOptimizer
 from gradfleet.registry import GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS, create_optimizer
 
 from .config import ConfigError
 
 __all__ = [
-    "DENSE",
-    "SPARSE",
+    "CANNOT_DRIVE",
     "check_trainable",
     "closest_names",
     "gradient_kinds",
@@ -34,17 +39,13 @@ __all__ = [
     "offered",
     "refusal",
     "shortest_names",
+    "TORCH_SPARSE",
     "takes_sparse",
     "unknown",
 ]
 
 Kind = tuple[int, bool]
 """A kind of gradient: the parameter's number of dimensions, and whether it is sparse."""
-
-#: What every model of a CLI workload has: matrices (weights) and vectors (biases), dense.
-DENSE: tuple[Kind, ...] = ((2, False), (1, False))
-#: The rows of a sparse ``nn.Embedding`` / ``nn.EmbeddingBag`` (the ``ctr`` workload).
-SPARSE: Kind = (2, True)
 
 
 def _stand_in(kind: Kind) -> torch.nn.Parameter:
@@ -84,17 +85,14 @@ def refusal(config: dict[str, Any], kinds: Iterable[Kind]) -> str | None:
     return None
 
 
-def _required_values(cls: type) -> dict[str, float]:
-    """A value for each constructor argument without a default (a learning rate, TF's
-    momentum), to try the class with."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {
-        p.name: 0.01
-        for p in params
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.name not in ("self", "params")
-    }
+#: The classes a built-in workload's step refuses, besides those that need a closure.
+CANNOT_DRIVE = {
+    "SparseAdam": "dense gradients",
+    "Muon": "vectors (biases)",
+    "BaseCustomOptimizer": "any gradient: it is a base class",
+}
+#: ``torch.optim``'s classes that take sparse gradients (gradfleet's declare it: ``sparse``).
+TORCH_SPARSE = {"SGD", "Adagrad", "SparseAdam"}
 
 
 def shortest_names(source: dict[str, type]) -> dict[str, type]:
@@ -107,7 +105,6 @@ def shortest_names(source: dict[str, type]) -> dict[str, type]:
     return {name: cls for cls, name in sorted(shortest.items(), key=lambda kv: kv[1])}
 
 
-@functools.cache
 def offered() -> dict[str, type]:
     """Each optimizer ``train`` can drive on a dense model, under its shortest name:
     gradfleet's, then ``torch.optim``'s."""
@@ -115,14 +112,15 @@ def offered() -> dict[str, type]:
         name: cls
         for source in (GRADFLEET_OPTIMIZERS, TORCH_OPTIMIZERS)
         for name, cls in shortest_names(source).items()
-        if refusal({"class": cls, **_required_values(cls)}, DENSE) is None
+        if not _needs_closure(cls) and cls.__name__ not in CANNOT_DRIVE
     }
 
 
-@functools.cache
 def takes_sparse(cls: type) -> bool:
     """Whether ``cls`` also steps on a sparse embedding's gradient (the ``ctr`` workload)."""
-    return refusal({"class": cls, **_required_values(cls)}, [SPARSE]) is None
+    if issubclass(cls, GradfleetOptimizer):
+        return cls.sparse is not None
+    return cls.__name__ in TORCH_SPARSE
 
 
 def closest_names(name: str, choices: dict[str, type]) -> list[str]:
