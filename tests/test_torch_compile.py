@@ -16,6 +16,8 @@ from torch._dynamo.utils import counters
 
 import gradfleet as gf
 
+pytestmark = pytest.mark.compile  # a graph per optimizer and schedule
+
 CORE = {
     "AdamOptimizer": {},
     "RMSPropOptimizer": {},

@@ -333,6 +333,7 @@ def test_fused_follows_gradient_layout_changes():
         torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.compile
 def test_fused_reads_a_caller_owned_global_step_live():
     """AdagradDA with the caller's global_step: the tensor is an input of the compiled kernel,
     not a constant baked in at the first step, so advancing it changes the next step."""

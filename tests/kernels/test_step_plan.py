@@ -16,6 +16,7 @@ import torch
 import gradfleet as gf
 from gradfleet.kernels import plan as plan_module
 
+pytestmark = pytest.mark.compile  # each test's fused steps compile their kernels
 FUSED_TOL = {"rtol": 2e-6, "atol": 2e-7}  # tests/kernels/test_fast_paths.py: a few ulps
 
 
