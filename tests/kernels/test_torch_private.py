@@ -85,6 +85,7 @@ print(*(float.hex(x) for p in params for x in p.detach().flatten()[:5].tolist())
 
 
 @pytest.mark.compile
+@pytest.mark.timeout(700)  # two processes, each up to 300 s: torch's import and a compile
 def test_a_new_process_takes_the_fused_kernel_from_inductors_disk_cache(tmp_path):
     """The first fused step of a process compiles; the next process with the same maths and
     tensors loads the kernel from inductor's FX graph cache instead (no "No shape env" bypass:
