@@ -39,6 +39,7 @@ def lost_link(ctx: RankContext, port: int) -> dict[str, tuple[str, str]]:
         store.set("victim-store", str(own.port))
         link.send([message])
         link.wait_sent()
+        store.wait(["survivor-ready"])  # rank 0 holds its store connection and posted receive
         ctx.signal("die")
         time.sleep(60)  # the harness SIGKILLs this rank
         return {}
@@ -50,6 +51,7 @@ def lost_link(ctx: RankContext, port: int) -> dict[str, tuple[str, str]]:
         timeout=timedelta(seconds=5),
     )  # fmt: skip
     posted = link.begin_receive(layout([torch.zeros(4)]), Packer())  # before the death
+    store.set("survivor-ready", "1")  # only now may rank 1 die
     out = {"posted receive": _outcome(posted)}  # waits for the death
     out["send"] = _outcome(lambda: (link.send([message]), link.wait_sent()))
     out["receive"] = _outcome(lambda: link.recv([got]))
