@@ -122,16 +122,19 @@ def choose_transport(
     tokens: str,
     servers_named: bool,
     chosen: bool = False,
+    rejoining: bool = False,
 ) -> str:
     """The exchange when ``transport`` is not given: all-reduce where it gives the server's
     numbers faster -- every worker in every update (R == N) with one gradient each
-    (``tokens="distinct"``), no server named, one process per worker -- else the server (also
-    where R is ``chosen`` per update)."""
+    (``tokens="distinct"``), no server named, one process per worker (or a worker
+    ``rejoining`` such a job outside its process group) -- else the server (also where R is
+    ``chosen`` per update)."""
     if transport is not None:
         return transport
     if chosen:
         return "server"
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = total_num_replicas if rejoining else world
     lockstep = replicas_to_aggregate == total_num_replicas == world and tokens == "distinct"
     return "allreduce" if lockstep and not servers_named else "server"
 

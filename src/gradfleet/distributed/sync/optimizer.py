@@ -55,7 +55,9 @@ is a constructor argument; ``is_chief`` is ``rank == server_rank``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -63,6 +65,7 @@ import torch.distributed as dist
 
 from ..common.moving_average import ExponentialMovingAverage
 from ..hosting.closing import close_at_exit, closed
+from ..transport.elastic_group import ElasticGroup
 from ..wrappers.wrapper import WrapperOptimizer, check_grads_and_vars, check_int
 from .arguments import (
     average_indices,
@@ -87,6 +90,28 @@ __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
+
+
+def elastic_group(
+    params: list[torch.Tensor],
+    N: int,
+    rank: int,
+    timeout: float,
+    store: dist.Store | None,
+    joining: bool,
+) -> ElasticGroup:
+    """The all-reduce's members where losses are allowed: gloo, or NCCL for CUDA tensors; on
+    the process group's store, or for a restarted worker ``store`` / ``MASTER_ADDR``'s."""
+    if store is None:
+        if joining:
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                timeout=timedelta(seconds=timeout),
+            )  # fmt: skip
+        else:
+            store = dist.distributed_c10d._get_default_store()
+    backend = "nccl" if any(p.is_cuda for p in params) else "gloo"
+    return ElasticGroup(store, rank, N, timeout=timeout, backend=backend, joining=joining)
 
 
 class SyncReplicasOptimizer(WrapperOptimizer):
@@ -165,6 +190,16 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         model: the model whose parameters ``opt`` holds: with several shards, each module's
             next forward waits for its own shards' values (:meth:`stream_reads`); nothing
             to stream otherwise.
+        max_losses: workers the all-reduce exchange may lose and go on without (default 0: a
+            lost worker ends the job, as DDP).  With K > 0 the survivors of a loss form a new
+            group within about a second, heal from the member holding the newest step, and
+            go on as N - 1 (the dense mean over the members left); a restarted worker
+            (``worker=`` its rank, outside the process group) takes its state from a live
+            member and the job is back at N.  More than K gone at once ends the job naming
+            them.  Needs ``transport="allreduce"`` (R == N, ``tokens="distinct"``):
+            :mod:`.worker.allreduce`.
+        store: for a restarted worker with ``max_losses``: the job's store (default: a client
+            of ``MASTER_ADDR:MASTER_PORT``).  The others use their process group's.
 
     ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
     another server rank's the shards it hosts (``"shards"``), a plain worker's only its own
@@ -196,6 +231,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         overlap: bool | None = None,
         global_step: int = 0,
         model: torch.nn.Module | None = None,
+        max_losses: int = 0,
+        store: dist.Store | None = None,
     ) -> None:
         R, N, initial, rule = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
@@ -203,7 +240,24 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         policy = replicas_policy(replicas_to_aggregate)
         named = server_rank is not None or server_ranks is not None or server_address is not None
-        transport = choose_transport(transport, R, N, rule, named, policy is not None)
+        max_losses = check_int(_OWNER, "max_losses", max_losses, 0)
+        rejoining = bool(max_losses) and worker is not None and server_address is None
+        transport = choose_transport(
+            transport,
+            R,
+            N,
+            rule,
+            named,
+            policy is not None,
+            rejoining and not dist.is_initialized(),
+        )
+        if max_losses and (transport != "allreduce" or max_losses >= N):
+            raise ValueError(
+                f"{_OWNER}: max_losses={max_losses} needs transport='allreduce' (R == N == "
+                f"total_num_replicas, tokens='distinct', no server named) and fewer losses than "
+                f"the N={N} workers; with a server, backup workers (replicas_to_aggregate < "
+                "total_num_replicas) tolerate losses"
+            )
         server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
         # the books: this worker's steps and verdicts
@@ -243,11 +297,16 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
             nonfinite=nonfinite, last_step=last_step, ema=variable_averages,
-            averaged=tuple(averaged), global_step=start, policy=policy,
+            averaged=tuple(averaged), global_step=start, policy=policy, max_losses=max_losses,
         )  # fmt: skip
         self.exchange: Exchange
         if transport == "allreduce":
-            self.exchange = AllReduceExchange(self.optimizer, job, self.overlap)
+            group = (
+                elastic_group(list(self.params()), N, self.worker, timeout, store, not inside)
+                if max_losses
+                else None
+            )
+            self.exchange = AllReduceExchange(self.optimizer, job, self.overlap, group)
         else:
             servers = ServerExchange(
                 self.optimizer, job, worker=self.worker, ranks=ranks,
@@ -263,6 +322,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.is_chief = self.exchange.is_chief
         self.dedicated = self.exchange.dedicated
         close_at_exit(self)  # a program that never calls close() still leaves cleanly
+
+    @property
+    def membership_changes(self) -> list[dict[str, Any]]:
+        """With ``max_losses``: each loss and join this rank saw, in order (``event``,
+        ``ranks``, ``members`` after it, ``global_step``, ``seconds`` it took)."""
+        return list(getattr(self.exchange, "losses", []))
 
     # ----------------------------------------------------------------- the step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -33,7 +33,9 @@ class Job:
     worker waits for a token or a server; ``nonfinite``: ``"raise"``, ``"drop"`` or
     ``"apply"``; ``last_step``: the step that releases every worker; ``ema`` and ``averaged``:
     ``variable_averages`` and the parameter indices it tracks; ``global_step``: the step the
-    job starts from; ``policy``: chooses each update's R (``replicas_to_aggregate="auto"``)."""
+    job starts from; ``policy``: chooses each update's R (``replicas_to_aggregate="auto"``);
+    ``max_losses``: workers the all-reduce exchange may lose and go on without (0: a loss
+    ends the job)."""
 
     R: int
     N: int
@@ -46,6 +48,7 @@ class Job:
     averaged: tuple[int, ...] = ()
     global_step: int = 0
     policy: ReplicasPolicy | None = None
+    max_losses: int = 0
 
     @property
     def tokens_per_update(self) -> int:

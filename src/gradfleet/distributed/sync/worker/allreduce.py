@@ -35,13 +35,33 @@ computes the earlier layers.
 
 The numbers are the server's with the workers in lockstep, up to the order in which the N
 gradients are summed; there is no straggler tolerance: every update waits for the slowest
-rank.  A dead rank makes the all-reduce fail.
+rank.  A dead rank makes the all-reduce fail, unless the job allows losses.
+
+**Losses allowed** (``max_losses`` > 0): the collectives run on an
+:class:`~...transport.elastic_group.ElasticGroup` instead of the job's process group.  When
+one fails (a member died), the survivors form the group's next generation and *heal*: every
+member says which ``global_step`` it holds, and the first member holding the newest sends its
+state -- parameters, the wrapped optimizer's ``state_dict()``, the exchange's books -- to the
+ones behind (:func:`~...transport.state_transfer.broadcast_state`; every rank already holds
+the full state, so nothing is read from disk).  Then the round is decided:
+
+* some member had finished the update before the loss (its collectives completed, so every
+  member's gradient was in it): the others now hold it too, and the round is accepted;
+* nobody had: the survivors redo it among themselves, from the gradients as ``step()`` has
+  them, divided by the members left.
+
+No update is applied twice or lost; from then on each dense sum is divided by the members
+present.  A restarted rank joins the same way (:meth:`AllReduceExchange.__init__` with a
+joining group): the members see its request in a step's flags, make that update, form the
+next generation with it and heal it, so the job is back at N and a later loss is survived
+again.  More than ``max_losses`` members gone at once ends the job with an error naming them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -50,8 +70,10 @@ import torch
 import torch.distributed as dist
 
 from ...common.apply import apply_gradients
-from ...transport import LINK_ERRORS, gloo_link
-from ...transport.all_reduce import GradientMean, collective_device, densify_
+from ...transport import LINK_ERRORS
+from ...transport.all_reduce import GradientMean, densify_
+from ...transport.state_transfer import broadcast_state
+from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
 from ..common.tokens import TokenQueue
@@ -147,7 +169,12 @@ class AllReduceExchange:
     """R == N SyncReplicas with all-reduces and a replica of the server's state on every rank
     (module docstring)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, job: Job, overlap: bool = True) -> None:
+    def __init__(
+        self, opt: torch.optim.Optimizer, job: Job, overlap: bool = True, group: Any = None
+    ) -> None:
+        """``group``: the members' collectives (default: the job's process group, every rank;
+        an :class:`~...transport.elastic_group.ElasticGroup` where losses are allowed -- one
+        that is joining makes this rank heal from a live member before it returns)."""
         N, tokens, num_tokens, nonfinite = job.N, job.tokens, job.initial_tokens, job.nonfinite
         if tokens == "shared" and num_tokens % N:
             raise ValueError(
@@ -159,21 +186,27 @@ class AllReduceExchange:
                 f"{_OWNER}: nonfinite='drop' needs a server (transport='server'): without one "
                 "a dropped gradient would leave its update short"
             )
+        if job.max_losses and tokens != "distinct":
+            raise ValueError(
+                f"{_OWNER}: max_losses needs tokens='distinct' (the shared token queue counts "
+                f"N={N} tokens per update, and the members change)"
+            )
         self.opt, self.N, self.nonfinite, self.rule = opt, N, nonfinite, tokens
+        self.max_losses = job.max_losses
         self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.world != N:
+        self.group = WorldGroup() if group is None else group
+        joining = self.group.generation > 0 or self.group.size != N
+        self.world, self.rank = self.group.size, self.group.rank
+        if self.world != N and not joining:
             raise ValueError(
                 f"{_OWNER}: total_num_replicas={N} must equal the world size {self.world} "
                 "without a server (name server_ranks for dedicated servers)"
             )
-        self._check_layout()
+        if not joining:
+            self._check_layout()
         self.buckets = Buckets(self.params)
-        self._broadcast_parameters()
         self.tokens = TokenQueue()
         self.global_step = int(job.global_step)  # a restored step: the tokens carry it
-        self.start_step = self.global_step
         if tokens == "shared":
             self.tokens.put(self.global_step, num_tokens)
         self.local_step = self.global_step
@@ -188,6 +221,15 @@ class AllReduceExchange:
         self._works: list[Any] = []  # the buckets' all-reduces this round, in order
         self._filled: list[set[int]] = [set() for _ in range(len(self.buckets))]
         self._waiting_for: list[set[int]] = []
+        self._broken: BaseException | None = None  # a link error a gradient hook met
+        self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
+        if joining:  # a restarted rank: from a live member's state
+            self.global_step = -1
+            self._heal()
+        else:
+            self._broadcast_parameters()
+        self.start_step = self.global_step
+        self.local_step = self.global_step
         if self.overlap:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._hook, i)))
@@ -196,7 +238,7 @@ class AllReduceExchange:
     # ------------------------------------------------------------------ set-up
     def _check_layout(self) -> None:
         mine = [(list(p.shape), str(p.dtype)) for p in self.params]
-        if self.world == 1:
+        if self.world == 1 or not dist.is_initialized():
             return
         every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine)
@@ -215,7 +257,7 @@ class AllReduceExchange:
             for b, idx in enumerate(self.buckets.members):
                 for i in idx:
                     self.buckets.slot[i].copy_(self.params[i])
-                self._collective(dist.broadcast, self.buckets.flat[b], src=0)
+                self._collective(self.group.broadcast, self.buckets.flat[b], 0)
                 for i in idx:
                     self.params[i].copy_(self.buckets.slot[i])
 
@@ -224,6 +266,7 @@ class AllReduceExchange:
             handle.remove()
         self._hooks = []
         self.overlap = False
+        self.group.close()
 
     # ------------------------------------------------------------------ overlap
     def _new_round(self) -> None:
@@ -245,13 +288,18 @@ class AllReduceExchange:
         b = self.buckets.bucket_of[i]
         if not self._armed() or b < len(self._works) or param.grad is None:
             return  # bucket already sent: step() sees the changed gradient and resends
+        if self._broken is not None:
+            return  # the group is broken: step() re-forms it and sends everything
         self.buckets.fill(i, param.grad)
         self._sent[i] = _mark(param.grad)
         self._filled[b].add(i)
         self._waiting_for[b].discard(i)
-        while len(self._works) < len(self.buckets) and not self._waiting_for[len(self._works)]:
-            self._send(len(self._works))
-            self.sent_in_backward += 1
+        try:
+            while len(self._works) < len(self.buckets) and not self._waiting_for[len(self._works)]:
+                self._send(len(self._works))
+                self.sent_in_backward += 1
+        except LINK_ERRORS as exc:  # losses allowed: backward goes on, step() re-forms
+            self._broken = exc
 
     def _send(self, b: int) -> None:
         """All-reduce bucket ``b`` (asynchronously); a slot that backward left empty (a
@@ -261,7 +309,7 @@ class AllReduceExchange:
                 g = self.params[i].grad
                 self.buckets.fill(i, g)
                 self._sent[i] = _mark(g)
-        work = self._collective(dist.all_reduce, self.buckets.flat[b], async_op=True)
+        work = self._collective(self.group.all_reduce, self.buckets.flat[b], True)
         self._works.append(work)
         flat = self.buckets.flat[b]
         self.bytes_sent += flat.numel() * flat.element_size()
@@ -302,7 +350,18 @@ class AllReduceExchange:
             for s in self.stats.values():
                 s["dropped"] += 1
             return False, self._take_token(), self.global_step
-        averages = self._reduce(grads)
+        start = self.global_step
+        while True:
+            try:
+                averages, joiners = self._reduce(grads)
+                break
+            except LINK_ERRORS as exc:
+                if not self.max_losses:
+                    raise self._lost(exc) from None
+                self._recover(exc)
+                if self.global_step > start:  # made before the loss: every gradient was in it
+                    return True, self._take_token(), self.global_step
+                self._new_round()  # nobody made it: the members left redo it
         pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
         if pairs:
             apply_gradients(self.opt, pairs)
@@ -312,13 +371,19 @@ class AllReduceExchange:
         if self.ema is not None:
             chosen = self.average_indices or range(len(self.params))
             self.ema.apply({i: self.params[i] for i in chosen}, num_updates=self.global_step)
-        for s in self.stats.values():
-            s["accepted"] += 1
+        for r in self.group.members:
+            self.stats[r]["accepted"] += 1
+        if joiners:
+            self._grow()
         return True, self._take_token(), self.global_step
 
-    def _reduce(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Sum every rank's gradients; the averages (module docstring)."""
-        n = len(grads)
+    def _reduce(self, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], bool]:
+        """Sum every member's gradients: the averages (module docstring), and whether a
+        restarted rank asks to join (any member saw it)."""
+        if self._broken is not None:  # a gradient hook met it
+            exc, self._broken = self._broken, None
+            raise exc
+        n, me, size = len(grads), self.group.index, self.world
         changed = False
         for i, g in enumerate(grads):
             b = self.buckets.bucket_of[i]
@@ -330,24 +395,29 @@ class AllReduceExchange:
         # the buckets backward did not complete, in order, then the flags
         while len(self._works) < len(self.buckets):
             self._send(len(self._works))
-        reduce = partial(self._collective, dist.all_reduce)
-        mean = GradientMean(self.params, self.N, reduce, collective_device(), _OWNER)
-        flags = mean.flags(grads, extra=2 * self.world)  # then the nonfinite and changed flags
+        reduce = partial(self._collective, self.group.all_reduce)
+        mean = GradientMean(self.params, size, reduce, self._device, _OWNER)
+        # then the nonfinite and changed flags, and one for joiners
+        flags = mean.flags(grads, extra=2 * size + 1)
         if self.nonfinite == "raise":  # a tensor op: no host synchronisation per gradient
-            flags[2 * n + self.rank] = _any_nonfinite(grads, flags.device)
-        flags[2 * n + self.world + self.rank] = float(changed)
+            flags[2 * n + me] = _any_nonfinite(grads, flags.device)
+        flags[2 * n + size + me] = float(changed)
+        flags[2 * n + 2 * size] = float(self.group.joiners_waiting)
         self._wait()
-        self._collective(dist.all_reduce, flags)
+        self._collective(self.group.all_reduce, flags)
         flags = flags.cpu()
-        bad = [r for r in range(self.world) if flags[2 * n + r] > 0]
+        members = self.group.members
+        bad = [members[r] for r in range(size) if flags[2 * n + r] > 0]
         if bad:
             raise FloatingPointError(
                 f"{_OWNER}: non-finite gradient from rank(s) {bad}; it was not applied "
                 "(nothing changed)"
             )
-        if flags[2 * n + self.world :].any():
-            self._resend(grads, [r for r in range(self.world) if flags[2 * n + self.world + r]])
-        return mean.means(grads, [self.buckets.slot[i] for i in range(n)], flags)
+        resend = [members[r] for r in range(size) if flags[2 * n + size + r] > 0]
+        if resend:
+            self._resend(grads, resend)
+        averages = mean.means(grads, [self.buckets.slot[i] for i in range(n)], flags)
+        return averages, bool(flags[2 * n + 2 * size] > 0)
 
     def _resend(self, grads: list[torch.Tensor | None], ranks: list[int]) -> None:
         """Some rank's gradients changed after backward sent them: every rank sends all
@@ -371,21 +441,100 @@ class AllReduceExchange:
     def _wait(self) -> None:
         for work in self._works:
             if work is not None:
-                self._collective(work.wait)
+                self._collective(self.group.wait, work)
 
-    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _collective(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the members' group (nothing to do alone); a lost member's error
+        passes as itself (one of ``LINK_ERRORS``: the round decides)."""
         if self.world == 1:
             return None
-        try:
-            with gloo_link("a peer of the all-reduce", getattr(fn, "__name__", "collective")):
-                return fn(*args, **kwargs)
-        except LINK_ERRORS as exc:  # gloo's (named by gloo_link) and NCCL's: a peer is missing
-            log.error("rank %d: the all-reduce failed: %s", self.rank, exc)
+        return fn(*args)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the group's collectives take the flags and counts."""
+        return self.group.device
+
+    def _lost(self, exc: BaseException) -> RuntimeError:
+        """A lost peer with no loss allowed: the job's end, said plainly."""
+        log.error("rank %d: the all-reduce failed: %s", self.rank, exc)
+        return RuntimeError(
+            f"{_OWNER}(transport='allreduce'): rank {self.rank}: a peer did not join the "
+            f"all-reduce (dead, stuck, or it ran fewer steps: without a server every "
+            f"worker runs the same number of steps; max_losses=K lets the others go on): "
+            f"{str(exc).splitlines()[0]}"
+        )
+
+    # ------------------------------------------------------------------ losses and joins
+    def _recover(self, exc: BaseException) -> None:
+        """A member is lost: form the next generation with the live ones and heal it."""
+        log.warning("rank %d: a member of the all-reduce is lost: %s", self.rank, exc)
+        self._works = []
+        self._change(check_losses=True)
+
+    def _grow(self) -> None:
+        """A restarted rank asked to join (every member saw it in the flags): form the next
+        generation with it, and heal it from this update's state."""
+        self._change(check_losses=False)
+
+    def _change(self, check_losses: bool) -> None:
+        started = time.monotonic()
+        gone, came = self.group.reform()
+        self.world = self.group.size
+        missing = [r for r in range(self.N) if r not in self.group.members]
+        if check_losses and len(missing) > self.max_losses:
             raise RuntimeError(
-                f"{_OWNER}(transport='allreduce'): rank {self.rank}: a peer did not join the "
-                f"all-reduce (dead, stuck, or it ran fewer steps: without a server every "
-                f"worker runs the same number of steps): {str(exc).splitlines()[0]}"
-            ) from None
+                f"{_OWNER}(transport='allreduce'): rank {self.rank}: ranks {missing} are "
+                f"gone, more than max_losses={self.max_losses}"
+            )
+        self._heal()
+        if gone:
+            self._note("lost", gone, started)
+        if came:
+            self._note("joined", came, started)
+
+    def _note(self, what: str, ranks: list[int], started: float) -> None:
+        took = time.monotonic() - started
+        self.losses.append(
+            {"event": what, "ranks": ranks, "members": list(self.group.members),
+             "global_step": self.global_step, "seconds": took}
+        )  # fmt: skip
+        log.warning(
+            "rank %d: rank(s) %s %s; members now %s at global step %d (%.2fs)",
+            self.rank, ranks, what, self.group.members, self.global_step, took,
+        )  # fmt: skip
+
+    def _heal(self) -> None:
+        """Every member's state := that of the first member holding the newest step (module
+        docstring); nothing moves when all hold the same."""
+        size, me = self.world, self.group.index
+        steps = torch.zeros(size, dtype=torch.float64, device=self._device)
+        steps[me] = float(self.global_step)
+        self._collective(self.group.all_reduce, steps)
+        held = [int(v) for v in steps.cpu().tolist()]
+        newest = max(held)
+        if all(h == newest for h in held):
+            return
+        src = held.index(newest)
+        state = None
+        if me == src:
+            state = {
+                "params": [p.detach() for p in self.params],
+                "optimizer": self.opt.state_dict(),
+                "books": self.state_dict(),
+            }
+        got = broadcast_state(self.group, state, src, me, self._device)
+        if held[me] == newest:
+            return
+        with torch.no_grad():
+            for p, value in zip(self.params, got["params"], strict=True):
+                p.copy_(value)
+        self.opt.load_state_dict(got["optimizer"])
+        self.load_state_dict(got["books"])
+        log.info(
+            "rank %d: healed from rank %d's live state (global step %d -> %d)",
+            self.rank, self.group.members[src], held[me], newest,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the exchange's API
     # (:class:`..exchange.Exchange`: what SyncReplicasOptimizer asks of any exchange)

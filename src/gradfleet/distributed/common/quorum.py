@@ -1,0 +1,56 @@
+"""Who is in the next generation of a group that may lose and regain members.
+
+When a group of ranks breaks (a member died, or a restarted one asks to join), every live
+candidate -- the old members and the ranks asking to join -- announces itself (*here*), and
+the new members are decided once each candidate is known: here, or dead.  A candidate is dead
+when its heartbeat counter has not moved for ``dead_after`` seconds: a process that is merely
+slow (computing, or blocked in its own step) keeps beating from a thread of its own and is
+waited for; one that was killed stops at once.  A candidate that neither arrives nor dies
+within ``timeout`` seconds (alive but stuck) is left out too, and may join again later.
+
+Pure bookkeeping on the observations it is given: no I/O, no clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = ["Quorum"]
+
+
+class Quorum:
+    """The decision on one generation's members (module docstring)."""
+
+    def __init__(
+        self, candidates: Iterable[int], dead_after: float, timeout: float, start: float
+    ) -> None:
+        if not 0 < dead_after <= timeout:
+            raise ValueError(f"dead_after must be in (0, timeout={timeout}], got {dead_after}")
+        self.candidates = frozenset(int(r) for r in candidates)
+        self.dead_after, self.timeout, self.start = dead_after, timeout, start
+        self._beats: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, since)
+        self.dead: set[int] = set()
+        self.stuck: set[int] = set()
+
+    def observe(
+        self, now: float, here: Iterable[int], beats: Mapping[int, int | None]
+    ) -> list[int] | None:
+        """The members (sorted) once every candidate is here or gone, else None.
+
+        ``here``: the candidates that announced themselves; ``beats``: each absent
+        candidate's heartbeat counter now (None: it never beat)."""
+        arrived = self.candidates & {int(r) for r in here}
+        absent = self.candidates - arrived
+        for r in absent:
+            count = beats.get(r)
+            seen = self._beats.get(r)
+            if seen is None or seen[0] != count:
+                self._beats[r] = (count, now)
+        self.dead = {r for r in absent if now - self._beats[r][1] >= self.dead_after}
+        if arrived | self.dead >= self.candidates:
+            self.stuck = set()
+            return sorted(arrived)
+        if now - self.start >= self.timeout:
+            self.stuck = absent - self.dead
+            return sorted(arrived)
+        return None

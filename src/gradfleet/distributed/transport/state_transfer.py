@@ -1,0 +1,108 @@
+"""A live peer's state, broadcast to the members of a group (how a rank heals without a
+checkpoint file).
+
+:func:`broadcast_state` sends a nested structure -- dicts, lists, tuples, plain values and
+tensors, such as an optimizer's ``state_dict()`` -- from one member to every other.  The
+skeleton (the structure with each tensor replaced by its dtype and shape) is small: it travels
+as ``torch.save`` bytes and is read back with ``weights_only=True``, so a peer can send
+nothing but data.  The tensors travel on the data plane, never pickled: their bytes
+concatenated into one buffer, one broadcast.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["broadcast_state"]
+
+_TENSOR = "__gradfleet_tensor__"
+
+
+class Broadcasting(Protocol):
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+
+def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        kind = "cuda" if obj.is_cuda else "cpu"
+        return (_TENSOR, len(tensors) - 1, obj.dtype, tuple(obj.shape), kind)
+    if isinstance(obj, dict):
+        return {k: _skeleton(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_skeleton(v, tensors) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _TENSOR:
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_fill(v, tensors) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _specs(obj: Any, out: list[tuple[torch.dtype, tuple[int, ...], str]]) -> None:
+    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _TENSOR:
+        out.append((obj[2], obj[3], obj[4]))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _specs(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _specs(v, out)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def broadcast_state(
+    group: Broadcasting, state: Any, src: int, index: int, device: torch.device
+) -> Any:
+    """``state`` as member ``src`` of ``group`` holds it, on every member (``index``: this
+    member's place; ``device``: where the group's collectives take tensors).  The tensors
+    arrive on the CPU, or on this process's current CUDA device where the sender's were on
+    one."""
+    tensors: list[torch.Tensor] = []
+    if index == src:
+        buffer = io.BytesIO()
+        torch.save(_skeleton(state, tensors), buffer)
+        raw = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    group.broadcast(size, src)
+    if index != src:
+        raw = torch.empty(int(size.item()), dtype=torch.uint8)
+    shipped = raw.to(device)
+    group.broadcast(shipped, src)
+    skeleton = torch.load(io.BytesIO(shipped.cpu().numpy().tobytes()), weights_only=True)
+    specs: list[tuple[torch.dtype, tuple[int, ...], str]] = []
+    _specs(skeleton, specs)
+    sizes = [
+        int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        for dtype, shape, _ in specs
+    ]
+    if index == src:
+        flat = torch.cat([_bytes_of(t).to(device) for t in tensors]) if tensors else None
+    else:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if specs else None
+    if flat is not None and flat.numel():
+        group.broadcast(flat, src)
+    if index == src:
+        return state
+    received, offset = [], 0
+    for (dtype, shape, kind), n in zip(specs, sizes, strict=True):
+        part = flat[offset : offset + n] if flat is not None else torch.empty(0, dtype=torch.uint8)
+        offset += n
+        where = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else "cpu"
+        received.append(part.to(where).clone().view(dtype).reshape(shape))
+    return _fill(skeleton, received)

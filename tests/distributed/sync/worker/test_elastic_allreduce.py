@@ -1,0 +1,67 @@
+"""The all-reduce exchange with losses allowed: survivors go on, a restarted rank heals from
+live state, a second loss after the rejoin is survived; checked against a float64 replay of
+the updates made by the members that made them."""
+
+from __future__ import annotations
+
+import torch
+
+from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
+
+from . import elastic_ranks as er
+
+
+def replay(plan: list[list[int]]) -> torch.Tensor:
+    """Adam over float64 variables: update ``k`` (from 1) averages the gradients of the ranks
+    ``plan[k - 1]`` computed at step ``k - 1``."""
+    w = torch.nn.Parameter(er.start_w())
+    opt = torch.optim.Adam([w], lr=er.LR)
+    for step, ranks in enumerate(plan):
+        w.grad = sum(er.gradient(r, step, w.detach()) for r in ranks) / len(ranks)
+        opt.step()
+    return w.detach()
+
+
+def test_survivors_go_on_a_restarted_rank_heals_and_a_second_loss_is_survived():
+    out = run_ranks(
+        er.lose_and_rejoin, 4, args=(free_port(),), timeout=240, init_process_group=False,
+        kill_on={2: "die", 1: "die"},
+    )  # fmt: skip
+    assert out[1] == RankKilled(1) and out[2] == RankKilled(2)
+    zero, back = out[0], out[3]
+    events = [(c["event"], c["ranks"], c["members"]) for c in zero["changes"]]
+    assert events == [
+        ("lost", [2], [0, 1]),
+        ("joined", [2], [0, 1, 2]),
+        ("lost", [1], [0, 2]),
+    ], events
+    lost2, joined, lost1 = (c["global_step"] for c in zero["changes"])
+    assert lost2 == er.FIRST_LOSS and lost1 == joined + er.AFTER_JOIN
+    assert back["start"] == joined  # healed to the step the members had made
+    assert back["opened"] == [] and zero["opened"] == []  # no checkpoint file read
+    # every update from 1 to the end made once, in order, on both survivors
+    end = joined + er.END_AFTER_JOIN
+    assert zero["steps"] == list(range(1, end + 1))
+    assert back["steps"] == list(range(joined + 1, end + 1))
+    # the same variables, bit for bit, and those of the updates the members made
+    assert zero["w"] == back["w"]
+    plan = (
+        [[0, 1, 2]] * er.FIRST_LOSS
+        + [[0, 1]] * (joined - er.FIRST_LOSS)
+        + [[0, 1, 2]] * er.AFTER_JOIN
+        + [[0, 2]] * (er.END_AFTER_JOIN - er.AFTER_JOIN)
+    )
+    expected = replay(plan)
+    # float64: a sum of at most 3 gradients per update, in another order, over `end` updates
+    tol = 3 * end * torch.finfo(torch.float64).eps * 10
+    torch.testing.assert_close(
+        torch.tensor(zero["w"], dtype=torch.float64), expected, rtol=tol, atol=tol
+    )
+    # the books travelled with the state: rank 2 is counted for the updates it joined
+    assert zero["counters"] == back["counters"]
+    accepted = {r: zero["counters"][str(r)]["accepted"] for r in range(3)}
+    assert accepted == {
+        0: end,
+        1: joined + er.AFTER_JOIN,
+        2: er.FIRST_LOSS + er.END_AFTER_JOIN,
+    }
