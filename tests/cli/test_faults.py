@@ -36,6 +36,7 @@ def test_tolerated_losses_policy() -> None:
     assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 3}, 3) == 0
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": "auto"}, 3) == 2
+    assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 3, "max_losses": 1}, 3) == 1
     assert tolerated_losses("easgd", {"mode": "async"}, 3) == 2
     for name in ("allreduce", "model-average", "easgd", "towers", "none"):
         assert tolerated_losses(name, {}, 3) == 0
@@ -53,6 +54,7 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
     [
         "sync-replicas:replicas_to_aggregate=2",
         "sync-replicas:replicas_to_aggregate=auto",  # R follows the live workers
+        "sync-replicas:replicas_to_aggregate=3,max_losses=1",  # the all-reduce goes on as 2
         "easgd:mode=async,period=4",
     ],
 )
@@ -78,6 +80,10 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
     assert trained[-1] == steps  # the survivors made every update
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     assert (out / "model.pt").is_file()
+    if "max_losses" in strategy:  # all 3 until the loss, then the 2 members left
+        replicas = summary["replicas"]
+        assert len(replicas) == steps and replicas[-1] == 2 and set(replicas) == {2, 3}
+        assert replicas == sorted(replicas, reverse=True)
     if "auto" in strategy:  # every update made with at most the workers alive
         assert (
             len(summary["replicas"]) == steps and max(summary["replicas"][lost["step"] + 1 :]) <= 2

@@ -346,6 +346,7 @@ class SyncReplicas(Strategy):
             shard_assignment=self.args.get("shard_assignment"),
             nonfinite=self.args.get("nonfinite", "raise"),
             model=model if self.args.get("with_model", True) else None,
+            max_losses=int(self.args.get("max_losses", 0)),
         )
         if self.args.get("stream_reads"):
             wrapped.stream_reads(model)

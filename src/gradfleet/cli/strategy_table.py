@@ -108,6 +108,9 @@ TABLE: dict[str, StrategyInfo] = {
                 "k mod workers (default 1: one server on rank 0; asks for a server)",
                 "shard_assignment": "bytes, round_robin, split or backward_order (default: "
                 "backward_order, 4 per rank, with several shards where the optimizer allows)",
+                "max_losses": "workers the all-reduce may lose and go on without (default 0; "
+                "needs replicas_to_aggregate = workers: the survivors heal from each other's "
+                "state, and a restarted worker rejoins from a live one)",
             },
             SyncReplicas,
             min_workers=2,
@@ -202,6 +205,13 @@ def validate_strategy(
                 f"strategy sync-replicas: num_tokens must be an integer >= -1, got {tokens!r}"
             )
         _int(name, "shards", args.get("shards", 1), 1)
+        losses = _int(name, "max_losses", args.get("max_losses", 0), 0)
+        if losses and (k != total or losses >= total):
+            raise ValueError(
+                f"strategy sync-replicas: max_losses={losses} needs replicas_to_aggregate = "
+                f"total_num_replicas (the all-reduce, got {k} of {total}) and fewer than "
+                f"{total} losses; with backups (k < N) losses are tolerated already"
+            )
         choices = {
             "tokens": ("distinct", "shared"),
             "transport": ("allreduce", "server"),
@@ -221,13 +231,16 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
 
     Rank 0 hosts the wrappers' servers and writes the results, so its loss is always fatal.
     Sync-replicas keeps training while a backup is left (N - R of them; with
-    ``replicas_to_aggregate=auto`` R follows the live workers, so all but one); asynchronous EASGD
+    ``replicas_to_aggregate=auto`` R follows the live workers, so all but one; with
+    ``max_losses=K``, the all-reduce exchange, K); asynchronous EASGD
     workers never wait for each other; every other strategy runs collectives in lockstep,
     where one missing member stops all.
     """
     if workers < 2:
         return 0
     if name == "sync-replicas":
+        if int(args.get("max_losses", 0)):  # the all-reduce exchange, losses allowed
+            return int(args["max_losses"])
         total = int(args.get("total_num_replicas", workers))
         if args.get("replicas_to_aggregate") == "auto":  # R follows the live workers
             return total - 1

@@ -204,7 +204,9 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
         if job.servers:  # the dedicated ranks after the workers
             ranks = server_ranks(job.workers, job.servers)
             args.update(server_ranks=ranks, server_rank=ranks[0])
-        if job.rejoining:
+        if job.rejoining and name == "sync-replicas" and int(args.get("max_losses", 0)):
+            args.update(worker=rank)  # the all-reduce's members heal it from their state
+        elif job.rejoining:
             assert job.control is not None
             address = job.control.server_address()
             if address is None:

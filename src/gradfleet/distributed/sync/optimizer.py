@@ -241,16 +241,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         policy = replicas_policy(replicas_to_aggregate)
         named = server_rank is not None or server_ranks is not None or server_address is not None
         max_losses = check_int(_OWNER, "max_losses", max_losses, 0)
+        # a restarted worker of an all-reduce job names itself: it is outside the group
         rejoining = bool(max_losses) and worker is not None and server_address is None
-        transport = choose_transport(
-            transport,
-            R,
-            N,
-            rule,
-            named,
-            policy is not None,
-            rejoining and not dist.is_initialized(),
-        )
+        transport = choose_transport(transport, R, N, rule, named, policy is not None, rejoining)
         if max_losses and (transport != "allreduce" or max_losses >= N):
             raise ValueError(
                 f"{_OWNER}: max_losses={max_losses} needs transport='allreduce' (R == N == "
@@ -274,7 +267,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self._index = {id(p): i for i, p in enumerate(self.params())}
         averaged = average_indices(self._index, variables_to_average)
         self.worker = resolve_worker(worker, server_address, N)
-        inside = server_address is None and dist.is_available() and dist.is_initialized()
+        inside = (
+            server_address is None
+            and not rejoining
+            and dist.is_available()
+            and dist.is_initialized()
+        )
         if shard_assignment is None and transport == "server":  # laid out for the job
             named = [server_rank] if server_ranks is None else list(server_ranks)
             shard_assignment, server_ranks = (
@@ -302,7 +300,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.exchange: Exchange
         if transport == "allreduce":
             group = (
-                elastic_group(list(self.params()), N, self.worker, timeout, store, not inside)
+                elastic_group(list(self.params()), N, self.worker, timeout, store, rejoining)
                 if max_losses
                 else None
             )

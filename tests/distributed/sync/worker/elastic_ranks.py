@@ -101,3 +101,24 @@ def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
     }
     opt.close()
     return json.loads(json.dumps(out))
+
+
+def two_lost(ctx: RankContext) -> str:
+    """Ranks 1 and 2 are SIGKILLed after update 2 with max_losses=1: rank 0 reports."""
+    w = torch.nn.Parameter(start_w())
+    opt = SyncReplicasOptimizer(torch.optim.SGD([w], lr=LR), N, N, max_losses=1, timeout=30)
+    for _ in range(2):
+        w.grad = gradient(ctx.rank, opt.local_step, w.detach())
+        opt.step()
+    if ctx.rank:
+        ctx.signal("die")
+        time.sleep(60)
+    ctx.wait_signal(1, "die")
+    ctx.wait_signal(2, "die")
+    w.grad = gradient(0, opt.local_step, w.detach())
+    started = time.monotonic()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return f"{time.monotonic() - started:.1f} {exc}"
+    return "no error"

@@ -4,8 +4,10 @@ the updates made by the members that made them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
 
 from . import elastic_ranks as er
@@ -65,3 +67,31 @@ def test_survivors_go_on_a_restarted_rank_heals_and_a_second_loss_is_survived():
         1: joined + er.AFTER_JOIN,
         2: er.FIRST_LOSS + er.END_AFTER_JOIN,
     }
+
+
+def test_more_losses_than_allowed_end_the_job_naming_them():
+    out = run_ranks(er.two_lost, 3, timeout=120, kill_on={1: "die", 2: "die"})
+    took, message = out[0].split(" ", 1)
+    assert "ranks [1, 2] are gone, more than max_losses=1" in message, message
+    assert float(took) < 10  # the heartbeats stood still: seconds, not the timeout
+
+
+ALLREDUCE = "needs transport='allreduce'"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replicas_to_aggregate": 2, "total_num_replicas": 2, "max_losses": 2}, "fewer losses"),
+        ({"replicas_to_aggregate": 1, "total_num_replicas": 2, "max_losses": 1}, ALLREDUCE),
+        ({"replicas_to_aggregate": 2, "total_num_replicas": 2, "max_losses": -1}, "max_losses"),
+        ({"replicas_to_aggregate": 2, "total_num_replicas": 2, "max_losses": 1,
+          "transport": "server"}, ALLREDUCE),
+    ],
+)  # fmt: skip
+def test_max_losses_refused_where_it_cannot_hold(kwargs, match):
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        SyncReplicasOptimizer(opt, **kwargs)
+    assert opt.state == {} and torch.equal(w, torch.zeros(2))

@@ -223,6 +223,7 @@ class AllReduceExchange:
         self._waiting_for: list[set[int]] = []
         self._broken: BaseException | None = None  # a link error a gradient hook met
         self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
+        self._replicas: list[int] = []  # the members of each update made since the start
         if joining:  # a restarted rank: from a live member's state
             self.global_step = -1
             self._heal()
@@ -373,6 +374,7 @@ class AllReduceExchange:
             self.ema.apply({i: self.params[i] for i in chosen}, num_updates=self.global_step)
         for r in self.group.members:
             self.stats[r]["accepted"] += 1
+        self._replicas.append(self.world)
         if joiners:
             self._grow()
         return True, self._take_token(), self.global_step
@@ -522,6 +524,7 @@ class AllReduceExchange:
                 "params": [p.detach() for p in self.params],
                 "optimizer": self.opt.state_dict(),
                 "books": self.state_dict(),
+                "replicas": self._replicas,
             }
         got = broadcast_state(self.group, state, src, me, self._device)
         if held[me] == newest:
@@ -531,6 +534,7 @@ class AllReduceExchange:
                 p.copy_(value)
         self.opt.load_state_dict(got["optimizer"])
         self.load_state_dict(got["books"])
+        self._replicas = list(got["replicas"])
         log.info(
             "rank %d: healed from rank %d's live state (global step %d -> %d)",
             self.rank, self.group.members[src], held[me], newest,
@@ -560,8 +564,9 @@ class AllReduceExchange:
         """Nothing is ever left to read."""
 
     def replicas_history(self) -> list[int]:
-        """Every update took all N workers' gradients."""
-        return [self.N] * (self.global_step - self.start_step)
+        """The members whose gradients made each update since this rank started (all N,
+        unless losses are allowed and some were lost)."""
+        return list(self._replicas)
 
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
         if shard != 0:

@@ -1,0 +1,46 @@
+"""Who is in a group's next generation: here, or dead by a still heartbeat, or stuck."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradfleet.distributed.common.quorum import Quorum
+
+
+def test_every_candidate_here_decides_at_once():
+    q = Quorum([0, 1, 2], dead_after=1.0, timeout=10.0, start=0.0)
+    assert q.observe(0.0, [0, 1, 2], {}) == [0, 1, 2]
+
+
+def test_a_still_heartbeat_is_dead_after_dead_after_seconds():
+    q = Quorum([0, 1, 2], dead_after=1.0, timeout=10.0, start=0.0)
+    assert q.observe(0.0, [0, 1], {2: 7}) is None
+    assert q.observe(0.9, [0, 1], {2: 7}) is None  # not yet
+    assert q.observe(1.0, [0, 1], {2: 7}) == [0, 1]
+    assert q.dead == {2} and q.stuck == set()
+
+
+def test_a_beating_candidate_is_waited_for_until_it_arrives():
+    q = Quorum([0, 1, 2], dead_after=1.0, timeout=10.0, start=0.0)
+    for t in range(9):  # slow but alive: its counter moves every half second
+        assert q.observe(t * 0.5, [0, 1], {2: t}) is None
+    assert q.observe(4.6, [0, 1, 2], {}) == [0, 1, 2]
+
+
+def test_alive_but_never_arriving_is_left_out_at_the_timeout():
+    q = Quorum([0, 1, 2], dead_after=1.0, timeout=3.0, start=0.0)
+    assert q.observe(2.5, [0, 1], {2: 25}) is None
+    assert q.observe(3.0, [0, 1], {2: 30}) == [0, 1]
+    assert q.stuck == {2} and q.dead == set()
+
+
+def test_a_candidate_that_never_beat_is_dead_too():
+    q = Quorum([0, 3], dead_after=0.5, timeout=5.0, start=0.0)
+    assert q.observe(0.0, [0], {3: None}) is None
+    assert q.observe(0.5, [0], {3: None}) == [0]
+
+
+@pytest.mark.parametrize("dead_after", [0.0, -1.0, 11.0])
+def test_dead_after_must_lie_in_the_timeout(dead_after):
+    with pytest.raises(ValueError, match="dead_after must be in"):
+        Quorum([0], dead_after=dead_after, timeout=10.0, start=0.0)
