@@ -253,7 +253,9 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     (pids / f"rank-{rank}.pid").write_text(str(os.getpid()))
     if job.rejoining:  # TF's restarted worker: carry on from where the job is
         assert job.control is not None
-        start = job.control.progress()
+        # rank 0's last published step, or the step the strategy already holds (the
+        # all-reduce's members healed this rank to theirs)
+        start = max(job.control.progress(), strategy.updates(0))
         job.control.mark_rejoined(rank, start, os.getpid())
         log.info("rejoined the running job at step %d", start)
         print(f"worker rank {rank} rejoined the running job at step {start}", flush=True)

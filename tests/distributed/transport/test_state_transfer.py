@@ -31,8 +31,9 @@ def test_an_optimizer_state_arrives_whole():
         (w.sum() ** 2 + (b * 2).sum()).backward()
         opt.step()
     books = {"global_step": 3, "stats": {0: {"a": 1}}}
-    state = {"optimizer": opt.state_dict(), "books": books,
-             "flags": torch.tensor([True, False]), "empty": torch.empty(0, 4), "n": None}  # fmt: skip
+    flags = torch.tensor([True, False])
+    state = {"optimizer": opt.state_dict(), "books": books, "flags": flags,
+             "empty": torch.empty(0, 4), "n": None}  # fmt: skip
     group = Recorder()
     assert broadcast_state(group, state, 0, 0, torch.device("cpu")) is state
     tensor_bytes = (

@@ -100,8 +100,8 @@ def elastic_group(
     store: dist.Store | None,
     joining: bool,
 ) -> ElasticGroup:
-    """The all-reduce's members where losses are allowed: gloo, or NCCL for CUDA tensors; on
-    the process group's store, or for a restarted worker ``store`` / ``MASTER_ADDR``'s."""
+    """The all-reduce's members where losses are allowed (gloo), on the process group's
+    store, or for a restarted worker ``store`` / ``MASTER_ADDR``'s."""
     if store is None:
         if joining:
             store = dist.TCPStore(
@@ -110,8 +110,14 @@ def elastic_group(
             )  # fmt: skip
         else:
             store = dist.distributed_c10d._get_default_store()
-    backend = "nccl" if any(p.is_cuda for p in params) else "gloo"
-    return ElasticGroup(store, rank, N, timeout=timeout, backend=backend, joining=joining)
+    if any(p.is_cuda for p in params):
+        # NCCL does not fail fast when a peer dies (its collectives wait for the watchdog),
+        # and that path has not been measured on a GPU yet: refused rather than left to hang
+        raise ValueError(
+            f"{_OWNER}: max_losses takes CPU parameters only for now (gloo); with CUDA "
+            "tensors a lost worker ends the job (max_losses=0)"
+        )
+    return ElasticGroup(store, rank, N, timeout=timeout, joining=joining)
 
 
 class SyncReplicasOptimizer(WrapperOptimizer):
@@ -196,7 +202,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             go on as N - 1 (the dense mean over the members left); a restarted worker
             (``worker=`` its rank, outside the process group) takes its state from a live
             member and the job is back at N.  More than K gone at once ends the job naming
-            them.  Needs ``transport="allreduce"`` (R == N, ``tokens="distinct"``):
+            them.  Needs ``transport="allreduce"`` (R == N, ``tokens="distinct"``) and CPU
+            parameters (gloo; CUDA ones are refused until NCCL's loss is measured):
             :mod:`.worker.allreduce`.
         store: for a restarted worker with ``max_losses``: the job's store (default: a client
             of ``MASTER_ADDR:MASTER_PORT``).  The others use their process group's.

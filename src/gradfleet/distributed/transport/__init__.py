@@ -12,6 +12,10 @@
 * :mod:`.all_reduce` -- the one all-reduce of gradients and their mean over the ranks (one rule
   for sparse rows); :mod:`.collectives` -- lists of tensors over a process group;
   :mod:`.process_group` -- :func:`~gradfleet.distributed.init`.
+* :mod:`.world_group` / :mod:`.elastic_group` -- the all-reduce exchange's members: the job's
+  process group, or (losses allowed) one process group per generation that loses members and
+  takes restarted ones back; :mod:`.state_transfer` -- a live member's state broadcast to the
+  others (how a rank heals without a checkpoint file).
 
 Layer: communication.
 """

@@ -2,8 +2,7 @@
 generation.
 
 A c10d process group cannot lose a rank: once a member dies every collective on it fails.  An
-:class:`ElasticGroup` keeps its members' collectives on a group of its own (gloo, or NCCL for
-CUDA tensors) and, when one fails or a restarted rank asks to join, forms the next
+:class:`ElasticGroup` keeps its members' collectives on a gloo group of its own and, when one fails or a restarted rank asks to join, forms the next
 *generation*: the live candidates agree on the new members through the job's store, and
 build a fresh process group among them under a prefix of that generation.
 
@@ -83,23 +82,16 @@ class ElasticGroup:
         world: int,
         *,
         timeout: float,
-        backend: str = "gloo",
         joining: bool = False,
         heartbeat_s: float = HEARTBEAT_S,
         dead_after: float = DEAD_AFTER_S,
     ) -> None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"ElasticGroup: backend must be 'gloo' or 'nccl', got {backend!r}")
         root = root_store(store)
         self.store = dist.PrefixStore(NAMESPACE, root)
-        self.rank, self.world, self.backend = int(rank), int(world), backend
+        self.rank, self.world = int(rank), int(world)
         self.timeout, self.dead_after = float(timeout), min(float(dead_after), float(timeout))
         self.generation = -1
-        self.device = (  # where its collectives take small tensors
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        self.device = torch.device("cpu")  # gloo: its collectives take CPU tensors
         self.members: list[int] = []
         self.incarnations: dict[int, str] = {}
         self.incarnation = uuid.uuid4().hex[:12]
@@ -220,10 +212,7 @@ class ElasticGroup:
         self.incarnations = dict(members)
         store = dist.PrefixStore(f"g{generation}/pg/", self.store)
         size, index = len(self.members), self.members.index(self.rank)
-        if self.backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, index, size)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=self.timeout))
+        self.pg = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=self.timeout))
         self.joiners_waiting = False
 
     # ------------------------------------------------------------------ changing generation
