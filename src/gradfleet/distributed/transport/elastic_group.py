@@ -2,9 +2,10 @@
 generation.
 
 A c10d process group cannot lose a rank: once a member dies every collective on it fails.  An
-:class:`ElasticGroup` keeps its members' collectives on a gloo group of its own and, when one fails or a restarted rank asks to join, forms the next
-*generation*: the live candidates agree on the new members through the job's store, and
-build a fresh process group among them under a prefix of that generation.
+:class:`ElasticGroup` keeps its members' collectives on a gloo group of its own and, when one
+fails or a restarted rank asks to join, forms the next *generation*: the live candidates agree
+on the new members through the job's store, and build a fresh process group among them under
+a prefix of that generation.
 
 * **Failing fast.**  A member whose collective failed drops its group at once: its sockets
   close, so a member still blocked in the same collective on another link fails within
