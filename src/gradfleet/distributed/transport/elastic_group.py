@@ -10,7 +10,9 @@ a prefix of that generation.
 * **Failing fast.**  A member whose collective failed drops its group at once: its sockets
   close, so a member still blocked in the same collective on another link fails within
   milliseconds instead of at the collective's timeout (a 4-rank gloo job with one rank
-  SIGKILLed: every survivor raised within 40 ms).
+  SIGKILLed: every survivor raised within 40 ms).  Gloo closes a group's sockets only when
+  the last reference to its context goes -- the group's and each work's -- so the works never
+  leave this object (callers hold numbers) and none survives in a traceback's frame.
 * **Who is in** (:class:`..common.quorum.Quorum`): every candidate (the last generation's
   members and the ranks asking to join) announces itself; the others are waited for until
   their heartbeat -- a counter each process adds to from a thread of its own every
@@ -98,6 +100,8 @@ class ElasticGroup:
         self.incarnation = uuid.uuid4().hex[:12]
         self.pg: Any = None
         self.joiners_waiting = False
+        self._pending: dict[int, Any] = {}  # in-flight collectives, by handle
+        self._handles = 0
         self._stop = threading.Event()
         beat_store = dist.PrefixStore(NAMESPACE, _own_connection(root))
         self.store.add(f"beat/{self.rank}", 1)
@@ -159,6 +163,7 @@ class ElasticGroup:
         deadline = time.monotonic() + self.timeout
         while True:
             previous = self._decided(generation - 1) or {}
+            log.debug("rank %d: here for generation %d", self.rank, generation)
             self.store.set(f"g{generation}/here/{self.rank}", self.incarnation)
             members = self._decided(generation) or self._decide(generation, list(previous))
             if members.get(self.rank) == self.incarnation:
@@ -211,9 +216,11 @@ class ElasticGroup:
         incarnation)."""
         self.generation, self.members = generation, sorted(members)
         self.incarnations = dict(members)
+        log.debug("rank %d: forming generation %d: %s", self.rank, generation, members)
         store = dist.PrefixStore(f"g{generation}/pg/", self.store)
         size, index = len(self.members), self.members.index(self.rank)
         self.pg = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=self.timeout))
+        log.debug("rank %d: generation %d formed", self.rank, generation)
         self.joiners_waiting = False
 
     # ------------------------------------------------------------------ changing generation
@@ -234,10 +241,12 @@ class ElasticGroup:
         blocked in one of its collectives fails at once.  Its works are finished on a thread
         of its own (the group's destructor runs what is queued)."""
         pg, self.pg = self.pg, None
-        if pg is not None:
-            holder = [pg]
-            del pg
-            threading.Thread(target=holder.clear, name="gradfleet-drop-group", daemon=True).start()
+        self._pending.clear()  # the last references to gloo's context are the group's
+        if pg is None:
+            return
+        holder = [pg]
+        del pg
+        threading.Thread(target=holder.clear, name="gradfleet-drop-group", daemon=True).start()
 
     def close(self) -> None:
         self._stop.set()
@@ -247,26 +256,46 @@ class ElasticGroup:
     def _peer(self) -> str:
         return f"a member of the elastic group (generation {self.generation}: {self.members})"
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
-        """Sum ``tensor`` over the members; the work when ``async_op``."""
-        if self.pg is None:
-            raise ConnectionError(f"rank {self.rank}: the elastic group is being re-formed")
-        with gloo_link(self._peer(), "all_reduce"):
-            work = self.pg.allreduce([tensor])
-            if async_op:
-                return work
-            work.wait()
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> int | None:
+        """Sum ``tensor`` over the members; with ``async_op`` a handle for :meth:`wait`."""
+        with gloo_link(self._peer(), "all_reduce"):  # no local holds the group (``wait``)
+            handle = self._hold(self._live().allreduce([tensor]))
+        if async_op:
+            return handle
+        self.wait(handle)
         return None
-
-    def wait(self, work: Any) -> None:
-        with gloo_link(self._peer(), "all_reduce"):
-            work.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """``tensor`` := member index ``src``'s."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        with gloo_link(self._peer(), "broadcast"):
+            handle = self._hold(self._live().broadcast([tensor], opts))
+        self.wait(handle)
+
+    def wait(self, handle: int) -> None:
+        """Until the collective ``handle`` is done; a lost member's error as ``LinkLost``."""
+        work = self._pending.pop(handle)
+        failure = None
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            failure = exc
+        finally:
+            # no frame of a traceback may keep the work: it holds gloo's context, whose
+            # sockets must close when the group is dropped (module docstring)
+            del work
+        if failure is not None:
+            with gloo_link(self._peer(), "collective"):
+                raise failure
+
+    def _live(self) -> Any:
         if self.pg is None:
             raise ConnectionError(f"rank {self.rank}: the elastic group is being re-formed")
-        with gloo_link(self._peer(), "broadcast"):
-            opts = dist.BroadcastOptions()
-            opts.rootRank, opts.rootTensor = src, 0
-            self.pg.broadcast([tensor], opts).wait()
+        return self.pg
+
+    def _hold(self, work: Any) -> int:
+        """Keep ``work`` here only (callers hold a number)."""
+        self._handles += 1
+        self._pending[self._handles] = work
+        return self._handles

@@ -1,0 +1,50 @@
+"""Rank functions for the elastic group's tests (run by ``run_ranks``): processes 0-2 are
+ranks 0-2, process 3 is rank 2 restarted."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradfleet.distributed.testing import RankContext
+from gradfleet.distributed.transport import LINK_ERRORS
+from gradfleet.distributed.transport.elastic_group import ElasticGroup
+
+
+def fast_restart(ctx: RankContext, port: int) -> dict:
+    """Rank 2 dies after 5 sums and is restarted at once (before its silence counts): the next
+    generation has it again, as a new process.  Returns each survivor's view."""
+    joiner = ctx.rank == 3
+    me = 2 if joiner else ctx.rank
+    if joiner:
+        ctx.wait_signal(2, "die", timeout=60)
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    # a long silence before a death counts: the restart comes well inside it
+    group = ElasticGroup(store, me, 3, timeout=30, joining=joiner, dead_after=20.0)
+    seen = {"generation": group.generation, "members": group.members, "changes": []}
+    sums = []
+    for i in range(5 if joiner else 0, 10):  # the restarted rank takes up the 6th sum
+        x = torch.tensor([float(me + 1)])
+        try:
+            group.all_reduce(x)
+        except LINK_ERRORS:
+            started = time.monotonic()
+            gone, came = group.reform()
+            seen["changes"].append(
+                [gone, came, group.generation, round(time.monotonic() - started, 2)]
+            )
+            x = torch.tensor([float(me + 1)])
+            group.all_reduce(x)
+        sums.append(x.item())
+        if me == 2 and not joiner and i == 4:
+            ctx.signal("die")
+            time.sleep(60)
+    seen["sums"] = sums
+    group.close()
+    return seen

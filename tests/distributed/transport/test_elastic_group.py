@@ -1,0 +1,24 @@
+"""The elastic group: a rank restarted before its old process counts as gone is a member of
+the next generation again, told apart by its new incarnation."""
+
+from __future__ import annotations
+
+from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
+
+from . import elastic_group_ranks as egr
+
+
+def test_a_fast_restart_is_a_member_again_as_a_new_process():
+    out = run_ranks(
+        egr.fast_restart, 4, args=(free_port(),), timeout=120, init_process_group=False,
+        kill_on={2: "die"},
+    )  # fmt: skip
+    assert out[2] == RankKilled(2)
+    for rank in (0, 1):
+        (change,) = out[rank]["changes"]
+        gone, came, generation, took = change
+        assert (gone, came, generation) == ([2], [2], 1), change
+        assert took < 20  # it arrived: nobody waited for the old process's silence
+        assert out[rank]["sums"] == [6.0] * 10  # 1 + 2 + 3, before and after
+    assert out[3]["generation"] == 1 and out[3]["members"] == [0, 1, 2]
+    assert out[3]["sums"] == [6.0] * 5
