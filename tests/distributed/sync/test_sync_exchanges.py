@@ -148,7 +148,7 @@ def test_only_a_link_error_is_reported_as_a_missing_peer():
     call (a TypeError, torch's RuntimeError for a shape mismatch) is raised as itself, not
     disguised as a lost peer."""
     exchange = AllReduceExchange.__new__(AllReduceExchange)  # only its error handling
-    exchange.world, exchange.rank = 2, 0
+    exchange.world, exchange.rank, exchange.max_losses = 2, 0, 0
 
     def lost() -> None:
         raise torch.distributed.DistBackendError("Connection closed by peer [10.0.0.2]:4242")

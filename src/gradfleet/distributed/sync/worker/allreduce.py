@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.apply import apply_gradients
-from ...transport import LINK_ERRORS
+from ...transport import LINK_ERRORS, gloo_link
 from ...transport.all_reduce import GradientMean, densify_
 from ...transport.state_transfer import broadcast_state
 from ...transport.world_group import WorldGroup
@@ -356,9 +356,7 @@ class AllReduceExchange:
             try:
                 averages, joiners = self._reduce(grads)
                 break
-            except LINK_ERRORS as exc:
-                if not self.max_losses:
-                    raise self._lost(exc) from None
+            except LINK_ERRORS as exc:  # with max_losses only (else _collective says it)
                 self._recover(exc)
                 if self.global_step > start:  # made before the loss: every gradient was in it
                     return True, self._take_token(), self.global_step
@@ -446,11 +444,18 @@ class AllReduceExchange:
                 self._collective(self.group.wait, work)
 
     def _collective(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the members' group (nothing to do alone); a lost member's error
-        passes as itself (one of ``LINK_ERRORS``: the round decides)."""
+        """``fn(*args)`` on the members' group (nothing to do alone).  A lost member: with
+        ``max_losses`` its error passes as itself (one of ``LINK_ERRORS``: the round re-forms
+        the group), else the job ends with an error that says so; a bug passes as itself."""
         if self.world == 1:
             return None
-        return fn(*args)
+        try:
+            with gloo_link("a peer of the all-reduce", getattr(fn, "__name__", "collective")):
+                return fn(*args)
+        except LINK_ERRORS as exc:  # gloo's (named by gloo_link) and NCCL's: a peer is missing
+            if self.max_losses:
+                raise
+            raise self._lost(exc) from None
 
     @property
     def _device(self) -> torch.device:
