@@ -3,11 +3,14 @@ the next generation again, told apart by its new incarnation."""
 
 from __future__ import annotations
 
+import pytest
+
 from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
 
 from . import elastic_group_ranks as egr
 
 
+@pytest.mark.faults
 def test_a_fast_restart_is_a_member_again_as_a_new_process():
     out = run_ranks(
         egr.fast_restart, 4, args=(free_port(),), timeout=120, init_process_group=False,

@@ -24,6 +24,7 @@ def replay(plan: list[list[int]]) -> torch.Tensor:
     return w.detach()
 
 
+@pytest.mark.faults
 def test_survivors_go_on_a_restarted_rank_heals_and_a_second_loss_is_survived():
     out = run_ranks(
         er.lose_and_rejoin, 4, args=(free_port(),), timeout=240, init_process_group=False,
@@ -69,6 +70,7 @@ def test_survivors_go_on_a_restarted_rank_heals_and_a_second_loss_is_survived():
     }
 
 
+@pytest.mark.faults
 def test_more_losses_than_allowed_end_the_job_naming_them():
     out = run_ranks(er.two_lost, 3, timeout=120, kill_on={1: "die", 2: "die"})
     took, message = out[0].split(" ", 1)
