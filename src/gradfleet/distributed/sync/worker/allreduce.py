@@ -534,6 +534,13 @@ class AllReduceExchange:
         got = broadcast_state(self.group, state, src, me, self._device)
         if held[me] == newest:
             return
+        theirs = [(list(v.shape), str(v.dtype)) for v in got["params"]]
+        mine = [(list(p.shape), str(p.dtype)) for p in self.params]
+        if theirs != mine:
+            raise ValueError(
+                f"{_OWNER}: rank {self.rank} has parameters {mine}, the live member rank "
+                f"{self.group.members[src]} {theirs}; every worker must build the same model"
+            )
         with torch.no_grad():
             for p, value in zip(self.params, got["params"], strict=True):
                 p.copy_(value)
