@@ -3,8 +3,9 @@
 * ``cost``: updates per second with and without ``max_losses`` and no failure (medians after
   warm-up, the two alternated ``--rounds`` times);
 * ``loss``: rank 2 SIGKILLed after update 20: the longest gap between two updates on the
-  survivors, and a restarted rank 2 -- the seconds from its process start to its first update
-  made with the others (healed from a live member, no file read) -- then its equality with rank 0.
+  survivors, and a restarted rank 2 -- the seconds from its code's start (the harness forks it
+  with torch imported) to its first update made with the others (healed from a live member,
+  no file read) -- then its equality with rank 0.
 
     python -m benchmarks.distributed.elastic_allreduce [--params 2000000] [--rounds 3]
 
@@ -122,7 +123,9 @@ def main() -> None:
     print(f"  loss of rank 2 (kill -9 after update {KILL_AT}):")
     print(f"    longest gap between updates on rank 0: {max(gaps):.2f} s "
           f"(steady {steady * 1e3:.0f} ms)")  # fmt: skip
-    print(f"    restarted rank 2: first update {first - back['entered']:.2f} s after its start")
+    print(
+        f"    restarted rank 2: first update {first - back['entered']:.2f} s after its code starts"
+    )
     print(f"    rank 0 and rank 2 equal at the end: {zero['digest'] == back['digest']}")
     print("    rank 0's changes: " + json.dumps(
         [{k: c[k] for k in ("event", "ranks", "global_step", "seconds")} for c in zero["changes"]]
