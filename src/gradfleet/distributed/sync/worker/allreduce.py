@@ -42,8 +42,8 @@ rank.  A dead rank makes the all-reduce fail, unless the job allows losses.
 one fails (a member died), the survivors form the group's next generation and *heal*: every
 member says which ``global_step`` it holds, and the first member holding the newest sends its
 state -- parameters, the wrapped optimizer's ``state_dict()``, the exchange's books -- to the
-ones behind (:func:`~...transport.state_transfer.broadcast_state`; every rank already holds
-the full state, so nothing is read from disk).  Then the round is decided:
+ones behind (:class:`.live_state.LiveState`; every rank already holds the full state, so
+nothing is read from disk).  Then the round is decided:
 
 * some member had finished the update before the loss (its collectives completed, so every
   member's gradient was in it): the others now hold it too, and the round is accepted;
@@ -72,11 +72,11 @@ import torch.distributed as dist
 from ...common.apply import apply_gradients
 from ...transport import LINK_ERRORS, gloo_link
 from ...transport.all_reduce import GradientMean, densify_
-from ...transport.state_transfer import broadcast_state
 from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
 from ..common.tokens import TokenQueue
+from .live_state import LiveState
 
 __all__ = ["AllReduceExchange", "Buckets"]
 
@@ -224,6 +224,7 @@ class AllReduceExchange:
         self._broken: BaseException | None = None  # a link error a gradient hook met
         self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
         self._replicas: list[int] = []  # the members of each update made since the start
+        self.live = LiveState(self.params, opt, self._books, self._load_books, _OWNER)
         if joining:  # a restarted rank: from a live member's state
             self.global_step = -1
             self._heal()
@@ -512,45 +513,15 @@ class AllReduceExchange:
         )  # fmt: skip
 
     def _heal(self) -> None:
-        """Every member's state := that of the first member holding the newest step (module
-        docstring); nothing moves when all hold the same."""
-        size, me = self.world, self.group.index
-        steps = torch.zeros(size, dtype=torch.float64, device=self._device)
-        steps[me] = float(self.global_step)
-        self._collective(self.group.all_reduce, steps)
-        held = [int(v) for v in steps.cpu().tolist()]
-        newest = max(held)
-        if all(h == newest for h in held):
-            return
-        src = held.index(newest)
-        state = None
-        if me == src:
-            state = {
-                "params": [p.detach() for p in self.params],
-                "optimizer": self.opt.state_dict(),
-                "books": self.state_dict(),
-                "replicas": self._replicas,
-            }
-        got = broadcast_state(self.group, state, src, me, self._device)
-        if held[me] == newest:
-            return
-        theirs = [(list(v.shape), str(v.dtype)) for v in got["params"]]
-        mine = [(list(p.shape), str(p.dtype)) for p in self.params]
-        if theirs != mine:
-            raise ValueError(
-                f"{_OWNER}: rank {self.rank} has parameters {mine}, the live member rank "
-                f"{self.group.members[src]} {theirs}; every worker must build the same model"
-            )
-        with torch.no_grad():
-            for p, value in zip(self.params, got["params"], strict=True):
-                p.copy_(value)
-        self.opt.load_state_dict(got["optimizer"])
-        self.load_state_dict(got["books"])
-        self._replicas = list(got["replicas"])
-        log.info(
-            "rank %d: healed from rank %d's live state (global step %d -> %d)",
-            self.rank, self.group.members[src], held[me], newest,
-        )  # fmt: skip
+        """Every member's state := that of the first member holding the newest step."""
+        self.global_step = self.live.heal(self.group, self.global_step)
+
+    def _books(self) -> dict[str, Any]:
+        return {"exchange": self.state_dict(), "replicas": list(self._replicas)}
+
+    def _load_books(self, books: dict[str, Any]) -> None:
+        self.load_state_dict(books["exchange"])
+        self._replicas = list(books["replicas"])
 
     # ------------------------------------------------------------------ the exchange's API
     # (:class:`..exchange.Exchange`: what SyncReplicasOptimizer asks of any exchange)

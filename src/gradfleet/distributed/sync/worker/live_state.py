@@ -1,0 +1,82 @@
+"""The state every member of the all-reduce holds, and how a member that is behind takes it
+from one that is not -- a survivor that missed the update in flight, or a restarted process
+(no checkpoint file: the state comes from a live member's memory).
+
+:meth:`LiveState.heal` is one collective sequence that every member of a new generation runs:
+each says which ``global_step`` it holds (one all-reduce); if they differ, the first member
+holding the newest sends its parameters, its wrapped optimizer's ``state_dict()`` and the
+exchange's books (:func:`~...transport.state_transfer.broadcast_state`), and every member
+behind loads them.  Members already at the newest step keep their own state: it is the same,
+bit for bit (they made the same updates from the same all-reduced sums).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ...transport.state_transfer import broadcast_state
+
+__all__ = ["LiveState"]
+
+log = logging.getLogger(__name__)
+
+
+class LiveState:
+    """A member's parameters, optimizer and books (``books()`` gives them, ``load_books``
+    takes them back), healed from a live member's (module docstring)."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        opt: torch.optim.Optimizer,
+        books: Callable[[], dict[str, Any]],
+        load_books: Callable[[dict[str, Any]], None],
+        owner: str,
+    ) -> None:
+        self.params, self.opt, self.owner = list(params), opt, owner
+        self.books, self.load_books = books, load_books
+
+    def heal(self, group: Any, global_step: int) -> int:
+        """Run by every member of ``group`` at once; returns the step this member holds after
+        it (``global_step``, or the newest a member held).  A fresh process passes -1."""
+        me = group.index
+        steps = torch.zeros(group.size, dtype=torch.float64, device=group.device)
+        steps[me] = float(global_step)
+        if group.size > 1:
+            group.all_reduce(steps)
+        held = [int(v) for v in steps.cpu().tolist()]
+        newest = max(held)
+        if all(h == newest for h in held):
+            return global_step
+        src = held.index(newest)
+        state = None
+        if me == src:
+            state = {
+                "params": [p.detach() for p in self.params],
+                "optimizer": self.opt.state_dict(),
+                "books": self.books(),
+            }
+        got = broadcast_state(group, state, src, me, group.device)
+        if held[me] == newest:
+            return global_step
+        theirs = [(list(v.shape), str(v.dtype)) for v in got["params"]]
+        mine = [(list(p.shape), str(p.dtype)) for p in self.params]
+        if theirs != mine:
+            raise ValueError(
+                f"{self.owner}: rank {group.rank} has parameters {mine}, the live member rank "
+                f"{group.members[src]} {theirs}; every worker must build the same model"
+            )
+        with torch.no_grad():
+            for p, value in zip(self.params, got["params"], strict=True):
+                p.copy_(value)
+        self.opt.load_state_dict(got["optimizer"])
+        self.load_books(got["books"])
+        log.info(
+            "rank %d: healed from rank %d's live state (global step %d -> %d)",
+            group.rank, group.members[src], held[me], newest,
+        )  # fmt: skip
+        return newest
