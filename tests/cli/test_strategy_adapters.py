@@ -123,3 +123,17 @@ def test_ddp_is_in_the_table_but_not_offered_by_strategy():
     validate_strategy("ddp", {}, 2, TABLE)
     with pytest.raises(ValueError, match=r"strategy ddp does not take \['x'\]"):
         validate_strategy("ddp", {"x": 1}, 2, TABLE)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"replicas_to_aggregate": 2, "max_losses": 1}, "needs replicas_to_aggregate = "),
+        ({"replicas_to_aggregate": 3, "max_losses": 3}, "fewer than 3 losses"),
+        ({"replicas_to_aggregate": 3, "max_losses": "one"}, "max_losses must be an integer"),
+    ],
+)
+def test_max_losses_refused_before_launch(args, match):
+    with pytest.raises(ValueError, match=match):
+        validate_strategy("sync-replicas", args, 3)
+    validate_strategy("sync-replicas", {"replicas_to_aggregate": 3, "max_losses": 2}, 3)
