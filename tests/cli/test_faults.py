@@ -138,3 +138,27 @@ def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, str
     spec = RunSpec(strategy=strategy, out="unused")
     with pytest.raises(RuntimeError, match=f"strategy {strategy} cannot lose a worker"):
         run_worker(spec)  # before any process group or file
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_allreduce_with_a_loss_allowed_survives_rank_0(tmp_path: Path) -> None:
+    """Every rank of the all-reduce holds the whole state and the launcher hosts the store:
+    rank 0 SIGKILLed, the others go on, and rank 1 takes over its files (metrics, summary,
+    the model)."""
+    steps = 300
+    out, proc = _train(tmp_path, "sync-replicas:replicas_to_aggregate=3,max_losses=1", 3, steps)
+    deadline = time.monotonic() + 200
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=0, deadline=deadline)
+    assert code == 0, console
+    warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 0 lost")]
+    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
+    summary = json.loads((out / "summary.json").read_text())
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == 0 and lost["cause"] == "killed by signal 9"
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained)  # rank 1 carried on the file
+    replicas = summary["replicas"]
+    assert len(replicas) == steps and replicas[0] == 3 and replicas[-1] == 2
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    assert (out / "model.pt").is_file()

@@ -37,7 +37,7 @@ from gradfleet.distributed.job_control import JobControl
 
 from .exit_times import ExitTimes
 from .spec import RunSpec
-from .strategy_table import tolerated_losses
+from .strategy_table import rank0_replaceable, tolerated_losses
 from .worker import run_worker
 
 __all__ = ["WorkerFailed", "run_local", "launch"]
@@ -196,6 +196,8 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     job = JobControl(store, workers)
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
     tolerated = tolerated_losses(spec.strategy, spec.strategy_args, workers)
+    # the store is this process's: where every rank holds the state, rank 0 may go too
+    any_rank = rank0_replaceable(spec.strategy, spec.strategy_args)
     # servers first: each round of polling sees a dead server before the workers it failed
     order = [*range(workers, world), *range(workers)]
     running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}
@@ -215,7 +217,8 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 result = ended[rank]
                 del running[rank]
                 if not result.is_failed():
-                    summary = result.return_values.get(0) if rank == 0 else summary
+                    # the writing rank's (rank 0, or the one that took over from it)
+                    summary = result.return_values.get(0) or summary
                     continue
                 rank_log = _rank_log(log_dir, rank)
                 cause = _cause(result.failures[0])
@@ -230,9 +233,9 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     seen = _let_workers_fail(running, workers, log_dir)
                     raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
-                if rank == 0 or not started or len(lost) >= tolerated:
+                if (rank == 0 and not any_rank) or not started or len(lost) >= tolerated:
                     why = (
-                        "rank 0" if rank == 0
+                        "rank 0" if rank == 0 and not any_rank
                         else "the strategy cannot lose a worker" if not tolerated
                         else "before training started" if not started
                         else f"{tolerated} tolerated loss(es) already"

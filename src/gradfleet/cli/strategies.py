@@ -101,6 +101,11 @@ class Strategy:
         """Model updates so far (the loop runs until ``--steps`` of them)."""
         return local_step
 
+    def leader(self) -> int:
+        """The rank that writes the run's files (metrics, checkpoints' pointer, summary, the
+        model): rank 0, or the lowest live one where every rank holds the whole state."""
+        return 0
+
     def finish(self) -> None:
         """Collective end-of-training hook (every rank calls it)."""
         return None
@@ -366,6 +371,9 @@ class SyncReplicas(Strategy):
 
     def updates(self, local_step: int) -> int:
         return int(self.opt.global_step)
+
+    def leader(self) -> int:
+        return min(self.opt.live_workers)  # all-reduce with max_losses: rank 0 may be gone
 
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)

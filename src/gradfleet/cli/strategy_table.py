@@ -226,6 +226,13 @@ def validate_strategy(
                 )
 
 
+def rank0_replaceable(name: str, args: dict[str, Any]) -> bool:
+    """Can the job lose rank 0 (under a launcher that hosts the job's store)?  Where every
+    rank holds the whole state -- sync-replicas' all-reduce with ``max_losses`` -- the lowest
+    live rank takes over rank 0's files; elsewhere rank 0 hosts the servers."""
+    return name == "sync-replicas" and bool(int(args.get("max_losses", 0)))
+
+
 def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
     """How many workers other than rank 0 the job can lose and still finish its steps.
 

@@ -56,6 +56,7 @@ def evaluate(workload: Workload, state: dict[str, torch.Tensor]) -> dict[str, fl
 
 def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra: dict) -> None:
     rank = job.rank
+    writer = rank == strategy.leader()
     ckpt_dir = out / "checkpoints" / f"step-{step:07d}"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
@@ -72,11 +73,11 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         dist.barrier()
     else:
         job.control.checkpoint_saved(step, rank)
-        if rank == 0:
+        if writer:
             job.control.wait_checkpoint(step, job.timeout)
         if job.servers:
             checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
-    if rank == 0:
+    if writer:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)
         pointer.with_suffix(".tmp").write_text(str(step))
@@ -161,11 +162,14 @@ class _Job:
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}
 
-    def poll(self, metrics: Metrics, step: int, now: bool = False) -> None:
-        """Rank 0, about twice a second: publish progress, log newly lost / rejoined workers."""
+    def poll(self, metrics: Metrics, step: int, now: bool = False, leader: int = 0) -> None:
+        """The writing rank (``leader``: rank 0, or the lowest live one where every rank holds
+        the state), about twice a second: publish progress, log newly lost / rejoined workers."""
         self.step = step
         control = self.control
-        if control is None or self.rank != 0 or (time.monotonic() < self._next_poll and not now):
+        if control is None or self.rank != leader:
+            return
+        if time.monotonic() < self._next_poll and not now:
             return
         self._next_poll = time.monotonic() + 0.5
         control.publish_progress(step)
@@ -174,7 +178,7 @@ class _Job:
                 self.lost[r] = {"step": step, **info}
                 log.info("rank %d lost at step %s, training goes on: %s", r, step, info)
                 metrics.write(event="worker_lost", **self.lost[r])
-        for r in range(1, self.workers):
+        for r in range(self.workers):
             at = control.rejoined(r)
             if at is not None and self._rejoins.get(r) != at:
                 self._rejoins[r] = at
@@ -264,6 +268,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
         log.info("resumed from the checkpoint of step %d", start)
     metrics = Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
+    writer = rank == 0
     x_train, y_train = workload.train
     batch = spec.batch_size or workload.batch_size
     assert spec.steps is not None
@@ -288,6 +293,10 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         samples += batch
         wall = time.perf_counter() - t0
         done = strategy.updates(step)
+        if not writer and rank == strategy.leader():  # the writer was lost: this rank takes over
+            writer = True
+            metrics = Metrics(out / "metrics.jsonl", done)  # appends, after its last record
+            log.info("rank %d writes the run's files from step %d on", rank, done)
         metrics.write(
             step=done,
             loss=loss,
@@ -296,15 +305,15 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
             bytes=strategy.bytes_sent,
             step_ms=clock.last_ms,
         )
-        job.poll(metrics, done)
-        if rank == 0 and eval_every and step % eval_every == 0 and done < steps:
+        job.poll(metrics, done, leader=strategy.leader())
+        if writer and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
             _save_checkpoint(out, step, job, strategy, {"wall": wall, "samples": samples})
     _finish(job, strategy, metrics)
     wall = time.perf_counter() - t0
     result = None
-    if rank == 0:
+    if rank == strategy.leader():
         final_state = strategy.export()
         # model.pt loads on any machine, with or without the GPU it was trained on
         atomic_save({k: v.detach().cpu() for k, v in final_state.items()}, out / "model.pt")
@@ -331,13 +340,13 @@ def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
         strategy.finish()
         dist.barrier()
         return
-    if job.rank != 0:
+    if job.rank != strategy.leader():
         strategy.finish()
         control.finished(job.rank)
         return
-    control.finished(0)
+    control.finished(job.rank)
     missing = control.wait_finished(job.timeout)
-    job.poll(metrics, job.step, now=True)
+    job.poll(metrics, job.step, now=True, leader=job.rank)
     for r, cause in missing.items():  # dead without a launcher that saw it (torchrun), or stuck
         job.lost.setdefault(r, {"rank": r, "step": None, "cause": cause})
     if job.lost:

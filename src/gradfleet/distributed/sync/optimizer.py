@@ -329,6 +329,13 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         close_at_exit(self)  # a program that never calls close() still leaves cleanly
 
     @property
+    def live_workers(self) -> list[int]:
+        """The workers the next update takes: with ``max_losses``, the all-reduce's members
+        now (a lost one gone, a rejoined one back); otherwise all N."""
+        group = getattr(self.exchange, "group", None)
+        return list(group.members) if group is not None else list(range(self.total_num_replicas))
+
+    @property
     def membership_changes(self) -> list[dict[str, Any]]:
         """With ``max_losses``: each loss and join this rank saw, in order (``event``,
         ``ranks``, ``members`` after it, ``global_step``, ``seconds`` it took)."""

@@ -227,7 +227,14 @@ class AllReduceExchange:
         self.live = LiveState(self.params, opt, self._books, self._load_books, _OWNER)
         if joining:  # a restarted rank: from a live member's state
             self.global_step = -1
-            self._heal()
+            while True:
+                try:
+                    self._heal()
+                    break
+                except LINK_ERRORS as exc:  # a member lost while it joined: the next generation
+                    log.warning("rank %d: a member was lost while joining: %s", self.rank, exc)
+                    self.group.reform()
+                    self.world = self.group.size
         else:
             self._broadcast_parameters()
         self.start_step = self.global_step
@@ -486,16 +493,27 @@ class AllReduceExchange:
         self._change(check_losses=False)
 
     def _change(self, check_losses: bool) -> None:
+        """Form the next generation and heal it; a member lost meanwhile (during the heal's
+        collectives) makes the one after it."""
         started = time.monotonic()
-        gone, came = self.group.reform()
-        self.world = self.group.size
-        missing = [r for r in range(self.N) if r not in self.group.members]
-        if check_losses and len(missing) > self.max_losses:
-            raise RuntimeError(
-                f"{_OWNER}(transport='allreduce'): rank {self.rank}: ranks {missing} are "
-                f"gone, more than max_losses={self.max_losses}"
-            )
-        self._heal()
+        gone: list[int] = []
+        came: list[int] = []
+        while True:
+            lost_now, came_now = self.group.reform()
+            gone += [r for r in lost_now if r not in gone]
+            came = [r for r in dict.fromkeys(came + came_now) if r in self.group.members]
+            self.world = self.group.size
+            missing = [r for r in range(self.N) if r not in self.group.members]
+            if (check_losses or lost_now) and len(missing) > self.max_losses:
+                raise RuntimeError(
+                    f"{_OWNER}(transport='allreduce'): rank {self.rank}: ranks {missing} are "
+                    f"gone, more than max_losses={self.max_losses}"
+                )
+            try:
+                self._heal()
+                break
+            except LINK_ERRORS as exc:
+                log.warning("rank %d: a member was lost while healing: %s", self.rank, exc)
         if gone:
             self._note("lost", gone, started)
         if came:
