@@ -157,7 +157,7 @@ def test_allreduce_with_a_loss_allowed_survives_rank_0(tmp_path: Path) -> None:
     (lost,) = summary["lost_workers"]
     assert lost["rank"] == 0 and lost["cause"] == "killed by signal 9"
     trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained[-1] == steps and trained == sorted(trained)  # rank 1 carried on the file
+    assert trained == list(range(1, steps + 1))  # each update once: rank 1 carried on the file
     replicas = summary["replicas"]
     assert len(replicas) == steps and replicas[0] == 3 and replicas[-1] == 2
     assert summary["test_accuracy"] >= summary["target_accuracy"]

@@ -295,7 +295,8 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         done = strategy.updates(step)
         if not writer and rank == strategy.leader():  # the writer was lost: this rank takes over
             writer = True
-            metrics = Metrics(out / "metrics.jsonl", done)  # appends, after its last record
+            # appends from this update on (the lost writer's record of it, if any, replaced)
+            metrics = Metrics(out / "metrics.jsonl", done - 1)
             log.info("rank %d writes the run's files from step %d on", rank, done)
         metrics.write(
             step=done,
