@@ -137,10 +137,19 @@ def test_every_wrapper_trains_across_two_hosts(
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
 
 
-def test_worker_on_second_host_killed_rejoins(hosts: list[Host], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "sync-replicas:replicas_to_aggregate=2",
+        # the all-reduce with a loss allowed: rank 2 heals from a member across the hosts
+        "sync-replicas:replicas_to_aggregate=3,max_losses=1",
+    ],
+)
+def test_worker_on_second_host_killed_rejoins(
+    hosts: list[Host], tmp_path: Path, strategy: str
+) -> None:
     """Ranks 0 and 1 on the first host, rank 2 on the second; one agent per worker."""
     world, steps, out = 3, 400, tmp_path / "run"
-    strategy = "sync-replicas:replicas_to_aggregate=2"
     train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world), "--steps", str(steps)]
     train += ["--straggler", "1:20", "--out", str(out), "-q"]
     where = [hosts[0], hosts[0], hosts[1]]
