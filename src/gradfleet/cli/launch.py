@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import sys
 import time
 import uuid
@@ -36,6 +35,7 @@ from typing import Any
 from gradfleet.distributed.job_control import JobControl
 
 from .exit_times import ExitTimes
+from .run_files import last_logged_step
 from .spec import RunSpec
 from .strategy_table import rank0_replaceable, tolerated_losses
 from .worker import run_worker
@@ -75,23 +75,6 @@ def _cause(failure: Any) -> str:
     if failure.exitcode < 0:
         return f"killed by signal {-failure.exitcode}"
     return _error_text(failure.message) or f"exit code {failure.exitcode}"
-
-
-def _last_step(metrics: Path) -> int | None:
-    """The newest step rank 0 logged (the end of ``metrics.jsonl``)."""
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError as err:
-        log.debug("no step from %s: %s", metrics, err)
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # the first, cut line of the tail, a half-written last one, an event
-    return None
 
 
 RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradfleet.cli.worker")
@@ -242,7 +225,7 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     )  # fmt: skip
                     log.info("rank %d failed (%s): fatal (%s); ending the others", rank, cause, why)
                     raise WorkerFailed(f"worker rank {rank} failed: {cause}; {where}")
-                step = _last_step(out / "metrics.jsonl")
+                step = last_logged_step(out / "metrics.jsonl")
                 lost[rank] = cause
                 job.mark_lost(rank, step=step, cause=cause, log=str(rank_log))
                 print(

@@ -58,6 +58,23 @@ def truncate_metrics(path: Path, resume_step: int) -> None:
     )
 
 
+def last_logged_step(metrics: Path) -> int | None:
+    """The newest step the writing rank logged (the end of ``metrics.jsonl``)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError as err:
+        log.debug("no step from %s: %s", metrics, err)
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # the first, cut line of the tail, a half-written last one, an event
+    return None
+
+
 class Metrics:
     """Rank 0's metrics file; other ranks write nothing."""
 

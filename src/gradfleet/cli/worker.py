@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
 from .logs import configure_logging
-from .run_files import Metrics, atomic_save, latest_checkpoint
+from .run_files import Metrics, atomic_save, last_logged_step, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import Strategy
@@ -269,6 +270,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         log.info("resumed from the checkpoint of step %d", start)
     metrics = Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
     writer = rank == 0
+    recent: deque[dict[str, Any]] = deque(maxlen=32)  # a non-writer's records, for a takeover
     x_train, y_train = workload.train
     batch = spec.batch_size or workload.batch_size
     assert spec.steps is not None
@@ -293,19 +295,20 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         samples += batch
         wall = time.perf_counter() - t0
         done = strategy.updates(step)
+        record = {"step": done, "loss": loss, "wall": wall, "samples": samples,
+                  "bytes": strategy.bytes_sent, "step_ms": clock.last_ms}  # fmt: skip
         if not writer and rank == strategy.leader():  # the writer was lost: this rank takes over
             writer = True
-            # appends from this update on (the lost writer's record of it, if any, replaced)
-            metrics = Metrics(out / "metrics.jsonl", done - 1)
-            log.info("rank %d writes the run's files from step %d on", rank, done)
-        metrics.write(
-            step=done,
-            loss=loss,
-            wall=wall,
-            samples=samples,
-            bytes=strategy.bytes_sent,
-            step_ms=clock.last_ms,
-        )
+            logged = last_logged_step(out / "metrics.jsonl")
+            logged = done - 1 if logged is None else min(logged, done - 1)
+            metrics = Metrics(out / "metrics.jsonl", logged)  # appends after its last record
+            for earlier in recent:  # the updates made since, as this rank saw them
+                if earlier["step"] > logged:
+                    metrics.write(**earlier)
+            log.info("rank %d writes the run's files from step %d on", rank, logged + 1)
+        metrics.write(**record)
+        if not writer:
+            recent.append(record)
         job.poll(metrics, done, leader=strategy.leader())
         if writer and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))

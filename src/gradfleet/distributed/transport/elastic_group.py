@@ -185,7 +185,12 @@ class ElasticGroup:
 
     def _decide(self, generation: int, previous: Sequence[int]) -> dict[int, str]:
         """Wait until every candidate of ``generation`` is here or gone; write the decision
-        unless another candidate wrote one first; return the one that stands."""
+        unless another candidate wrote one first; return the one that stands.  Only a member
+        of the previous generation decides: a process that is joining holds no state, and must
+        never form a generation of its own from members it merely does not hear (stopped, or
+        busy); it waits for theirs."""
+        if self.rank not in previous or self.incarnations.get(self.rank) != self.incarnation:
+            return self._wait_decided(generation)
         candidates = set(previous) | {self.rank}
         candidates |= {r for r in range(self.world) if self.store.check([f"join/{r}"])}
         quorum = Quorum(candidates, self.dead_after, self.timeout, time.monotonic())
@@ -210,6 +215,19 @@ class ElasticGroup:
                     )  # fmt: skip
                 return decided
             time.sleep(_POLL_S)
+
+    def _wait_decided(self, generation: int) -> dict[int, str]:
+        """A joining process: the members' decision on ``generation`` (they see the request
+        in their next step)."""
+        deadline = time.monotonic() + self.timeout
+        while (decided := self._decided(generation)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: the running job's members formed no generation with it "
+                    f"within {self.timeout:g}s (stopped, or gone)"
+                )
+            time.sleep(_POLL_S)
+        return decided
 
     def _form(self, generation: int, members: dict[int, str]) -> None:
         """Build generation ``generation``'s process group among ``members`` (rank ->
