@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "gradfleet/elastic/"
 HEARTBEAT_S = 0.1
 DEAD_AFTER_S = 1.0
-_POLL_S = 0.01
+_POLL_S = 0.01  # a member forming a generation: the gap after a loss
+_JOIN_POLL_S = 0.05  # a joining process waiting, maybe long, for the members to see it
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -226,7 +227,7 @@ class ElasticGroup:
                     f"rank {self.rank}: the running job's members formed no generation with it "
                     f"within {self.timeout:g}s (stopped, or gone)"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(_JOIN_POLL_S)
         return decided
 
     def _form(self, generation: int, members: dict[int, str]) -> None:
@@ -267,8 +268,13 @@ class ElasticGroup:
         threading.Thread(target=holder.clear, name="gradfleet-drop-group", daemon=True).start()
 
     def close(self) -> None:
+        """The end: stop the heartbeat and release the group here and now (nothing is in
+        flight), not on a thread the interpreter's exit could cut short inside gloo's
+        destructor (``terminate called without an active exception``)."""
         self._stop.set()
-        self.drop()
+        self._pending.clear()
+        self.pg = None  # the last reference: gloo's destructor runs on this thread
+        self._beat.join(timeout=1.0)
 
     # ------------------------------------------------------------------ collectives
     def _peer(self) -> str:
