@@ -14,10 +14,20 @@ def test_every_candidate_here_decides_at_once():
 
 def test_a_still_heartbeat_is_dead_after_dead_after_seconds():
     q = Quorum([0, 1, 2], dead_after=1.0, timeout=10.0, start=0.0)
-    assert q.observe(0.0, [0, 1], {2: 7}) is None
-    assert q.observe(0.9, [0, 1], {2: 7}) is None  # not yet
+    for t in (0.0, 0.3, 0.6, 0.9):
+        assert q.observe(t, [0, 1], {2: 7}) is None  # not yet
     assert q.observe(1.0, [0, 1], {2: 7}) == [0, 1]
     assert q.dead == {2} and q.stuck == set()
+
+
+def test_an_observer_that_was_not_watching_starts_its_clocks_again():
+    """Starved of CPU for 2 s, the observer cannot tell a still counter from one it missed."""
+    q = Quorum([0, 1, 2], dead_after=1.0, timeout=10.0, start=0.0)
+    assert q.observe(0.0, [0, 1], {2: 7}) is None
+    assert q.observe(2.0, [0, 1], {2: 7}) is None  # a gap of 2 s: not a silence it saw
+    assert q.observe(2.4, [0, 1], {2: 7}) is None
+    assert q.observe(2.8, [0, 1], {2: 7}) is None
+    assert q.observe(3.0, [0, 1], {2: 7}) == [0, 1]  # 1 s watched
 
 
 def test_a_beating_candidate_is_waited_for_until_it_arrives():
@@ -37,6 +47,8 @@ def test_alive_but_never_arriving_is_left_out_at_the_timeout():
 def test_a_candidate_that_never_beat_is_dead_too():
     q = Quorum([0, 3], dead_after=0.5, timeout=5.0, start=0.0)
     assert q.observe(0.0, [0], {3: None}) is None
+    assert q.observe(0.2, [0], {3: None}) is None
+    assert q.observe(0.4, [0], {3: None}) is None
     assert q.observe(0.5, [0], {3: None}) == [0]
 
 

@@ -7,6 +7,9 @@ when its heartbeat counter has not moved for ``dead_after`` seconds: a process t
 slow (computing, or blocked in its own step) keeps beating from a thread of its own and is
 waited for; one that was killed stops at once.  A candidate that neither arrives nor dies
 within ``timeout`` seconds (alive but stuck) is left out too, and may join again later.
+Silence is only counted while the observer itself looks often (observations less than
+``dead_after / 2`` apart): an observer that was starved of CPU on a loaded machine cannot
+tell a still counter from one it did not watch, so its clocks start again.
 
 Pure bookkeeping on the observations it is given: no I/O, no clock of its own.
 """
@@ -29,6 +32,7 @@ class Quorum:
         self.candidates = frozenset(int(r) for r in candidates)
         self.dead_after, self.timeout, self.start = dead_after, timeout, start
         self._beats: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, since)
+        self._last: float | None = None  # the previous observation's time
         self.dead: set[int] = set()
         self.stuck: set[int] = set()
 
@@ -41,6 +45,9 @@ class Quorum:
         candidate's heartbeat counter now (None: it never beat)."""
         arrived = self.candidates & {int(r) for r in here}
         absent = self.candidates - arrived
+        if self._last is not None and now - self._last > self.dead_after / 2:
+            self._beats.clear()  # this observer was not watching: the silences start again
+        self._last = now
         for r in absent:
             count = beats.get(r)
             seen = self._beats.get(r)
