@@ -12,6 +12,7 @@ concatenated into one buffer, one broadcast.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -25,39 +26,36 @@ class Broadcasting(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
 
+def _walk(obj: Any, leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with every ``leaf`` inside its dicts, lists and tuples replaced by ``fn(leaf)``
+    (in a fixed order: the dicts' own)."""
+    if leaf(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_walk(v, leaf, fn) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+def _is_placeholder(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _TENSOR
+
+
 def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        kind = "cuda" if obj.is_cuda else "cpu"
-        return (_TENSOR, len(tensors) - 1, obj.dtype, tuple(obj.shape), kind)
-    if isinstance(obj, dict):
-        return {k: _skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        out = [_skeleton(v, tensors) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
+    """``obj`` with each tensor replaced by ``(_TENSOR, index, dtype, shape, kind)``; the
+    tensors appended to ``tensors`` in that order."""
 
+    def placeholder(t: torch.Tensor) -> tuple:
+        tensors.append(t)
+        return (_TENSOR, len(tensors) - 1, t.dtype, tuple(t.shape), "cuda" if t.is_cuda else "cpu")
 
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _TENSOR:
-        return tensors[obj[1]]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        out = [_fill(v, tensors) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
-
-
-def _specs(obj: Any, out: list[tuple[torch.dtype, tuple[int, ...], str]]) -> None:
-    if isinstance(obj, tuple) and len(obj) == 5 and obj[0] == _TENSOR:
-        out.append((obj[2], obj[3], obj[4]))
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _specs(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _specs(v, out)
+    return _walk(obj, _is_tensor, placeholder)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +84,7 @@ def broadcast_state(
     group.broadcast(shipped, src)
     skeleton = torch.load(io.BytesIO(shipped.cpu().numpy().tobytes()), weights_only=True)
     specs: list[tuple[torch.dtype, tuple[int, ...], str]] = []
-    _specs(skeleton, specs)
+    _walk(skeleton, _is_placeholder, lambda p: specs.append((p[2], p[3], p[4])))
     sizes = [
         int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         for dtype, shape, _ in specs
@@ -105,4 +103,4 @@ def broadcast_state(
         offset += n
         where = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else "cpu"
         received.append(part.to(where).clone().view(dtype).reshape(shape))
-    return _fill(skeleton, received)
+    return _walk(skeleton, _is_placeholder, lambda p: received[p[1]])
