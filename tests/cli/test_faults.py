@@ -48,6 +48,23 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
     return out, popen([*GRADFLEET, *args, "--out", str(out), "-q"], tmp_path)
 
 
+def _survive_kill(tmp_path: Path, strategy: str, steps: int, rank: int) -> tuple[Path, dict, dict]:
+    """Train 3 workers, SIGKILL ``rank`` at step 40: the run ends with exit 0, one console
+    warning and one ``lost_workers`` entry naming it.  Returns the run's folder, its summary
+    and that entry."""
+    out, proc = _train(tmp_path, strategy, 3, steps)
+    deadline = time.monotonic() + 200
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=rank, deadline=deadline)
+    assert code == 0, console
+    said = f"warning: worker rank {rank} lost"
+    warning = [ln for ln in console.splitlines() if ln.startswith(said)]
+    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
+    summary = json.loads((out / "summary.json").read_text())
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == rank and lost["cause"] == "killed by signal 9"
+    return out, summary, lost
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
@@ -61,15 +78,7 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
 @pytest.mark.faults
 def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None:
     steps = 400
-    out, proc = _train(tmp_path, strategy, 3, steps)
-    deadline = time.monotonic() + 200
-    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=2, deadline=deadline)
-    assert code == 0, console
-    warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 2 lost")]
-    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
-    summary = json.loads((out / "summary.json").read_text())
-    (lost,) = summary["lost_workers"]
-    assert lost["rank"] == 2 and lost["cause"] == "killed by signal 9"
+    out, summary, lost = _survive_kill(tmp_path, strategy, steps, rank=2)
     # The step is rank 0's when it learned of the loss (it polls the launcher's report twice a
     # second): on a loaded machine the two survivors can finish every step first, and the
     # loss is then recorded at the last one.
@@ -147,15 +156,8 @@ def test_allreduce_with_a_loss_allowed_survives_rank_0(tmp_path: Path) -> None:
     rank 0 SIGKILLed, the others go on, and rank 1 takes over its files (metrics, summary,
     the model)."""
     steps = 300
-    out, proc = _train(tmp_path, "sync-replicas:replicas_to_aggregate=3,max_losses=1", 3, steps)
-    deadline = time.monotonic() + 200
-    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=0, deadline=deadline)
-    assert code == 0, console
-    warning = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank 0 lost")]
-    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
-    summary = json.loads((out / "summary.json").read_text())
-    (lost,) = summary["lost_workers"]
-    assert lost["rank"] == 0 and lost["cause"] == "killed by signal 9"
+    strategy = "sync-replicas:replicas_to_aggregate=3,max_losses=1"
+    out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
     trained = [r["step"] for r in metrics(out) if "loss" in r]
     assert trained == list(range(1, steps + 1))  # each update once: rank 1 carried on the file
     replicas = summary["replicas"]
