@@ -13,6 +13,15 @@ a prefix of that generation.
   SIGKILLed: every survivor raised within 40 ms).  Gloo closes a group's sockets only when
   the last reference to its context goes -- the group's and each work's -- so the works never
   leave this object (callers hold numbers) and none survives in a traceback's frame.
+* **A member that hangs.**  A stopped process, or a host cut off from the network, closes no
+  socket: gloo would wait for it until the collective's timeout.  A member waiting on a
+  collective looks at the others' heartbeats every ``_WATCH_S``
+  (:class:`..common.quorum.Silence`); one that stood still for ``dead_after`` seconds is taken
+  as lost, and so is this rank once a newer generation has formed without it (it was the one
+  that hung, and has come back).  The collective is *abandoned*: gloo cannot cancel it, so its
+  thread may still write into the tensor if the hung member comes back, and the caller must
+  never use that tensor again.  The group is dropped as on any loss (its destructor, on a
+  thread of its own, waits for the abandoned collective until its timeout).
 * **Who is in** (:class:`..common.quorum.Quorum`): every candidate (the last generation's
   members and the ranks asking to join) announces itself; the others are waited for until
   their heartbeat -- a counter each process adds to from a thread of its own every
@@ -46,8 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..common.quorum import Quorum
-from .errors import LINK_ERRORS, gloo_link
+from ..common.quorum import Quorum, Silence
+from .errors import LINK_ERRORS, LinkLost, gloo_link
 
 __all__ = ["ElasticGroup", "root_store"]
 
@@ -58,6 +67,7 @@ HEARTBEAT_S = 0.1
 DEAD_AFTER_S = 1.0
 _POLL_S = 0.01  # a member forming a generation: the gap after a loss
 _JOIN_POLL_S = 0.05  # a joining process waiting, maybe long, for the members to see it
+_WATCH_S = 0.25  # a member blocked in a collective looks at the others' heartbeats (< dead_after/2)
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -98,11 +108,14 @@ class ElasticGroup:
         self.device = torch.device("cpu")  # gloo: its collectives take CPU tensors
         self.members: list[int] = []
         self.incarnations: dict[int, str] = {}
+        self.continuing = True  # this process was a member of the generation before this one
         self.incarnation = uuid.uuid4().hex[:12]
         self.pg: Any = None
         self.joiners_waiting = False
         self._pending: dict[int, Any] = {}  # in-flight collectives, by handle
         self._handles = 0
+        self._silence: Silence | None = None  # what the last watch saw, for the next quorum
+        self.abandoned = 0  # collectives given up on a silent member (module docstring)
         self._stop = threading.Event()
         beat_store = dist.PrefixStore(NAMESPACE, _own_connection(root))
         self.store.add(f"beat/{self.rank}", 1)
@@ -182,6 +195,8 @@ class ElasticGroup:
                     f"{self.timeout:g}s"
                 )
         self.store.delete_key(f"join/{self.rank}")
+        before = self._decided(generation - 1) or {}
+        self.continuing = before.get(self.rank) == self.incarnation
         self._form(generation, members)
 
     def _decide(self, generation: int, previous: Sequence[int]) -> dict[int, str]:
@@ -194,7 +209,11 @@ class ElasticGroup:
             return self._wait_decided(generation)
         candidates = set(previous) | {self.rank}
         candidates |= {r for r in range(self.world) if self.store.check([f"join/{r}"])}
-        quorum = Quorum(candidates, self.dead_after, self.timeout, time.monotonic())
+        # a silence the watch already saw counts on: the gap after a hung member is one dead_after
+        quorum = Quorum(
+            candidates, self.dead_after, self.timeout, time.monotonic(), silence=self._silence
+        )
+        self._silence = None
         while True:
             decided = self._decided(generation)
             if decided is not None:
@@ -301,17 +320,46 @@ class ElasticGroup:
         """Until the collective ``handle`` is done; a lost member's error as ``LinkLost``."""
         work = self._pending.pop(handle)
         failure = None
+        silent = None
         try:
-            work.wait()
+            silent = self._watch(work)
+            if silent is None:
+                work.wait()
         except RuntimeError as exc:
             failure = exc
         finally:
             # no frame of a traceback may keep the work: it holds gloo's context, whose
             # sockets must close when the group is dropped (module docstring)
             del work
+        if silent is not None:
+            self.abandoned += 1
+            raise LinkLost(f"{self._peer()}: collective abandoned: {silent}")
         if failure is not None:
             with gloo_link(self._peer(), "collective"):
                 raise failure
+
+    def _watch(self, work: Any) -> str | None:
+        """Wait until ``work`` is done (None), or say why it never will: a member whose
+        heartbeat stands still, or a newer generation formed without this rank."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        others = [r for r in self.members if r != self.rank]
+        silence = Silence(self.dead_after)
+        while not done.wait(_WATCH_S):
+            beats = {r: self.store.add(f"beat/{r}", 0) for r in others}
+            silent = silence.observe(time.monotonic(), beats)
+            if silent:
+                self._silence = silence
+                return (
+                    f"the heartbeat of rank(s) {sorted(silent)} stood still for "
+                    f"{self.dead_after:g}s (stopped, or cut off)"
+                )
+            if self._decided(self.generation + 1) is not None:
+                return (
+                    f"generation {self.generation + 1} formed without rank {self.rank} (it "
+                    "was silent, and is back)"
+                )
+        return None
 
     def _live(self) -> Any:
         if self.pg is None:

@@ -23,6 +23,7 @@ class WorldGroup:
     """``torch.distributed``'s default group (or this process alone, without one)."""
 
     joiners_waiting = False
+    continuing = True  # never a new generation
 
     def __init__(self) -> None:
         on = dist.is_available() and dist.is_initialized()

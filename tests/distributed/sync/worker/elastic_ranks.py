@@ -7,6 +7,8 @@ every update from the members that made it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -98,6 +100,55 @@ def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
         "steps": steps,
         "opened": opened,
         "counters": {str(k): v for k, v in opt.worker_counters().items()},
+    }
+    opt.close()
+    return json.loads(json.dumps(out))
+
+
+HANG_AT = 4  # rank 2 stops itself (SIGSTOP) after this update
+HANG_ALONE = 3  # updates of ranks 0 and 1 before rank 0 lets it go on (SIGCONT)
+HANG_AFTER = 6  # updates of all three after it is back
+HANG_TIMEOUT = 60  # the collectives' timeout: a hang noticed only there fails the test
+
+
+def hang_and_return(ctx: RankContext, port: int) -> dict:
+    """Rank 2 stops (SIGSTOP: alive, silent, its sockets open) after update HANG_AT; ranks 0
+    and 1 go on without it; HANG_ALONE updates later rank 0 sends it SIGCONT, and it takes
+    its place again from their live state; HANG_AFTER updates later all stop.  Returns each
+    rank's variables, steps, membership changes and its longest step() call."""
+    store = _store(ctx, port, False)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
+    w = torch.nn.Parameter(start_w())
+    opt = SyncReplicasOptimizer(
+        torch.optim.Adam([w], lr=LR), N, N, max_losses=1, timeout=HANG_TIMEOUT
+    )
+    steps: list[int] = []
+    longest, back_at = 0.0, None  # the step at which all three are members again
+    while back_at is None or opt.global_step < back_at + HANG_AFTER:
+        w.grad = gradient(ctx.rank, opt.local_step, w.detach())
+        started = time.monotonic()
+        opt.step()
+        longest = max(longest, time.monotonic() - started)
+        steps.append(opt.global_step)
+        if ctx.rank == 2 and len(steps) == HANG_AT:
+            store.set("test/stopped", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0's SIGCONT lets it go on here
+        elif ctx.rank == 2 and len(steps) == HANG_AT + 1:
+            back_at = opt.global_step  # healed to the members' step
+        changes = {c["event"]: c["global_step"] for c in opt.membership_changes}
+        if ctx.rank == 0 and "lost" in changes and opt.global_step == changes["lost"] + HANG_ALONE:
+            os.kill(int(store.get("test/stopped")), signal.SIGCONT)
+        if ctx.rank != 2:
+            back_at = changes.get("joined")
+            if "lost" in changes and back_at is None:
+                time.sleep(0.1)  # while rank 2 is away: leave it time to come back
+        if len(steps) > 500:
+            raise RuntimeError("rank 2 never came back")
+    out = {
+        "w": w.detach().tolist(),
+        "changes": opt.membership_changes,
+        "steps": steps,
+        "longest": longest,
     }
     opt.close()
     return json.loads(json.dumps(out))

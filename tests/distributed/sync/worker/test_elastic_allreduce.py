@@ -71,6 +71,39 @@ def test_survivors_go_on_a_restarted_rank_heals_and_a_second_loss_is_survived():
 
 
 @pytest.mark.faults
+def test_a_member_that_hangs_is_left_out_at_once_and_takes_its_place_again():
+    """A stopped process closes no socket: without the heartbeat watch the survivors would wait
+    for it until the collectives' timeout (60 s)."""
+    out = run_ranks(er.hang_and_return, 3, args=(free_port(),), timeout=240,
+                    init_process_group=False)  # fmt: skip
+    zero, one, two = out
+    events = [(c["event"], c["ranks"], c["members"]) for c in zero["changes"]]
+    assert events == [("lost", [2], [0, 1]), ("joined", [2], [0, 1, 2])], events
+    assert one["changes"] == zero["changes"] or [
+        (c["event"], c["ranks"]) for c in one["changes"]
+    ] == [(e, r) for e, r, _ in events]
+    lost, joined = (c["global_step"] for c in zero["changes"])
+    assert lost == er.HANG_AT and joined >= lost + er.HANG_ALONE
+    # the survivors' longest step() held the loss: seconds, far under the timeout
+    assert zero["longest"] < er.HANG_TIMEOUT / 4 and one["longest"] < er.HANG_TIMEOUT / 4
+    # every update once, in order, on the survivors; the rank that came back healed to the
+    # members' step (it never made the updates it missed) and went on with them
+    end = joined + er.HANG_AFTER
+    assert zero["steps"] == one["steps"] == list(range(1, end + 1))
+    assert two["steps"] == [*range(1, er.HANG_AT + 1), *range(joined, end + 1)]
+    assert zero["w"] == one["w"] == two["w"]
+    plan = (
+        [[0, 1, 2]] * er.HANG_AT
+        + [[0, 1]] * (joined - er.HANG_AT)
+        + [[0, 1, 2]] * er.HANG_AFTER
+    )
+    tol = 3 * end * torch.finfo(torch.float64).eps * 10
+    torch.testing.assert_close(
+        torch.tensor(zero["w"], dtype=torch.float64), replay(plan), rtol=tol, atol=tol
+    )
+
+
+@pytest.mark.faults
 def test_more_losses_than_allowed_end_the_job_naming_them():
     out = run_ranks(er.two_lost, 3, timeout=120, kill_on={1: "die", 2: "die"})
     took, message = out[0].split(" ", 1)

@@ -20,13 +20,14 @@ class ThreadGroup:
         self.members = list(range(size))
         self.device = torch.device("cpu")
 
-    def member(self, index: int) -> ThreadMember:
-        return ThreadMember(self, index)
+    def member(self, index: int, continuing: bool = True) -> ThreadMember:
+        return ThreadMember(self, index, continuing)
 
 
 class ThreadMember:
-    def __init__(self, group: ThreadGroup, index: int) -> None:
+    def __init__(self, group: ThreadGroup, index: int, continuing: bool = True) -> None:
         self.shared, self.index, self.rank = group, index, index
+        self.continuing = continuing
         self.size, self.members, self.device = group.size, group.members, group.device
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -45,20 +46,28 @@ class ThreadMember:
         self.shared.barrier.wait()
 
 
-def _member(steps: int, width: int = 4) -> tuple[torch.nn.Parameter, torch.optim.Optimizer, dict]:
-    """A member that made ``steps`` Adam updates from a fixed start."""
+def _member(
+    steps: int, width: int = 4, scale: float = 1.0
+) -> tuple[torch.nn.Parameter, torch.optim.Optimizer, dict]:
+    """A member that made ``steps`` Adam updates from a fixed start (gradients x ``scale``)."""
     w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, width, dtype=torch.float64))
     opt = torch.optim.Adam([w], lr=0.1)
     for k in range(steps):
-        w.grad = torch.cos(w.detach() * (k + 1))
+        w.grad = torch.cos(w.detach() * (k + 1)) * scale
         opt.step()
     return w, opt, {"global_step": steps, "stats": {0: {"accepted": steps}}}
 
 
-def _heal_all(held: list[int], widths: list[int] | None = None) -> list:
+def _heal_all(
+    held: list[int], widths: list[int] | None = None, back: frozenset[int] = frozenset()
+) -> list:
+    """Heal members holding the steps ``held``; those in ``back`` do not continue (they made
+    their updates from other gradients)."""
     group = ThreadGroup(len(held))
     widths = widths or [4] * len(held)
-    members = [_member(max(h, 0), widths[i]) for i, h in enumerate(held)]
+    members = [
+        _member(max(h, 0), widths[i], 3.0 if i in back else 1.0) for i, h in enumerate(held)
+    ]
     out: list = [None] * len(held)
 
     def run(i: int) -> None:
@@ -70,7 +79,7 @@ def _heal_all(held: list[int], widths: list[int] | None = None) -> list:
 
         live = LiveState([w], opt, lambda: dict(books), load, "Owner")
         try:
-            out[i] = live.heal(group.member(i), held[i])
+            out[i] = live.heal(group.member(i, i not in back), held[i])
         except ValueError as exc:
             out[i] = exc
             group.barrier.abort()  # the others' collectives end too
@@ -121,3 +130,22 @@ def test_another_model_is_refused_naming_both():
         err
     ) and "([4], 'torch.float64')" in str(err)
     assert books1["global_step"] == 0  # nothing loaded
+
+
+def test_a_member_that_comes_back_at_the_same_step_takes_the_state_of_one_that_continued():
+    """Rank 0 hung, was left out, and came back holding step 5 made otherwise (a collective the
+    others gave up on, completed when it came back): its state never counts, even as the
+    first member at the newest step."""
+    healed = _heal_all([5, 5, 5], back=frozenset({0}))
+    reference = _member(5)[0]
+    for step, w, _, _ in healed:
+        assert step == 5
+        assert torch.equal(w.detach(), reference.detach())
+
+
+def test_the_newest_step_is_that_of_the_members_that_continue():
+    healed = _heal_all([7, 5, 6], back=frozenset({0}))
+    reference = _member(6)[0]
+    for step, w, _, books in healed:
+        assert step == 6 and books["global_step"] == 6
+        assert torch.equal(w.detach(), reference.detach())

@@ -485,6 +485,9 @@ class AllReduceExchange:
         """A member is lost: form the next generation with the live ones and heal it."""
         log.warning("rank %d: a member of the all-reduce is lost: %s", self.rank, exc)
         self._works = []
+        # a collective given up on a silent member may still write into the buckets (gloo
+        # cannot cancel it): the rounds from now on use new ones
+        self.buckets = Buckets(self.params)
         self._change(check_losses=True)
 
     def _grow(self) -> None:

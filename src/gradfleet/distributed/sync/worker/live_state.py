@@ -3,11 +3,16 @@ from one that is not -- a survivor that missed the update in flight, or a restar
 (no checkpoint file: the state comes from a live member's memory).
 
 :meth:`LiveState.heal` is one collective sequence that every member of a new generation runs:
-each says which ``global_step`` it holds (one all-reduce); if they differ, the first member
-holding the newest sends its parameters, its wrapped optimizer's ``state_dict()`` and the
-exchange's books (:func:`~...transport.state_transfer.broadcast_state`), and every member
-behind loads them.  Members already at the newest step keep their own state: it is the same,
-bit for bit (they made the same updates from the same all-reduced sums).
+each says which ``global_step`` it holds and whether it *continues* (it was a member of the
+generation before; one all-reduce).  The first continuing member holding the newest step
+among the continuing ones sends its parameters, its wrapped optimizer's ``state_dict()`` and
+the exchange's books (:func:`~...transport.state_transfer.broadcast_state`), and every member
+behind it loads them, as does every member that does not continue, whatever step it holds.
+Continuing members at the newest step keep their own state: it is the same, bit for bit (they
+made the same updates from the same all-reduced sums).  A member that comes back -- a restarted
+process, or one that hung and was left out -- may hold a step the others also hold but made
+otherwise (a collective the others had given up on, completed when it came back), so its own
+state never counts.
 """
 
 from __future__ import annotations
@@ -43,16 +48,19 @@ class LiveState:
     def heal(self, group: Any, global_step: int) -> int:
         """Run by every member of ``group`` at once; returns the step this member holds after
         it (``global_step``, or the newest a member held).  A fresh process passes -1."""
-        me = group.index
-        steps = torch.zeros(group.size, dtype=torch.float64, device=group.device)
-        steps[me] = float(global_step)
-        if group.size > 1:
-            group.all_reduce(steps)
-        held = [int(v) for v in steps.cpu().tolist()]
-        newest = max(held)
-        if all(h == newest for h in held):
+        me, size = group.index, group.size
+        said = torch.zeros(2 * size, dtype=torch.float64, device=group.device)
+        said[me] = float(global_step)
+        said[size + me] = float(group.continuing)
+        if size > 1:
+            group.all_reduce(said)
+        held = [int(v) for v in said[:size].cpu().tolist()]
+        counts = [i for i, c in enumerate(said[size:].cpu().tolist()) if c > 0] or range(size)
+        newest = max(held[i] for i in counts)
+        src = next(i for i in counts if held[i] == newest)
+        behind = [i for i in range(size) if i not in counts or held[i] != newest]
+        if not behind:
             return global_step
-        src = held.index(newest)
         state = None
         if me == src:
             state = {
@@ -61,7 +69,7 @@ class LiveState:
                 "books": self.books(),
             }
         got = broadcast_state(group, state, src, me, group.device)
-        if held[me] == newest:
+        if me not in behind:
             return global_step
         theirs = [(list(v.shape), str(v.dtype)) for v in got["params"]]
         mine = [(list(p.shape), str(p.dtype)) for p in self.params]
