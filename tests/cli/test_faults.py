@@ -93,6 +93,10 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
         replicas = summary["replicas"]
         assert len(replicas) == steps and replicas[-1] == 2 and set(replicas) == {2, 3}
         assert replicas == sorted(replicas, reverse=True)
+        # the group's own record names the loss, at the update where the members became 2
+        (change,) = summary["membership_changes"]
+        assert (change["event"], change["ranks"], change["members"]) == ("lost", [2], [0, 1])
+        assert change["global_step"] == replicas.index(2)
     if "auto" in strategy:  # every update made with at most the workers alive
         assert (
             len(summary["replicas"]) == steps and max(summary["replicas"][lost["step"] + 1 :]) <= 2

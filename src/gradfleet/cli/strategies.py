@@ -378,6 +378,7 @@ class SyncReplicas(Strategy):
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)
         self.replicas_history = self.opt.replicas_history()
+        self.membership_changes = self.opt.membership_changes  # max_losses: the group's record
         self.opt.close()
 
     def forget(self, ranks: list[int]) -> None:

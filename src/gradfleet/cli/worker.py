@@ -386,6 +386,8 @@ def _summary(
         "bytes_sent": strategy.bytes_sent,
         # sync-replicas: the gradients each update took (replicas_to_aggregate=auto: chosen)
         "replicas": getattr(strategy, "replicas_history", None),
+        # sync-replicas with max_losses: each loss and join the group saw (step, members after)
+        "membership_changes": getattr(strategy, "membership_changes", None),
         "target_accuracy": workload.target,
         "model": str(Path(spec.out) / "model.pt"),
     }
