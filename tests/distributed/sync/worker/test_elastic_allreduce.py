@@ -92,11 +92,7 @@ def test_a_member_that_hangs_is_left_out_at_once_and_takes_its_place_again():
     assert zero["steps"] == one["steps"] == list(range(1, end + 1))
     assert two["steps"] == [*range(1, er.HANG_AT + 1), *range(joined, end + 1)]
     assert zero["w"] == one["w"] == two["w"]
-    plan = (
-        [[0, 1, 2]] * er.HANG_AT
-        + [[0, 1]] * (joined - er.HANG_AT)
-        + [[0, 1, 2]] * er.HANG_AFTER
-    )
+    plan = [[0, 1, 2]] * er.HANG_AT + [[0, 1]] * (joined - er.HANG_AT) + [[0, 1, 2]] * er.HANG_AFTER
     tol = 3 * end * torch.finfo(torch.float64).eps * 10
     torch.testing.assert_close(
         torch.tensor(zero["w"], dtype=torch.float64), replay(plan), rtol=tol, atol=tol

@@ -65,9 +65,7 @@ def _heal_all(
     their updates from other gradients)."""
     group = ThreadGroup(len(held))
     widths = widths or [4] * len(held)
-    members = [
-        _member(max(h, 0), widths[i], 3.0 if i in back else 1.0) for i, h in enumerate(held)
-    ]
+    members = [_member(max(h, 0), widths[i], 3.0 if i in back else 1.0) for i, h in enumerate(held)]
     out: list = [None] * len(held)
 
     def run(i: int) -> None:
