@@ -104,6 +104,30 @@ def test_tolerant_strategy_survives_kill9(tmp_path: Path, strategy: str) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.faults
+def test_compare_goes_on_through_a_loss_and_names_it(tmp_path: Path) -> None:
+    """`gradfleet compare`: the first run loses rank 2 and finishes as 2; the second runs whole;
+    the table's legend and compare.json name the loss."""
+    out, steps = tmp_path / "cmp", 300
+    first = "sync-replicas:replicas_to_aggregate=3,max_losses=1"
+    args = ["compare", "-s", first, "-s", "sync-replicas:replicas_to_aggregate=2", "-n", "3"]
+    args += ["--steps", str(steps), "--out", str(out)]
+    proc = popen([*GRADFLEET, *args], tmp_path, {"COLUMNS": "200"})  # the legend on one line
+    deadline = time.monotonic() + 220
+    _, ((code, console),) = kill_midway(
+        [proc], out / f"run0-{first}", at_step=40, rank=2, deadline=deadline
+    )
+    assert code == 0, console
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["steps"] for r in rows] == [steps, steps]
+    (lost,) = rows[0]["lost_workers"]
+    assert lost["rank"] == 2 and lost["cause"] == "killed by signal 9"
+    assert [c["ranks"] for c in rows[0]["membership_changes"]] == [[2]]
+    assert rows[1]["lost_workers"] == [] and rows[1]["membership_changes"] == []
+    assert f"; lost: rank 2 at step {lost['step']}" in console, console
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "workers"),
     [

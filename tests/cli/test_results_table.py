@@ -152,3 +152,17 @@ def test_legend_names_what_the_label_does_not() -> None:
         "sync-replicas:replicas_to_aggregate=2, 4 workers + 2 servers, cpu"
     ) in text
     assert "2 adam / allreduce: 1 worker, cuda" in text
+
+
+def test_the_legend_names_the_workers_a_run_lost() -> None:
+    lost = _run(
+        "sync-replicas:replicas_to_aggregate=3,max_losses=1",
+        "sync-replicas",
+        {"replicas_to_aggregate": 3, "max_losses": 1},
+        lost_workers=[{"rank": 2, "step": 61, "cause": "killed by signal 9", "log": "x"}],
+    )
+    buffer = io.StringIO()
+    Console(file=buffer, width=100).print(summary_table([lost, RUNS[1]], "t"))
+    said = [line.rstrip() for line in buffer.getvalue().splitlines() if "lost:" in line]
+    assert len(said) == 1 and "max_losses=1" in said[0], said  # that run only
+    assert said[0].endswith("; lost: rank 2 at step 61"), said

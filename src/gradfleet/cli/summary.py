@@ -3,7 +3,7 @@ rank 0's ``summary.json``, with a legend that says what each run is (the compari
 :mod:`.plot`).
 
 Runs are numbered in the table and described in full in the legend below it, so a long
-``--strategy`` never has to be cut to fit a column. The layout is the widest of three that
+``--strategy`` never has to be cut to fit a column; a run that lost workers says so there. The layout is the widest of three that
 fits the console without narrowing a column (rich would cut figures to narrow one): one row
 per run, else one column per run, else one small table per run.
 """
@@ -77,7 +77,11 @@ def describe(r: dict[str, Any]) -> str:
     workers = f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
     servers = f" + {k} server{'s' if k > 1 else ''}" if k else ""
     details = [r["optimizer"]["class"], strategy, workers + servers, r["device"]]
-    return f"{r['label']}: " + ", ".join(d for d in details if d not in r["label"].split(" / "))
+    text = f"{r['label']}: " + ", ".join(d for d in details if d not in r["label"].split(" / "))
+    lost = r.get("lost_workers") or []  # the figures are those of the workers left
+    if lost:
+        text += "; lost: " + ", ".join(f"rank {w['rank']} at step {w['step']}" for w in lost)
+    return text
 
 
 class ResultsTable:
