@@ -3,9 +3,10 @@ rank 0's ``summary.json``, with a legend that says what each run is (the compari
 :mod:`.plot`).
 
 Runs are numbered in the table and described in full in the legend below it, so a long
-``--strategy`` never has to be cut to fit a column; a run that lost workers says so there. The layout is the widest of three that
-fits the console without narrowing a column (rich would cut figures to narrow one): one row
-per run, else one column per run, else one small table per run.
+``--strategy`` never has to be cut to fit a column; a run that lost workers says so there.
+The layout is the widest of three that fits the console without narrowing a column (rich
+would cut figures to narrow one): one row per run, else one column per run, else one small
+table per run.
 """
 
 from __future__ import annotations
