@@ -5,7 +5,11 @@
 * ``loss``: rank 2 SIGKILLed after update 20: the longest gap between two updates on the
   survivors, and a restarted rank 2 -- the seconds from its code's start (the harness forks it
   with torch imported) to its first update made with the others (healed from a live member,
-  no file read) -- then its equality with rank 0.
+  no file read) -- then its equality with rank 0;
+* ``hang``: rank 2 stops itself (SIGSTOP: alive, its sockets open) after update 20; rank 0
+  lets it go on (SIGCONT) 10 updates later: the longest gap on rank 0, the seconds from the
+  SIGCONT to the end of rank 2's first step() after it (it rejoins and heals), and its
+  equality with rank 0.
 
     python -m benchmarks.distributed.elastic_allreduce [--params 2000000] [--rounds 3]
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import time
 from datetime import timedelta
@@ -96,6 +102,49 @@ def loss_rank(ctx: RankContext, params: int, port: int) -> dict:
             "changes": opt.membership_changes}  # fmt: skip
 
 
+def hang_rank(ctx: RankContext, params: int, port: int) -> dict:
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
+    model = _model(params)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = SyncReplicasOptimizer(sgd, N, N, max_losses=1, timeout=60)
+    stamps: list[tuple[int, float]] = []
+    end, resumed = None, None
+    while end is None or opt.global_step < end:
+        _train_step(model, opt, ctx.rank, opt.local_step)
+        stamps.append((opt.global_step, time.time()))
+        if ctx.rank == 2 and len(stamps) == KILL_AT:
+            store.set("bench/stopped", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            resumed = float(store.get("bench/continued"))
+        if ctx.rank == 0 and opt.global_step == KILL_AT + 10:
+            os.kill(int(store.get("bench/stopped")), signal.SIGCONT)
+            store.set("bench/continued", repr(time.time()))
+        joins = [c for c in opt.membership_changes if c["event"] == "joined"]
+        if end is None and (joins or (ctx.rank == 2 and len(stamps) > KILL_AT)):
+            end = opt.global_step + 20
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    opt.close()
+    return {"stamps": stamps, "digest": digest, "resumed": resumed,
+            "changes": opt.membership_changes}  # fmt: skip
+
+
+def _gaps(stamps: list[tuple[int, float]]) -> tuple[float, float]:
+    """The longest gap between two updates, and the steady one (median before update KILL_AT)."""
+    times = [t for _, t in stamps]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return max(gaps), statistics.median(gaps[: KILL_AT - 1])
+
+
+def _changes(out: dict) -> str:
+    return json.dumps(
+        [{k: c[k] for k in ("event", "ranks", "global_step", "seconds")} for c in out["changes"]]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=2_000_000)
@@ -116,20 +165,28 @@ def main() -> None:
         init_process_group=False, kill_on={2: "die"},
     )  # fmt: skip
     zero, back = out[0], out[N]
-    times = [t for _, t in zero["stamps"]]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    steady = statistics.median(gaps[: KILL_AT - 1])
+    longest, steady = _gaps(zero["stamps"])
     first = next(t for s, t in back["stamps"])
     print(f"  loss of rank 2 (kill -9 after update {KILL_AT}):")
-    print(f"    longest gap between updates on rank 0: {max(gaps):.2f} s "
+    print(f"    longest gap between updates on rank 0: {longest:.2f} s "
           f"(steady {steady * 1e3:.0f} ms)")  # fmt: skip
     print(
         f"    restarted rank 2: first update {first - back['entered']:.2f} s after its code starts"
     )
     print(f"    rank 0 and rank 2 equal at the end: {zero['digest'] == back['digest']}")
-    print("    rank 0's changes: " + json.dumps(
-        [{k: c[k] for k in ("event", "ranks", "global_step", "seconds")} for c in zero["changes"]]
-    ))  # fmt: skip
+    print("    rank 0's changes: " + _changes(zero))
+    out = run_ranks(
+        hang_rank, N, args=(args.params, free_port()), timeout=300, init_process_group=False
+    )
+    zero, back = out[0], out[2]
+    longest, steady = _gaps(zero["stamps"])
+    first = back["stamps"][KILL_AT][1]  # its first step() after SIGCONT: rejoined and healed
+    print(f"  rank 2 stopped (SIGSTOP after update {KILL_AT}, SIGCONT 10 updates later):")
+    print(f"    longest gap between updates on rank 0: {longest:.2f} s "
+          f"(steady {steady * 1e3:.0f} ms)")  # fmt: skip
+    print(f"    rank 2: rejoined and healed {first - back['resumed']:.2f} s after SIGCONT")
+    print(f"    rank 0 and rank 2 equal at the end: {zero['digest'] == back['digest']}")
+    print("    rank 0's changes: " + _changes(zero))
 
 
 if __name__ == "__main__":
