@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,8 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.cluster.netcluster import PREFIX, process_alive, rate_bits  # noqa: E402
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends the sampling as its time would: every row taken is in the file."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def sample(out: Path, seconds: float, interval: float = 0.01) -> None:
     """Sample this namespace's interfaces (not ``lo``, not the bridge) into ``out``."""
+    _stop_on_sigterm()
     names = sorted(i for i in os.listdir("/sys/class/net") if i != "lo" and not i.startswith("br"))
     files = {
         i: [open(f"/sys/class/net/{i}/statistics/{c}_bytes") for c in ("tx", "rx")]  # noqa: SIM115

@@ -64,6 +64,17 @@ def test_watch_takes_only_a_live_runs_bridge() -> None:
     assert not _live(f"{PREFIX}x-br") and not _live(f"{PREFIX}0-1-br")
 
 
+def _sampled_after(out: Path, moment: float, sampler: subprocess.Popen) -> None:
+    """Wait until the sampler's file holds a row taken after ``moment`` (time.time())."""
+    while True:
+        assert sampler.poll() is None, "the sampler ended early"
+        lines = out.read_text().splitlines() if out.exists() else []
+        stamps = [float(line.split()[0]) for line in lines[1:] if line.split()]
+        if stamps and stamps[-1] > moment:
+            return
+        time.sleep(0.05)
+
+
 @pytest.mark.multihost
 @pytest.mark.timeout(120)
 def test_the_sampler_in_the_bridge_sees_a_transfer(make_cluster, tmp_path: Path) -> None:
@@ -71,12 +82,16 @@ def test_the_sampler_in_the_bridge_sees_a_transfer(make_cluster, tmp_path: Path)
     out = tmp_path / "links.txt"
     script = [sys.executable, str(ROOT / "benchmarks" / "cluster" / "link_timeline.py")]
     sampler = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.bridge, *script, "sample", str(out), "--seconds", "4"]
+        ["ip", "netns", "exec", cluster.bridge, *script, "sample", str(out), "--seconds", "90"]
     )
     try:
-        time.sleep(0.5)
+        # events, not fixed times (a loaded machine starts a process in seconds): the transfer
+        # begins once rows are in the file, the sampler ends once a row after it is
+        _sampled_after(out, 0.0, sampler)
         nbytes = 2 * 2**20  # 0.4 s at 40 Mbit/s
         transfer(cluster, 1, 0, nbytes)
+        _sampled_after(out, time.time(), sampler)
+        sampler.terminate()
         assert sampler.wait(20) == 0
     finally:
         sampler.kill()
