@@ -554,9 +554,11 @@ def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> l
     return [traj, centre]
 
 
-def easgd_rejoin(ctx: RankContext, seconds: float) -> dict:
-    """3 workers (ranks 0-2) train for ``seconds``; rank 2 is SIGKILLed after 10 steps and
-    rank 3 restarts it: a fresh process that joins as worker 2 through the server address."""
+def easgd_rejoin(ctx: RankContext, restarted_steps: int) -> dict:
+    """3 workers (ranks 0-2) train; rank 2 is SIGKILLed after 10 steps and rank 3 restarts it:
+    a fresh process that joins as worker 2 through the server address, makes
+    ``restarted_steps`` steps and says so; ranks 0 and 1 train until then.  Counted in steps
+    and events, never in seconds (a loaded machine steps slowly)."""
     from gradfleet.distributed import AsyncCentre
 
     group = torch.distributed.new_group([0, 1, 2])
@@ -577,20 +579,28 @@ def easgd_rejoin(ctx: RankContext, seconds: float) -> dict:
     joined_with = [p.detach().clone() for p in model.parameters()]
     if ctx.rank == 0:
         Path(ctx.workdir, "address").write_text(strategy.address)
-    start, steps, rejoin_seen = time.monotonic(), 0, None
-    while time.monotonic() - start < seconds:
+    killed, trained = Path(ctx.workdir, "signal-2-die"), Path(ctx.workdir, "signal-3-trained")
+    steps, kill_seen, rejoin_seen = 0, None, None
+    while not (trained.exists() if ctx.rank < 2 else ctx.rank == 3 and steps == restarted_steps):
         opt.zero_grad()
         loss_of(model, ctx.rank, steps).backward()
         opt.step()
         steps += 1
         if ctx.rank == 2 and steps == 10:
             _die(ctx)
+        if ctx.rank == 0 and kill_seen is None and killed.exists():
+            kill_seen = steps
         if ctx.rank == 0 and rejoin_seen is None and strategy.counters()["joins"].get(2) == 2:
             rejoin_seen = steps
+        if steps > 100_000:
+            raise RuntimeError("the restarted worker never trained")
         time.sleep(0.01)
+    if ctx.rank == 3:
+        ctx.signal("trained")
     out = {
         "steps": steps,
         "local_step": opt.local_step,
+        "kill_seen_at": kill_seen,
         "rejoin_seen_at": rejoin_seen,
         "joined_with": joined_with,
         "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
