@@ -403,7 +403,10 @@ class ServerExchange:
             self.readiness.remove()
             self.readiness = None
         if self.links is not None:
-            self.links.leave()
+            # leaving because a server is gone: the chief tells the workers still waiting that
+            # cause, not that this worker left (which made their update unfillable)
+            lost = self.latch.last_raised
+            self.links.leave(str(lost) if isinstance(lost, ServerUnreachable) else None)
             self.links = None
         if self.servers is not None:
             self.servers.close()

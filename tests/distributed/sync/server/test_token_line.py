@@ -134,6 +134,22 @@ def test_a_worker_that_left_makes_the_update_unfillable_at_once():
     assert "global_step reaches" in message and "replicas_to_aggregate" in message
 
 
+def test_a_worker_that_left_for_a_lost_server_lets_the_others_hear_that_loss():
+    """Worker 1 lost a shard server and left saying so: worker 0, waiting, is not told that its
+    update can never be made (worker 1 left) but the server's loss, once the chief knows it."""
+    w = Workers(2, 2, "distinct")
+    r0, r1 = w.step(0), w.step(1)
+    assert w.finish(0, r0) and w.finish(1, r1) and w.chief.global_step == 1
+    lost = "server rank 3 (shard 1) at 127.0.0.1:5000 is unreachable"
+    done = w.handle({"op": "done", "worker": 1, "unreachable": lost})
+    assert done.payload == {"global_step": 1}
+    reply = w.step(0)
+    assert reply.payload is None  # waits: the cause is not "worker 1 left"
+    for out in w.chief.unreachable(lost):  # the chief's probe finds the shard gone
+        out.ticket.send(out.payload, out.share)
+    assert reply.payload["error"] == "ServerUnreachable" and reply.payload["message"] == lost
+
+
 def test_waiting_workers_hear_at_once_when_the_last_helper_leaves():
     """R = 2 of N = 3: two workers wait in line with one gradient in; once both others have
     left, nobody can give the second one."""

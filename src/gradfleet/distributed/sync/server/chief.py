@@ -102,6 +102,7 @@ class SyncChief:
         self.ema = job.ema
         self.last_step = job.last_step
         self.left_at: dict[int, tuple[int, bool]] = {}  # worker -> (global step, reported dead)
+        self.left_for: dict[int, str] = {}  # workers that left because a server was unreachable
         # (error class name, message) every request gets once the chief cannot go on
         self.broken: tuple[str, str] | None = None
         if job.policy is not None:
@@ -165,6 +166,8 @@ class SyncChief:
             return [*self._serve_tokens(), Answer(ticket, {})]
         worker = int(msg["worker"])
         if op == "done":
+            if msg.get("unreachable"):  # it left because a server is gone (its view)
+                self.left_for[worker] = str(msg["unreachable"])
             forgotten = bool(msg.get("forgotten", False))
             self.left_at[worker] = (self.global_step, forgotten)
             self.measured.forget(worker)
@@ -201,6 +204,7 @@ class SyncChief:
     def _hello(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
         (answer,) = self._own(self.server.handle(msg, ticket))
         self.left_at.pop(worker, None)
+        self.left_for.pop(worker, None)
         self.measured.served(worker, self.global_step, self.clock())
         extra = {"global_step": self.global_step, "r": self.replicas[self.global_step]}
         return [replace(answer, payload={**answer.payload, **extra})]
@@ -353,7 +357,11 @@ class SyncChief:
                 others_pending=self.requests.any_parked or self.global_step < self.shard.step,
                 global_step=self.global_step,
             )
-            if why is not None:
+            if why is not None and any(w in self.left_for for w in self.left_at):
+                # a worker left because it lost a server: the waiting ones hear that server's
+                # loss (this chief's probe, or their own link), not that the worker left
+                log.debug("%s; not said: a worker left for %s", why, list(self.left_for.values()))
+            elif why is not None:
                 log.error("%s", why)
                 for entry in self.line.take_all():
                     out += self._answer(entry.worker, entry.ticket, "RuntimeError", why)

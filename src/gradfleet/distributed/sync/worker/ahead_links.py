@@ -230,11 +230,12 @@ class ReadAheadLinks:
         if self.busy:
             raise busy_error(op)
 
-    def leave(self) -> None:
-        """Stop overlap's pushing thread, say ``done`` to every server."""
+    def leave(self, unreachable: str | None = None) -> None:
+        """Stop overlap's pushing thread, say ``done`` to every server (``unreachable``: why,
+        when a server is gone)."""
         if self._early is not None:
             self._early.close()
-        self.clients.leave()
+        self.clients.leave(unreachable)
 
     @property
     def bytes_out(self) -> int:

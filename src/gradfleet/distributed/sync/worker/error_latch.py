@@ -62,6 +62,12 @@ class ErrorLatch:
                 self._taken = exc
         return exc
 
+    @property
+    def last_raised(self) -> BaseException | None:
+        """The last error taken from here (the one the worker raised)."""
+        with self._lock:
+            return self._taken
+
     def decide(self, where: str, exc: BaseException) -> None:
         """The worker's own thread met ``exc`` while doing ``where`` and is about to raise it:
         logged here (once: not again if it is the error just taken from here, at DEBUG if a

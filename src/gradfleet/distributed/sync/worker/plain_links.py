@@ -137,9 +137,9 @@ class PlainLinks:
         if self.busy:
             raise busy_error(op)
 
-    def leave(self) -> None:
-        """Say ``done`` to every server."""
-        self.clients.leave()
+    def leave(self, unreachable: str | None = None) -> None:
+        """Say ``done`` to every server (``unreachable``: why, when a server is gone)."""
+        self.clients.leave(unreachable)
 
     @property
     def bytes_out(self) -> int:

@@ -179,11 +179,13 @@ class ShardClients:
             for r in ranks:
                 client.call("done", worker=r, forgotten=True)
 
-    def leave(self) -> None:
-        """Say ``done`` to every server; a server that is already gone is logged and skipped."""
+    def leave(self, unreachable: str | None = None) -> None:
+        """Say ``done`` to every server; a server that is already gone is logged and skipped.
+        ``unreachable``: this worker leaves because a server is gone (its error's message)."""
+        cause = {} if unreachable is None else {"unreachable": unreachable}
         for k, client in self.clients.items():
             try:
-                client.call("done", worker=self.worker, timeout=5.0)
+                client.call("done", worker=self.worker, timeout=5.0, **cause)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
 
