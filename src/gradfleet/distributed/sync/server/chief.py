@@ -357,7 +357,7 @@ class SyncChief:
                 others_pending=self.requests.any_parked or self.global_step < self.shard.step,
                 global_step=self.global_step,
             )
-            if why is not None and any(w in self.left_for for w in self.left_at):
+            if why is not None and self.left_for:  # (each of them is in left_at too)
                 # a worker left because it lost a server: the waiting ones hear that server's
                 # loss (this chief's probe, or their own link), not that the worker left
                 log.debug("%s; not said: a worker left for %s", why, list(self.left_for.values()))
