@@ -75,3 +75,6 @@ def test_the_stage_times_are_the_recorded_ones() -> None:
     assert page_rows and page_rows == [row[: len(page_rows[0])] for row in result_rows]
     for _, tests, wall, *_ in page_rows:
         assert re.fullmatch(r"[\d,]+", tests) and re.fullmatch(r"\d+:\d\d", wall), (tests, wall)
+    # a quoted run that had failures says so
+    if any("failed" in row[-1] for row in result_rows):
+        assert "failed" in PAGE.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]

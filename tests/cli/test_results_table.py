@@ -129,6 +129,9 @@ def test_every_run_and_figure_whole_at_any_width(width: int) -> None:
         else:
             assert "".join(entry.split()) in "".join(text.split())
     assert {h for h, _ in cells} == set(COLUMNS)
+    # the legend (below the table's last border) pads no line with spaces
+    legend = lines[max(i for i, line in enumerate(lines) if line.startswith("└")) + 1 :]
+    assert legend and all(line == line.rstrip() for line in legend), legend
 
 
 def test_wide_terminal_shows_one_row_per_run() -> None:

@@ -54,7 +54,10 @@ MapOpt = Annotated[
         show_default=False,
     ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="no progress line")]
+QuietOpt = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", metavar="", help=escape("no progress line [default: off]")),
+]
 
 
 def _fail(message: str) -> typer.Exit:

@@ -93,7 +93,13 @@ def _setting(name: str, *flags: str, metavar: str, default: str | None = None) -
     return _option(*flags, metavar=metavar, meaning=meaning, default=default or spec_default)
 
 
-QUIET = typer.Option("--quiet", "-q", metavar="", help="no progress display")
+def _flag(*flags: str, meaning: str, default: str = "off") -> Any:
+    """A flag, shown with its default as every other option is."""
+    help_text = escape(f"{meaning} [default: {default}]")  # not a rich markup tag
+    return typer.Option(*flags, metavar="", help=help_text, show_default=False)
+
+
+QUIET = _flag("--quiet", "-q", meaning="no progress display")
 TABLE_HELP = "\b\nThe results table (runs numbered; the legend below it names them):\n" + "\n".join(
     escape(f"  {heading}: {meaning}") for heading, meaning in COLUMNS.items()
 )
@@ -336,7 +342,7 @@ def compare(
 def list_(
     args: Opt[
         bool,
-        typer.Option("--args/--no-args", metavar="", help="show each optimizer's arguments"),
+        _flag("--args/--no-args", meaning="show each optimizer's arguments", default="on"),
     ] = True,
 ) -> None:
     """The optimizers, strategies and workloads available, with their arguments."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table
 
 __all__ = ["COLUMNS", "ResultsTable", "columns_markdown", "summary_table"]
@@ -137,7 +138,21 @@ class ResultsTable:
             if Measurement.get(console, unbounded, table).maximum <= options.max_width:
                 break  # no column of this one needs narrowing: every figure stays whole
         yield table
-        yield self._legend()
+        # the legend's lines end at their text: the grid pads each cell to its column's width
+        for line in console.render_lines(self._legend(), options, pad=False):
+            yield from _rstripped(line)
+            yield Segment.line()
+
+
+def _rstripped(line: list[Segment]) -> list[Segment]:
+    """``line`` without the spaces at its end."""
+    line = list(line)
+    while line and not line[-1].control and not line[-1].text.rstrip():
+        line.pop()
+    if line and not line[-1].control:
+        text, style, control = line[-1]
+        line[-1] = Segment(text.rstrip(), style, control)
+    return line
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> ResultsTable:
