@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradfleet.distributed.sync.worker.allreduce import AllReduceExchange, Buckets
+from gradfleet.distributed.sync.worker.allreduce import AllReduceExchange
+from gradfleet.distributed.sync.worker.buckets import Buckets
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import exchange_ranks

@@ -75,10 +75,11 @@ def check_arguments(
         )
     if transport not in (None, "server", "allreduce"):
         raise ValueError(f"{_OWNER}: transport must be 'server' or 'allreduce', got {transport!r}")
-    if transport == "allreduce" and R != N:
+    if transport == "allreduce" and R > N:
         raise ValueError(
-            f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate == "
-            f"total_num_replicas, got {R} vs {N}"
+            f"{_OWNER}: transport='allreduce' needs replicas_to_aggregate <= "
+            f"total_num_replicas, got {R} > {N} (several gradients of one worker per update "
+            "need TF's shared token queue on a server: transport='server')"
         )
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
@@ -179,14 +180,24 @@ def resolve_worker(worker: int | None, address: Any, N: int) -> int:
     return check_int(_OWNER, "worker", worker, 0)
 
 
-def check_overlap(overlap: Any, transport: str, num_shards: int, nonfinite: str) -> bool:
+def check_overlap(
+    overlap: Any, transport: str, num_shards: int, nonfinite: str, backups: bool = False
+) -> bool:
     """``overlap`` checked against the other arguments (ValueError naming it); None: on for
     the all-reduce exchange, whose overlap never changes the numbers (:mod:`.allreduce`),
-    off for servers, where it does (what is pushed is ``.grad`` as backward left it)."""
+    off for servers, where it does (what is pushed is ``.grad`` as backward left it), and off
+    for the all-reduce of the first R of N (``backups``): who sends is known only at
+    ``step()``."""
     if overlap is None:
-        return transport == "allreduce"
+        return transport == "allreduce" and not backups
     if not isinstance(overlap, bool):
         raise ValueError(f"{_OWNER}: overlap must be True, False or None, got {overlap!r}")
+    if transport == "allreduce" and backups and overlap:
+        raise ValueError(
+            f"{_OWNER}: overlap=True needs every worker in every update with "
+            "transport='allreduce': with replicas_to_aggregate < total_num_replicas the "
+            "update's members are known only when step() is called"
+        )
     if transport == "allreduce":
         return overlap
     # Sharded with nonfinite "raise"/"drop", a non-finite gradient anywhere makes the worker

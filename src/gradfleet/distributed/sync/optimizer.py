@@ -31,7 +31,10 @@ The exchange is chosen once, at construction: ``transport="allreduce"`` -- the d
 every worker joins every update (R == N == the world size, ``tokens="distinct"``) and no server
 is named (``server_rank``, ``server_ranks``, ``server_address``) -- replaces the server by
 all-reduces in buckets overlapped with backward, as DDP's (:mod:`.allreduce`): the same numbers
-up to the order of summation.  Otherwise ``transport="server"``.
+up to the order of summation.  ``transport="allreduce"`` with backup workers (R < N, asked for
+by name) has no server either: the first R workers ready all-reduce and the others receive the
+update (:mod:`.worker.first_arrivals`), so no rank holds the state alone.  Otherwise
+``transport="server"``.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
 ``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
@@ -84,6 +87,7 @@ from .layout.shard_layout import choose_layout
 from .server.replicas_policy import ReplicasPolicy
 from .server_exchange import ServerExchange, as_addresses
 from .worker.allreduce import AllReduceExchange
+from .worker.first_arrivals import FirstArrivalsExchange
 
 __all__ = ["SyncReplicasOptimizer", "ExponentialMovingAverage"]
 
@@ -139,8 +143,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             R); giving it selects ``tokens="shared"``.
         tokens: ``"distinct"`` (default for R <= N): one gradient per worker per update;
             ``"shared"``: TF's token queue, first come first served (module docstring).
-        transport: ``"server"`` or ``"allreduce"`` (R == N, lockstep, no server); default:
-            ``"allreduce"`` where it gives the same numbers (module docstring).
+        transport: ``"server"`` or ``"allreduce"`` (no server: every rank keeps the state;
+            with R < N the first R workers ready make each update, CPU parameters); default:
+            ``"allreduce"`` where R == N and it gives the same numbers (module docstring).
         timeout: seconds a worker waits for a token / the server before failing.
         last_step: once ``global_step`` reaches it, every worker is released at once.
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
@@ -297,7 +302,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
-        self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite)
+        self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, R < N)
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
@@ -305,7 +310,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             averaged=tuple(averaged), global_step=start, policy=policy, max_losses=max_losses,
         )  # fmt: skip
         self.exchange: Exchange
-        if transport == "allreduce":
+        if transport == "allreduce" and R < N:
+            self.exchange = FirstArrivalsExchange(self.optimizer, job, store)
+        elif transport == "allreduce":
             group = (
                 elastic_group(list(self.params()), N, self.worker, timeout, store, rejoining)
                 if max_losses

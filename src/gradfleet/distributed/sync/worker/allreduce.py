@@ -60,100 +60,26 @@ again.  More than ``max_losses`` members gone at once ends the job with an error
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ...common.apply import apply_gradients
-from ...transport import LINK_ERRORS, gloo_link
-from ...transport.all_reduce import GradientMean, densify_
+from ...transport import LINK_ERRORS
+from ...transport.all_reduce import GradientMean
 from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
-from ..common.tokens import TokenQueue
+from .buckets import Buckets
 from .live_state import LiveState
+from .serverless import ServerlessExchange, any_nonfinite
 
-__all__ = ["AllReduceExchange", "Buckets"]
+__all__ = ["AllReduceExchange"]
 
 log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
-FIRST_BUCKET_BYTES = 1 << 20  # DDP's defaults
-BUCKET_BYTES = 25 << 20
-
-
-class Buckets:
-    """Parameters laid out in flat buffers for all-reduce (module docstring)."""
-
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        first_bytes: int = FIRST_BUCKET_BYTES,
-        bytes_each: int = BUCKET_BYTES,
-    ) -> None:
-        self.members: list[list[int]] = []
-        open_: dict[tuple[torch.device, torch.dtype], int] = {}  # key -> bucket being filled
-        sizes: list[int] = []
-        for i in reversed(range(len(params))):
-            p = params[i]
-            key = (p.device, p.dtype)
-            b = open_.get(key)
-            if b is None:
-                b = open_[key] = len(self.members)
-                self.members.append([])
-                sizes.append(0)
-            self.members[b].append(i)
-            sizes[b] += p.numel() * p.element_size()
-            if sizes[b] >= (first_bytes if b == 0 else bytes_each):
-                del open_[key]
-        self.flat = [
-            torch.zeros(
-                sum(params[i].numel() for i in idx),
-                dtype=params[idx[0]].dtype,
-                device=params[idx[0]].device,
-            )
-            for idx in self.members
-        ]
-        self.bucket_of: dict[int, int] = {}
-        self.slot: dict[int, torch.Tensor] = {}  # parameter index -> view of its bucket
-        for b, idx in enumerate(self.members):
-            offset = 0
-            for i in idx:
-                n = params[i].numel()
-                self.slot[i] = self.flat[b][offset : offset + n].view(params[i].shape)
-                self.bucket_of[i] = b
-                offset += n
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def fill(self, i: int, g: torch.Tensor | None) -> None:
-        """Parameter ``i``'s slot := its gradient (None: zeros; sparse: its rows summed in)."""
-        densify_(self.slot[i], g)
-
-
-def _any_nonfinite(grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """1.0 if any gradient holds a NaN or an infinity, else 0.0, computed where the gradients
-    are: one max-norm per tensor (NaN and infinities survive it), no host round trip."""
-    values = []
-    for g in grads:
-        if g is None:
-            continue
-        v = g._values() if g.is_sparse else g
-        if v.is_complex():
-            v = torch.view_as_real(v)
-        if v.is_floating_point() and v.numel():
-            values.append(v)
-    if not values:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(values, math.inf)
-    top = torch.stack([m.to(device=device, dtype=torch.float64) for m in norms])
-    return (~torch.isfinite(top).all()).to(torch.float64)
 
 
 def _mark(g: torch.Tensor | None) -> tuple[int, int] | None:
@@ -165,7 +91,7 @@ def _mark(g: torch.Tensor | None) -> tuple[int, int] | None:
     return data.data_ptr(), g._version
 
 
-class AllReduceExchange:
+class AllReduceExchange(ServerlessExchange):
     """R == N SyncReplicas with all-reduces and a replica of the server's state on every rank
     (module docstring)."""
 
@@ -175,45 +101,21 @@ class AllReduceExchange:
         """``group``: the members' collectives (default: the job's process group, every rank;
         an :class:`~...transport.elastic_group.ElasticGroup` where losses are allowed -- one
         that is joining makes this rank heal from a live member before it returns)."""
-        N, tokens, num_tokens, nonfinite = job.N, job.tokens, job.initial_tokens, job.nonfinite
+        N, tokens, num_tokens = job.N, job.tokens, job.initial_tokens
         if tokens == "shared" and num_tokens % N:
             raise ValueError(
                 f"{_OWNER}: transport='allreduce' with tokens='shared' needs num_tokens to be a "
                 f"multiple of total_num_replicas ({N}), got {num_tokens}"
-            )
-        if nonfinite == "drop":
-            raise ValueError(
-                f"{_OWNER}: nonfinite='drop' needs a server (transport='server'): without one "
-                "a dropped gradient would leave its update short"
             )
         if job.max_losses and tokens != "distinct":
             raise ValueError(
                 f"{_OWNER}: max_losses needs tokens='distinct' (the shared token queue counts "
                 f"N={N} tokens per update, and the members change)"
             )
-        self.opt, self.N, self.nonfinite, self.rule = opt, N, nonfinite, tokens
+        group = WorldGroup() if group is None else group
+        joining = group.generation > 0 or group.size != N
+        super().__init__(opt, job, group, joining)
         self.max_losses = job.max_losses
-        self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.group = WorldGroup() if group is None else group
-        joining = self.group.generation > 0 or self.group.size != N
-        self.world, self.rank = self.group.size, self.group.rank
-        if self.world != N and not joining:
-            raise ValueError(
-                f"{_OWNER}: total_num_replicas={N} must equal the world size {self.world} "
-                "without a server (name server_ranks for dedicated servers)"
-            )
-        if not joining:
-            self._check_layout()
-        self.buckets = Buckets(self.params)
-        self.tokens = TokenQueue()
-        self.global_step = int(job.global_step)  # a restored step: the tokens carry it
-        if tokens == "shared":
-            self.tokens.put(self.global_step, num_tokens)
-        self.local_step = self.global_step
-        self.last_step = job.last_step
-        self.ema, self.average_indices = job.ema, list(job.averaged)
-        self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(N)}
-        self.bytes_sent = 0
         self.sent_in_backward = 0  # buckets a gradient hook sent (overlap at work)
         self.overlap = overlap and self.world > 1
         self._hooks: list[Any] = []
@@ -223,7 +125,6 @@ class AllReduceExchange:
         self._waiting_for: list[set[int]] = []
         self._broken: BaseException | None = None  # a link error a gradient hook met
         self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
-        self._replicas: list[int] = []  # the members of each update made since the start
         self.live = LiveState(self.params, opt, self._books, self._load_books, _OWNER)
         if joining:  # a restarted rank: from a live member's state
             self.global_step = -1
@@ -235,40 +136,13 @@ class AllReduceExchange:
                     log.warning("rank %d: a member was lost while joining: %s", self.rank, exc)
                     self.group.reform()
                     self.world = self.group.size
+            self.start_step = self.local_step = self.global_step
         else:
-            self._broadcast_parameters()
-        self.start_step = self.global_step
-        self.local_step = self.global_step
+            self.start()
         if self.overlap:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._hook, i)))
         self._new_round()
-
-    # ------------------------------------------------------------------ set-up
-    def _check_layout(self) -> None:
-        mine = [(list(p.shape), str(p.dtype)) for p in self.params]
-        if self.world == 1 or not dist.is_initialized():
-            return
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
-        for r, theirs in enumerate(every):
-            if theirs != mine:
-                raise ValueError(
-                    f"{_OWNER}: rank {r} has parameters {theirs}, rank "
-                    f"{self.rank} has {mine}; every worker must build the same model"
-                )
-
-    def _broadcast_parameters(self) -> None:
-        """Every rank starts from rank 0's values (the server path's workers read the chief's)."""
-        if self.world == 1:
-            return
-        with torch.no_grad():
-            for b, idx in enumerate(self.buckets.members):
-                for i in idx:
-                    self.buckets.slot[i].copy_(self.params[i])
-                self._collective(self.group.broadcast, self.buckets.flat[b], 0)
-                for i in idx:
-                    self.params[i].copy_(self.buckets.slot[i])
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -324,9 +198,6 @@ class AllReduceExchange:
         self.bytes_sent += flat.numel() * flat.element_size()
 
     # ------------------------------------------------------------------ the round
-    def _released(self) -> bool:
-        return self.last_step is not None and self.global_step >= self.last_step
-
     def _stale(self) -> bool:
         return self.local_step < self.global_step
 
@@ -369,15 +240,9 @@ class AllReduceExchange:
                 if self.global_step > start:  # made before the loss: every gradient was in it
                     return True, self._take_token(), self.global_step
                 self._new_round()  # nobody made it: the members left redo it
-        pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
-        if pairs:
-            apply_gradients(self.opt, pairs)
-        self.global_step += 1
+        self.apply_update(averages)
         if self.rule == "shared":
             self.tokens.put(self.global_step, self.N)
-        if self.ema is not None:
-            chosen = self.average_indices or range(len(self.params))
-            self.ema.apply({i: self.params[i] for i in chosen}, num_updates=self.global_step)
         for r in self.group.members:
             self.stats[r]["accepted"] += 1
         self._replicas.append(self.world)
@@ -408,7 +273,7 @@ class AllReduceExchange:
         # then the nonfinite and changed flags, and one for joiners
         flags = mean.flags(grads, extra=2 * size + 1)
         if self.nonfinite == "raise":  # a tensor op: no host synchronisation per gradient
-            flags[2 * n + me] = _any_nonfinite(grads, flags.device)
+            flags[2 * n + me] = any_nonfinite(grads, flags.device)
         flags[2 * n + size + me] = float(changed)
         flags[2 * n + 2 * size] = float(self.group.joiners_waiting)
         self._wait()
@@ -450,20 +315,6 @@ class AllReduceExchange:
         for work in self._works:
             if work is not None:
                 self._collective(self.group.wait, work)
-
-    def _collective(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the members' group (nothing to do alone).  A lost member: with
-        ``max_losses`` its error passes as itself (one of ``LINK_ERRORS``: the round re-forms
-        the group), else the job ends with an error that says so; a bug passes as itself."""
-        if self.world == 1:
-            return None
-        try:
-            with gloo_link("a peer of the all-reduce", getattr(fn, "__name__", "collective")):
-                return fn(*args)
-        except LINK_ERRORS as exc:  # gloo's (named by gloo_link) and NCCL's: a peer is missing
-            if self.max_losses:
-                raise
-            raise self._lost(exc) from None
 
     @property
     def _device(self) -> torch.device:
@@ -543,83 +394,3 @@ class AllReduceExchange:
     def _load_books(self, books: dict[str, Any]) -> None:
         self.load_state_dict(books["exchange"])
         self._replicas = list(books["replicas"])
-
-    # ------------------------------------------------------------------ the exchange's API
-    # (:class:`..exchange.Exchange`: what SyncReplicasOptimizer asks of any exchange)
-    server_addresses: list[str] = []  # no server: nothing to rejoin through
-    server_address = None
-    is_chief = False
-    dedicated: list[int] = []
-    withheld_pushes = 0
-    streaming = False  # the parameters are updated in place: nothing to read
-    reads_pending = False
-
-    def check_own_gradients(self) -> None:
-        """``apply_gradients`` brings gradients of its own: a round backward's hooks
-        started is noticed as changed gradients and sent again, so nothing to refuse."""
-
-    def stream_reads(self, model: torch.nn.Module) -> None:
-        raise ValueError(
-            f"{_OWNER}.stream_reads: needs transport='server' with several shards: the "
-            "all-reduce exchange updates the parameters in place, there is nothing to read"
-        )
-
-    def wait_reads(self) -> None:
-        """Nothing is ever left to read."""
-
-    def replicas_history(self) -> list[int]:
-        """The members whose gradients made each update since this rank started (all N,
-        unless losses are allowed and some were lost)."""
-        return list(self._replicas)
-
-    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
-        if shard != 0:
-            raise ValueError(f"{_OWNER}.worker_counters: no shard {shard!r}")
-        return self.stats
-
-    def averaged_variables(self) -> list[torch.Tensor | None]:
-        if self.ema is None:
-            raise RuntimeError(f"{_OWNER}: no variable_averages here")
-        return [self.ema.shadows.get(i) for i in range(len(self.params))]
-
-    def worker_silence(self) -> dict[int, float]:
-        raise RuntimeError(
-            f"{_OWNER}.worker_silence: this job has no server (transport='allreduce': R == N "
-            "workers all-reduce); name server_rank= or server_ranks= to have one"
-        )
-
-    def forget_workers(self, ranks: Sequence[int]) -> None:
-        """No server to tell."""
-
-    def state(self) -> dict[str, Any]:
-        return {"server": None, "allreduce": self.state_dict()}
-
-    def check_state(self, counters: dict[str, Any]) -> None:
-        if counters.get("allreduce") is None:
-            raise ValueError(
-                f"{_OWNER}.load_state_dict: the checkpoint is of an exchange with servers, "
-                "this optimizer all-reduces (transport='allreduce')"
-            )
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state["allreduce"])
-
-    def applied_state(self) -> tuple[Any, dict[int, Any], int]:
-        """This rank's own optimizer: its parameters are the variables (an empty map)."""
-        return self.opt, {}, int(self.global_step)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "tokens": self.tokens.state(),
-            "stats": {int(k): dict(v) for k, v in self.stats.items()},
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_step = int(state["global_step"])
-        self.tokens.load(state["tokens"] if self.rule == "shared" else [])
-        self.stats = {int(k): dict(v) for k, v in state["stats"].items()}
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])

@@ -1,0 +1,279 @@
+"""SyncReplicas with backup workers and no server: the first R of N workers all-reduce.
+
+Every rank keeps a replica of the server's state (the variables, the wrapped optimizer's slots,
+``global_step``), as :mod:`.allreduce` does for R == N.  Each update takes the gradients of
+the first R workers ready at the current step, so the N - R slowest never hold it up: TF's
+backup workers, without a host that holds the state alone.
+
+* **Who** (:class:`~...transport.arrival_board.ArrivalBoard`): a worker whose gradient is ready
+  counts itself in on the job's store; the first R places are the update's members on every
+  rank, the first of them its *leader*.
+* **The members** sum their gradients with all-reduces on a process group of their own (one per
+  set of members, made the first time it is needed and kept), then divide: dense sums by R,
+  sparse rows by the members that sent the row (gradfleet's one rule,
+  :mod:`~...transport.all_reduce`), and apply them with their own copy of the wrapped
+  optimizer.
+* **The others** -- a worker that came after the first R, or one still computing -- drop their
+  gradient (TF: a stale gradient is dropped) and receive the update from its leader: the sums,
+  the flags of who sent what, and the row counts, point-to-point on the job's process group.
+  From these they compute the same means and apply the same update, so every rank's state is
+  bit-identical after every update.  A worker that is several updates behind receives each in
+  turn, then computes its next gradient at the newest step, as TF's worker reads the newest
+  variables.
+* **Back-pressure**: a leader keeps each update's sums until the late workers have received
+  them, at most :data:`SEND_WINDOW` updates; beyond that it waits for the oldest.  A worker
+  that is slower still holds the others back to its pace of *receiving* updates, which is much
+  faster than computing gradients.
+
+Only ``tokens="distinct"`` (one gradient per worker per update) and a fixed R.  A non-finite
+gradient with ``nonfinite="raise"`` raises on its own rank before it is sent, so nothing
+changes anywhere.  A lost worker ends the job with an error naming it (no ``max_losses`` yet);
+gloo only (CPU tensors): NCCL's point-to-point under these patterns is not measured yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...transport import LINK_ERRORS, gloo_link
+from ...transport.all_reduce import GradientMean
+from ...transport.arrival_board import ArrivalBoard
+from ..common.job import Job
+from ..common.outcome import Outcome
+from .allreduce import any_nonfinite
+from .serverless import ServerlessExchange
+
+__all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = "SyncReplicasOptimizer"
+SEND_WINDOW = 4  # updates a leader may still be sending to late workers
+
+
+class FirstArrivalsExchange(ServerlessExchange):
+    """R < N SyncReplicas without a server (module docstring)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, job: Job, store: dist.Store | None = None):
+        """``store``: where the workers count their arrivals (default: the job's)."""
+        R, N = job.R, job.N
+        if job.tokens != "distinct":
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate={R} < "
+                f"total_num_replicas={N} takes one gradient per worker per update "
+                "(tokens='distinct'); TF's shared token queue needs transport='server'"
+            )
+        if job.policy is not None or job.max_losses:
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
+                "total_num_replicas takes a fixed R and no max_losses yet (a lost worker ends "
+                "the job); use transport='server' for replicas_to_aggregate='auto'"
+            )
+        if any(p.is_cuda for g in opt.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
+                "total_num_replicas takes CPU parameters only for now (gloo: NCCL's "
+                "point-to-point under these patterns is not measured yet); use "
+                "transport='server'"
+            )
+        super().__init__(opt, job)
+        self.R = R
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        self.board = ArrivalBoard(store, self.rank, N, job.timeout)
+        self.timeout = job.timeout
+        self._sending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
+        self._dropped_before = {r: 0 for r in range(N)}  # from a loaded state
+        self.start()
+
+    # ------------------------------------------------------------------ the round
+    def step(
+        self, local_step: int, grads: list[torch.Tensor | None], stream: bool = True
+    ) -> Outcome:
+        """One round with this rank's ``grads`` (nothing is ever left to read)."""
+        self.local_step = int(local_step)
+        return Outcome(*self._round(grads))
+
+    def _round(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
+        if self._released():
+            return False, self.global_step, self.global_step
+        if self.local_step < self.global_step:  # a gradient of an old step: TF drops it
+            self.board.count_dropped()
+            return False, self.global_step, self.global_step
+        if self.nonfinite == "raise" and any_nonfinite(grads, torch.device("cpu")).item():
+            raise FloatingPointError(
+                f"{_OWNER}: non-finite gradient on rank {self.rank}; it was not sent "
+                "(nothing changed on any rank)"
+            )
+        step = self.global_step
+        place = self.board.arrive(step)
+        if place > self.R:  # the update is the first R's: receive it
+            self.board.count_dropped()
+            self._catch_up()
+            return False, self.global_step, self.global_step
+        order = self.board.first(step, self.R)
+        members = sorted(order)
+        averages, sums = self._reduce(grads, members)
+        self._apply(averages, members)
+        if order[0] == self.rank:
+            self._send(step, order, sums)
+        return True, self.global_step, self.global_step
+
+    def _reduce(
+        self, grads: list[torch.Tensor | None], members: list[int]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """The members' mean gradients, and what makes them: the summed flags, the buckets'
+        sums and any row counts (what the late workers receive)."""
+        group = self._group(members)
+        reduce = partial(self._all_reduce, group)
+        for i, g in enumerate(grads):
+            self.buckets.fill(i, g)
+        works = [self._all_reduce(group, flat, True) for flat in self.buckets.flat]
+        mean = GradientMean(self.params, self.R, reduce, self.group.device, _OWNER)
+        flags = mean.flags(grads)
+        reduce(flags)
+        for work in works:
+            if work is not None:
+                self._wait(work)
+        kept: list[torch.Tensor] = []  # the row counts, as the members summed them
+
+        def rows(t: torch.Tensor) -> None:
+            reduce(t)
+            kept.append(t)
+
+        mean.all_reduce = rows
+        slots = [self.buckets.slot[i] for i in range(len(self.params))]
+        averages = mean.means(grads, slots, flags)
+        return averages, [flags, *self.buckets.flat, *kept]
+
+    def _apply(self, averages: list[torch.Tensor | None], members: list[int] | tuple[int, ...]):
+        self.apply_update(averages)
+        for r in members:
+            self.stats[r]["accepted"] += 1
+        self._replicas.append(len(members))
+
+    # ------------------------------------------------------------------ the late workers
+    def _send(self, step: int, order: list[int], sums: list[torch.Tensor]) -> None:
+        """The leader: the update's sums to every worker that is not a member (copies: the
+        buckets are this rank's next round's), then say it is made."""
+        late = [r for r in range(self.N) if r not in order]
+        payload = [t.clone() for t in sums]
+        works = []
+        for r in late:
+            for t in payload:
+                works.append(self._p2p(dist.isend, t, r))
+        self._sending.append((works, payload))
+        while len(self._sending) > SEND_WINDOW:
+            self._finish_oldest_send()
+        self.board.made(step, self.rank, order)
+
+    def _finish_oldest_send(self) -> None:
+        works, _ = self._sending.popleft()
+        for work in works:
+            self._wait(work)
+
+    def _catch_up(self) -> None:
+        """This rank came after the first R: receive the update at its step, and each later
+        one already made without it, so that its next gradient is of the newest step."""
+        made = self.board.wait_made(self.global_step)
+        while True:
+            self._receive(made)
+            if self._released() or self.board.arrivals(self.global_step) < self.R:
+                return
+            made = self.board.wait_made(self.global_step)
+
+    def _receive(self, made: Any) -> None:
+        """The update ``made``, from its leader's sums: the same means, the same update."""
+        n, leader = len(self.params), made.leader
+        flags = torch.zeros(2 * n, dtype=torch.float64)
+        self._p2p(dist.recv, flags, leader)
+        for flat in self.buckets.flat:
+            self._p2p(dist.recv, flat, leader)
+
+        def rows(t: torch.Tensor) -> None:  # the row counts, as the members summed them
+            self._p2p(dist.recv, t, leader)
+
+        mean = GradientMean(self.params, self.R, rows, self.group.device, _OWNER)
+        slots = [self.buckets.slot[i] for i in range(n)]
+        self._apply(mean.means([None] * n, slots, flags), made.members)
+
+    # ------------------------------------------------------------------ transport
+    def _group(self, members: list[int]) -> Any:
+        """The members' own process group (None: a member alone needs none)."""
+        if len(members) == 1:
+            return None
+        with gloo_link("a member of the update", "forming its group"):
+            try:
+                return self.board.members_group(members)
+            except LINK_ERRORS as exc:
+                raise self._lost(exc) from None
+
+    def _all_reduce(self, group: Any, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        if group is None:
+            return None
+        try:
+            with gloo_link("a member of the update", "all_reduce"):
+                work = group.allreduce([tensor])
+        except LINK_ERRORS as exc:
+            raise self._lost(exc) from None
+        if async_op:
+            return work
+        self._wait(work)
+        return None
+
+    def _wait(self, work: Any) -> None:
+        try:
+            with gloo_link("a peer of the update", "wait"):
+                work.wait()
+        except LINK_ERRORS as exc:
+            raise self._lost(exc) from None
+
+    def _p2p(self, fn: Any, tensor: torch.Tensor, peer: int) -> Any:
+        try:
+            with gloo_link(f"rank {peer}", fn.__name__):
+                return fn(tensor, peer)
+        except LINK_ERRORS as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: BaseException) -> RuntimeError:
+        log.error("rank %d: the first-arrivals exchange lost a peer: %s", self.rank, exc)
+        return RuntimeError(
+            f"{_OWNER}(transport='allreduce', replicas_to_aggregate={self.R}): rank "
+            f"{self.rank}: a peer is gone or silent (a lost worker ends the job): "
+            f"{str(exc).splitlines()[0]}"
+        )
+
+    def close(self) -> None:
+        """Finish sending what late workers still have to receive, then let go of the
+        members' groups."""
+        try:
+            while self._sending:
+                self._finish_oldest_send()
+        finally:
+            self._sending.clear()
+            self.board.close()
+
+    # ------------------------------------------------------------------ books
+    def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:
+        """Each worker's gradients in updates (the same on every rank) and after the first
+        R (counted on the store as they come)."""
+        counts = {r: dict(c) for r, c in super().worker_counters(shard).items()}
+        for r, n in self.board.dropped().items():
+            counts[r]["dropped"] = self._dropped_before[r] + n
+        return counts
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["stats"] = {int(k): dict(v) for k, v in self.worker_counters().items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.board.new_epoch()
+        self._dropped_before = {r: int(self.stats[r]["dropped"]) for r in self.stats}

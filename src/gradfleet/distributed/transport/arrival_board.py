@@ -1,0 +1,127 @@
+"""Who came first: the store's small control messages that let R of N ranks make an update
+without a server (:mod:`..sync.worker.first_arrivals`).
+
+Every rank holds the same state at step ``t`` and counts itself in when its gradient is ready:
+the store's atomic ``add`` gives each arrival its place, so the first R places are the update's
+members on every rank without anyone deciding.  The members name themselves under their
+places, and the update's leader (the first to arrive) says when the update is made, so a rank
+that came late (or not at all) knows whose update to receive.  Nothing parameter-sized goes
+through the store: the gradients travel on the process groups.
+
+Keys, under ``gradfleet/first/<exchange>/<epoch>/`` on the job's store (``<exchange>``: this
+process's n-th exchange, alike on every rank; ``<epoch>``: state loads since, so that a
+reloaded step never meets the arrivals of its first pass):
+
+* ``a/<t>``: arrivals at step ``t`` (a counter);
+* ``w/<t>/<place>``: the rank that arrived at that place;
+* ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON);
+* ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter);
+* ``pg/<r1-r2-...>/...``: the rendezvous of those members' own gloo group
+  (:meth:`ArrivalBoard.members_group`, made the first time they make an update together, kept
+  for the exchange's life: ``torch.distributed.new_group`` would have every rank take part).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import LINK_ERRORS
+
+__all__ = ["ArrivalBoard", "Made"]
+
+NAMESPACE = "gradfleet/first/"
+
+
+@dataclass(frozen=True)
+class Made:
+    """An update as its leader announced it: who made it, the leader first."""
+
+    leader: int
+    members: tuple[int, ...]
+
+
+class ArrivalBoard:
+    """Rank ``rank``'s view of the arrivals of a job of ``world`` ranks (module docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout: float) -> None:
+        self.rank, self.world, self.timeout = rank, world, timedelta(seconds=timeout)
+        self.root = dist.PrefixStore(NAMESPACE, store)
+        # the n-th exchange of this process: every rank builds its exchanges in the same order
+        self.exchange = self.root.add(f"made/{rank}", 1)
+        self.epoch = 0
+        self.store = self._scoped()
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def _scoped(self) -> dist.Store:
+        return dist.PrefixStore(f"{self.exchange}/{self.epoch}/", self.root)
+
+    def new_epoch(self) -> None:
+        """A state was loaded on every rank: steps may repeat, the arrivals start afresh."""
+        self.epoch += 1
+        self.store = self._scoped()
+
+    # ------------------------------------------------------------------ arriving
+    def arrive(self, step: int) -> int:
+        """Count this rank in at ``step``: its place, 1 for the first."""
+        place = int(self.store.add(f"a/{step}", 1))
+        self.store.set(f"w/{step}/{place}", str(self.rank))
+        return place
+
+    def first(self, step: int, R: int) -> list[int]:
+        """The ranks at places 1..R of ``step``, in order of arrival (waits for them: a
+        member calls this, so R have arrived or are arriving)."""
+        keys = [f"w/{step}/{place}" for place in range(1, R + 1)]
+        self._wait(keys, f"the other {R - 1} first arrivals at step {step}")
+        return [int(v) for v in self.store.multi_get(keys)]
+
+    def arrivals(self, step: int) -> int:
+        """How many ranks arrived at ``step`` so far."""
+        return int(self.store.add(f"a/{step}", 0))
+
+    # ------------------------------------------------------------------ the update
+    def made(self, step: int, leader: int, members: list[int]) -> None:
+        """The leader: the update at ``step`` is made, and its data is on the way."""
+        self.store.set(f"d/{step}", json.dumps({"leader": leader, "members": members}))
+
+    def wait_made(self, step: int) -> Made:
+        """A rank that came late: the update at ``step`` as its leader announced it."""
+        key = f"d/{step}"
+        self._wait([key], f"the update at step {step} (this rank came after the first)")
+        record = json.loads(self.store.get(key))
+        return Made(int(record["leader"]), tuple(int(r) for r in record["members"]))
+
+    def members_group(self, members: list[int]) -> Any:
+        """The gloo process group of ``members`` (sorted ranks, this one among them), made
+        with the others the first time (each of them calls this at the same step)."""
+        key = tuple(members)
+        if key not in self._groups:
+            store = dist.PrefixStore(f"{self.exchange}/pg/{'-'.join(map(str, key))}/", self.root)
+            self._groups[key] = dist.ProcessGroupGloo(
+                store, key.index(self.rank), len(key), self.timeout
+            )
+        return self._groups[key]
+
+    def close(self) -> None:
+        self._groups.clear()
+
+    # ------------------------------------------------------------------ counters
+    def count_dropped(self) -> None:
+        self.store.add(f"dropped/{self.rank}", 1)
+
+    def dropped(self) -> dict[int, int]:
+        """Each rank's gradients that came after the first R, in this epoch."""
+        return {r: int(self.store.add(f"dropped/{r}", 0)) for r in range(self.world)}
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        try:
+            self.store.wait(keys, self.timeout)
+        except LINK_ERRORS as exc:  # the store's timeout, or its host gone
+            raise TimeoutError(
+                f"rank {self.rank}: waited {self.timeout.total_seconds():g}s for {what}: "
+                f"{str(exc).splitlines()[0]}"
+            ) from None

@@ -1,0 +1,76 @@
+"""Backup workers without a server (``transport="allreduce"``, R < N): the first R workers
+ready make each update, the others receive it; checked against a float64 replay of the
+updates as their leaders announced them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradfleet.distributed import SyncReplicasOptimizer
+from gradfleet.distributed.sync.arguments import check_overlap
+from gradfleet.distributed.testing import run_ranks
+
+from . import first_arrivals_ranks as fr
+
+
+def replay(plan: list[list[int]]) -> torch.Tensor:
+    """Adam over float64 variables: update ``k`` (from 1) averages the gradients of the ranks
+    ``plan[k - 1]`` computed at step ``k - 1``."""
+    w = torch.nn.Parameter(fr.start_w())
+    opt = torch.optim.Adam([w], lr=fr.LR)
+    for step, ranks in enumerate(plan):
+        w.grad = sum(fr.gradient(r, step, w.detach()) for r in ranks) / len(ranks)
+        opt.step()
+    return w.detach()
+
+
+@pytest.mark.timeout(180)
+def test_the_first_r_make_each_update_and_the_late_receive_it():
+    out = run_ranks(fr.backups, fr.N, timeout=150)
+    plan = out[0]["plan"]
+    # every update of R distinct workers; every rank holds the same variables, bit for bit
+    assert all(len(set(m)) == fr.R for m in plan), plan
+    assert out[0]["w"] == out[1]["w"] == out[2]["w"]
+    # ... those of the updates the members made (float64: R gradients summed in another order)
+    tol = fr.R * fr.LAST * torch.finfo(torch.float64).eps * 10
+    torch.testing.assert_close(
+        torch.tensor(out[0]["w"], dtype=torch.float64), replay(plan), rtol=tol, atol=tol
+    )
+    # the slow worker was left out while it was slow: the backups did their work
+    for step in range(fr.ROTATE):
+        assert step % fr.N not in plan[step], (step, plan)
+    # a worker that came late dropped its gradient and received the update; one that found
+    # more updates made meanwhile received them all in the same step() call, so that its next
+    # gradient is of the newest step
+    late = [c for o in out for c in o["calls"] if not c[1]]
+    assert late and all(after > step for step, _, after in late), late
+    assert any(after > step + 1 for step, _, after in late), late
+    # the NaN raised on its own rank, changed nothing, and was never in an update
+    nan = out[1]["nan"]
+    assert isinstance(nan, dict) and nan["unchanged"] and "non-finite" in nan["error"], nan
+    # the books agree with the plan on every rank
+    for o in out:
+        accepted = {r: o["counters"][str(r)]["accepted"] for r in range(fr.N)}
+        assert accepted == {r: sum(r in m for m in plan) for r in range(fr.N)}
+        assert o["history"][-1] == fr.R
+    assert out[0]["counters"]["2"]["dropped"] >= 1
+
+
+def test_backups_without_a_server_refuse_what_they_cannot_do():
+    """Refused before any collective: the checks need no process group."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    cases = {
+        "tokens='distinct'": {"tokens": "shared"},
+        "no max_losses": {"max_losses": 1},
+    }
+    for message, extra in cases.items():
+        with pytest.raises(ValueError, match=message):
+            SyncReplicasOptimizer(
+                torch.optim.SGD([w], lr=0.1), 2, 3, transport="allreduce", worker=0, **extra
+            )
+    with pytest.raises(ValueError, match="known only when step"):
+        check_overlap(True, "allreduce", 1, "raise", backups=True)
+    assert check_overlap(None, "allreduce", 1, "raise", backups=True) is False
+    with pytest.raises(ValueError, match="replicas_to_aggregate <= total_num_replicas"):
+        SyncReplicasOptimizer(torch.optim.SGD([w], lr=0.1), 4, 3, transport="allreduce")
