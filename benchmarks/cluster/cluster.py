@@ -96,6 +96,8 @@ def rows(world: int) -> list[Row]:
             {"R": n, "servers": "default"}),
         Row("sr-one", f"SyncReplicas, one server, R={n}", "sync-replicas", {"R": n}),
         Row("sr-one-b", f"SyncReplicas, one server, R={r} of {n}", "sync-replicas", {"R": r}),
+        Row("sr-none-b", f"SyncReplicas, no server (the first R all-reduce), R={r} of {n}",
+            "sync-replicas", {"R": r, "servers": "none"}),
         Row("sr-one-auto-b", f"SyncReplicas, one server, model given, R={r} of {n}",
             "sync-replicas", {"R": r, "auto": True}),
         Row("sr-shard", f"SyncReplicas, sharded over workers, R={n}", "sync-replicas",

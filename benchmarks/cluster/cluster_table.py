@@ -50,7 +50,7 @@ ROW_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model-average": ("model-average", ("interval",)),
 }
 LOOP_OPTIONS = ("steps_scale",)  # the worker loop's, not the strategy's
-SERVERS = ("default", "one", "sharded", "dedicated")
+SERVERS = ("default", "one", "sharded", "dedicated", "none")  # none: transport="allreduce"
 
 
 @dataclass
@@ -93,7 +93,9 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
                 f"{sorted(set(o) - {'R', 'servers'})}"
             )
         args = {"replicas_to_aggregate": o.get("R", workers), "total_num_replicas": workers}
-        if servers != "default":
+        if servers == "none":  # every rank keeps the state: the first R all-reduce
+            args["transport"] = "allreduce"
+        elif servers != "default":
             args["overlap"] = bool(o.get("overlap", False))
             if not o.get("auto"):  # auto: left out, laid out for the job from the model
                 args["shard_assignment"] = o.get("assignment", "bytes")
@@ -119,7 +121,7 @@ def placement(name: str, options: dict[str, Any], ctx: Context, last_step: int) 
         return {}
     args = {"last_step": last_step, "timeout": ctx.timeout, "host": ctx.address}
     servers = o.get("servers", "one")
-    if servers == "default":
+    if servers in ("default", "none"):
         return {**args, "with_model": False}
     if servers == "dedicated":
         ranks = list(ctx.server_ranks)

@@ -101,7 +101,9 @@ TABLE: dict[str, StrategyInfo] = {
                 "replicas_to_aggregate workers) or shared (TF's token queue: first come, "
                 "first served)",
                 "transport": "allreduce (default where replicas_to_aggregate = workers and "
-                "no server is asked for: DDP-style buckets, no server) or server",
+                "no server is asked for: DDP-style buckets, no server; with "
+                "replicas_to_aggregate < workers the first R ready all-reduce and the others "
+                "receive the update: every rank keeps the state) or server",
                 "overlap": "true/false: send gradients during backward (default: on for "
                 "allreduce, where it never changes the numbers; off for servers)",
                 "shards": "parameter shards over the worker ranks, shard k on worker "
@@ -249,6 +251,8 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
         if int(args.get("max_losses", 0)):  # the all-reduce exchange, losses allowed
             return int(args["max_losses"])
         total = int(args.get("total_num_replicas", workers))
+        if args.get("transport") == "allreduce":  # no server: a lost worker ends the job
+            return 0
         if args.get("replicas_to_aggregate") == "auto":  # R follows the live workers
             return total - 1
         return max(total - int(args.get("replicas_to_aggregate", workers - 1)), 0)

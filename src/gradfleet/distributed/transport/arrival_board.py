@@ -16,6 +16,8 @@ reloaded step never meets the arrivals of its first pass):
 * ``w/<t>/<place>``: the rank that arrived at that place;
 * ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON);
 * ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter);
+* ``ended``: why the job ended, written by the first rank that met a lost peer, so that a rank
+  waiting on the store for the others hears it at once rather than at the timeout;
 * ``pg/<r1-r2-...>/...``: the rendezvous of those members' own gloo group
   (:meth:`ArrivalBoard.members_group`, made the first time they make an update together, kept
   for the exchange's life: ``torch.distributed.new_group`` would have every rank take part).
@@ -24,6 +26,7 @@ reloaded step never meets the arrivals of its first pass):
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,6 +38,7 @@ from .errors import LINK_ERRORS
 __all__ = ["ArrivalBoard", "Made"]
 
 NAMESPACE = "gradfleet/first/"
+_SLICE = timedelta(milliseconds=100)  # a waiting rank hears that the job ended this soon
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,39 @@ class ArrivalBoard:
         """Each rank's gradients that came after the first R, in this epoch."""
         return {r: int(self.store.add(f"dropped/{r}", 0)) for r in range(self.world)}
 
-    def _wait(self, keys: list[str], what: str) -> None:
+    # ------------------------------------------------------------------ the end
+    def end(self, why: str) -> None:
+        """This rank met a lost peer: tell every rank waiting on the store (best effort: the
+        store's host may be the one lost)."""
         try:
-            self.store.wait(keys, self.timeout)
-        except LINK_ERRORS as exc:  # the store's timeout, or its host gone
-            raise TimeoutError(
-                f"rank {self.rank}: waited {self.timeout.total_seconds():g}s for {what}: "
-                f"{str(exc).splitlines()[0]}"
-            ) from None
+            self.root.compare_set(f"{self.exchange}/ended", "", why)
+        except LINK_ERRORS:
+            pass
+
+    def _wait(self, keys: list[str], what: str) -> None:
+        """Until ``keys`` are set, in slices, between which a job ended by another rank is
+        heard (``ConnectionError`` naming it); ``TimeoutError`` after the timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, _SLICE)
+                return
+            except (*LINK_ERRORS, RuntimeError) as exc:
+                if not _timed_out(exc):  # the store's host is gone
+                    raise
+            ended = f"{self.exchange}/ended"
+            if self.root.check([ended]):
+                raise ConnectionError(
+                    f"rank {self.rank}: waiting for {what}, the job ended: "
+                    f"{self.root.get(ended).decode()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: waited {self.timeout.total_seconds():g}s for {what}"
+                )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A store's wait that timed out (TCPStore: ``DistStoreError``; FileStore and HashStore:
+    a plain ``RuntimeError``), not a lost store."""
+    return "timeout" in str(exc).lower() and not isinstance(exc, dist.DistNetworkError)

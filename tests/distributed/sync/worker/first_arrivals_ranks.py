@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from gradfleet import AdamOptimizer
 from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed.testing import RankContext
 
@@ -33,14 +35,26 @@ def start_w() -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
 
 
+def start_table() -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, 12, dtype=torch.float64).reshape(4, 3)
+
+
+def table_gradient(rank: int, step: int) -> torch.Tensor:
+    """A sparse gradient of the 4-row table: rows ``rank`` and ``rank + 1`` (rows shared by
+    two ranks are divided by the members that sent them)."""
+    rows = torch.tensor([[rank % 4, (rank + 1) % 4]])
+    values = torch.cos(torch.arange(6, dtype=torch.float64) + rank + 0.2 * step).reshape(2, 3)
+    return torch.sparse_coo_tensor(rows, values, (4, 3)).coalesce()
+
+
 def backups(ctx: RankContext) -> dict:
     """R = 2 of N = 3 with ``transport="allreduce"`` until LAST: first a slow rank that moves
     from step to step, then none; rank 1 meets a NaN once.  Returns the variables, each
     step() call's outcome, the counters, the NaN's verdict and (rank 0) every update's
     members."""
-    w = torch.nn.Parameter(start_w())
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
     opt = SyncReplicasOptimizer(
-        torch.optim.Adam([w], lr=LR), R, N, transport="allreduce", last_step=LAST, timeout=60
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", last_step=LAST, timeout=60
     )
     calls: list[tuple[int, bool, int]] = []  # (step computed at, accepted, global step after)
     nan = None
@@ -56,6 +70,7 @@ def backups(ctx: RankContext) -> dict:
                 nan = {"error": str(exc), "unchanged": bool(torch.equal(w.detach(), before)),
                        "global_step": opt.global_step}  # fmt: skip
         w.grad = gradient(ctx.rank, step, w.detach())
+        table.grad = table_gradient(ctx.rank, step)
         if step < ROTATE and step % N == ctx.rank:
             time.sleep(SLOW_S)
         opt.step()
@@ -66,6 +81,7 @@ def backups(ctx: RankContext) -> dict:
         plan = [list(board.wait_made(t).members) for t in range(LAST)]
     out = {
         "w": w.detach().tolist(),
+        "table": table.detach().tolist(),
         "calls": calls,
         "counters": {str(k): v for k, v in opt.worker_counters().items()},
         "history": opt.replicas_history(),
@@ -75,3 +91,30 @@ def backups(ctx: RankContext) -> dict:
     opt.close()
     dist.barrier()
     return json.loads(json.dumps(out))
+
+
+LOST_AT = 4  # rank 2 is killed after this many step() calls
+
+
+def lose_one(ctx: RankContext) -> dict:
+    """R = 2 of N = 3 without a server; rank 2 is SIGKILLed (by the harness) after LOST_AT
+    step() calls.  The others keep stepping until the exchange says the peer is gone; each
+    returns its error and how long after the kill it came."""
+    w = torch.nn.Parameter(start_w())
+    opt = SyncReplicasOptimizer(
+        torch.optim.Adam([w], lr=LR), R, N, transport="allreduce", last_step=10_000, timeout=60
+    )
+    calls = 0
+    try:
+        while True:
+            w.grad = gradient(ctx.rank, opt.local_step, w.detach())
+            if ctx.rank == 2:
+                time.sleep(0.05)  # the backup: late at every step
+            opt.step()
+            calls += 1
+            if ctx.rank == 2 and calls == LOST_AT:
+                ctx.signal("die")
+                time.sleep(60)
+    except RuntimeError as exc:
+        signalled = Path(ctx.workdir, "signal-2-die").stat().st_mtime  # just before the kill
+        return {"error": str(exc), "after_kill": time.time() - signalled}

@@ -7,22 +7,30 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradfleet import AdamOptimizer
 from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed.sync.arguments import check_overlap
-from gradfleet.distributed.testing import run_ranks
+from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import first_arrivals_ranks as fr
 
 
-def replay(plan: list[list[int]]) -> torch.Tensor:
-    """Adam over float64 variables: update ``k`` (from 1) averages the gradients of the ranks
-    ``plan[k - 1]`` computed at step ``k - 1``."""
-    w = torch.nn.Parameter(fr.start_w())
-    opt = torch.optim.Adam([w], lr=fr.LR)
+def replay(plan: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TF's Adam over float64 variables: update ``k`` (from 1) takes the gradients the ranks
+    ``plan[k - 1]`` computed at step ``k - 1``: the dense mean, and each sparse row's sum
+    divided by the ranks that sent the row (TF's sparse accumulator)."""
+    w, table = torch.nn.Parameter(fr.start_w()), torch.nn.Parameter(fr.start_table())
+    opt = AdamOptimizer([w, table], fr.LR)
     for step, ranks in enumerate(plan):
         w.grad = sum(fr.gradient(r, step, w.detach()) for r in ranks) / len(ranks)
+        sparse = [fr.table_gradient(r, step) for r in ranks]
+        total = sum(g.to_dense() for g in sparse)
+        count = sum((g.to_dense().abs().sum(1) > 0).double() for g in sparse)
+        rows = count.nonzero().reshape(-1)
+        values = total[rows] / count[rows].unsqueeze(1)
+        table.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (4, 3)).coalesce()
         opt.step()
-    return w.detach()
+    return w.detach(), table.detach()
 
 
 @pytest.mark.timeout(180)
@@ -32,11 +40,13 @@ def test_the_first_r_make_each_update_and_the_late_receive_it():
     # every update of R distinct workers; every rank holds the same variables, bit for bit
     assert all(len(set(m)) == fr.R for m in plan), plan
     assert out[0]["w"] == out[1]["w"] == out[2]["w"]
+    assert out[0]["table"] == out[1]["table"] == out[2]["table"]
     # ... those of the updates the members made (float64: R gradients summed in another order)
     tol = fr.R * fr.LAST * torch.finfo(torch.float64).eps * 10
-    torch.testing.assert_close(
-        torch.tensor(out[0]["w"], dtype=torch.float64), replay(plan), rtol=tol, atol=tol
-    )
+    w, table = replay(plan)
+    for name, expected in (("w", w), ("table", table)):
+        got = torch.tensor(out[0][name], dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     # the slow worker was left out while it was slow: the backups did their work
     for step in range(fr.ROTATE):
         assert step % fr.N not in plan[step], (step, plan)
@@ -74,3 +84,15 @@ def test_backups_without_a_server_refuse_what_they_cannot_do():
     assert check_overlap(None, "allreduce", 1, "raise", backups=True) is False
     with pytest.raises(ValueError, match="replicas_to_aggregate <= total_num_replicas"):
         SyncReplicasOptimizer(torch.optim.SGD([w], lr=0.1), 4, 3, transport="allreduce")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(180)
+def test_a_lost_worker_ends_the_job_with_an_error_within_seconds():
+    """No max_losses here yet: the leaders' sends to the lost worker fail, and every survivor
+    ends with an error that says a peer is gone, well within the 60 s timeout."""
+    out = run_ranks(fr.lose_one, fr.N, timeout=150, kill_on={2: "die"})
+    assert out[2] == RankKilled(2)
+    for o in out[:2]:
+        assert "a peer is gone" in o["error"] and "transport='allreduce'" in o["error"], o
+        assert o["after_kill"] < 15, o

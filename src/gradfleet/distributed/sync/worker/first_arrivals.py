@@ -14,14 +14,16 @@ backup workers, without a host that holds the state alone.
   :mod:`~...transport.all_reduce`), and apply them with their own copy of the wrapped
   optimizer.
 * **The others** -- a worker that came after the first R, or one still computing -- drop their
-  gradient (TF: a stale gradient is dropped) and receive the update from its leader: the sums,
-  the flags of who sent what, and the row counts, point-to-point on the job's process group.
+  gradient (TF: a stale gradient is dropped) and receive the update point-to-point on the job's
+  process group: each member sends one R-th of the sums (so no member's link carries more than
+  a slice), the leader the flags of who sent what and the row counts.
   From these they compute the same means and apply the same update, so every rank's state is
   bit-identical after every update.  A worker that is several updates behind receives each in
   turn, then computes its next gradient at the newest step, as TF's worker reads the newest
   variables.
-* **Back-pressure**: a leader keeps each update's sums until the late workers have received
-  them, at most :data:`SEND_WINDOW` updates; beyond that it waits for the oldest.  A worker
+* **Back-pressure**: a member keeps its slices of each update until the late workers have
+  received them (gloo's send completes only then), at most :data:`SEND_WINDOW` updates; beyond
+  that it waits for the oldest.  A worker
   that is slower still holds the others back to its pace of *receiving* updates, which is much
   faster than computing gradients.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -101,6 +104,12 @@ class FirstArrivalsExchange(ServerlessExchange):
         return Outcome(*self._round(grads))
 
     def _round(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
+        try:
+            return self._take_part(grads)
+        except LINK_ERRORS as exc:  # the store's: a rank that met a lost peer ended the job
+            raise self._lost(exc) from None
+
+    def _take_part(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
         if self._released():
             return False, self.global_step, self.global_step
         if self.local_step < self.global_step:  # a gradient of an old step: TF drops it
@@ -119,22 +128,23 @@ class FirstArrivalsExchange(ServerlessExchange):
             return False, self.global_step, self.global_step
         order = self.board.first(step, self.R)
         members = sorted(order)
-        averages, sums = self._reduce(grads, members)
+        averages, (flags, rows) = self._reduce(grads, members)
         self._apply(averages, members)
-        if order[0] == self.rank:
-            self._send(step, order, sums)
+        self._send(step, order, flags, rows)
         return True, self.global_step, self.global_step
 
     def _reduce(
         self, grads: list[torch.Tensor | None], members: list[int]
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """The members' mean gradients, and what makes them: the summed flags, the buckets'
-        sums and any row counts (what the late workers receive)."""
+    ) -> tuple[list[torch.Tensor | None], tuple[torch.Tensor, list[torch.Tensor]]]:
+        """The members' mean gradients, and with the buckets' sums what makes them: the
+        summed flags and any row counts (what the late workers receive)."""
         group = self._group(members)
         reduce = partial(self._all_reduce, group)
         for i, g in enumerate(grads):
             self.buckets.fill(i, g)
         works = [self._all_reduce(group, flat, True) for flat in self.buckets.flat]
+        if group is not None:
+            self.bytes_sent += sum(f.numel() * f.element_size() for f in self.buckets.flat)
         mean = GradientMean(self.params, self.R, reduce, self.group.device, _OWNER)
         flags = mean.flags(grads)
         reduce(flags)
@@ -150,7 +160,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         mean.all_reduce = rows
         slots = [self.buckets.slot[i] for i in range(len(self.params))]
         averages = mean.means(grads, slots, flags)
-        return averages, [flags, *self.buckets.flat, *kept]
+        return averages, (flags, kept)
 
     def _apply(self, averages: list[torch.Tensor | None], members: list[int] | tuple[int, ...]):
         self.apply_update(averages)
@@ -159,19 +169,27 @@ class FirstArrivalsExchange(ServerlessExchange):
         self._replicas.append(len(members))
 
     # ------------------------------------------------------------------ the late workers
-    def _send(self, step: int, order: list[int], sums: list[torch.Tensor]) -> None:
-        """The leader: the update's sums to every worker that is not a member (copies: the
-        buckets are this rank's next round's), then say it is made."""
-        late = [r for r in range(self.N) if r not in order]
-        payload = [t.clone() for t in sums]
-        works = []
-        for r in late:
-            for t in payload:
-                works.append(self._p2p(dist.isend, t, r))
+    def _send(
+        self, step: int, order: list[int], flags: torch.Tensor, rows: list[torch.Tensor]
+    ) -> None:
+        """Every member: its slice of each bucket's sums to every worker that is not a member
+        (member k of the sorted members sends the k-th of R slices, so each member's link
+        carries 1/R of the sums); the leader also sends the flags and row counts, then says
+        the update is made.  Copies: the buckets are this rank's next round's."""
+        members = sorted(order)
+        late = [r for r in range(self.N) if r not in members]
+        k = members.index(self.rank)
+        payload = [flat.tensor_split(self.R)[k].clone() for flat in self.buckets.flat]
+        leader = order[0] == self.rank
+        if leader:
+            payload = [flags, *payload, *rows]
+        works = [self._p2p(dist.isend, t, r) for r in late for t in payload]
+        self.bytes_sent += len(late) * sum(t.numel() * t.element_size() for t in payload)
         self._sending.append((works, payload))
         while len(self._sending) > SEND_WINDOW:
             self._finish_oldest_send()
-        self.board.made(step, self.rank, order)
+        if leader:
+            self.board.made(step, self.rank, order)
 
     def _finish_oldest_send(self) -> None:
         works, _ = self._sending.popleft()
@@ -189,12 +207,18 @@ class FirstArrivalsExchange(ServerlessExchange):
             made = self.board.wait_made(self.global_step)
 
     def _receive(self, made: Any) -> None:
-        """The update ``made``, from its leader's sums: the same means, the same update."""
-        n, leader = len(self.params), made.leader
+        """The update ``made``: the flags from its leader, each member's slice of the sums,
+        the row counts from the leader; then the same means, the same update."""
+        n, leader, members = len(self.params), made.leader, sorted(made.members)
         flags = torch.zeros(2 * n, dtype=torch.float64)
         self._p2p(dist.recv, flags, leader)
-        for flat in self.buckets.flat:
-            self._p2p(dist.recv, flat, leader)
+        works = [
+            self._p2p(dist.irecv, part, member)
+            for flat in self.buckets.flat
+            for member, part in zip(members, flat.tensor_split(self.R), strict=True)
+        ]
+        for work in works:
+            self._wait(work)
 
         def rows(t: torch.Tensor) -> None:  # the row counts, as the members summed them
             self._p2p(dist.recv, t, leader)
@@ -230,7 +254,7 @@ class FirstArrivalsExchange(ServerlessExchange):
     def _wait(self, work: Any) -> None:
         try:
             with gloo_link("a peer of the update", "wait"):
-                work.wait()
+                work.wait(timedelta(seconds=self.timeout))  # a send: until the peer receives
         except LINK_ERRORS as exc:
             raise self._lost(exc) from None
 
@@ -242,7 +266,9 @@ class FirstArrivalsExchange(ServerlessExchange):
             raise self._lost(exc) from None
 
     def _lost(self, exc: BaseException) -> RuntimeError:
+        """A lost peer: the job's end, said plainly here and told to every rank."""
         log.error("rank %d: the first-arrivals exchange lost a peer: %s", self.rank, exc)
+        self.board.end(f"rank {self.rank}: {str(exc).splitlines()[0]}")
         return RuntimeError(
             f"{_OWNER}(transport='allreduce', replicas_to_aggregate={self.R}): rank "
             f"{self.rank}: a peer is gone or silent (a lost worker ends the job): "
@@ -250,11 +276,17 @@ class FirstArrivalsExchange(ServerlessExchange):
         )
 
     def close(self) -> None:
-        """Finish sending what late workers still have to receive, then let go of the
-        members' groups."""
+        """Finish sending what late workers still have to receive (each receives in its next
+        ``step()``: a worker that stopped stepping is given ``timeout`` seconds, then left
+        with a warning), then let go of the members' groups."""
         try:
             while self._sending:
                 self._finish_oldest_send()
+        except RuntimeError as exc:
+            log.warning(
+                "rank %d: closing: a late worker did not receive the last updates: %s",
+                self.rank, exc,
+            )  # fmt: skip
         finally:
             self._sending.clear()
             self.board.close()
