@@ -144,6 +144,27 @@ def test_the_one_server_table_quotes_the_stored_results() -> None:
         assert cells[label] == _quoted("cluster-one-server", "uniform", key), label
 
 
+NO_SERVER = {  # "Backup workers without a server", from ``cluster-serverless-backups``
+    "DDP (R = 4 of 4)": "ddp",
+    "SyncReplicas, one server on rank 0": "sr-one-b",
+    "SyncReplicas, sharded over the workers": "sr-shard-b",
+    'SyncReplicas, no server (`transport="allreduce"`)': "sr-none-b",
+}
+
+
+def test_the_no_server_table_quotes_the_stored_results() -> None:
+    section = PAGE.read_text().split("### Backup workers without a server")[1].split("\n#")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    cells = {r.strip("| ").split(" | ")[0]: r.strip("| ").split(" | ")[1:] for r in rows}
+    assert set(cells) == set(NO_SERVER)
+    for label, key in NO_SERVER.items():
+        expected = [
+            _quoted("cluster-serverless-backups", s, key)
+            for s in ("uniform", "slow-link", "slow-compute")
+        ]
+        assert cells[label] == expected, label
+
+
 def test_the_page_has_python_blocks() -> None:
     assert len(_blocks()) == 2
 

@@ -6,6 +6,7 @@ them on the store."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -118,3 +119,50 @@ def lose_one(ctx: RankContext) -> dict:
     except RuntimeError as exc:
         signalled = Path(ctx.workdir, "signal-2-die").stat().st_mtime  # just before the kill
         return {"error": str(exc), "after_kill": time.time() - signalled}
+
+
+RESUME_AT, RESUME_END = 5, 10  # a checkpoint at update RESUME_AT; each run goes on to RESUME_END
+
+
+def resume(ctx: RankContext) -> dict:
+    """R = 2 of N = 3 without a server: to RESUME_AT, a checkpoint, on to RESUME_END; then the
+    checkpoint loaded into the same optimizer (on every rank, as a resumed job does) and on to
+    RESUME_END again, through steps the store has seen before.  Returns the variables at each
+    end and (rank 0) the members of every update of both passes."""
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", last_step=RESUME_END,
+        timeout=60,
+    )  # fmt: skip
+
+    def train_to(end: int) -> None:
+        while opt.global_step < end:
+            step = opt.local_step
+            w.grad = gradient(ctx.rank, step, w.detach())
+            table.grad = table_gradient(ctx.rank, step)
+            if step % N == ctx.rank:
+                time.sleep(0.1)
+            opt.step()
+
+    def members(start: int, end: int) -> list[list[int]] | None:
+        board = opt.exchange.board
+        return (
+            [list(board.wait_made(t).members) for t in range(start, end)] if ctx.rank == 0 else None
+        )
+
+    train_to(RESUME_AT)
+    saved = copy.deepcopy({"opt": opt.state_dict(), "w": w.detach(), "table": table.detach()})
+    dist.barrier()
+    train_to(RESUME_END)
+    first = {"w": w.detach().tolist(), "plan": members(0, RESUME_END)}
+    dist.barrier()
+    with torch.no_grad():
+        w.copy_(saved["w"])
+        table.copy_(saved["table"])
+    opt.load_state_dict(saved["opt"])
+    train_to(RESUME_END)
+    second = {"w": w.detach().tolist(), "plan": members(RESUME_AT, RESUME_END),
+              "global_step": opt.global_step}  # fmt: skip
+    opt.close()
+    dist.barrier()
+    return json.loads(json.dumps({"first": first, "second": second}))

@@ -96,3 +96,21 @@ def test_a_lost_worker_ends_the_job_with_an_error_within_seconds():
     for o in out[:2]:
         assert "a peer is gone" in o["error"] and "transport='allreduce'" in o["error"], o
         assert o["after_kill"] < 15, o
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_resumes_through_steps_the_store_has_seen():
+    out = run_ranks(fr.resume, fr.N, timeout=150)
+    first, second = out[0]["first"], out[0]["second"]
+    tol = fr.R * fr.RESUME_END * torch.finfo(torch.float64).eps * 10
+    for run, plan in (
+        (first, first["plan"]),
+        (second, first["plan"][: fr.RESUME_AT] + second["plan"]),
+    ):
+        assert all(len(set(m)) == fr.R for m in plan), plan
+        w, _ = replay(plan)
+        torch.testing.assert_close(
+            torch.tensor(run["w"], dtype=torch.float64), w, rtol=tol, atol=tol
+        )
+    assert all(o["second"]["w"] == second["w"] for o in out)
+    assert all(o["second"]["global_step"] == fr.RESUME_END for o in out)

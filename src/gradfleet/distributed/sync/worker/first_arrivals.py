@@ -57,7 +57,7 @@ __all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
 log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
-SEND_WINDOW = 4  # updates a leader may still be sending to late workers
+SEND_WINDOW = 4  # updates a member may still be sending to late workers
 
 
 class FirstArrivalsExchange(ServerlessExchange):
@@ -229,14 +229,12 @@ class FirstArrivalsExchange(ServerlessExchange):
 
     # ------------------------------------------------------------------ transport
     def _group(self, members: list[int]) -> Any:
-        """The members' own process group (None: a member alone needs none)."""
+        """The members' own process group (None: a member alone needs none); a lost member
+        while it forms raises one of ``LINK_ERRORS`` (:meth:`_round` ends the job)."""
         if len(members) == 1:
             return None
         with gloo_link("a member of the update", "forming its group"):
-            try:
-                return self.board.members_group(members)
-            except LINK_ERRORS as exc:
-                raise self._lost(exc) from None
+            return self.board.members_group(members)
 
     def _all_reduce(self, group: Any, tensor: torch.Tensor, async_op: bool = False) -> Any:
         if group is None:
