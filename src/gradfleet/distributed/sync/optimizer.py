@@ -258,10 +258,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         transport = choose_transport(transport, R, N, rule, named, policy is not None, rejoining)
         if max_losses and (transport != "allreduce" or max_losses >= N):
             raise ValueError(
-                f"{_OWNER}: max_losses={max_losses} needs transport='allreduce' (R == N == "
-                f"total_num_replicas, tokens='distinct', no server named) and fewer losses than "
+                f"{_OWNER}: max_losses={max_losses} needs transport='allreduce' (no server: "
+                "every rank keeps the state; tokens='distinct') and fewer losses than "
                 f"the N={N} workers; with a server, backup workers (replicas_to_aggregate < "
-                "total_num_replicas) tolerate losses"
+                "total_num_replicas) tolerate the loss of a worker"
+            )
+        if R < N and max_losses > N - R:  # backups without a server: R must stay reachable
+            raise ValueError(
+                f"{_OWNER}: max_losses={max_losses} would leave fewer than "
+                f"replicas_to_aggregate={R} of the {N} workers"
             )
         server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
@@ -310,15 +315,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             averaged=tuple(averaged), global_step=start, policy=policy, max_losses=max_losses,
         )  # fmt: skip
         self.exchange: Exchange
-        if transport == "allreduce" and R < N:
-            self.exchange = FirstArrivalsExchange(self.optimizer, job, store)
-        elif transport == "allreduce":
+        if transport == "allreduce":
             group = (
                 elastic_group(list(self.params()), N, self.worker, timeout, store, rejoining)
                 if max_losses
                 else None
             )
-            self.exchange = AllReduceExchange(self.optimizer, job, self.overlap, group)
+            self.exchange = (
+                FirstArrivalsExchange(self.optimizer, job, store, group)
+                if R < N
+                else AllReduceExchange(self.optimizer, job, self.overlap, group)
+            )
         else:
             servers = ServerExchange(
                 self.optimizer, job, worker=self.worker, ranks=ranks,

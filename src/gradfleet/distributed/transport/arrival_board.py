@@ -8,14 +8,16 @@ places, and the update's leader (the first to arrive) says when the update is ma
 that came late (or not at all) knows whose update to receive.  Nothing parameter-sized goes
 through the store: the gradients travel on the process groups.
 
-Keys, under ``gradfleet/first/<exchange>/<epoch>/`` on the job's store (``<exchange>``: this
-process's n-th exchange, alike on every rank; ``<epoch>``: state loads since, so that a
-reloaded step never meets the arrivals of its first pass):
+Keys, under ``gradfleet/first/<exchange>/<epoch>/g<generation>/`` on the job's store
+(``<exchange>``: this process's n-th exchange, alike on every rank; ``<epoch>``: state loads
+since, so that a reloaded step never meets the arrivals of its first pass; ``<generation>``:
+the members' generation, which changes when one is lost or joins):
 
 * ``a/<t>``: arrivals at step ``t`` (a counter);
 * ``w/<t>/<place>``: the rank that arrived at that place;
 * ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON);
-* ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter);
+* ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter, under
+  ``<epoch>/`` only: it outlives a generation);
 * ``ended``: why the job ended, written by the first rank that met a lost peer, so that a rank
   waiting on the store for the others hears it at once rather than at the timeout;
 * ``pg/<r1-r2-...>/...``: the rendezvous of those members' own gloo group
@@ -27,13 +29,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from .errors import LINK_ERRORS
+from .errors import LINK_ERRORS, LinkLost
 
 __all__ = ["ArrivalBoard", "Made"]
 
@@ -49,25 +52,52 @@ class Made:
     members: tuple[int, ...]
 
 
-class ArrivalBoard:
-    """Rank ``rank``'s view of the arrivals of a job of ``world`` ranks (module docstring)."""
+def _nothing_to_watch() -> Callable[[], str | None]:
+    return lambda: None
 
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout: float) -> None:
+
+class ArrivalBoard:
+    """Rank ``rank``'s view of the arrivals of a job of ``world`` ranks (module docstring).
+
+    ``watcher`` makes, for each wait on the others, a check called between slices that says
+    why the wait will never end (a member's heartbeat stood still, the members re-forming:
+    ``ElasticGroup.watcher``); ``exchange`` names this exchange on the store (default: this
+    process's n-th, alike on every rank; an elastic job's names one, since a restarted process
+    counts from 1 again)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world: int,
+        timeout: float,
+        watcher: Callable[[], Callable[[], str | None]] = _nothing_to_watch,
+        exchange: str | None = None,
+    ) -> None:
         self.rank, self.world, self.timeout = rank, world, timedelta(seconds=timeout)
+        self.watcher = watcher
         self.root = dist.PrefixStore(NAMESPACE, store)
         # the n-th exchange of this process: every rank builds its exchanges in the same order
-        self.exchange = self.root.add(f"made/{rank}", 1)
-        self.epoch = 0
-        self.store = self._scoped()
+        self.exchange = exchange or str(self.root.add(f"made/{rank}", 1))
+        self.epoch = self.generation = 0
         self._groups: dict[tuple[int, ...], Any] = {}
+        self._scope()
 
-    def _scoped(self) -> dist.Store:
-        return dist.PrefixStore(f"{self.exchange}/{self.epoch}/", self.root)
+    def _scope(self) -> None:
+        self.books = dist.PrefixStore(f"{self.exchange}/{self.epoch}/", self.root)
+        self.store = dist.PrefixStore(f"g{self.generation}/", self.books)
+        self._groups.clear()  # another generation's members meet in groups of their own
 
-    def new_epoch(self) -> None:
-        """A state was loaded on every rank: steps may repeat, the arrivals start afresh."""
-        self.epoch += 1
-        self.store = self._scoped()
+    def new_epoch(self, epoch: int | None = None) -> None:
+        """A state was loaded on every rank (``epoch``: the one a live member's books carry):
+        steps may repeat, the arrivals start afresh."""
+        self.epoch = self.epoch + 1 if epoch is None else int(epoch)
+        self._scope()
+
+    def new_generation(self, generation: int) -> None:
+        """The members changed (a loss, a join): the arrivals start afresh among them."""
+        self.generation = int(generation)
+        self._scope()
 
     # ------------------------------------------------------------------ arriving
     def arrive(self, step: int) -> int:
@@ -104,7 +134,7 @@ class ArrivalBoard:
         with the others the first time (each of them calls this at the same step)."""
         key = tuple(members)
         if key not in self._groups:
-            store = dist.PrefixStore(f"{self.exchange}/pg/{'-'.join(map(str, key))}/", self.root)
+            store = dist.PrefixStore(f"pg/{'-'.join(map(str, key))}/", self.store)
             self._groups[key] = dist.ProcessGroupGloo(
                 store, key.index(self.rank), len(key), self.timeout
             )
@@ -115,11 +145,11 @@ class ArrivalBoard:
 
     # ------------------------------------------------------------------ counters
     def count_dropped(self) -> None:
-        self.store.add(f"dropped/{self.rank}", 1)
+        self.books.add(f"dropped/{self.rank}", 1)
 
     def dropped(self) -> dict[int, int]:
         """Each rank's gradients that came after the first R, in this epoch."""
-        return {r: int(self.store.add(f"dropped/{r}", 0)) for r in range(self.world)}
+        return {r: int(self.books.add(f"dropped/{r}", 0)) for r in range(self.world)}
 
     # ------------------------------------------------------------------ the end
     def end(self, why: str) -> None:
@@ -134,6 +164,7 @@ class ArrivalBoard:
         """Until ``keys`` are set, in slices, between which a job ended by another rank is
         heard (``ConnectionError`` naming it); ``TimeoutError`` after the timeout."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        check = self.watcher()
         while True:
             try:
                 self.store.wait(keys, _SLICE)
@@ -147,6 +178,8 @@ class ArrivalBoard:
                     f"rank {self.rank}: waiting for {what}, the job ended: "
                     f"{self.root.get(ended).decode()}"
                 )
+            if why := check():
+                raise LinkLost(f"rank {self.rank}: waiting for {what}: {why}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {self.rank}: waited {self.timeout.total_seconds():g}s for {what}"

@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -100,7 +100,7 @@ class ElasticGroup:
         heartbeat_s: float = HEARTBEAT_S,
         dead_after: float = DEAD_AFTER_S,
     ) -> None:
-        root = root_store(store)
+        self.root = root = root_store(store)
         self.store = dist.PrefixStore(NAMESPACE, root)
         self.rank, self.world = int(rank), int(world)
         self.timeout, self.dead_after = float(timeout), min(float(dead_after), float(timeout))
@@ -116,6 +116,9 @@ class ElasticGroup:
         self._handles = 0
         self._silence: Silence | None = None  # what the last watch saw, for the next quorum
         self.abandoned = 0  # collectives given up on a silent member (module docstring)
+        # the first-R exchange's members re-form at different points: one blocked in a
+        # point-to-point wait leaves it once another member begins the next generation
+        self.watch_reforming = False
         self._stop = threading.Event()
         beat_store = dist.PrefixStore(NAMESPACE, _own_connection(root))
         self.store.add(f"beat/{self.rank}", 1)
@@ -316,17 +319,40 @@ class ElasticGroup:
             handle = self._hold(self._live().broadcast([tensor], opts))
         self.wait(handle)
 
+    def isend(self, tensor: torch.Tensor, dst: int) -> int:
+        """Send ``tensor`` to member ``dst`` (a rank); a handle for :meth:`wait`, which
+        returns once ``dst`` has received it."""
+        with gloo_link(self._peer(), "send"):
+            return self._hold(self._live().send([tensor], self.members.index(dst), 0))
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> int:
+        """Receive ``tensor`` from member ``src`` (a rank); a handle for :meth:`wait`."""
+        with gloo_link(self._peer(), "recv"):
+            return self._hold(self._live().recv([tensor], self.members.index(src), 0))
+
+    def reforming(self) -> str | None:
+        """Why this generation is ending, or None: another member has begun forming the next
+        one (it met a lost member, or takes a restarted one in), or it was formed already."""
+        after = self.generation + 1
+        if self._decided(after) is not None:
+            return f"generation {after} formed"
+        for r in self.members:
+            if r != self.rank and self.store.check([f"g{after}/here/{r}"]):
+                return f"rank {r} is forming generation {after}"
+        return None
+
     def wait(self, handle: int) -> None:
         """Until the collective ``handle`` is done; a lost member's error as ``LinkLost``."""
         work = self._pending.pop(handle)
-        failure = None
+        failure: list[BaseException] = []
         silent = None
         try:
-            silent = self._watch(work)
-            if silent is None:
-                work.wait()
+            done, waited = self._done_event(work, failure)
+            silent = self._watch(done)
+            if silent is None and not waited:
+                work.wait()  # done: raises the collective's own error, if it had one
         except RuntimeError as exc:
-            failure = exc
+            failure.append(exc)
         finally:
             # no frame of a traceback may keep the work: it holds gloo's context, whose
             # sockets must close when the group is dropped (module docstring)
@@ -334,22 +360,57 @@ class ElasticGroup:
         if silent is not None:
             self.abandoned += 1
             raise LinkLost(f"{self._peer()}: collective abandoned: {silent}")
-        if failure is not None:
+        if failure:
             with gloo_link(self._peer(), "collective"):
-                raise failure
+                raise failure[0]
 
-    def _watch(self, work: Any) -> str | None:
-        """Wait until ``work`` is done (None), or say why it never will: a member whose
-        heartbeat stands still, or a newer generation formed without this rank."""
+    @staticmethod
+    def _done_event(work: Any, failure: list[BaseException]) -> tuple[threading.Event, bool]:
+        """An event set when ``work`` is done, and whether it was waited for already.  A
+        collective's future says so; gloo's point-to-point works have no future (and never
+        report themselves completed), so a thread of their own waits for them -- once: a
+        second ``wait()`` of a receive waits for another message -- holding the work until
+        gloo ends it (a lost peer fails it at once, a silent one at the group's timeout), and
+        notes its error."""
         done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+            return done, False
+        except RuntimeError:  # "Work::getFuture not implemented"
+            pass
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="gradfleet-elastic-p2p", daemon=True).start()
+        return done, True
+
+    def _watch(self, done: threading.Event) -> str | None:
+        """Wait until ``done`` is set (None), or say why it never will be (:meth:`watcher`)."""
+        check = self.watcher()
+        while not done.wait(_WATCH_S):
+            if why := check():
+                return why
+        return None
+
+    def watcher(self) -> Callable[[], str | None]:
+        """A check to call every ``_WATCH_S`` or so while waiting on the members: why the
+        wait will never end, or None -- a member whose heartbeat stood still for
+        ``dead_after``, a newer generation formed without this rank, or (with
+        ``watch_reforming``) another member forming the next one."""
         others = [r for r in self.members if r != self.rank]
         silence = Silence(self.dead_after)
-        while not done.wait(_WATCH_S):
+
+        def check() -> str | None:
             beats = {r: self.store.add(f"beat/{r}", 0) for r in others}
             silent = silence.observe(time.monotonic(), beats)
             if silent:
-                self._silence = silence
+                self._silence = silence  # the next quorum goes on from these observations
                 return (
                     f"the heartbeat of rank(s) {sorted(silent)} stood still for "
                     f"{self.dead_after:g}s (stopped, or cut off)"
@@ -359,7 +420,16 @@ class ElasticGroup:
                     f"generation {self.generation + 1} formed without rank {self.rank} (it "
                     "was silent, and is back)"
                 )
-        return None
+            if self.watch_reforming:
+                return self.reforming()  # a peer this waits for may be among those re-forming
+            return None
+
+        return check
+
+    def hold(self, work: Any) -> int:
+        """Keep a work of another process group among the members (the first-R exchange's
+        groups of an update's members) here, to be waited for, watched, with :meth:`wait`."""
+        return self._hold(work)
 
     def _live(self) -> Any:
         if self.pg is None:

@@ -6,6 +6,8 @@ over either."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +27,8 @@ class WorldGroup:
     joiners_waiting = False
     continuing = True  # never a new generation
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
         on = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if on else 0
         self.members = list(range(dist.get_world_size() if on else 1))
@@ -45,8 +48,33 @@ class WorldGroup:
             return dist.all_reduce(tensor, async_op=async_op)
 
     def wait(self, work: Any) -> None:
-        with gloo_link(_PEER, "all_reduce"):
-            work.wait()
+        """Until ``work`` is done (a send: until its peer received it), at most ``timeout``
+        seconds if this group was given one (else the process group's)."""
+        with gloo_link(_PEER, "wait"):
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+
+    def hold(self, work: Any) -> Any:
+        """A work of another group among the members, to be waited for with :meth:`wait`."""
+        return work
+
+    def watcher(self) -> Callable[[], str | None]:
+        """Nothing to watch: a lost member fails the collectives."""
+        return lambda: None
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Any:
+        with gloo_link(f"rank {dst}", "send"):
+            return dist.isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Any:
+        with gloo_link(f"rank {src}", "recv"):
+            return dist.irecv(tensor, src)
+
+    def reforming(self) -> str | None:
+        """Never: its members never change."""
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         with gloo_link(_PEER, "broadcast"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -166,3 +167,51 @@ def resume(ctx: RankContext) -> dict:
     opt.close()
     dist.barrier()
     return json.loads(json.dumps({"first": first, "second": second}))
+
+
+LOSS_LAST = 24  # last_step of the jobs that lose a worker
+KILLED_AT = 8  # the lost worker is SIGKILLed once it holds this update
+
+
+def _elastic_store(ctx: RankContext, port: int) -> dist.Store:
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+
+
+def lose_and_go_on(ctx: RankContext, port: int, lost: int) -> dict:
+    """R = 2 of N = 3 without a server, ``max_losses=1``; rank 2 is a little slow (the usual
+    backup); rank ``lost`` is SIGKILLed (by the harness) once it holds update KILLED_AT, and
+    the others go on to LOSS_LAST.  Returns the survivors' variables, their record of each
+    update's members, the membership changes and the longest step() call after the loss."""
+    store = _elastic_store(ctx, port)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
+        last_step=LOSS_LAST, timeout=60,
+    )  # fmt: skip
+    longest = 0.0
+    while opt.global_step < LOSS_LAST:
+        step = opt.local_step
+        w.grad = gradient(ctx.rank, step, w.detach())
+        table.grad = table_gradient(ctx.rank, step)
+        time.sleep(0.04 if ctx.rank == 2 else 0.02)  # a step's compute; rank 2 the slowest
+        started = time.monotonic()
+        opt.step()
+        longest = max(longest, time.monotonic() - started)
+        if ctx.rank == lost and opt.global_step >= KILLED_AT:
+            ctx.signal("die")
+            time.sleep(60)
+    out = {
+        "w": w.detach().tolist(),
+        "table": table.detach().tolist(),
+        "history": opt.exchange.history,
+        "changes": opt.membership_changes,
+        "live": opt.live_workers,
+        "longest": longest,
+        "counters": {str(k): v for k, v in opt.worker_counters().items()},
+    }
+    opt.close()
+    return json.loads(json.dumps(out))

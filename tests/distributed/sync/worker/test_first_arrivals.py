@@ -10,7 +10,7 @@ import torch
 from gradfleet import AdamOptimizer
 from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed.sync.arguments import check_overlap
-from gradfleet.distributed.testing import RankKilled, run_ranks
+from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
 
 from . import first_arrivals_ranks as fr
 
@@ -72,7 +72,7 @@ def test_backups_without_a_server_refuse_what_they_cannot_do():
     w = torch.nn.Parameter(torch.zeros(2))
     cases = {
         "tokens='distinct'": {"tokens": "shared"},
-        "no max_losses": {"max_losses": 1},
+        "fewer than replicas_to_aggregate=2": {"max_losses": 2},
     }
     for message, extra in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -114,3 +114,34 @@ def test_a_checkpoint_resumes_through_steps_the_store_has_seen():
         )
     assert all(o["second"]["w"] == second["w"] for o in out)
     assert all(o["second"]["global_step"] == fr.RESUME_END for o in out)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lost", [2, 1], ids=["the-backup", "a-member"])
+def test_with_max_losses_the_others_go_on_and_every_update_is_made_once(lost):
+    """Rank 2 is the usual backup (late, receiving); rank 1 is in most updates, so its loss
+    may fall in an update's all-reduce or a send.  Either way the two left go on as 2 of 2,
+    healed from the one holding the newest step: the same variables, those of the updates
+    their record names (each made once, in order)."""
+    out = run_ranks(
+        fr.lose_and_go_on, fr.N, args=(free_port(), lost), timeout=200,
+        init_process_group=False, kill_on={lost: "die"},
+    )  # fmt: skip
+    assert out[lost] == RankKilled(lost)
+    a, b = (o for r, o in enumerate(out) if r != lost)
+    assert a["w"] == b["w"] and a["table"] == b["table"]
+    assert a["history"] == b["history"] and len(a["history"]) == fr.LOSS_LAST
+    assert all(len(m) == fr.R for m in a["history"])
+    tol = fr.R * fr.LOSS_LAST * torch.finfo(torch.float64).eps * 10
+    w, table = replay(a["history"])
+    torch.testing.assert_close(torch.tensor(a["w"], dtype=torch.float64), w, rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        torch.tensor(a["table"], dtype=torch.float64), table, rtol=tol, atol=tol
+    )
+    for o in (a, b):
+        assert [(c["event"], c["ranks"]) for c in o["changes"]] == [("lost", [lost])], o
+        assert sorted(o["live"]) == [r for r in range(fr.N) if r != lost]
+        assert o["longest"] < 10, o["longest"]  # a gap of a heartbeat's dead_after, not 60 s
+    after = a["changes"][0]["global_step"]
+    assert all(lost not in m for m in a["history"][after:])

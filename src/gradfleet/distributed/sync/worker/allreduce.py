@@ -60,7 +60,6 @@ again.  More than ``max_losses`` members gone at once ends the job with an error
 from __future__ import annotations
 
 import logging
-import time
 from functools import partial
 from typing import Any
 
@@ -72,7 +71,6 @@ from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
 from .buckets import Buckets
-from .live_state import LiveState
 from .serverless import ServerlessExchange, any_nonfinite
 
 __all__ = ["AllReduceExchange"]
@@ -124,8 +122,6 @@ class AllReduceExchange(ServerlessExchange):
         self._filled: list[set[int]] = [set() for _ in range(len(self.buckets))]
         self._waiting_for: list[set[int]] = []
         self._broken: BaseException | None = None  # a link error a gradient hook met
-        self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
-        self.live = LiveState(self.params, opt, self._books, self._load_books, _OWNER)
         if joining:  # a restarted rank: from a live member's state
             self.global_step = -1
             while True:
@@ -345,52 +341,3 @@ class AllReduceExchange(ServerlessExchange):
         """A restarted rank asked to join (every member saw it in the flags): form the next
         generation with it, and heal it from this update's state."""
         self._change(check_losses=False)
-
-    def _change(self, check_losses: bool) -> None:
-        """Form the next generation and heal it; a member lost meanwhile (during the heal's
-        collectives) makes the one after it."""
-        started = time.monotonic()
-        gone: list[int] = []
-        came: list[int] = []
-        while True:
-            lost_now, came_now = self.group.reform()
-            gone += [r for r in lost_now if r not in gone]
-            came = [r for r in dict.fromkeys(came + came_now) if r in self.group.members]
-            self.world = self.group.size
-            missing = [r for r in range(self.N) if r not in self.group.members]
-            if (check_losses or lost_now) and len(missing) > self.max_losses:
-                raise RuntimeError(
-                    f"{_OWNER}(transport='allreduce'): rank {self.rank}: ranks {missing} are "
-                    f"gone, more than max_losses={self.max_losses}"
-                )
-            try:
-                self._heal()
-                break
-            except LINK_ERRORS as exc:
-                log.warning("rank %d: a member was lost while healing: %s", self.rank, exc)
-        if gone:
-            self._note("lost", gone, started)
-        if came:
-            self._note("joined", came, started)
-
-    def _note(self, what: str, ranks: list[int], started: float) -> None:
-        took = time.monotonic() - started
-        self.losses.append(
-            {"event": what, "ranks": ranks, "members": list(self.group.members),
-             "global_step": self.global_step, "seconds": took}
-        )  # fmt: skip
-        log.warning(
-            "rank %d: rank(s) %s %s; members now %s at global step %d (%.2fs)",
-            self.rank, ranks, what, self.group.members, self.global_step, took,
-        )  # fmt: skip
-
-    def _heal(self) -> None:
-        """Every member's state := that of the first member holding the newest step."""
-        self.global_step = self.live.heal(self.group, self.global_step)
-
-    def _books(self) -> dict[str, Any]:
-        return {"exchange": self.state_dict(), "replicas": list(self._replicas)}
-
-    def _load_books(self, books: dict[str, Any]) -> None:
-        self.load_state_dict(books["exchange"])
-        self._replicas = list(books["replicas"])

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -47,10 +46,11 @@ import torch.distributed as dist
 from ...transport import LINK_ERRORS, gloo_link
 from ...transport.all_reduce import GradientMean
 from ...transport.arrival_board import ArrivalBoard
+from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
-from .allreduce import any_nonfinite
-from .serverless import ServerlessExchange
+from .buckets import Buckets
+from .serverless import ServerlessExchange, any_nonfinite
 
 __all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
 
@@ -63,8 +63,16 @@ SEND_WINDOW = 4  # updates a member may still be sending to late workers
 class FirstArrivalsExchange(ServerlessExchange):
     """R < N SyncReplicas without a server (module docstring)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, job: Job, store: dist.Store | None = None):
-        """``store``: where the workers count their arrivals (default: the job's)."""
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        job: Job,
+        store: dist.Store | None = None,
+        group: Any = None,
+    ) -> None:
+        """``store``: where the workers count their arrivals (default: the job's); ``group``:
+        an :class:`~...transport.elastic_group.ElasticGroup` where losses are allowed (one
+        that is joining makes this rank heal from a live member before it returns)."""
         R, N = job.R, job.N
         if job.tokens != "distinct":
             raise ValueError(
@@ -72,11 +80,16 @@ class FirstArrivalsExchange(ServerlessExchange):
                 f"total_num_replicas={N} takes one gradient per worker per update "
                 "(tokens='distinct'); TF's shared token queue needs transport='server'"
             )
-        if job.policy is not None or job.max_losses:
+        if job.policy is not None:
             raise ValueError(
                 f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
-                "total_num_replicas takes a fixed R and no max_losses yet (a lost worker ends "
-                "the job); use transport='server' for replicas_to_aggregate='auto'"
+                "total_num_replicas takes a fixed R; use transport='server' for "
+                "replicas_to_aggregate='auto'"
+            )
+        if job.max_losses > N - R:
+            raise ValueError(
+                f"{_OWNER}: max_losses={job.max_losses} would leave fewer than "
+                f"replicas_to_aggregate={R} of the {N} workers"
             )
         if any(p.is_cuda for g in opt.param_groups for p in g["params"]):
             raise ValueError(
@@ -85,15 +98,29 @@ class FirstArrivalsExchange(ServerlessExchange):
                 "point-to-point under these patterns is not measured yet); use "
                 "transport='server'"
             )
-        super().__init__(opt, job)
-        self.R = R
-        if store is None:
+        elastic = group is not None
+        group = WorldGroup(timeout=job.timeout) if group is None else group
+        joining = group.generation > 0 or group.size != N
+        super().__init__(opt, job, group, joining)
+        self.R, self.max_losses, self.timeout = R, job.max_losses, job.timeout
+        if elastic:
+            group.watch_reforming = True  # members re-form at different points (a wait ends)
+            store = group.root
+        elif store is None:
             store = dist.distributed_c10d._get_default_store()
-        self.board = ArrivalBoard(store, self.rank, N, job.timeout)
-        self.timeout = job.timeout
+        self.board = ArrivalBoard(
+            store, self.rank, N, job.timeout, group.watcher, "elastic" if elastic else None
+        )
+        self.history: list[list[int]] = []  # the members of each update made since the start
         self._sending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
         self._dropped_before = {r: 0 for r in range(N)}  # from a loaded state
-        self.start()
+        if joining:  # a restarted rank: from a live member's state
+            self.global_step = -1
+            self._change(check_losses=False)
+            self.board.new_generation(self.group.generation)
+            self.start_step = self.local_step = self.global_step
+        else:
+            self.start()
 
     # ------------------------------------------------------------------ the round
     def step(
@@ -104,10 +131,38 @@ class FirstArrivalsExchange(ServerlessExchange):
         return Outcome(*self._round(grads))
 
     def _round(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
-        try:
-            return self._take_part(grads)
-        except LINK_ERRORS as exc:  # the store's: a rank that met a lost peer ended the job
-            raise self._lost(exc) from None
+        """The one place a lost peer is decided on: without ``max_losses`` the job ends
+        (every rank hears it); with it, the live members form the next generation and heal,
+        then this gradient goes into the next update if the state did not move meanwhile."""
+        while True:
+            start = self.global_step
+            try:
+                if self.group.joiners_waiting:  # a restarted worker asks in
+                    self._regroup(None)
+                return self._take_part(grads)
+            except LINK_ERRORS as exc:
+                if not self.max_losses:
+                    raise self._lost(exc) from None
+                self._regroup(exc)
+            if self.global_step != start:  # made meanwhile: this gradient is stale
+                self.board.count_dropped()
+                return False, self.global_step, self.global_step
+
+    def _regroup(self, exc: BaseException | None) -> None:
+        """A member lost (``exc``) or one asking in: the next generation, healed from the
+        member holding the newest step; new buffers (an abandoned collective may still
+        write into the old ones) and fresh arrivals."""
+        if exc is not None:
+            log.warning("rank %d: a member of the update is lost: %s", self.rank, exc)
+        self._sending.clear()
+        self.buckets = Buckets(self.params)
+        self._change(check_losses=exc is not None)
+        if self.group.size < self.R:
+            raise RuntimeError(
+                f"{_OWNER}(transport='allreduce'): rank {self.rank}: {self.group.size} workers "
+                f"left, fewer than replicas_to_aggregate={self.R}"
+            )
+        self.board.new_generation(self.group.generation)
 
     def _take_part(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
         if self._released():
@@ -150,7 +205,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         reduce(flags)
         for work in works:
             if work is not None:
-                self._wait(work)
+                self.group.wait(work)
         kept: list[torch.Tensor] = []  # the row counts, as the members summed them
 
         def rows(t: torch.Tensor) -> None:
@@ -167,6 +222,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         for r in members:
             self.stats[r]["accepted"] += 1
         self._replicas.append(len(members))
+        self.history.append(sorted(members))
 
     # ------------------------------------------------------------------ the late workers
     def _send(
@@ -177,13 +233,13 @@ class FirstArrivalsExchange(ServerlessExchange):
         carries 1/R of the sums); the leader also sends the flags and row counts, then says
         the update is made.  Copies: the buckets are this rank's next round's."""
         members = sorted(order)
-        late = [r for r in range(self.N) if r not in members]
+        late = [r for r in self.group.members if r not in members]
         k = members.index(self.rank)
         payload = [flat.tensor_split(self.R)[k].clone() for flat in self.buckets.flat]
         leader = order[0] == self.rank
         if leader:
             payload = [flags, *payload, *rows]
-        works = [self._p2p(dist.isend, t, r) for r in late for t in payload]
+        works = [self.group.isend(t, r) for r in late for t in payload]
         self.bytes_sent += len(late) * sum(t.numel() * t.element_size() for t in payload)
         self._sending.append((works, payload))
         while len(self._sending) > SEND_WINDOW:
@@ -194,7 +250,7 @@ class FirstArrivalsExchange(ServerlessExchange):
     def _finish_oldest_send(self) -> None:
         works, _ = self._sending.popleft()
         for work in works:
-            self._wait(work)
+            self.group.wait(work)
 
     def _catch_up(self) -> None:
         """This rank came after the first R: receive the update at its step, and each later
@@ -211,17 +267,17 @@ class FirstArrivalsExchange(ServerlessExchange):
         the row counts from the leader; then the same means, the same update."""
         n, leader, members = len(self.params), made.leader, sorted(made.members)
         flags = torch.zeros(2 * n, dtype=torch.float64)
-        self._p2p(dist.recv, flags, leader)
+        self.group.wait(self.group.irecv(flags, leader))
         works = [
-            self._p2p(dist.irecv, part, member)
+            self.group.irecv(part, member)
             for flat in self.buckets.flat
             for member, part in zip(members, flat.tensor_split(self.R), strict=True)
         ]
         for work in works:
-            self._wait(work)
+            self.group.wait(work)
 
         def rows(t: torch.Tensor) -> None:  # the row counts, as the members summed them
-            self._p2p(dist.recv, t, leader)
+            self.group.wait(self.group.irecv(t, leader))
 
         mean = GradientMean(self.params, self.R, rows, self.group.device, _OWNER)
         slots = [self.buckets.slot[i] for i in range(n)]
@@ -237,31 +293,16 @@ class FirstArrivalsExchange(ServerlessExchange):
             return self.board.members_group(members)
 
     def _all_reduce(self, group: Any, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """Sum ``tensor`` over the members' ``group`` (None: alone), waited for through the
+        job's group, which watches the members where losses are allowed."""
         if group is None:
             return None
-        try:
-            with gloo_link("a member of the update", "all_reduce"):
-                work = group.allreduce([tensor])
-        except LINK_ERRORS as exc:
-            raise self._lost(exc) from None
+        with gloo_link("a member of the update", "all_reduce"):
+            handle = self.group.hold(group.allreduce([tensor]))
         if async_op:
-            return work
-        self._wait(work)
+            return handle
+        self.group.wait(handle)
         return None
-
-    def _wait(self, work: Any) -> None:
-        try:
-            with gloo_link("a peer of the update", "wait"):
-                work.wait(timedelta(seconds=self.timeout))  # a send: until the peer receives
-        except LINK_ERRORS as exc:
-            raise self._lost(exc) from None
-
-    def _p2p(self, fn: Any, tensor: torch.Tensor, peer: int) -> Any:
-        try:
-            with gloo_link(f"rank {peer}", fn.__name__):
-                return fn(tensor, peer)
-        except LINK_ERRORS as exc:
-            raise self._lost(exc) from None
 
     def _lost(self, exc: BaseException) -> RuntimeError:
         """A lost peer: the job's end, said plainly here and told to every rank."""
@@ -307,3 +348,17 @@ class FirstArrivalsExchange(ServerlessExchange):
         super().load_state_dict(state)
         self.board.new_epoch()
         self._dropped_before = {r: int(self.stats[r]["dropped"]) for r in self.stats}
+
+    def _books(self) -> dict[str, Any]:
+        """What a member healing from this one takes: the state, the members of each update
+        and the store's epoch (a restarted process's board starts at 0)."""
+        return {
+            **super()._books(), "history": self.history, "epoch": self.board.epoch,
+            "dropped_before": self._dropped_before,
+        }  # fmt: skip
+
+    def _load_books(self, books: dict[str, Any]) -> None:
+        super()._load_books(books)  # a loaded state: a new epoch, then the members' own
+        self.board.new_epoch(books["epoch"])
+        self.history = [list(m) for m in books["history"]]
+        self._dropped_before = {int(r): int(n) for r, n in books["dropped_before"].items()}

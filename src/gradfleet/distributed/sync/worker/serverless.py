@@ -14,7 +14,9 @@ to an update:
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +29,13 @@ from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.tokens import TokenQueue
 from .buckets import Buckets
+from .live_state import LiveState
 
 __all__ = ["ServerlessExchange", "any_nonfinite"]
 
 _OWNER = "SyncReplicasOptimizer"
+
+log = logging.getLogger(__name__)
 
 
 def any_nonfinite(grads: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -89,6 +94,58 @@ class ServerlessExchange:
         self.stats = {r: {"accepted": 0, "dropped": 0, "nonfinite": 0} for r in range(self.N)}
         self.bytes_sent = 0
         self._replicas: list[int] = []  # the gradients in each update made since the start
+        self.losses: list[dict[str, Any]] = []  # each change of members: when, who, how
+        self.live = LiveState(self.params, opt, self._books, self._load_books, _OWNER)
+
+    # ------------------------------------------------------------------ losses and joins
+    def _change(self, check_losses: bool) -> None:
+        """Form the next generation and heal it; a member lost meanwhile (during the heal's
+        collectives) makes the one after it."""
+        started = time.monotonic()
+        gone: list[int] = []
+        came: list[int] = []
+        while True:
+            lost_now, came_now = self.group.reform()
+            gone += [r for r in lost_now if r not in gone]
+            came = [r for r in dict.fromkeys(came + came_now) if r in self.group.members]
+            self.world = self.group.size
+            missing = [r for r in range(self.N) if r not in self.group.members]
+            if (check_losses or lost_now) and len(missing) > self.max_losses:
+                raise RuntimeError(
+                    f"{_OWNER}(transport='allreduce'): rank {self.rank}: ranks {missing} are "
+                    f"gone, more than max_losses={self.max_losses}"
+                )
+            try:
+                self._heal()
+                break
+            except LINK_ERRORS as exc:
+                log.warning("rank %d: a member was lost while healing: %s", self.rank, exc)
+        if gone:
+            self._note("lost", gone, started)
+        if came:
+            self._note("joined", came, started)
+
+    def _note(self, what: str, ranks: list[int], started: float) -> None:
+        took = time.monotonic() - started
+        self.losses.append(
+            {"event": what, "ranks": ranks, "members": list(self.group.members),
+             "global_step": self.global_step, "seconds": took}
+        )  # fmt: skip
+        log.warning(
+            "rank %d: rank(s) %s %s; members now %s at global step %d (%.2fs)",
+            self.rank, ranks, what, self.group.members, self.global_step, took,
+        )  # fmt: skip
+
+    def _heal(self) -> None:
+        """Every member's state := that of the first member holding the newest step."""
+        self.global_step = self.live.heal(self.group, self.global_step)
+
+    def _books(self) -> dict[str, Any]:
+        return {"exchange": self.state_dict(), "replicas": list(self._replicas)}
+
+    def _load_books(self, books: dict[str, Any]) -> None:
+        self.load_state_dict(books["exchange"])
+        self._replicas = list(books["replicas"])
 
     def start(self) -> None:
         """Every rank from rank 0's parameters (the server path's workers read the chief's)."""
