@@ -179,16 +179,31 @@ def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, str
 
 @pytest.mark.slow
 @pytest.mark.faults
-def test_allreduce_with_a_loss_allowed_survives_rank_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "first", "last"),
+    [
+        ("sync-replicas:replicas_to_aggregate=3,max_losses=1", 3, 2),
+        # backups without a server: no rank holds the state alone, rank 0 included
+        ("sync-replicas:replicas_to_aggregate=2,transport=allreduce,max_losses=1", 2, 2),
+    ],
+    ids=["all-reduce", "backups-without-a-server"],
+)
+def test_allreduce_with_a_loss_allowed_survives_rank_0(
+    tmp_path: Path, strategy: str, first: int, last: int
+) -> None:
     """Every rank of the all-reduce holds the whole state and the launcher hosts the store:
     rank 0 SIGKILLed, the others go on, and rank 1 takes over its files (metrics, summary,
     the model)."""
     steps = 300
-    strategy = "sync-replicas:replicas_to_aggregate=3,max_losses=1"
     out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
     trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained == list(range(1, steps + 1))  # each update once: rank 1 carried on the file
+    if first == last:  # backups: the writer logs the update each of its steps reached
+        assert trained == sorted(set(trained)) and trained[-1] == steps, trained
+    else:  # each update once: rank 1 carried on the file
+        assert trained == list(range(1, steps + 1))
     replicas = summary["replicas"]
-    assert len(replicas) == steps and replicas[0] == 3 and replicas[-1] == 2
+    assert len(replicas) == steps and replicas[0] == first and replicas[-1] == last
+    (change,) = summary["membership_changes"]
+    assert (change["event"], change["ranks"], change["members"]) == ("lost", [0], [1, 2])
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     assert (out / "model.pt").is_file()

@@ -128,8 +128,12 @@ def test_ddp_is_in_the_table_but_not_offered_by_strategy():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        ({"replicas_to_aggregate": 2, "max_losses": 1}, "needs replicas_to_aggregate = "),
-        ({"replicas_to_aggregate": 3, "max_losses": 3}, "fewer than 3 losses"),
+        ({"replicas_to_aggregate": 2, "max_losses": 1}, "needs no server"),
+        ({"replicas_to_aggregate": 3, "max_losses": 3}, "fewer losses than the workers"),
+        (
+            {"replicas_to_aggregate": 2, "transport": "allreduce", "max_losses": 2},
+            "at most total_num_replicas - replicas_to_aggregate",
+        ),
         ({"replicas_to_aggregate": 3, "max_losses": "one"}, "max_losses must be an integer"),
     ],
 )
@@ -137,3 +141,5 @@ def test_max_losses_refused_before_launch(args, match):
     with pytest.raises(ValueError, match=match):
         validate_strategy("sync-replicas", args, 3)
     validate_strategy("sync-replicas", {"replicas_to_aggregate": 3, "max_losses": 2}, 3)
+    allowed = {"replicas_to_aggregate": 2, "transport": "allreduce", "max_losses": 1}
+    validate_strategy("sync-replicas", allowed, 3)

@@ -111,7 +111,8 @@ TABLE: dict[str, StrategyInfo] = {
                 "shard_assignment": "bytes, round_robin, split or backward_order (default: "
                 "backward_order, 4 per rank, with several shards where the optimizer allows)",
                 "max_losses": "workers the all-reduce may lose and go on without (default 0; "
-                "needs replicas_to_aggregate = workers: the survivors heal from each other's "
+                "needs no server: replicas_to_aggregate = workers, or transport=allreduce with "
+                "at most workers - replicas_to_aggregate; the survivors heal from each other's "
                 "state, and a restarted worker rejoins from a live one)",
             },
             SyncReplicas,
@@ -208,11 +209,14 @@ def validate_strategy(
             )
         _int(name, "shards", args.get("shards", 1), 1)
         losses = _int(name, "max_losses", args.get("max_losses", 0), 0)
-        if losses and (k != total or losses >= total):
+        serverless = k == total or args.get("transport") == "allreduce"
+        if losses and (not serverless or losses > total - k if k < total else losses >= total):
             raise ValueError(
-                f"strategy sync-replicas: max_losses={losses} needs replicas_to_aggregate = "
-                f"total_num_replicas (the all-reduce, got {k} of {total}) and fewer than "
-                f"{total} losses; with backups (k < N) losses are tolerated already"
+                f"strategy sync-replicas: max_losses={losses} needs no server (the all-reduce: "
+                f"replicas_to_aggregate = total_num_replicas, or transport=allreduce) and fewer "
+                f"losses than the workers, at most total_num_replicas - replicas_to_aggregate "
+                f"with backups (got {k} of {total}); with a server, backups tolerate losses "
+                "already"
             )
         choices = {
             "tokens": ("distinct", "shared"),
@@ -251,7 +255,7 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
         if int(args.get("max_losses", 0)):  # the all-reduce exchange, losses allowed
             return int(args["max_losses"])
         total = int(args.get("total_num_replicas", workers))
-        if args.get("transport") == "allreduce":  # no server: a lost worker ends the job
+        if args.get("transport") == "allreduce":  # no server, no max_losses: a loss ends it
             return 0
         if args.get("replicas_to_aggregate") == "auto":  # R follows the live workers
             return total - 1
