@@ -215,3 +215,70 @@ def lose_and_go_on(ctx: RankContext, port: int, lost: int) -> dict:
     }
     opt.close()
     return json.loads(json.dumps(out))
+
+
+BACK_AFTER = 4  # updates the two left make before rank 2 is restarted
+REJOIN_LAST = 40  # last_step of the job that takes rank 2 back
+
+
+def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
+    """R = 2 of N = 3 without a server, ``max_losses=1``: rank 2 is SIGKILLed once it holds
+    update KILLED_AT; ranks 0 and 1 go on; BACK_AFTER updates later process 3 restarts rank 2
+    (``worker=2`` and the job's store), which heals from a live member's state (no file
+    opened) and takes its place again; all go on to REJOIN_LAST."""
+    joiner = ctx.rank == 3
+    me = 2 if joiner else ctx.rank
+    if joiner:
+        ctx.wait_signal(0, "alone", timeout=120)
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    if not joiner:
+        dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
+    opened: list[str] = []
+    real_load = torch.load
+
+    def load(*args, **kwargs):  # a live heal reads no checkpoint file
+        if args and isinstance(args[0], (str, Path)):
+            opened.append(str(args[0]))
+        return real_load(*args, **kwargs)
+
+    torch.load = load  # type: ignore[assignment]
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    extra = {"worker": 2, "store": store} if joiner else {}
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
+        last_step=REJOIN_LAST, timeout=60, **extra,
+    )  # fmt: skip
+    start = opt.global_step
+    signalled = False
+    while opt.global_step < REJOIN_LAST:
+        step = opt.local_step
+        w.grad = gradient(me, step, w.detach())
+        table.grad = table_gradient(me, step)
+        time.sleep(0.04 if me == 2 else 0.02)
+        opt.step()
+        if me == 2 and not joiner and opt.global_step >= KILLED_AT:
+            ctx.signal("die")
+            time.sleep(60)
+        lost = [c for c in opt.membership_changes if c["event"] == "lost"]
+        if (
+            me == 0
+            and lost
+            and not signalled
+            and opt.global_step >= lost[0]["global_step"] + BACK_AFTER
+        ):
+            ctx.signal("alone")
+            signalled = True
+    out = {
+        "w": w.detach().tolist(),
+        "table": table.detach().tolist(),
+        "history": opt.exchange.history,
+        "changes": opt.membership_changes,
+        "live": opt.live_workers,
+        "start": start,
+        "opened": opened,
+    }
+    opt.close()
+    return json.loads(json.dumps(out))

@@ -145,3 +145,24 @@ def test_with_max_losses_the_others_go_on_and_every_update_is_made_once(lost):
         assert o["longest"] < 10, o["longest"]  # a gap of a heartbeat's dead_after, not 60 s
     after = a["changes"][0]["global_step"]
     assert all(lost not in m for m in a["history"][after:])
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_a_restarted_worker_rejoins_from_live_state():
+    out = run_ranks(
+        fr.lose_and_rejoin, fr.N + 1, args=(free_port(),), timeout=200,
+        init_process_group=False, kill_on={2: "die"},
+    )  # fmt: skip
+    assert out[2] == RankKilled(2)
+    zero, one, back = out[0], out[1], out[3]
+    events = [(c["event"], c["ranks"], c["members"]) for c in zero["changes"]]
+    assert events == [("lost", [2], [0, 1]), ("joined", [2], [0, 1, 2])], events
+    joined = zero["changes"][1]["global_step"]
+    assert back["start"] == joined and back["opened"] == []  # from a live member, no file
+    assert zero["w"] == one["w"] == back["w"] and zero["table"] == back["table"]
+    assert zero["history"] == back["history"] and len(zero["history"]) == fr.REJOIN_LAST
+    tol = fr.R * fr.REJOIN_LAST * torch.finfo(torch.float64).eps * 10
+    w, _ = replay(zero["history"])
+    torch.testing.assert_close(torch.tensor(zero["w"], dtype=torch.float64), w, rtol=tol, atol=tol)
+    assert sorted(back["live"]) == [0, 1, 2]
