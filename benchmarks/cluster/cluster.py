@@ -98,6 +98,8 @@ def rows(world: int) -> list[Row]:
         Row("sr-one-b", f"SyncReplicas, one server, R={r} of {n}", "sync-replicas", {"R": r}),
         Row("sr-none-b", f"SyncReplicas, no server (the first R all-reduce), R={r} of {n}",
             "sync-replicas", {"R": r, "servers": "none"}),
+        Row("sr-none-b-ml", f"SyncReplicas, no server, R={r} of {n}, max_losses=1",
+            "sync-replicas", {"R": r, "servers": "none", "max_losses": 1}),
         Row("sr-one-auto-b", f"SyncReplicas, one server, model given, R={r} of {n}",
             "sync-replicas", {"R": r, "auto": True}),
         Row("sr-shard", f"SyncReplicas, sharded over workers, R={n}", "sync-replicas",

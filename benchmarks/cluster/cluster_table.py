@@ -44,7 +44,17 @@ ROW_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "allreduce": ("allreduce", ()),
     "sync-replicas": (
         "sync-replicas",
-        ("R", "servers", "per_rank", "overlap", "nonfinite", "assignment", "auto", "stream"),
+        (
+            "R",
+            "servers",
+            "per_rank",
+            "overlap",
+            "nonfinite",
+            "assignment",
+            "auto",
+            "stream",
+            "max_losses",
+        ),
     ),
     "easgd-async": ("easgd", ("period", "rho", "centre")),
     "model-average": ("model-average", ("interval",)),
@@ -95,6 +105,8 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
         args = {"replicas_to_aggregate": o.get("R", workers), "total_num_replicas": workers}
         if servers == "none":  # every rank keeps the state: the first R all-reduce
             args["transport"] = "allreduce"
+            if o.get("max_losses"):
+                args["max_losses"] = int(o["max_losses"])
         elif servers != "default":
             args["overlap"] = bool(o.get("overlap", False))
             if not o.get("auto"):  # auto: left out, laid out for the job from the model

@@ -165,6 +165,17 @@ def test_the_no_server_table_quotes_the_stored_results() -> None:
         assert cells[label] == expected, label
 
 
+def test_the_cost_of_losses_allowed_quotes_the_stored_result() -> None:
+    section = PAGE.read_text().split("### Backup workers without a server")[1].split("\n#")[0]
+    report = json.loads((ROOT / "benchmarks/results/cluster-serverless-losses.json").read_text())
+    runs = {r["row"]["key"]: r["updates_s"] for r in report["results"]}
+    said = (
+        f"made {runs['sr-none-b-ml']:.3f} updates/s against {runs['sr-none-b']:.3f} without\n"
+        f"it, and DDP {runs['ddp']:.3f}"
+    )
+    assert said in section
+
+
 def test_the_page_has_python_blocks() -> None:
     assert len(_blocks()) == 2
 
