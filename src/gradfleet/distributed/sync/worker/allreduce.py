@@ -5,10 +5,8 @@ state machine is the same on every rank, so each rank keeps a replica of it and 
 travel as DDP's do: in buckets, all-reduced, and -- with ``overlap`` -- while backward still
 computes the earlier layers.
 
-* **Buckets** (:class:`Buckets`): the parameters in reverse order (the order backward usually
-  produces their gradients), one device and dtype per bucket, the first about 1 MiB and the
-  others about 25 MiB (DDP's defaults: the first bucket leaves early, the others amortise a
-  collective's fixed cost).  A parameter's slot holds its dense gradient, or its sparse
+* **Buckets** (:class:`.buckets.Buckets`): DDP's, the parameters in reverse order, about 25 MiB
+  each (the first about 1 MiB); a parameter's slot holds its dense gradient, or its sparse
   gradient's rows summed into it.
 * **Overlap**: a post-accumulate-grad hook copies each gradient into its slot; a bucket whose
   slots are all in is all-reduced at once, asynchronously, buckets strictly in order so that

@@ -16,21 +16,28 @@ backup workers, without a host that holds the state alone.
 * **The others** -- a worker that came after the first R, or one still computing -- drop their
   gradient (TF: a stale gradient is dropped) and receive the update point-to-point on the job's
   process group: each member sends one R-th of the sums (so no member's link carries more than
-  a slice), the leader the flags of who sent what and the row counts.
-  From these they compute the same means and apply the same update, so every rank's state is
-  bit-identical after every update.  A worker that is several updates behind receives each in
+  a slice), the leader the flags of who sent what and the row counts.  From these they compute
+  the same means and apply the same update, so every rank's state is bit-identical after every
+  update.  A worker that is several updates behind receives each in
   turn, then computes its next gradient at the newest step, as TF's worker reads the newest
   variables.
 * **Back-pressure**: a member keeps its slices of each update until the late workers have
   received them (gloo's send completes only then), at most :data:`SEND_WINDOW` updates; beyond
-  that it waits for the oldest.  A worker
-  that is slower still holds the others back to its pace of *receiving* updates, which is much
-  faster than computing gradients.
+  that it waits for the oldest.  A worker that is slower still holds the others back to its
+  pace of *receiving* updates, which is much faster than computing gradients -- unless its
+  link is slow: every rank receives every update.
+* **Losses** (:meth:`FirstArrivalsExchange._round` decides, once): without ``max_losses`` a
+  lost peer ends the job, and the first rank to meet it says so on the store, where every
+  waiting rank hears it.  With ``max_losses=K`` (at most N - R) the exchange's group is an
+  :class:`~...transport.elastic_group.ElasticGroup` whose watcher every wait consults; a lost
+  or silent member, or another member forming the next generation, makes the live ones form
+  it and heal from the newest step (:meth:`.serverless.ServerlessExchange._change`), as the
+  R == N exchange does; a restarted worker joins the same way.
 
 Only ``tokens="distinct"`` (one gradient per worker per update) and a fixed R.  A non-finite
 gradient with ``nonfinite="raise"`` raises on its own rank before it is sent, so nothing
-changes anywhere.  A lost worker ends the job with an error naming it (no ``max_losses`` yet);
-gloo only (CPU tensors): NCCL's point-to-point under these patterns is not measured yet.
+changes anywhere.  Gloo only (CPU tensors): NCCL's point-to-point under these patterns is not
+measured yet.
 """
 
 from __future__ import annotations
