@@ -318,8 +318,13 @@ def test_moving_average_after_each_update():
         ({"replicas_to_aggregate": 0}, "replicas_to_aggregate must be an integer >= 1"),
         ({"replicas_to_aggregate": 3, "total_num_replicas": 1, "num_tokens": 1}, "Too few tokens"),
         (
-            {"replicas_to_aggregate": 2, "total_num_replicas": 3, "transport": "allreduce"},
-            "needs replicas_to_aggregate == total_num_replicas",
+            {
+                "replicas_to_aggregate": 4,
+                "total_num_replicas": 3,
+                "transport": "allreduce",
+                "tokens": "shared",
+            },
+            "needs replicas_to_aggregate <= total_num_replicas",
         ),
         ({"replicas_to_aggregate": 1, "nonfinite": "ignore"}, "nonfinite must be one of"),
     ],
