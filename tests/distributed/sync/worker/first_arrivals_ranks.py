@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -279,6 +281,51 @@ def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
         "live": opt.live_workers,
         "start": start,
         "opened": opened,
+    }
+    opt.close()
+    return json.loads(json.dumps(out))
+
+
+def hang_and_return(ctx: RankContext, port: int) -> dict:
+    """R = 2 of N = 3 without a server, ``max_losses=1``: rank 2 stops itself (SIGSTOP: alive,
+    silent, its sockets open) once it holds update KILLED_AT; ranks 0 and 1 go on; BACK_AFTER
+    updates later rank 0 lets it go on (SIGCONT), and it takes its place again from their live
+    state; all go on to REJOIN_LAST.  Returns each rank's variables, record, membership
+    changes and longest step() call."""
+    store = _elastic_store(ctx, port)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
+        last_step=REJOIN_LAST, timeout=60,
+    )  # fmt: skip
+    longest, stopped, woken = 0.0, False, False
+    while opt.global_step < REJOIN_LAST:
+        step = opt.local_step
+        w.grad = gradient(ctx.rank, step, w.detach())
+        table.grad = table_gradient(ctx.rank, step)
+        time.sleep(0.04 if ctx.rank == 2 else 0.02)
+        started = time.monotonic()
+        opt.step()
+        longest = max(longest, time.monotonic() - started)
+        if ctx.rank == 2 and not stopped and opt.global_step >= KILLED_AT:
+            stopped = True
+            store.set("test/stopped", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0's SIGCONT lets it go on here
+        lost = [c for c in opt.membership_changes if c["event"] == "lost"]
+        if (
+            ctx.rank == 0
+            and lost
+            and not woken
+            and opt.global_step >= lost[0]["global_step"] + BACK_AFTER
+        ):
+            os.kill(int(store.get("test/stopped")), signal.SIGCONT)
+            woken = True
+    out = {
+        "w": w.detach().tolist(),
+        "history": opt.exchange.history,
+        "changes": opt.membership_changes,
+        "longest": longest,
     }
     opt.close()
     return json.loads(json.dumps(out))

@@ -166,3 +166,20 @@ def test_a_restarted_worker_rejoins_from_live_state():
     w, _ = replay(zero["history"])
     torch.testing.assert_close(torch.tensor(zero["w"], dtype=torch.float64), w, rtol=tol, atol=tol)
     assert sorted(back["live"]) == [0, 1, 2]
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_a_worker_that_hangs_is_left_out_at_once_and_takes_its_place_again():
+    """A stopped process closes no socket: without the watched waits the others would wait
+    for it until the 60 s timeout."""
+    out = run_ranks(fr.hang_and_return, fr.N, args=(free_port(),), timeout=200,
+                    init_process_group=False)  # fmt: skip
+    zero, one, two = out
+    events = [(c["event"], c["ranks"]) for c in zero["changes"]]
+    assert events == [("lost", [2]), ("joined", [2])], events
+    assert zero["w"] == one["w"] == two["w"] and zero["history"] == two["history"]
+    tol = fr.R * fr.REJOIN_LAST * torch.finfo(torch.float64).eps * 10
+    w, _ = replay(zero["history"])
+    torch.testing.assert_close(torch.tensor(zero["w"], dtype=torch.float64), w, rtol=tol, atol=tol)
+    assert max(zero["longest"], one["longest"]) < 10, (zero["longest"], one["longest"])
