@@ -185,8 +185,8 @@ class FirstArrivalsExchange(ServerlessExchange):
         step = self.global_step
         place = self.board.arrive(step)
         if place > self.R:  # the update is the first R's: receive it
+            self._catch_up()  # (a loss meanwhile: _round counts the gradient, or reuses it)
             self.board.count_dropped()
-            self._catch_up()
             return False, self.global_step, self.global_step
         order = self.board.first(step, self.R)
         members = sorted(order)
