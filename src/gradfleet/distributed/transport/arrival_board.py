@@ -111,7 +111,11 @@ class ArrivalBoard:
         member calls this, so R have arrived or are arriving)."""
         keys = [f"w/{step}/{place}" for place in range(1, R + 1)]
         self._wait(keys, f"the other {R - 1} first arrivals at step {step}")
-        return [int(v) for v in self.store.multi_get(keys)]
+        try:
+            values = self.store.multi_get(keys)
+        except RuntimeError:  # a store of an older torch without it: one get each
+            values = [self.store.get(k) for k in keys]
+        return [int(v) for v in values]
 
     def arrivals(self, step: int) -> int:
         """How many ranks arrived at ``step`` so far."""
