@@ -37,6 +37,21 @@ def start_w() -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
 
 
+def files_opened() -> list[str]:
+    """From now on, the paths this process passes to ``torch.load`` (a live heal opens
+    none)."""
+    opened: list[str] = []
+    real_load = torch.load
+
+    def load(*args, **kwargs):
+        if args and isinstance(args[0], (str, Path)):
+            opened.append(str(args[0]))
+        return real_load(*args, **kwargs)
+
+    torch.load = load  # type: ignore[assignment]
+    return opened
+
+
 def _store(ctx: RankContext, port: int, joiner: bool) -> dist.Store:
     return dist.TCPStore(
         "127.0.0.1", port, is_master=ctx.rank == 0 and not joiner, wait_for_workers=False,
@@ -57,15 +72,7 @@ def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
     if not joiner:
         dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
     w = torch.nn.Parameter(start_w())
-    opened: list[str] = []
-    real_load = torch.load
-
-    def load(*args, **kwargs):  # a live heal reads no checkpoint file
-        if args and isinstance(args[0], (str, Path)):
-            opened.append(str(args[0]))
-        return real_load(*args, **kwargs)
-
-    torch.load = load  # type: ignore[assignment]
+    opened = files_opened()
     extra = {"worker": 2, "store": store} if joiner else {}
     opt = SyncReplicasOptimizer(
         torch.optim.Adam([w], lr=LR), N, N, max_losses=1, timeout=30, **extra

@@ -13,6 +13,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,22 +22,14 @@ from gradfleet import AdamOptimizer
 from gradfleet.distributed import SyncReplicasOptimizer
 from gradfleet.distributed.testing import RankContext
 
+from .elastic_ranks import files_opened, gradient, start_w
+
 N, R = 3, 2
 ROTATE = 6  # steps 0..ROTATE-1: rank step % N is slow, the other two make the update
 LAST = 24  # last_step
 NAN_AT = 3  # rank 1's first gradient at this step is NaN: it raises, then sends a finite one
 LR = 0.05
 SLOW_S = 0.3
-
-
-def gradient(rank: int, step: int, w: torch.Tensor) -> torch.Tensor:
-    """What rank ``rank`` computes at ``step`` (float64)."""
-    k = torch.arange(w.numel(), dtype=torch.float64)
-    return 0.3 * w + torch.sin(k * (rank + 1) + 0.1 * step)
-
-
-def start_w() -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
 
 
 def start_table() -> torch.Tensor:
@@ -173,6 +166,8 @@ def resume(ctx: RankContext) -> dict:
 
 LOSS_LAST = 24  # last_step of the jobs that lose a worker
 KILLED_AT = 8  # the lost worker is SIGKILLed once it holds this update
+BACK_AFTER = 4  # updates the two left make before rank 2 is restarted (or woken)
+REJOIN_LAST = 40  # last_step of the jobs that take rank 2 back
 
 
 def _elastic_store(ctx: RankContext, port: int) -> dist.Store:
@@ -182,6 +177,33 @@ def _elastic_store(ctx: RankContext, port: int) -> dist.Store:
     )  # fmt: skip
 
 
+def _losses_allowed(last: int, **extra) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The variables and a ``max_losses=1`` optimizer of R = 2 of N = 3 without a server."""
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
+        last_step=last, timeout=60, **extra,
+    )  # fmt: skip
+    return w, table, opt
+
+
+def _step(opt: Any, w: torch.Tensor, table: torch.Tensor, rank: int) -> float:
+    """Compute (rank 2 the slowest) and step; the seconds step() took."""
+    step = opt.local_step
+    w.grad = gradient(rank, step, w.detach())
+    table.grad = table_gradient(rank, step)
+    time.sleep(0.04 if rank == 2 else 0.02)
+    started = time.monotonic()
+    opt.step()
+    return time.monotonic() - started
+
+
+def _back_after(opt: Any) -> bool:
+    """Have the others made BACK_AFTER updates since they lost a member?"""
+    lost = [c for c in opt.membership_changes if c["event"] == "lost"]
+    return bool(lost) and opt.global_step >= lost[0]["global_step"] + BACK_AFTER
+
+
 def lose_and_go_on(ctx: RankContext, port: int, lost: int) -> dict:
     """R = 2 of N = 3 without a server, ``max_losses=1``; rank 2 is a little slow (the usual
     backup); rank ``lost`` is SIGKILLed (by the harness) once it holds update KILLED_AT, and
@@ -189,20 +211,10 @@ def lose_and_go_on(ctx: RankContext, port: int, lost: int) -> dict:
     update's members, the membership changes and the longest step() call after the loss."""
     store = _elastic_store(ctx, port)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
-    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
-    opt = SyncReplicasOptimizer(
-        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
-        last_step=LOSS_LAST, timeout=60,
-    )  # fmt: skip
+    w, table, opt = _losses_allowed(LOSS_LAST)
     longest = 0.0
     while opt.global_step < LOSS_LAST:
-        step = opt.local_step
-        w.grad = gradient(ctx.rank, step, w.detach())
-        table.grad = table_gradient(ctx.rank, step)
-        time.sleep(0.04 if ctx.rank == 2 else 0.02)  # a step's compute; rank 2 the slowest
-        started = time.monotonic()
-        opt.step()
-        longest = max(longest, time.monotonic() - started)
+        longest = max(longest, _step(opt, w, table, ctx.rank))
         if ctx.rank == lost and opt.global_step >= KILLED_AT:
             ctx.signal("die")
             time.sleep(60)
@@ -219,10 +231,6 @@ def lose_and_go_on(ctx: RankContext, port: int, lost: int) -> dict:
     return json.loads(json.dumps(out))
 
 
-BACK_AFTER = 4  # updates the two left make before rank 2 is restarted
-REJOIN_LAST = 40  # last_step of the job that takes rank 2 back
-
-
 def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
     """R = 2 of N = 3 without a server, ``max_losses=1``: rank 2 is SIGKILLed once it holds
     update KILLED_AT; ranks 0 and 1 go on; BACK_AFTER updates later process 3 restarts rank 2
@@ -232,45 +240,20 @@ def lose_and_rejoin(ctx: RankContext, port: int) -> dict:
     me = 2 if joiner else ctx.rank
     if joiner:
         ctx.wait_signal(0, "alone", timeout=120)
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
+    store = _elastic_store(ctx, port)
     if not joiner:
         dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
-    opened: list[str] = []
-    real_load = torch.load
-
-    def load(*args, **kwargs):  # a live heal reads no checkpoint file
-        if args and isinstance(args[0], (str, Path)):
-            opened.append(str(args[0]))
-        return real_load(*args, **kwargs)
-
-    torch.load = load  # type: ignore[assignment]
-    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opened = files_opened()
     extra = {"worker": 2, "store": store} if joiner else {}
-    opt = SyncReplicasOptimizer(
-        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
-        last_step=REJOIN_LAST, timeout=60, **extra,
-    )  # fmt: skip
+    w, table, opt = _losses_allowed(REJOIN_LAST, **extra)
     start = opt.global_step
     signalled = False
     while opt.global_step < REJOIN_LAST:
-        step = opt.local_step
-        w.grad = gradient(me, step, w.detach())
-        table.grad = table_gradient(me, step)
-        time.sleep(0.04 if me == 2 else 0.02)
-        opt.step()
+        _step(opt, w, table, me)
         if me == 2 and not joiner and opt.global_step >= KILLED_AT:
             ctx.signal("die")
             time.sleep(60)
-        lost = [c for c in opt.membership_changes if c["event"] == "lost"]
-        if (
-            me == 0
-            and lost
-            and not signalled
-            and opt.global_step >= lost[0]["global_step"] + BACK_AFTER
-        ):
+        if me == 0 and not signalled and _back_after(opt):
             ctx.signal("alone")
             signalled = True
     out = {
@@ -294,31 +277,15 @@ def hang_and_return(ctx: RankContext, port: int) -> dict:
     changes and longest step() call."""
     store = _elastic_store(ctx, port)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
-    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
-    opt = SyncReplicasOptimizer(
-        AdamOptimizer([w, table], LR), R, N, transport="allreduce", max_losses=1,
-        last_step=REJOIN_LAST, timeout=60,
-    )  # fmt: skip
+    w, table, opt = _losses_allowed(REJOIN_LAST)
     longest, stopped, woken = 0.0, False, False
     while opt.global_step < REJOIN_LAST:
-        step = opt.local_step
-        w.grad = gradient(ctx.rank, step, w.detach())
-        table.grad = table_gradient(ctx.rank, step)
-        time.sleep(0.04 if ctx.rank == 2 else 0.02)
-        started = time.monotonic()
-        opt.step()
-        longest = max(longest, time.monotonic() - started)
+        longest = max(longest, _step(opt, w, table, ctx.rank))
         if ctx.rank == 2 and not stopped and opt.global_step >= KILLED_AT:
             stopped = True
             store.set("test/stopped", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)  # rank 0's SIGCONT lets it go on here
-        lost = [c for c in opt.membership_changes if c["event"] == "lost"]
-        if (
-            ctx.rank == 0
-            and lost
-            and not woken
-            and opt.global_step >= lost[0]["global_step"] + BACK_AFTER
-        ):
+        if ctx.rank == 0 and not woken and _back_after(opt):
             os.kill(int(store.get("test/stopped")), signal.SIGCONT)
             woken = True
     out = {

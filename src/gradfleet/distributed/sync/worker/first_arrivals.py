@@ -109,7 +109,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         group = WorldGroup(timeout=job.timeout) if group is None else group
         joining = group.generation > 0 or group.size != N
         super().__init__(opt, job, group, joining)
-        self.R, self.max_losses, self.timeout = R, job.max_losses, job.timeout
+        self.R, self.max_losses = R, job.max_losses
         if elastic:
             group.watch_reforming = True  # members re-form at different points (a wait ends)
             store = group.root
