@@ -143,3 +143,25 @@ def test_max_losses_refused_before_launch(args, match):
     validate_strategy("sync-replicas", {"replicas_to_aggregate": 3, "max_losses": 2}, 3)
     allowed = {"replicas_to_aggregate": 2, "transport": "allreduce", "max_losses": 1}
     validate_strategy("sync-replicas", allowed, 3)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"replicas_to_aggregate": 2, "hear_every_worker": False}, "backups without a server"),
+        (
+            {"replicas_to_aggregate": 3, "transport": "allreduce", "hear_every_worker": False},
+            "replicas_to_aggregate=3 of 3",
+        ),  # fmt: skip
+        (
+            {"replicas_to_aggregate": 2, "transport": "allreduce", "hear_every_worker": "no"},
+            "hear_every_worker must be one of true, false",
+        ),  # fmt: skip
+    ],
+)
+def test_hear_every_worker_refused_where_it_does_not_apply(args, match):
+    with pytest.raises(ValueError, match=match):
+        validate_strategy("sync-replicas", args, 3)
+    for value in (True, False):
+        ok = {"replicas_to_aggregate": 2, "transport": "allreduce", "hear_every_worker": value}
+        validate_strategy("sync-replicas", ok, 3)

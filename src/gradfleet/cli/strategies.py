@@ -352,6 +352,7 @@ class SyncReplicas(Strategy):
             nonfinite=self.args.get("nonfinite", "raise"),
             model=model if self.args.get("with_model", True) else None,
             max_losses=int(self.args.get("max_losses", 0)),
+            hear_every_worker=self.args.get("hear_every_worker", True),
         )
         if self.args.get("stream_reads"):
             wrapped.stream_reads(model)

@@ -114,6 +114,9 @@ TABLE: dict[str, StrategyInfo] = {
                 "needs no server: replicas_to_aggregate = workers, or transport=allreduce with "
                 "at most workers - replicas_to_aggregate; the survivors heal from each other's "
                 "state, and a restarted worker rejoins from a live one)",
+                "hear_every_worker": "true/false: with transport=allreduce and "
+                "replicas_to_aggregate < workers, a worker left out of many updates is "
+                "waited for briefly (default true; false: the first R always make the update)",
             },
             SyncReplicas,
             min_workers=2,
@@ -222,6 +225,7 @@ def validate_strategy(
             "tokens": ("distinct", "shared"),
             "transport": ("allreduce", "server"),
             "overlap": (True, False),
+            "hear_every_worker": (True, False),
             "shard_assignment": ("bytes", "round_robin", "split", "backward_order"),
         }
         for key, allowed in choices.items():
@@ -230,6 +234,15 @@ def validate_strategy(
                 raise ValueError(
                     f"strategy sync-replicas: {key} must be one of {shown}, got {args[key]!r}"
                 )
+        if args.get("hear_every_worker") is False and not (
+            k < total and args.get("transport") == "allreduce"
+        ):
+            raise ValueError(
+                "strategy sync-replicas: hear_every_worker=false applies to backups without a "
+                f"server (transport=allreduce, replicas_to_aggregate < workers); got "
+                f"replicas_to_aggregate={k} of {total}, "
+                f"transport={args.get('transport', 'default')}"
+            )
 
 
 def rank0_replaceable(name: str, args: dict[str, Any]) -> bool:

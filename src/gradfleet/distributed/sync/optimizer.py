@@ -212,6 +212,12 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             :mod:`.worker.allreduce`.
         store: for a restarted worker with ``max_losses``: the job's store (default: a client
             of ``MASTER_ADDR:MASTER_PORT``).  The others use their process group's.
+        hear_every_worker: with backups and no server (``transport="allreduce"``, R < N):
+            a worker whose gradients went into many more of the recent updates than another
+            worker's, about as fast as itself, waits briefly for that one to count in
+            first, so that no worker's data stays unheard because it once came late
+            (:mod:`.worker.deference`, docs/distributed.md).  ``False``: the first R to
+            count in always make the update, the fastest choice.
 
     ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
     another server rank's the shards it hosts (``"shards"``), a plain worker's only its own
@@ -245,6 +251,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         model: torch.nn.Module | None = None,
         max_losses: int = 0,
         store: dist.Store | None = None,
+        hear_every_worker: bool = True,
     ) -> None:
         R, N, initial, rule = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
@@ -267,6 +274,16 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             raise ValueError(
                 f"{_OWNER}: max_losses={max_losses} would leave fewer than "
                 f"replicas_to_aggregate={R} of the {N} workers"
+            )
+        if not isinstance(hear_every_worker, bool):
+            raise TypeError(
+                f"{_OWNER}: hear_every_worker must be True or False, got {hear_every_worker!r}"
+            )
+        if not hear_every_worker and not (transport == "allreduce" and R < N):
+            raise ValueError(
+                f"{_OWNER}: hear_every_worker=False applies to backup workers without a server "
+                f"(transport='allreduce', replicas_to_aggregate < total_num_replicas); got "
+                f"transport={transport!r}, replicas_to_aggregate={R} of {N}"
             )
         server_rank = 0 if server_rank is None else server_rank
         super().__init__(opt, name)
@@ -313,6 +330,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
             nonfinite=nonfinite, last_step=last_step, ema=variable_averages,
             averaged=tuple(averaged), global_step=start, policy=policy, max_losses=max_losses,
+            hear_every_worker=hear_every_worker,
         )  # fmt: skip
         self.exchange: Exchange
         if transport == "allreduce":

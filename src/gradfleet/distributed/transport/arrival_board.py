@@ -15,6 +15,8 @@ the members' generation, which changes when one is lost or joins):
 
 * ``a/<t>``: arrivals at step ``t`` (a counter);
 * ``w/<t>/<place>``: the rank that arrived at that place;
+* ``i/<t>/<rank>``: that rank counted in at step ``t``: its place and the seconds its gradient
+  took (what a worker deferring to it asks, :mod:`..sync.worker.deference`);
 * ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON);
 * ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter, under
   ``<epoch>/`` only: it outlives a generation);
@@ -100,11 +102,32 @@ class ArrivalBoard:
         self._scope()
 
     # ------------------------------------------------------------------ arriving
-    def arrive(self, step: int) -> int:
-        """Count this rank in at ``step``: its place, 1 for the first."""
+    def arrive(self, step: int, pace: float = 0.0) -> int:
+        """Count this rank in at ``step``, whose gradient took ``pace`` seconds: its place,
+        1 for the first."""
         place = int(self.store.add(f"a/{step}", 1))
-        self.store.set(f"w/{step}/{place}", str(self.rank))
+        self.store.multi_set(
+            [f"w/{step}/{place}", f"i/{step}/{self.rank}"], [str(self.rank), f"{place} {pace!r}"]
+        )
         return place
+
+    def came(self, step: int, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that counted in at ``step`` (so far; none before step 0)."""
+        if step < 0:
+            return []
+        return [r for r in ranks if self.store.check([f"i/{step}/{r}"])]
+
+    def lately(self, step: int, ranks: list[int]) -> dict[int, float]:
+        """Those of ``ranks`` that counted in at one of the two steps before ``step``, with
+        the pace each gave there (the later one's)."""
+        paces: dict[int, float] = {}
+        for r in ranks:
+            for s in (step - 1, step - 2):
+                key = f"i/{s}/{r}"
+                if s >= 0 and self.store.check([key]):
+                    paces[r] = float(self.store.get(key).decode().split()[1])
+                    break
+        return paces
 
     def first(self, step: int, R: int) -> list[int]:
         """The ranks at places 1..R of ``step``, in order of arrival (waits for them: a

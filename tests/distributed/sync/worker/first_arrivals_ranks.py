@@ -296,3 +296,27 @@ def hang_and_return(ctx: RankContext, port: int) -> dict:
     }
     opt.close()
     return json.loads(json.dumps(out))
+
+
+HEARD_N, HEARD_UPDATES, SLOW_UNTIL = 4, 80, 20
+COMPUTE_S, SLOWER_S = 0.04, 0.12  # every rank's gradient; the last rank's until SLOW_UNTIL
+
+
+def heard(ctx: RankContext) -> dict:
+    """R = 3 of 4, equal ranks but the last, which computes SLOWER_S more until update
+    SLOW_UNTIL: every update's members, and how long each rank deferred."""
+    w = torch.nn.Parameter(start_w())
+    n = HEARD_N
+    opt = SyncReplicasOptimizer(
+        torch.optim.SGD([w], lr=0.01), n - 1, n, transport="allreduce",
+        last_step=HEARD_UPDATES, timeout=60,
+    )  # fmt: skip
+    while opt.global_step < HEARD_UPDATES:
+        w.grad = gradient(ctx.rank, opt.local_step, w.detach())
+        slow = ctx.rank == n - 1 and opt.global_step < SLOW_UNTIL
+        time.sleep(COMPUTE_S + (SLOWER_S if slow else 0.0))
+        opt.step()
+    out = {"history": opt.exchange.history, "waited": opt.exchange.deference.waited}
+    opt.close()
+    dist.barrier()
+    return out

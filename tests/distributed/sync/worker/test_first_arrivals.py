@@ -74,6 +74,19 @@ def test_backups_without_a_server_refuse_what_they_cannot_do():
         "tokens='distinct'": {"tokens": "shared"},
         "fewer than replicas_to_aggregate=2": {"max_losses": 2},
     }
+    for extra, error, message in (
+        ({"hear_every_worker": 0}, TypeError, "hear_every_worker must be True or False"),
+        ({"transport": "server"}, ValueError, "applies to backup workers without a server"),
+    ):
+        with pytest.raises(error, match=message):
+            SyncReplicasOptimizer(
+                torch.optim.SGD([w], lr=0.1), 2, 3, worker=0,
+                **{"transport": "allreduce", "hear_every_worker": False, **extra},
+            )  # fmt: skip
+    with pytest.raises(ValueError, match="replicas_to_aggregate=3 of 3"):
+        SyncReplicasOptimizer(
+            torch.optim.SGD([w], lr=0.1), 3, 3, transport="allreduce", hear_every_worker=False
+        )
     for message, extra in cases.items():
         with pytest.raises(ValueError, match=message):
             SyncReplicasOptimizer(
@@ -183,3 +196,20 @@ def test_a_worker_that_hangs_is_left_out_at_once_and_takes_its_place_again():
     w, _ = replay(zero["history"])
     torch.testing.assert_close(torch.tensor(zero["w"], dtype=torch.float64), w, rtol=tol, atol=tol)
     assert max(zero["longest"], one["longest"]) < 10, (zero["longest"], one["longest"])
+
+
+@pytest.mark.timeout(180)
+def test_every_worker_is_heard_and_a_recovered_one_at_once():
+    """Equal ranks on loopback (one slower for the first updates): the late place rotates,
+    so each rank's share of the last 50 updates is within 0.5x-1.5x of R / N, and the one
+    that recovered is in at least half as many of the 10 updates after as the others."""
+    out = run_ranks(fr.heard, fr.HEARD_N, timeout=150)
+    n, r = fr.HEARD_N, fr.HEARD_N - 1
+    history = out[0]["history"]
+    assert all(o["history"] == history for o in out)  # every rank saw the same updates
+    after = history[fr.SLOW_UNTIL + 1 : fr.SLOW_UNTIL + 11]
+    others = sum(sum(k in m for m in after) for k in range(n - 1)) / (n - 1)
+    assert sum(n - 1 in m for m in after) >= others / 2, after
+    last = history[-50:]
+    shares = [sum(k in m for m in last) / len(last) / (r / n) for k in range(n)]
+    assert all(0.5 <= s <= 1.5 for s in shares), (shares, history)

@@ -35,7 +35,8 @@ class Job:
     ``variable_averages`` and the parameter indices it tracks; ``global_step``: the step the
     job starts from; ``policy``: chooses each update's R (``replicas_to_aggregate="auto"``);
     ``max_losses``: workers the all-reduce exchange may lose and go on without (0: a loss
-    ends the job)."""
+    ends the job); ``hear_every_worker``: backups without a server wait briefly for a worker
+    left out of many updates (:mod:`..worker.deference`)."""
 
     R: int
     N: int
@@ -49,6 +50,7 @@ class Job:
     global_step: int = 0
     policy: ReplicasPolicy | None = None
     max_losses: int = 0
+    hear_every_worker: bool = True
 
     @property
     def tokens_per_update(self) -> int:

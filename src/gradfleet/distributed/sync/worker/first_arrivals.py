@@ -21,6 +21,10 @@ backup workers, without a host that holds the state alone.
   update.  A worker that is several updates behind receives each in
   turn, then computes its next gradient at the newest step, as TF's worker reads the newest
   variables.
+* **Every worker heard** (:mod:`.deference`, ``hear_every_worker``): a worker late once would
+  stay late, since it receives each update after the members; before counting in, a worker
+  heard in many more recent updates than another, about as fast, waits briefly for that one
+  to count in first, so the late place rotates.
 * **Back-pressure**: a member keeps its slices of each update until the late workers have
   received them (gloo's send completes only then), at most :data:`SEND_WINDOW` updates; beyond
   that it waits for the oldest.  A worker that is slower still holds the others back to its
@@ -43,6 +47,8 @@ measured yet.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
 from functools import partial
 from typing import Any
@@ -57,6 +63,7 @@ from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
 from .buckets import Buckets
+from .deference import MARGIN, Deference
 from .serverless import ServerlessExchange, any_nonfinite
 
 __all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
@@ -65,6 +72,7 @@ log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
 SEND_WINDOW = 4  # updates a member may still be sending to late workers
+_POLL = 0.002  # seconds between a deferring worker's looks at the store
 
 
 class FirstArrivalsExchange(ServerlessExchange):
@@ -119,6 +127,8 @@ class FirstArrivalsExchange(ServerlessExchange):
             store, self.rank, N, job.timeout, group.watcher, "elastic" if elastic else None
         )
         self.history: list[list[int]] = []  # the members of each update made since the start
+        self.deference = Deference(N, MARGIN if job.hear_every_worker else math.inf)
+        self._returned: float | None = None  # when this rank's last step ended
         self._sending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
         self._dropped_before = {r: 0 for r in range(N)}  # from a loaded state
         if joining:  # a restarted rank: from a live member's state
@@ -135,7 +145,11 @@ class FirstArrivalsExchange(ServerlessExchange):
     ) -> Outcome:
         """One round with this rank's ``grads`` (nothing is ever left to read)."""
         self.local_step = int(local_step)
-        return Outcome(*self._round(grads))
+        if self._returned is not None:  # since the last step ended: this gradient's time
+            self.deference.computed(time.monotonic() - self._returned)
+        outcome = Outcome(*self._round(grads))
+        self._returned = time.monotonic()
+        return outcome
 
     def _round(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
         """The one place a lost peer is decided on: without ``max_losses`` the job ends
@@ -183,7 +197,8 @@ class FirstArrivalsExchange(ServerlessExchange):
                 "(nothing changed on any rank)"
             )
         step = self.global_step
-        place = self.board.arrive(step)
+        self._defer(step)
+        place = self.board.arrive(step, self.deference.last())
         if place > self.R:  # the update is the first R's: receive it
             self._catch_up()  # (a loss meanwhile: _round counts the gradient, or reuses it)
             self.board.count_dropped()
@@ -194,6 +209,28 @@ class FirstArrivalsExchange(ServerlessExchange):
         self._apply(averages, members)
         self._send(step, order, flags, rows)
         return True, self.global_step, self.global_step
+
+    def _defer(self, step: int) -> None:
+        """Before counting in: wait for the workers this one owes (:mod:`.deference`), at
+        most the grace, or until the step has its R without them."""
+        candidates = self.deference.candidates(self.rank, step, self.history, self.group.members)
+        if not candidates:
+            return
+        board = self.board
+        owed = self.deference.owed(candidates, board.lately(step, candidates))
+        if not owed:
+            return
+        started = time.monotonic()
+        deadline = started + self.deference.grace()
+        while True:
+            came = board.came(step, owed)
+            if len(came) == len(owed) or time.monotonic() >= deadline:
+                break
+            if board.arrivals(step) >= self.R:  # made without them: nobody is judged
+                owed = came = []
+                break
+            time.sleep(_POLL)
+        self.deference.settle(step, owed, came, time.monotonic() - started)
 
     def _reduce(
         self, grads: list[torch.Tensor | None], members: list[int]
@@ -226,6 +263,7 @@ class FirstArrivalsExchange(ServerlessExchange):
 
     def _apply(self, averages: list[torch.Tensor | None], members: list[int] | tuple[int, ...]):
         self.apply_update(averages)
+        self.deference.updated(time.monotonic())
         for r in members:
             self.stats[r]["accepted"] += 1
         self._replicas.append(len(members))
