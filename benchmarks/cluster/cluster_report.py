@@ -155,6 +155,25 @@ def summarise(row: Any, ranks: list[dict], samples: list, rates: dict, args: Any
         "busiest_bytes_per_update": links[busiest]["bytes"] / max(updates_s * span, 1e-9),
         "train_s": end - home["train_start"],
         **_changing(ranks, history, first),
+        **_heard(ranks, first),
+    }
+
+
+def _heard(ranks: list[dict], first: int) -> dict:
+    """Where each update's members were recorded (backups without a server): each rank's
+    share of the training updates, divided by its fair share R / N."""
+    recorded = [r["members"] for r in ranks if r.get("members")]
+    if not recorded:
+        return {}
+    trained = max(recorded, key=len)[first:]
+    if not trained:
+        return {}
+    fair = len(trained[0]) / len(ranks)
+    return {
+        "shares": {
+            r["rank"]: sum(r["rank"] in m for m in trained) / len(trained) / fair for r in ranks
+        },
+        "deference": {r["rank"]: r.get("deference") for r in ranks},
     }
 
 

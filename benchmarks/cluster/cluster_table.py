@@ -54,6 +54,7 @@ ROW_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
             "auto",
             "stream",
             "max_losses",
+            "hear",
         ),
     ),
     "easgd-async": ("easgd", ("period", "rho", "centre")),
@@ -107,6 +108,8 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
             args["transport"] = "allreduce"
             if o.get("max_losses"):
                 args["max_losses"] = int(o["max_losses"])
+            if "hear" in o:
+                args["hear_every_worker"] = bool(o["hear"])
         elif servers != "default":
             args["overlap"] = bool(o.get("overlap", False))
             if not o.get("auto"):  # auto: left out, laid out for the job from the model

@@ -206,6 +206,13 @@ def run_row(ctx: Context, row: dict, args: argparse.Namespace) -> dict:
     history = replicas_history(strategy)
     if history is not None:
         record["replicas_history"] = history
+    exchange = getattr(strategy.opt, "exchange", None)
+    members = getattr(exchange, "history", None)
+    if members is not None:  # backups without a server: the ranks in each update, the waits
+        record["members"] = [list(map(int, m)) for m in members]
+        rule = exchange.deference
+        record["deference"] = {"waits": rule.waits, "waited": rule.waited, "pace": rule.pace(),
+                               "grace": rule.grace()}  # fmt: skip
     strategy.close()
     dist.barrier()
     return record

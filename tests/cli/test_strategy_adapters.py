@@ -165,3 +165,13 @@ def test_hear_every_worker_refused_where_it_does_not_apply(args, match):
     for value in (True, False):
         ok = {"replicas_to_aggregate": 2, "transport": "allreduce", "hear_every_worker": value}
         validate_strategy("sync-replicas", ok, 3)
+
+
+def test_auto_without_a_server_is_accepted_and_checked_like_backups():
+    """``replicas_to_aggregate=auto,transport=allreduce``: every rank chooses alike (no
+    server); hear_every_worker applies there, and losses up to workers - 1."""
+    auto = {"replicas_to_aggregate": "auto", "transport": "allreduce"}
+    validate_strategy("sync-replicas", auto, 3)
+    validate_strategy("sync-replicas", {**auto, "hear_every_worker": False, "max_losses": 2}, 3)
+    with pytest.raises(ValueError, match="fewer losses than the workers"):
+        validate_strategy("sync-replicas", {**auto, "max_losses": 3}, 3)

@@ -188,13 +188,9 @@ def validate_strategy(
     if name == "sync-replicas":
         total = _int(name, "total_num_replicas", args.get("total_num_replicas", workers), 1)
         k = args.get("replicas_to_aggregate", workers - 1)
-        if k == "auto":
+        auto = k == "auto"
+        if auto:
             k = total  # it starts from every worker
-            if args.get("transport") == "allreduce":
-                raise ValueError(
-                    "strategy sync-replicas: replicas_to_aggregate=auto needs servers "
-                    "(transport=allreduce makes every update of all workers)"
-                )
         k = _int(name, "replicas_to_aggregate or 'auto'", k, 1)
         if total > workers:
             raise ValueError(
@@ -235,7 +231,7 @@ def validate_strategy(
                     f"strategy sync-replicas: {key} must be one of {shown}, got {args[key]!r}"
                 )
         if args.get("hear_every_worker") is False and not (
-            k < total and args.get("transport") == "allreduce"
+            (k < total or auto) and args.get("transport") == "allreduce"
         ):
             raise ValueError(
                 "strategy sync-replicas: hear_every_worker=false applies to backups without a "

@@ -28,8 +28,8 @@ Layer: wrappers.
 """
 
 from ..common.moving_average import ExponentialMovingAverage
+from .common.replicas_policy import AutoReplicas, Decision, ReplicasPolicy
 from .optimizer import SyncReplicasOptimizer
-from .server.replicas_policy import AutoReplicas, Decision, ReplicasPolicy
 
 __all__ = [
     "AutoReplicas",

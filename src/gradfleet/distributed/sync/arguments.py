@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from ..wrappers.wrapper import check_int
 from .common.finite import NONFINITE_POLICIES
+from .common.replicas_policy import AutoReplicas, ReplicasPolicy
 from .common.tokens import init_tokens
-from .server.replicas_policy import AutoReplicas, ReplicasPolicy
 from .server.token_line import TOKEN_RULES
 
 __all__ = [
@@ -48,11 +48,6 @@ def check_arguments(
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             total_num_replicas = world
         replicas_to_aggregate = total_num_replicas
-        if transport == "allreduce":
-            raise ValueError(
-                f"{_OWNER}: replicas_to_aggregate='auto' chooses R per update on a server; "
-                "transport='allreduce' makes every update of all N workers (leave transport out)"
-            )
     R = check_int(_OWNER, "replicas_to_aggregate", replicas_to_aggregate, 1)
     N = R if total_num_replicas is None else total_num_replicas
     N = check_int(_OWNER, "total_num_replicas", N, 1)

@@ -81,10 +81,10 @@ from .arguments import (
 )
 from .common.job import Job
 from .common.outcome import Outcome
+from .common.replicas_policy import ReplicasPolicy
 from .exchange import Exchange
 from .layout.assignment import SPLITTING, check_server_ranks
 from .layout.shard_layout import choose_layout
-from .server.replicas_policy import ReplicasPolicy
 from .server_exchange import ServerExchange, as_addresses
 from .worker.allreduce import AllReduceExchange
 from .worker.first_arrivals import FirstArrivalsExchange
@@ -279,7 +279,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             raise TypeError(
                 f"{_OWNER}: hear_every_worker must be True or False, got {hear_every_worker!r}"
             )
-        if not hear_every_worker and not (transport == "allreduce" and R < N):
+        if not hear_every_worker and not (transport == "allreduce" and (R < N or policy)):
             raise ValueError(
                 f"{_OWNER}: hear_every_worker=False applies to backup workers without a server "
                 f"(transport='allreduce', replicas_to_aggregate < total_num_replicas); got "
@@ -324,7 +324,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
-        self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, R < N)
+        backups = R < N or policy is not None  # members known only at step()
+        self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
@@ -341,7 +342,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             )
             self.exchange = (
                 FirstArrivalsExchange(self.optimizer, job, store, group)
-                if R < N
+                if R < N or policy is not None
                 else AllReduceExchange(self.optimizer, job, self.overlap, group)
             )
         else:

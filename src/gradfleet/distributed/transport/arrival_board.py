@@ -16,8 +16,10 @@ the members' generation, which changes when one is lost or joins):
 * ``a/<t>``: arrivals at step ``t`` (a counter);
 * ``w/<t>/<place>``: the rank that arrived at that place;
 * ``i/<t>/<rank>``: that rank counted in at step ``t``: its place and the seconds its gradient
-  took (what a worker deferring to it asks, :mod:`..sync.worker.deference`);
-* ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON);
+  took; ``last/<rank>``: the step and seconds of its latest arrival (what a worker deferring
+  to it asks, :mod:`..sync.worker.deference`);
+* ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON; with
+  ``replicas_to_aggregate="auto"`` also ``"rounds"``: each worker's last gradient's seconds);
 * ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter, under
   ``<epoch>/`` only: it outlives a generation);
 * ``ended``: why the job ended, written by the first rank that met a lost peer, so that a rank
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +54,7 @@ class Made:
 
     leader: int
     members: tuple[int, ...]
+    rounds: dict[int, float] = field(default_factory=dict)  # replicas_to_aggregate="auto"
 
 
 def _nothing_to_watch() -> Callable[[], str | None]:
@@ -88,6 +91,7 @@ class ArrivalBoard:
     def _scope(self) -> None:
         self.books = dist.PrefixStore(f"{self.exchange}/{self.epoch}/", self.root)
         self.store = dist.PrefixStore(f"g{self.generation}/", self.books)
+        self._arrived: set[int] = set()  # ranks whose last/<rank> is set in this scope
         self._groups.clear()  # another generation's members meet in groups of their own
 
     def new_epoch(self, epoch: int | None = None) -> None:
@@ -107,7 +111,8 @@ class ArrivalBoard:
         1 for the first."""
         place = int(self.store.add(f"a/{step}", 1))
         self.store.multi_set(
-            [f"w/{step}/{place}", f"i/{step}/{self.rank}"], [str(self.rank), f"{place} {pace!r}"]
+            [f"w/{step}/{place}", f"i/{step}/{self.rank}", f"last/{self.rank}"],
+            [str(self.rank), f"{place} {pace!r}", f"{step} {pace!r}"],
         )
         return place
 
@@ -117,44 +122,64 @@ class ArrivalBoard:
             return []
         return [r for r in ranks if self.store.check([f"i/{step}/{r}"])]
 
-    def lately(self, step: int, ranks: list[int]) -> dict[int, float]:
-        """Those of ``ranks`` that counted in at one of the two steps before ``step``, with
-        the pace each gave there (the later one's)."""
-        paces: dict[int, float] = {}
-        for r in ranks:
-            for s in (step - 1, step - 2):
-                key = f"i/{s}/{r}"
-                if s >= 0 and self.store.check([key]):
-                    paces[r] = float(self.store.get(key).decode().split()[1])
-                    break
-        return paces
+    def lately(self, step: int, ranks: list[int], back: int) -> dict[int, float]:
+        """Those of ``ranks`` whose last arrival was at one of the ``back`` steps before
+        ``step``, with the seconds their gradient took there."""
+        # once a rank has arrived its key stays (in this scope): ask the store only for others
+        self._arrived.update(
+            r for r in ranks if r not in self._arrived and self.store.check([f"last/{r}"])
+        )
+        present = [r for r in ranks if r in self._arrived]
+        if not present:
+            return {}
+        values = self._get([f"last/{r}" for r in present])
+        out = {}
+        for r, value in zip(present, values, strict=True):
+            at, pace = value.decode().split()
+            if step - back <= int(at) < step:
+                out[r] = float(pace)
+        return out
+
+    def _get(self, keys: list[str]) -> list[bytes]:
+        try:
+            return list(self.store.multi_get(keys))
+        except RuntimeError:  # a store of an older torch without it: one get each
+            return [self.store.get(k) for k in keys]
 
     def first(self, step: int, R: int) -> list[int]:
         """The ranks at places 1..R of ``step``, in order of arrival (waits for them: a
         member calls this, so R have arrived or are arriving)."""
         keys = [f"w/{step}/{place}" for place in range(1, R + 1)]
         self._wait(keys, f"the other {R - 1} first arrivals at step {step}")
-        try:
-            values = self.store.multi_get(keys)
-        except RuntimeError:  # a store of an older torch without it: one get each
-            values = [self.store.get(k) for k in keys]
-        return [int(v) for v in values]
+        return [int(v) for v in self._get(keys)]
 
     def arrivals(self, step: int) -> int:
         """How many ranks arrived at ``step`` so far."""
         return int(self.store.add(f"a/{step}", 0))
 
     # ------------------------------------------------------------------ the update
-    def made(self, step: int, leader: int, members: list[int]) -> None:
-        """The leader: the update at ``step`` is made, and its data is on the way."""
-        self.store.set(f"d/{step}", json.dumps({"leader": leader, "members": members}))
+    def made(
+        self, step: int, leader: int, members: list[int], rounds: dict[int, float] | None = None
+    ) -> None:
+        """The leader: the update at ``step`` is made, and its data is on the way; with
+        ``rounds``, the seconds each worker's last gradient took, as the leader read them (what
+        every rank's choice of the next R is made from)."""
+        record: dict[str, Any] = {"leader": leader, "members": members}
+        if rounds is not None:
+            record["rounds"] = {str(r): s for r, s in rounds.items()}
+        self.store.set(f"d/{step}", json.dumps(record))
+
+    def is_made(self, step: int) -> bool:
+        """Has the update at ``step`` been announced?"""
+        return self.store.check([f"d/{step}"])
 
     def wait_made(self, step: int) -> Made:
         """A rank that came late: the update at ``step`` as its leader announced it."""
         key = f"d/{step}"
         self._wait([key], f"the update at step {step} (this rank came after the first)")
         record = json.loads(self.store.get(key))
-        return Made(int(record["leader"]), tuple(int(r) for r in record["members"]))
+        rounds = {int(r): float(s) for r, s in record.get("rounds", {}).items()}
+        return Made(int(record["leader"]), tuple(int(r) for r in record["members"]), rounds)
 
     def members_group(self, members: list[int]) -> Any:
         """The gloo process group of ``members`` (sorted ranks, this one among them), made

@@ -46,7 +46,7 @@ def auto_train(
     (rank 0 then forgets it, so that its server stops waiting at the end).  ``workers``
     (default: every rank): the ranks from it on are dedicated servers."""
     decisions = Decisions()
-    chief_log = logging.getLogger("gradfleet.distributed.sync.server.replica_choice")
+    chief_log = logging.getLogger("gradfleet.distributed.sync.common.replica_choice")
     chief_log.setLevel(logging.DEBUG)
     chief_log.addHandler(decisions)
     workers = ctx.world_size if workers is None else workers

@@ -22,13 +22,13 @@ import torch
 import gradfleet
 from gradfleet.distributed.common.replies import Answer
 from gradfleet.distributed.sync.common.job import Job
-from gradfleet.distributed.sync.server.chief import SyncChief
-from gradfleet.distributed.sync.server.replicas_policy import (
+from gradfleet.distributed.sync.common.replicas_policy import (
     AutoReplicas,
     Decision,
     Measurements,
     progress,
 )
+from gradfleet.distributed.sync.server.chief import SyncChief
 
 from .test_token_line import Reply  # a ticket that keeps its answer
 

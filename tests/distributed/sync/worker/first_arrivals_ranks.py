@@ -320,3 +320,37 @@ def heard(ctx: RankContext) -> dict:
     opt.close()
     dist.barrier()
     return out
+
+
+SLOW_FROM = 6  # auto_backups: rank 2 computes SLOW_S longer from this step on
+
+
+def auto_backups(ctx: RankContext) -> dict:
+    """``replicas_to_aggregate="auto"`` with ``transport="allreduce"``, N = 3 until LAST; rank 2
+    slow from step SLOW_FROM on.  Returns the variables, each update's members (rank 0) and
+    the R of every update as each rank recorded it."""
+    w, table = torch.nn.Parameter(start_w()), torch.nn.Parameter(start_table())
+    opt = SyncReplicasOptimizer(
+        AdamOptimizer([w, table], LR), "auto", N, transport="allreduce", last_step=LAST,
+        timeout=60,
+    )  # fmt: skip
+    while opt.global_step < LAST:
+        step = opt.local_step
+        w.grad = gradient(ctx.rank, step, w.detach())
+        table.grad = table_gradient(ctx.rank, step)
+        if ctx.rank == 2 and step >= SLOW_FROM:
+            time.sleep(SLOW_S)
+        opt.step()
+    plan = None
+    if ctx.rank == 0:
+        board = opt.exchange.board
+        plan = [list(board.wait_made(t).members) for t in range(LAST)]
+    out = {
+        "w": w.detach().tolist(),
+        "table": table.detach().tolist(),
+        "history": opt.replicas_history(),
+        "plan": plan,
+    }
+    opt.close()
+    dist.barrier()
+    return json.loads(json.dumps(out))

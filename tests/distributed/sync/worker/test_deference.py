@@ -17,6 +17,7 @@ from gradfleet.distributed.sync.worker.deference import (
     INTERVALS,
     MARGIN,
     MAX_SKIP,
+    RECENT,
     SAME_PACE,
     WINDOW,
     Deference,
@@ -142,10 +143,10 @@ def simulate(
         came.setdefault(s, {})[w] = rules[w].last()
 
     def lately(s: int, ranks: list[int]) -> dict[int, float]:
-        return {
-            o: came.get(s - 1, {}).get(o, came.get(s - 2, {}).get(o))
-            for o in ranks if o in came.get(s - 1, {}) or o in came.get(s - 2, {})
-        }  # fmt: skip
+        out: dict[int, float] = {}
+        for back in range(RECENT, 0, -1):  # the latest arrival's pace wins
+            out.update({o: p for o, p in came.get(s - back, {}).items() if o in ranks})
+        return out
 
     for w in range(n):
         computes(w, 0.0, 0)

@@ -213,3 +213,27 @@ def test_every_worker_is_heard_and_a_recovered_one_at_once():
     last = history[-50:]
     shares = [sum(k in m for m in last) / len(last) / (r / n) for k in range(n)]
     assert all(0.5 <= s <= 1.5 for s in shares), (shares, history)
+
+
+@pytest.mark.timeout(180)
+def test_auto_chooses_each_r_alike_on_every_rank_without_a_server():
+    """``replicas_to_aggregate="auto"`` on the exchange without a server: every rank makes the
+    same choices from the same measurements (the rounds its leader read, the noise of the
+    update), so the variables stay bit-identical, and equal a float64 replay of the updates
+    as made.  R = N until the rounds and the noise are measured, then fewer once rank 2 is
+    much slower than the others."""
+    out = run_ranks(fr.auto_backups, fr.N, timeout=150)
+    plan, history = out[0]["plan"], out[0]["history"]
+    assert all(o["history"] == history for o in out), [o["history"] for o in out]
+    assert [len(m) for m in plan] == history
+    assert out[0]["w"] == out[1]["w"] == out[2]["w"]
+    assert out[0]["table"] == out[1]["table"] == out[2]["table"]
+    tol = fr.N * fr.LAST * torch.finfo(torch.float64).eps * 10
+    w, table = replay(plan)
+    for name, expected in (("w", w), ("table", table)):
+        got = torch.tensor(out[0][name], dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert history[:3] == [fr.N] * 3  # nothing measured yet: every worker
+    assert 2 in history[fr.SLOW_FROM + 2 :], history
+    left_out = [2 not in m for m, r in zip(plan, history, strict=True) if r == 2]
+    assert sum(left_out) >= len(left_out) * 2 / 3, (plan, history)  # the slow one, mostly

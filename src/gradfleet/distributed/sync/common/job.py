@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types only: the job is plain data, read by every folder
     from ...common.moving_average import ExponentialMovingAverage
-    from ..server.replicas_policy import ReplicasPolicy
+    from .replicas_policy import ReplicasPolicy
 
 __all__ = ["Job"]
 

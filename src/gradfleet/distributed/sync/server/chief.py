@@ -49,12 +49,12 @@ import torch
 from ...common.membership import Membership
 from ...common.replies import Answer, error
 from ..common.job import Job
+from ..common.replica_choice import ReplicaChoice
+from ..common.replicas_policy import Measurements, ReplicasPolicy
 from ..common.tokens import TokenQueue
 from ..layout.pieces import Piece
 from .aggregator import GradientAggregator
 from .read_ahead import push_answers
-from .replica_choice import ReplicaChoice
-from .replicas_policy import Measurements, ReplicasPolicy
 from .shards import Applied, Resized, Shard, ShardServer
 from .token_line import TokenLine, unfillable
 from .token_requests import TokenRequests

@@ -10,11 +10,13 @@ The rule, the same on every worker (each decides only its own wait, from what ev
 sees alike: the members of each update, and who counted in at each step with what pace):
 
 * worker ``me`` **owes** a live worker ``r`` when, over the last :data:`WINDOW` x N updates,
-  ``me``'s gradients went into at least :data:`MARGIN` more of them than ``r``'s, ``r``
-  counted in at one of the two steps before this one (it is still coming), and ``r``
-  computes about as fast as ``me``: its last gradient took at most :data:`SAME_PACE` x
-  ``me``'s median time per gradient.  A worker really slower than that is what backup workers are
-  for, and is not waited for;
+  ``me``'s gradients went into at least :data:`MARGIN` more of them than ``r``'s, ``r`` was
+  not in the last update, ``r`` counted in at one of the :data:`RECENT` steps before this
+  one (it is still coming: a worker whose link is slow to bring it the updates may be a few
+  steps behind), and ``r`` is about as fast as ``me``: its last gradient took at most
+  ``SAME_PACE - 1`` (20%) of the longer of ``me``'s median time per gradient and the median
+  time between updates more than ``me``'s.  A worker slower than that is what backup workers
+  are for, and is not waited for;
 * before counting itself in at a step, ``me`` **defers**: it waits until every worker it owes
   has counted in, for at most the *grace*, :data:`GRACE` x the median of the last
   :data:`INTERVALS` times between updates (enough for a late worker that fell a whole step
@@ -35,7 +37,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 __all__ = [
-    "GRACE", "INTERVALS", "MARGIN", "MAX_SKIP", "SAME_PACE", "WINDOW", "Deference",
+    "GRACE", "INTERVALS", "MARGIN", "MAX_SKIP", "RECENT", "SAME_PACE", "WINDOW", "Deference",
 ]  # fmt: skip
 
 WINDOW = 8  # x N: the updates a worker's share is counted over
@@ -44,6 +46,7 @@ SAME_PACE = 1.2  # a worker at most this much slower per gradient is about as fa
 GRACE = 1.5  # x the median time between updates: the longest wait for an owed worker
 INTERVALS = 8  # updates (and gradients) the medians are taken over
 MAX_SKIP = 8  # updates: the longest pause in waiting for a worker that did not come
+RECENT = 8  # steps: a worker that counted in at one of the last RECENT steps is still coming
 
 
 def _median_gap(times: deque[float]) -> float:
@@ -114,9 +117,15 @@ class Deference:
         ]  # fmt: skip
 
     def owed(self, candidates: Iterable[int], lately: Mapping[int, float]) -> list[int]:
-        """Of ``candidates``, those in ``lately`` (counted in at one of the two steps before
-        this one, with their last gradient's seconds) about as fast as this worker."""
-        limit = SAME_PACE * self.pace()
+        """Of ``candidates``, those in ``lately`` (counted in at one of the :data:`RECENT` steps
+        before this one, with their last gradient's seconds) about as fast as this worker: slower
+        by at most ``SAME_PACE - 1`` of the longer of its time per gradient and the time
+        between updates (where moving the update takes most of the time, a worker a little
+        slower to compute costs little to wait for)."""
+        if len(self._updates) <= INTERVALS:
+            return []
+        mine = self.pace()
+        limit = mine + (SAME_PACE - 1) * max(mine, _median_gap(self._updates))
         return [r for r in candidates if r in lately and lately[r] <= limit]
 
     def settle(self, step: int, owed: Iterable[int], came: Iterable[int], waited: float) -> None:

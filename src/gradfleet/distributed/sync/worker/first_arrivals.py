@@ -58,12 +58,13 @@ import torch.distributed as dist
 
 from ...transport import LINK_ERRORS, gloo_link
 from ...transport.all_reduce import GradientMean
-from ...transport.arrival_board import ArrivalBoard
+from ...transport.arrival_board import ArrivalBoard, Made
 from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
+from ..common.replica_choice import ReplicaChoice
 from .buckets import Buckets
-from .deference import MARGIN, Deference
+from .deference import MARGIN, RECENT, Deference
 from .serverless import ServerlessExchange, any_nonfinite
 
 __all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
@@ -95,12 +96,6 @@ class FirstArrivalsExchange(ServerlessExchange):
                 f"total_num_replicas={N} takes one gradient per worker per update "
                 "(tokens='distinct'); TF's shared token queue needs transport='server'"
             )
-        if job.policy is not None:
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
-                "total_num_replicas takes a fixed R; use transport='server' for "
-                "replicas_to_aggregate='auto'"
-            )
         if job.max_losses > N - R:
             raise ValueError(
                 f"{_OWNER}: max_losses={job.max_losses} would leave fewer than "
@@ -117,7 +112,11 @@ class FirstArrivalsExchange(ServerlessExchange):
         group = WorldGroup(timeout=job.timeout) if group is None else group
         joining = group.generation > 0 or group.size != N
         super().__init__(opt, job, group, joining)
-        self.R, self.max_losses = R, job.max_losses
+        self.max_losses = job.max_losses
+        # each update's R: fixed, or chosen by the policy from what every rank measured alike
+        self.choice = ReplicaChoice(R, job.policy)
+        self.auto = job.policy is not None
+        self.R = R
         if elastic:
             group.watch_reforming = True  # members re-form at different points (a wait ends)
             store = group.root
@@ -138,6 +137,7 @@ class FirstArrivalsExchange(ServerlessExchange):
             self.start_step = self.local_step = self.global_step
         else:
             self.start()
+        self._decide()
 
     # ------------------------------------------------------------------ the round
     def step(
@@ -184,6 +184,27 @@ class FirstArrivalsExchange(ServerlessExchange):
                 f"left, fewer than replicas_to_aggregate={self.R}"
             )
         self.board.new_generation(self.group.generation)
+        self._decide()
+
+    def _decide(self) -> None:
+        """The R of the update at the current step: fixed, or the policy's choice from the
+        measurements, which are the same on every rank (so is the choice)."""
+        self.R = self.choice.decide(self.global_step, self.group.members, 0.0)
+
+    def _measure(
+        self, step: int, averages: list[torch.Tensor | None], sum_sq: float, made: Any
+    ) -> None:
+        """The update at ``step`` is applied: with a policy, its rounds (as its leader read
+        them) and its gradient noise (``sum_sq``: the members' summed ``|g_i|^2``; the mean's
+        ``|m|^2`` from ``averages``) join the measurements, in the same order on every rank;
+        then the next update's R."""
+        if self.auto:
+            measured = self.choice.measured
+            for r in sorted(made.rounds):
+                measured.timed(r, made.rounds[r])
+            measured.noise(step, sum_sq, _sum_sq(averages), len(made.members))
+        self.choice.made(step)
+        self._decide()
 
     def _take_part(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
         if self._released():
@@ -207,7 +228,8 @@ class FirstArrivalsExchange(ServerlessExchange):
         members = sorted(order)
         averages, (flags, rows) = self._reduce(grads, members)
         self._apply(averages, members)
-        self._send(step, order, flags, rows)
+        made = self._send(step, order, flags, rows)
+        self._measure(step, averages, float(flags[-1]) if self.auto else 0.0, made)
         return True, self.global_step, self.global_step
 
     def _defer(self, step: int) -> None:
@@ -217,7 +239,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         if not candidates:
             return
         board = self.board
-        owed = self.deference.owed(candidates, board.lately(step, candidates))
+        owed = self.deference.owed(candidates, board.lately(step, candidates, RECENT))
         if not owed:
             return
         started = time.monotonic()
@@ -244,8 +266,10 @@ class FirstArrivalsExchange(ServerlessExchange):
         works = [self._all_reduce(group, flat, True) for flat in self.buckets.flat]
         if group is not None:
             self.bytes_sent += sum(f.numel() * f.element_size() for f in self.buckets.flat)
-        mean = GradientMean(self.params, self.R, reduce, self.group.device, _OWNER)
-        flags = mean.flags(grads)
+        mean = GradientMean(self.params, len(members), reduce, self.group.device, _OWNER)
+        flags = mean.flags(grads, extra=int(self.auto))
+        if self.auto:  # the noise of the update (replicas_policy): sum over members of |g_i|^2
+            flags[-1] = _sum_sq(grads)
         reduce(flags)
         for work in works:
             if work is not None:
@@ -272,7 +296,7 @@ class FirstArrivalsExchange(ServerlessExchange):
     # ------------------------------------------------------------------ the late workers
     def _send(
         self, step: int, order: list[int], flags: torch.Tensor, rows: list[torch.Tensor]
-    ) -> None:
+    ) -> Made:
         """Every member: its slice of each bucket's sums to every worker that is not a member
         (member k of the sorted members sends the k-th of R slices, so each member's link
         carries 1/R of the sums); the leader also sends the flags and row counts, then says
@@ -280,7 +304,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         members = sorted(order)
         late = [r for r in self.group.members if r not in members]
         k = members.index(self.rank)
-        payload = [flat.tensor_split(self.R)[k].clone() for flat in self.buckets.flat]
+        payload = [flat.tensor_split(len(members))[k].clone() for flat in self.buckets.flat]
         leader = order[0] == self.rank
         if leader:
             payload = [flags, *payload, *rows]
@@ -289,8 +313,11 @@ class FirstArrivalsExchange(ServerlessExchange):
         self._sending.append((works, payload))
         while len(self._sending) > SEND_WINDOW:
             self._finish_oldest_send()
-        if leader:
-            self.board.made(step, self.rank, order)
+        if not leader:  # the leader's record: the rounds that every rank measures alike
+            return self.board.wait_made(step) if self.auto else Made(order[0], tuple(order))
+        rounds = self.board.lately(step + 1, self.group.members, RECENT) if self.auto else None
+        self.board.made(step, self.rank, order, rounds)
+        return Made(self.rank, tuple(order), rounds or {})
 
     def _finish_oldest_send(self) -> None:
         works, _ = self._sending.popleft()
@@ -299,11 +326,13 @@ class FirstArrivalsExchange(ServerlessExchange):
 
     def _catch_up(self) -> None:
         """This rank came after the first R: receive the update at its step, and each later
-        one already made without it, so that its next gradient is of the newest step."""
+        one already made, so that its next gradient is of the newest step."""
         made = self.board.wait_made(self.global_step)
         while True:
             self._receive(made)
-            if self._released() or self.board.arrivals(self.global_step) < self.R:
+            # an update still being made is not waited for: this rank computes at the newest
+            # step and counts in there (late, it is dropped; owed, the others wait for it)
+            if self._released() or not self.board.is_made(self.global_step):
                 return
             made = self.board.wait_made(self.global_step)
 
@@ -311,12 +340,12 @@ class FirstArrivalsExchange(ServerlessExchange):
         """The update ``made``: the flags from its leader, each member's slice of the sums,
         the row counts from the leader; then the same means, the same update."""
         n, leader, members = len(self.params), made.leader, sorted(made.members)
-        flags = torch.zeros(2 * n, dtype=torch.float64)
+        flags = torch.zeros(2 * n + int(self.auto), dtype=torch.float64)
         self.group.wait(self.group.irecv(flags, leader))
         works = [
             self.group.irecv(part, member)
             for flat in self.buckets.flat
-            for member, part in zip(members, flat.tensor_split(self.R), strict=True)
+            for member, part in zip(members, flat.tensor_split(len(members)), strict=True)
         ]
         for work in works:
             self.group.wait(work)
@@ -324,9 +353,12 @@ class FirstArrivalsExchange(ServerlessExchange):
         def rows(t: torch.Tensor) -> None:  # the row counts, as the members summed them
             self.group.wait(self.group.irecv(t, leader))
 
-        mean = GradientMean(self.params, self.R, rows, self.group.device, _OWNER)
+        mean = GradientMean(self.params, len(members), rows, self.group.device, _OWNER)
         slots = [self.buckets.slot[i] for i in range(n)]
-        self._apply(mean.means([None] * n, slots, flags), made.members)
+        step = self.global_step
+        averages = mean.means([None] * n, slots, flags)
+        self._apply(averages, made.members)
+        self._measure(step, averages, float(flags[-1]) if self.auto else 0.0, made)
 
     # ------------------------------------------------------------------ transport
     def _group(self, members: list[int]) -> Any:
@@ -387,10 +419,13 @@ class FirstArrivalsExchange(ServerlessExchange):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["stats"] = {int(k): dict(v) for k, v in self.worker_counters().items()}
+        state["replicas"] = self.choice.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self.choice.load_state_dict(state.get("replicas"))
+        self._decide()
         self.board.new_epoch()
         self._dropped_before = {r: int(self.stats[r]["dropped"]) for r in self.stats}
 
@@ -407,3 +442,10 @@ class FirstArrivalsExchange(ServerlessExchange):
         self.board.new_epoch(books["epoch"])
         self.history = [list(m) for m in books["history"]]
         self._dropped_before = {int(r): int(n) for r, n in books["dropped_before"].items()}
+
+
+def _sum_sq(tensors: list[torch.Tensor | None]) -> float:
+    """The sum of the squares of every element of ``tensors`` (a sparse one's values), in
+    float64."""
+    values = [g.coalesce().values() if g.is_sparse else g for g in tensors if g is not None]
+    return float(sum(v.double().pow(2).sum() for v in values)) if values else 0.0

@@ -146,6 +146,11 @@ class Measurements:
         if timed:
             self.rounds.setdefault(worker, deque(maxlen=ROUNDS_KEPT)).append(now - token[1])
 
+    def timed(self, worker: int, seconds: float) -> None:
+        """One round of ``worker``, measured elsewhere (without a server: the seconds its
+        last gradient took, as the update's leader read them on the store)."""
+        self.rounds.setdefault(int(worker), deque(maxlen=ROUNDS_KEPT)).append(float(seconds))
+
     def noise(self, update: int, sum_sq: float, mean_sq: float, count: int) -> None:
         """One shard's part of ``update``'s noise terms: ``sum_sq`` = sum over its gradients of
         ``|g_i|^2``, ``mean_sq`` = ``|mean_i g_i|^2``, over its variables, of ``count``
