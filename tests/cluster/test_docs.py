@@ -154,7 +154,8 @@ NO_SERVER = {  # "Backup workers without a server", from ``cluster-serverless-ba
 
 def test_the_no_server_table_quotes_the_stored_results() -> None:
     section = PAGE.read_text().split("### Backup workers without a server")[1].split("\n#")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    table = section.split("--name cluster-serverless-backups\n\n")[1].split("\n\n")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
     cells = {r.strip("| ").split(" | ")[0]: r.strip("| ").split(" | ")[1:] for r in rows}
     assert set(cells) == set(NO_SERVER)
     for label, key in NO_SERVER.items():
@@ -174,6 +175,38 @@ def test_the_cost_of_losses_allowed_quotes_the_stored_result() -> None:
         f"it, and DDP {runs['ddp']:.3f}"
     )
     assert said in section
+
+
+def test_the_who_is_heard_table_quotes_the_stored_result() -> None:
+    section = PAGE.read_text().split("### Backup workers without a server")[1].split("\n#")[0]
+    report = json.loads((ROOT / "benchmarks/results/cluster-who-is-heard.json").read_text())
+    runs = {r["row"]["key"]: r for r in report["results"]}
+    for label, key in (("`hear_every_worker=True` (default)", "sr-none-b"),
+                       ("`hear_every_worker=False`", "sr-none-b-first")):  # fmt: skip
+        run = runs[key]
+        shares = ", ".join(f"{run['shares'][str(h)]:.2f}" for h in range(4))
+        waited = ", ".join(
+            f"{w:.1f}" if w else "0" for w in (run["deference"][str(h)]["waited"] for h in range(4))
+        )
+        assert f"| {label} | {run['updates_s']:.3f} | {shares} | {waited} |" in section, label
+
+
+def test_the_serverless_auto_table_quotes_the_stored_result() -> None:
+    section = PAGE.read_text().split("**Without a server.**")[1].split("\n#")[0]
+    report = json.loads((ROOT / "benchmarks/results/cluster-serverless-auto.json").read_text())
+    runs = {(r["scenario"], r["row"]["key"]): r for r in report["results"]}
+
+    def cell(run: dict, with_r: bool) -> str:
+        text = f"{run['time_to_target_s']:.1f} / {run['updates_s']:.3f}"
+        if with_r:
+            h = run["replicas_history"][run["first_update"] :]
+            text += f", R {sum(h) / len(h):.2f} ({min(h)}-{max(h)})"
+        return text
+
+    for s in ("uniform", "slow-compute"):
+        cells = [cell(runs[(s, "sr-default")], False), cell(runs[(s, "sr-r-auto")], True),
+                 cell(runs[(s, "sr-none-auto")], True)]  # fmt: skip
+        assert f"| {s} | " + " | ".join(cells) + " |" in section, s
 
 
 def test_the_page_has_python_blocks() -> None:
@@ -220,6 +253,7 @@ def test_the_adaptive_table_quotes_the_stored_results() -> None:
     and updates/s, and auto's R per update, as ``cluster-adaptive`` recorded them."""
     report = json.loads((ROOT / "benchmarks" / "results" / "cluster-adaptive.json").read_text())
     section = PAGE.read_text().split("### Backup workers that tune themselves")[1].split("\n#")[0]
+    section = section.split("**Without a server.**")[0]  # its own table: the next test
     header, *rows = [line for line in section.splitlines() if line.startswith("| ")]
     columns = [c.strip() for c in header.strip("|").split("|")]
     assert columns[1 : 1 + len(ADAPTIVE_ROWS)] == list(ADAPTIVE_ROWS)

@@ -33,8 +33,9 @@ is named (``server_rank``, ``server_ranks``, ``server_address``) -- replaces the
 all-reduces in buckets overlapped with backward, as DDP's (:mod:`.allreduce`): the same numbers
 up to the order of summation.  ``transport="allreduce"`` with backup workers (R < N, asked for
 by name) has no server either: the first R workers ready all-reduce and the others receive the
-update (:mod:`.worker.first_arrivals`), so no rank holds the state alone.  Otherwise
-``transport="server"``.
+update (:mod:`.worker.first_arrivals`), so no rank holds the state alone; so does
+``replicas_to_aggregate="auto"`` with ``transport="allreduce"``, every rank choosing each R
+alike.  Otherwise ``transport="server"`` (also the default for ``"auto"``).
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
 ``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
@@ -144,7 +145,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         tokens: ``"distinct"`` (default for R <= N): one gradient per worker per update;
             ``"shared"``: TF's token queue, first come first served (module docstring).
         transport: ``"server"`` or ``"allreduce"`` (no server: every rank keeps the state;
-            with R < N the first R workers ready make each update, CPU parameters); default:
+            with R < N or ``"auto"`` the first R workers ready make each update, CPU
+            parameters); default:
             ``"allreduce"`` where R == N and it gives the same numbers (module docstring).
         timeout: seconds a worker waits for a token / the server before failing.
         last_step: once ``global_step`` reaches it, every worker is released at once.

@@ -38,7 +38,11 @@ backup workers, without a host that holds the state alone.
   it and heal from the newest step (:meth:`.serverless.ServerlessExchange._change`), as the
   R == N exchange does; a restarted worker joins the same way.
 
-Only ``tokens="distinct"`` (one gradient per worker per update) and a fixed R.  A non-finite
+Only ``tokens="distinct"`` (one gradient per worker per update).  R is fixed, or chosen before
+every update by a policy (``replicas_to_aggregate="auto"``): every rank keeps the policy's
+measurements and folds the same ones in after each update -- the rounds the update's leader
+read on the store, the noise terms that come with the update -- so every rank makes the same
+choice (:meth:`FirstArrivalsExchange._measure`).  A non-finite
 gradient with ``nonfinite="raise"`` raises on its own rank before it is sent, so nothing
 changes anywhere.  Gloo only (CPU tensors): NCCL's point-to-point under these patterns is not
 measured yet.
