@@ -102,6 +102,8 @@ def rows(world: int) -> list[Row]:
             "sync-replicas", {"R": r, "servers": "none", "max_losses": 1}),
         Row("sr-none-b-first", f"SyncReplicas, no server, R={r} of {n}, hear_every_worker=False",
             "sync-replicas", {"R": r, "servers": "none", "hear": False}),
+        Row("sr-none-auto", f"SyncReplicas, no server, R chosen per update (auto) of {n}",
+            "sync-replicas", {"R": "auto", "servers": "none"}),
         Row("sr-one-auto-b", f"SyncReplicas, one server, model given, R={r} of {n}",
             "sync-replicas", {"R": r, "auto": True}),
         Row("sr-shard", f"SyncReplicas, sharded over workers, R={n}", "sync-replicas",
@@ -205,9 +207,7 @@ def adaptive_rows(world: int) -> list[Row]:
              for R in (n, n - 1, n - 2) if R >= 1]  # fmt: skip
     auto = Row("sr-r-auto", f"{label}, R chosen per update (auto) of {n}", "sync-replicas",
                {"R": "auto", **shard})  # fmt: skip
-    serverless = Row("sr-none-auto", f"SyncReplicas, no server, R chosen per update (auto) of {n}",
-                     "sync-replicas", {"R": "auto", "servers": "none"})  # fmt: skip
-    return [*fixed, auto, serverless]
+    return [*fixed, auto]
 
 
 SCENARIOS = {
