@@ -110,10 +110,13 @@ class ArrivalBoard:
         """Count this rank in at ``step``, whose gradient took ``pace`` seconds: its place,
         1 for the first."""
         place = int(self.store.add(f"a/{step}", 1))
-        self.store.multi_set(
-            [f"w/{step}/{place}", f"i/{step}/{self.rank}", f"last/{self.rank}"],
-            [str(self.rank), f"{place} {pace!r}", f"{step} {pace!r}"],
-        )
+        keys = [f"w/{step}/{place}", f"i/{step}/{self.rank}", f"last/{self.rank}"]
+        values = [str(self.rank), f"{place} {pace!r}", f"{step} {pace!r}"]
+        try:
+            self.store.multi_set(keys, values)
+        except RuntimeError:  # a store of an older torch without it: one set each
+            for key, value in zip(keys, values, strict=True):
+                self.store.set(key, value)
         return place
 
     def came(self, step: int, ranks: list[int]) -> list[int]:
