@@ -72,22 +72,25 @@ def backups(ctx: RankContext) -> dict:
             time.sleep(SLOW_S)
         opt.step()
         calls.append((step, bool(opt.last_gradient_accepted), opt.global_step))
-    plan = None
-    if ctx.rank == 0:
-        board = opt.exchange.board
-        plan = [list(board.wait_made(t).members) for t in range(LAST)]
     out = {
-        "w": w.detach().tolist(),
-        "table": table.detach().tolist(),
+        **_made(ctx, opt, w, table),
         "calls": calls,
         "counters": {str(k): v for k, v in opt.worker_counters().items()},
         "history": opt.replicas_history(),
         "nan": nan,
-        "plan": plan,
     }
     opt.close()
     dist.barrier()
     return json.loads(json.dumps(out))
+
+
+def _made(ctx: RankContext, opt: Any, w: torch.Tensor, table: torch.Tensor) -> dict:
+    """The variables, and on rank 0 every update's members as its leader announced them."""
+    plan = None
+    if ctx.rank == 0:
+        board = opt.exchange.board
+        plan = [list(board.wait_made(t).members) for t in range(LAST)]
+    return {"w": w.detach().tolist(), "table": table.detach().tolist(), "plan": plan}
 
 
 LOST_AT = 4  # rank 2 is killed after this many step() calls
@@ -341,16 +344,7 @@ def auto_backups(ctx: RankContext) -> dict:
         if ctx.rank == 2 and step >= SLOW_FROM:
             time.sleep(SLOW_S)
         opt.step()
-    plan = None
-    if ctx.rank == 0:
-        board = opt.exchange.board
-        plan = [list(board.wait_made(t).members) for t in range(LAST)]
-    out = {
-        "w": w.detach().tolist(),
-        "table": table.detach().tolist(),
-        "history": opt.replicas_history(),
-        "plan": plan,
-    }
+    out = {**_made(ctx, opt, w, table), "history": opt.replicas_history()}
     opt.close()
     dist.barrier()
     return json.loads(json.dumps(out))

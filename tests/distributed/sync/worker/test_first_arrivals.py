@@ -33,20 +33,26 @@ def replay(plan: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return w.detach(), table.detach()
 
 
+def _bit_identical_and_replayed(out: list[dict], plan: list[list[int]], most: int) -> None:
+    """Every rank's variables are the same, bit for bit, and those of the float64 replay of
+    ``plan`` (at most ``most`` gradients per update, summed in another order)."""
+    assert out[0]["w"] == out[1]["w"] == out[2]["w"]
+    assert out[0]["table"] == out[1]["table"] == out[2]["table"]
+    tol = most * fr.LAST * torch.finfo(torch.float64).eps * 10
+    w, table = replay(plan)
+    for name, expected in (("w", w), ("table", table)):
+        got = torch.tensor(out[0][name], dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.timeout(180)
 def test_the_first_r_make_each_update_and_the_late_receive_it():
     out = run_ranks(fr.backups, fr.N, timeout=150)
     plan = out[0]["plan"]
     # every update of R distinct workers; every rank holds the same variables, bit for bit
     assert all(len(set(m)) == fr.R for m in plan), plan
-    assert out[0]["w"] == out[1]["w"] == out[2]["w"]
-    assert out[0]["table"] == out[1]["table"] == out[2]["table"]
     # ... those of the updates the members made (float64: R gradients summed in another order)
-    tol = fr.R * fr.LAST * torch.finfo(torch.float64).eps * 10
-    w, table = replay(plan)
-    for name, expected in (("w", w), ("table", table)):
-        got = torch.tensor(out[0][name], dtype=torch.float64)
-        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    _bit_identical_and_replayed(out, plan, fr.R)
     # the slow worker was left out while it was slow: the backups did their work
     for step in range(fr.ROTATE):
         assert step % fr.N not in plan[step], (step, plan)
@@ -226,13 +232,7 @@ def test_auto_chooses_each_r_alike_on_every_rank_without_a_server():
     plan, history = out[0]["plan"], out[0]["history"]
     assert all(o["history"] == history for o in out), [o["history"] for o in out]
     assert [len(m) for m in plan] == history
-    assert out[0]["w"] == out[1]["w"] == out[2]["w"]
-    assert out[0]["table"] == out[1]["table"] == out[2]["table"]
-    tol = fr.N * fr.LAST * torch.finfo(torch.float64).eps * 10
-    w, table = replay(plan)
-    for name, expected in (("w", w), ("table", table)):
-        got = torch.tensor(out[0][name], dtype=torch.float64)
-        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    _bit_identical_and_replayed(out, plan, fr.N)
     assert history[:3] == [fr.N] * 3  # nothing measured yet: every worker
     assert 2 in history[fr.SLOW_FROM + 2 :], history
     left_out = [2 not in m for m, r in zip(plan, history, strict=True) if r == 2]
