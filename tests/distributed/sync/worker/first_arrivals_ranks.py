@@ -25,7 +25,11 @@ from gradfleet.distributed.testing import RankContext
 from .elastic_ranks import files_opened, gradient, start_w
 
 N, R = 3, 2
-ROTATE = 6  # steps 0..ROTATE-1: rank step % N is slow, the other two make the update
+# steps 0..ROTATE-1: rank step % N is slow, SLOW_S x (step + 1) longer, and the other two make
+# the update.  It grows because a worker left out receives the update late and stays about as
+# late as it was slow: the next slow worker must be later still, by SLOW_S, to be the one left
+# out whatever the load.
+ROTATE = 6
 LAST = 24  # last_step
 NAN_AT = 3  # rank 1's first gradient at this step is NaN: it raises, then sends a finite one
 LR = 0.05
@@ -69,7 +73,7 @@ def backups(ctx: RankContext) -> dict:
         w.grad = gradient(ctx.rank, step, w.detach())
         table.grad = table_gradient(ctx.rank, step)
         if step < ROTATE and step % N == ctx.rank:
-            time.sleep(SLOW_S)
+            time.sleep(SLOW_S * (step + 1))
         opt.step()
         calls.append((step, bool(opt.last_gradient_accepted), opt.global_step))
     out = {
