@@ -43,3 +43,38 @@ def test_a_rank_without_an_exit_time_comes_last_in_the_order_given() -> None:
     finally:
         live.kill()
         live.wait(10)
+
+
+class _LateReport:
+    """A process context whose exit is reported only at the ``after``-th poll."""
+
+    def __init__(self, result: object, after: int) -> None:
+        self.result, self.after = result, after
+
+    def wait(self, timeout: float) -> object:
+        self.after -= 1
+        return self.result if self.after <= 0 else None
+
+
+def test_the_launcher_waits_for_the_report_of_a_rank_that_exited_first() -> None:
+    """Rank 1 is killed; its peer's failure is reported first, in a round where rank 1's is
+    not yet: the launcher still handles rank 1 first."""
+    from gradfleet.cli.launch import _reports_of_the_exited
+
+    procs = {0: _sleeper(), 1: _sleeper(), 2: _sleeper()}
+    try:
+        exits = ExitTimes({r: p.pid for r, p in procs.items()})
+        procs[1].kill()
+        time.sleep(0.05)
+        procs[0].kill()
+        for r in (0, 1):
+            procs[r].wait(10)
+        running = {0: _LateReport("rank 0", 1), 1: _LateReport("rank 1", 3), 2: None}
+        ended = {0: "rank 0"}
+        found = _reports_of_the_exited(running, ended, exits)
+        assert found == {1: "rank 1"}  # rank 2 runs on: not waited for
+        assert exits.in_exit_order({**ended, **found}) == [1, 0]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(10)

@@ -6,7 +6,10 @@ sees the broken connection and aborts a few milliseconds later, often inside the
 round; polled in rank order, the peer (rank 0) would then be named as the failure instead of
 the rank that was killed. A thread waits on a pidfd per process (Linux 5.3 on) and notes the
 moment each one exits, and the launcher handles the ranks that ended in one round in that
-order. Where pidfds are not available the ranks keep their polling order.
+order. The report of a rank's exit can also reach the launcher a round after its peer's (it
+travels through the forkserver): when a rank failed, the launcher first waits for the reports
+of the ranks the kernel saw exit (:meth:`ExitTimes.exited`). Where pidfds are not available
+the ranks keep their polling order.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class ExitTimes:
                     self._noted.notify_all()
                 self._poll.unregister(fd)
                 os.close(fd)
+
+    def exited(self) -> set[int]:
+        """The ranks whose exit has been noted so far."""
+        with self._noted:
+            return set(self._times)
 
     def in_exit_order(self, ranks: Iterable[int], wait: float = 0.2) -> list[int]:
         """``ranks`` (processes that have exited) ordered by when they exited; the watching

@@ -159,6 +159,28 @@ def _let_workers_fail(running: dict[int, Any], workers: int, log_dir: Path) -> s
     return "" if first is None else f"; worker rank {first}: {said[first]}"
 
 
+EXIT_REPORT_S = 2.0
+"""How long a rank's exit, seen by the kernel, may take to be reported by its process context."""
+
+
+def _reports_of_the_exited(running: dict[int, Any], ended: dict[int, Any], exits: ExitTimes):
+    """The results of the ranks the kernel saw exit that have not been reported yet: a
+    killed rank's report can come a polling round after that of the peer it broke, which
+    would then be named as the failure."""
+    exits.in_exit_order(ended)  # lets the watching thread note these, and all before them
+    waiting = (exits.exited() & running.keys()) - ended.keys()
+    found: dict[int, Any] = {}
+    deadline = time.monotonic() + EXIT_REPORT_S
+    while waiting and time.monotonic() < deadline:
+        for r in list(waiting):
+            if (res := running[r].wait(0)) is not None:
+                found[r] = res
+                waiting.discard(r)
+        if waiting:
+            time.sleep(0.02)
+    return found
+
+
 def launch(spec: RunSpec) -> dict[str, Any] | None:
     """Start ``spec.workers`` ranks of :func:`run_worker` on loopback, and ``spec.servers``
     dedicated server ranks after them; rank 0's summary."""
@@ -196,6 +218,8 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     try:
         while running:
             ended = {r: res for r, pc in running.items() if (res := pc.wait(0)) is not None}
+            if any(res.is_failed() for res in ended.values()):
+                ended.update(_reports_of_the_exited(running, ended, exits))
             for rank in exits.in_exit_order(ended):  # the first to die is the cause
                 result = ended[rank]
                 del running[rank]
