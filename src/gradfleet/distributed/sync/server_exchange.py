@@ -171,8 +171,10 @@ class ServerExchange:
             accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
             return self._finish_step(tag, accepted, stream)
         except ServerUnreachable as exc:
-            self.latch.decide(f"step {local_step}", exc)
-            raise
+            decided = self.latch.decide(f"step {local_step}", exc)
+            if decided is exc:
+                raise
+            raise decided from exc
         finally:
             self._extra = None
 
@@ -262,8 +264,10 @@ class ServerExchange:
         try:
             result = step.finish()
         except ServerUnreachable as exc:
-            self.latch.decide("the streamed reads", exc)
-            raise
+            decided = self.latch.decide("the streamed reads", exc)
+            if decided is exc:
+                raise
+            raise decided from exc
         finally:
             self._pending = None
         self.settle(bool(result["accepted"]) and self._own, int(result["global_step"]))

@@ -104,6 +104,29 @@ def test_the_error_raised_from_the_latch_is_not_logged_again_when_decided(caplog
     assert latch.take() is None
 
 
+def test_a_servers_bug_is_raised_in_place_of_the_silence_that_follows_it(caplog):
+    """The read-ahead thread takes an answer carrying the chief's own bug (after which the
+    chief answers nothing); the step then times out waiting: the step raises the bug, logged
+    once, at the thread's report.  A lost peer's error kept by a thread is not raised in
+    place of the step's own."""
+    latch = ErrorLatch(1)
+    bug = KeyError("the chief's probe of shard server rank 1 raised KeyError (a bug)")
+    silence = ServerUnreachable("server rank 0 sent no reply in 30s during 'step'")
+    with caplog.at_level(logging.DEBUG, logger="gradfleet.distributed.sync.worker.error_latch"):
+        latch.report("taking the read-ahead answer of shard 0", bug)
+        assert latch.decide("step 108", silence) is bug
+    assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.DEBUG]
+    assert latch.take() is None and latch.last_raised is bug
+    lost = ServerUnreachable("shard 1 closed the connection")
+    latch.report("the answers of shard 1", lost)
+    assert latch.decide("step 109", silence) is silence
+    assert latch.take() is None
+    # a bug met by the step itself is its own, whatever a thread kept
+    latch.report("the answers of shard 1", lost)
+    own = ValueError("a bug of the step's own")
+    assert latch.decide("step 110", own) is own
+
+
 def test_early_pushes_go_out_again_once_their_error_was_raised_elsewhere():
     """Overlap's push fails during backward; the step raises the error at its start (the
     latch's), before it drains the pushes.  The latch is the one record of the failure: the

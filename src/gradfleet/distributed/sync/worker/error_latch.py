@@ -9,7 +9,8 @@ failure seen again) only at DEBUG.  The worker's thread takes the kept error at 
 boundary -- where it waits for that thread's work -- and raises it there, once.  An error the
 worker's own thread meets in a step (a shard found unreachable) is decided here too
 (:meth:`ErrorLatch.decide`), so one failure is logged once per worker whichever thread saw it
-first.  Nothing else holds a thread's error for later: a step whose reads failed
+first; a bug a thread reported is raised in place of a lost peer's silence that follows it.
+Nothing else holds a thread's error for later: a step whose reads failed
 (:mod:`.pending_step`) and overlap's pushes remember only that they failed, the error itself
 is the latch's.  The transport below only raises.
 """
@@ -68,13 +69,22 @@ class ErrorLatch:
         with self._lock:
             return self._taken
 
-    def decide(self, where: str, exc: BaseException) -> None:
-        """The worker's own thread met ``exc`` while doing ``where`` and is about to raise it:
-        logged here (once: not again if it is the error just taken from here, at DEBUG if a
-        thread reported first), and a thread's kept error cleared (the same failure, raised
-        now)."""
+    def decide(self, where: str, exc: BaseException) -> BaseException:
+        """The worker's own thread met ``exc`` while doing ``where`` and is about to raise:
+        returns what it raises.  A bug a thread reported (a server's answer carrying its own
+        error, after which that server stops answering) explains a lost peer's silence, so it
+        is raised instead; otherwise ``exc``, logged here (once: not again if it is the error
+        just taken from here, at DEBUG if a thread reported first).  Either way the kept
+        error is cleared (the same failure, raised now)."""
+        kept = self.take()
+        if kept is not None and lost_peer(exc) and not lost_peer(kept):
+            log.debug("worker rank %d: %s failed after the bug above: %s", self.worker, where, exc)
+            return kept
+        with self._lock:
+            self._error = kept  # report() sees a thread's error came first: logs at DEBUG
         self.report(where, exc)
         self.take()
+        return exc
 
     def raise_if_failed(self) -> None:
         """At a step boundary: raise the kept error, once."""
