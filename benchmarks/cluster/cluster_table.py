@@ -106,8 +106,8 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
         args = {"replicas_to_aggregate": o.get("R", workers), "total_num_replicas": workers}
         if servers == "none":  # every rank keeps the state: the first R all-reduce
             args["transport"] = "allreduce"
-            if o.get("max_losses"):
-                args["max_losses"] = int(o["max_losses"])
+            # given either way: the rows measured before losses were allowed by default
+            args["max_losses"] = int(o.get("max_losses", 0))
             if "hear" in o:
                 args["hear_every_worker"] = bool(o["hear"])
         elif servers != "default":

@@ -41,7 +41,7 @@ WORLD = 4
 # row -> (table strategy, its arguments)
 CONFIGS: dict[str, tuple[str, dict]] = {
     "allreduce": ("allreduce", {}),
-    "sync_replicas_backup1": ("sync-replicas", {"replicas_to_aggregate": 3}),
+    "sync_replicas_backup1": ("sync-replicas", {"replicas_to_aggregate": 3, "transport": "server"}),
     "model_average": ("model-average", {"interval": 4}),
     "async_easgd": ("easgd", {"mode": "async", "period": 4, "rho": 0.0}),
 }

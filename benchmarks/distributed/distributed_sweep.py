@@ -59,13 +59,16 @@ PATHS = [
     "easgd_ceiling",
 ]
 # the wrappers' paths: (table strategy, its arguments). Sync-replicas is given no model, so its
-# layout is the arguments' alone: one server holding every parameter (named: with R = N the
-# default would be the all-reduce exchange), or a shard on each rank.
+# layout is the arguments' alone: one server holding every parameter (named: the default
+# would be the exchange without a server), or a shard on each rank.
 STRATEGIES: dict[str, tuple[str, dict]] = {
     "sync_server": ("sync-replicas", {"replicas_to_aggregate": WORLD, "transport": "server"}),
     "sync_sharded": ("sync-replicas", {"replicas_to_aggregate": WORLD, "shards": WORLD}),
-    "sync_backup": ("sync-replicas", {"replicas_to_aggregate": WORLD - 1}),
-    "sync_backup_straggler": ("sync-replicas", {"replicas_to_aggregate": WORLD - 1}),
+    "sync_backup": ("sync-replicas", {"replicas_to_aggregate": WORLD - 1, "transport": "server"}),
+    "sync_backup_straggler": (
+        "sync-replicas",
+        {"replicas_to_aggregate": WORLD - 1, "transport": "server"},
+    ),
     "async_easgd": ("easgd", {"mode": "async", "period": 1, "moving_rate": 0.2, "rho": 0.0}),
 }
 RATIOS = {

@@ -1,17 +1,22 @@
-"""The all-reduce exchange with a loss allowed (``max_losses=1``), 3 gloo ranks on loopback:
+"""The exchange without a server with a loss allowed (``max_losses=1``), 3 gloo ranks on
+loopback: the all-reduce (R = N = 3), or with ``--replicas 2`` backup workers (R = 2 of 3,
+where one loss is allowed by default):
 
-* ``cost``: updates per second with and without ``max_losses`` and no failure (medians after
+* ``cost``: updates per second with and without losses allowed and no failure (medians after
   warm-up, the two alternated ``--rounds`` times);
-* ``loss``: rank 2 SIGKILLed after update 20: the longest gap between two updates on the
-  survivors, and a restarted rank 2 -- the seconds from its code's start (the harness forks it
-  with torch imported) to its first update made with the others (healed from a live member,
-  no file read) -- then its equality with rank 0;
-* ``hang``: rank 2 stops itself (SIGSTOP: alive, its sockets open) after update 20; rank 0
-  lets it go on (SIGCONT) 10 updates later: the longest gap on rank 0, the seconds from the
-  SIGCONT to the end of rank 2's first step() after it (it rejoins and heals), and its
-  equality with rank 0.
+* ``loss``: rank ``--kill`` (2; 0 is the rank that would host a server) SIGKILLed after update
+  20 -- the job's store lives in a fourth process, as a launcher hosts it: the longest gap
+  between two updates on a survivor, and a restarted worker of that rank -- the seconds from
+  its code's start (the harness forks it with torch imported) to its first update made with
+  the others (healed from a live member, no file read) -- then its equality with the
+  survivor;
+* ``hang`` (R = N only): rank 2 stops itself (SIGSTOP: alive, its sockets open) after update
+  20; rank 0 lets it go on (SIGCONT) 10 updates later: the longest gap on rank 0, the seconds
+  from the SIGCONT to the end of rank 2's first step() after it (it rejoins and heals), and
+  its equality with rank 0.
 
     python -m benchmarks.distributed.elastic_allreduce [--params 2000000] [--rounds 3]
+    python -m benchmarks.distributed.elastic_allreduce --replicas 2 --kill 0
 
 Results: benchmarks/results/elastic-allreduce/ (docs/failures.md quotes them).
 """
@@ -52,10 +57,10 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, s
     opt.step()
 
 
-def cost_rank(ctx: RankContext, params: int, elastic: bool) -> float:
+def cost_rank(ctx: RankContext, params: int, replicas: int, losses: int) -> float:
     model = _model(params)
-    kwargs = {"max_losses": 1} if elastic else {}
-    opt = SyncReplicasOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), N, N, **kwargs)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = SyncReplicasOptimizer(sgd, replicas, N, max_losses=losses)
     times = []
     for step in range(WARMUP + MEASURED):
         start = time.perf_counter()
@@ -66,33 +71,36 @@ def cost_rank(ctx: RankContext, params: int, elastic: bool) -> float:
     return statistics.median(times)
 
 
-def loss_rank(ctx: RankContext, params: int, port: int) -> dict:
+def loss_rank(ctx: RankContext, params: int, port: int, replicas: int, killed: int) -> dict:
+    """Ranks 0..N-1 train; rank ``killed`` dies after update KILL_AT.  Rank N hosts the job's
+    store from the start (as a launcher does) and, once told, restarts the killed worker."""
     entered = time.time()
     joiner = ctx.rank == N
-    me = 2 if joiner else ctx.rank
-    if joiner:
-        ctx.wait_signal(0, "alone", timeout=120)
-        entered = time.time()  # the restart: from here
+    me = killed if joiner else ctx.rank
     store = dist.TCPStore(
-        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        "127.0.0.1", port, is_master=joiner, wait_for_workers=False,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    if not joiner:
+    if joiner:
+        store.wait(["bench/alone"], timedelta(seconds=120))
+        entered = time.time()  # the restart: from here
+    else:
         dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=N)
     model = _model(params)
-    extra = {"worker": 2, "store": store} if joiner else {}
+    extra = {"worker": killed, "store": store} if joiner else {}
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-    opt = SyncReplicasOptimizer(sgd, N, N, max_losses=1, timeout=60, **extra)
+    opt = SyncReplicasOptimizer(sgd, replicas, N, max_losses=1, timeout=60, **extra)
+    watcher = min(r for r in range(N) if r != killed)
     stamps: list[tuple[int, float]] = []
     end = None
     while end is None or opt.global_step < end:
         _train_step(model, opt, me, opt.local_step)
         stamps.append((opt.global_step, time.time()))
-        if me == 2 and not joiner and opt.global_step == KILL_AT:
+        if me == killed and not joiner and opt.global_step >= KILL_AT:
             ctx.signal("die")
             time.sleep(120)
-        if me == 0 and opt.global_step == KILL_AT + 10:
-            ctx.signal("alone")
+        if me == watcher and opt.global_step == KILL_AT + 10:
+            store.set("bench/alone", "1")
         joins = [c for c in opt.membership_changes if c["event"] == "joined"]
         if end is None and (joins or joiner):
             end = (joins[0]["global_step"] if joins else opt.exchange.start_step) + 20
@@ -133,8 +141,13 @@ def hang_rank(ctx: RankContext, params: int, port: int) -> dict:
 
 
 def _gaps(stamps: list[tuple[int, float]]) -> tuple[float, float]:
-    """The longest gap between two updates, and the steady one (median before update KILL_AT)."""
-    times = [t for _, t in stamps]
+    """The longest gap between two updates, and the steady one (median before update KILL_AT).
+    A step() that made no update (a backup's gradient came late) ends no gap."""
+    times, last = [], None
+    for step, t in stamps:
+        if step != last:
+            times.append(t)
+            last = step
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return max(gaps), statistics.median(gaps[: KILL_AT - 1])
 
@@ -149,32 +162,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=2_000_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=N, help="R (N: the all-reduce)")
+    parser.add_argument("--kill", type=int, default=2, help="the rank killed and restarted")
     args = parser.parse_args()
-    medians: dict[str, list[float]] = {"default": [], "max_losses=1": []}
+    R, killed = args.replicas, args.kill
+    watcher = min(r for r in range(N) if r != killed)
+    plain = "max_losses=0" if R < N else "default"  # backups allow N - R losses by default
+    medians: dict[str, list[float]] = {plain: [], "max_losses=1": []}
     for _ in range(args.rounds):
-        for name, elastic in (("default", False), ("max_losses=1", True)):
-            out = run_ranks(cost_rank, N, args=(args.params, elastic), timeout=300)
+        for name, losses in ((plain, 0), ("max_losses=1", 1)):
+            out = run_ranks(cost_rank, N, args=(args.params, R, losses), timeout=300)
             medians[name].append(max(out))  # the slowest rank sets the pace
     step = {k: statistics.median(v) for k, v in medians.items()}
-    print(f"params {args.params}, {N} gloo ranks on loopback, torch {torch.__version__}")
+    print(f"params {args.params}, R = {R} of {N} gloo ranks on loopback, torch {torch.__version__}")
     for name, s in step.items():
-        print(f"  {name:13s} median step {s * 1e3:7.1f} ms  ({1 / s:6.1f} updates/s)")
-    print(f"  cost of max_losses=1: {step['max_losses=1'] / step['default']:.3f}x step time")
+        print(f"  {name:13s} median step {s * 1e3:7.1f} ms  ({1 / s:6.1f} steps/s)")
+    print(f"  cost of max_losses=1: {step['max_losses=1'] / step[plain]:.3f}x step time")
     out = run_ranks(
-        loss_rank, N + 1, args=(args.params, free_port()), timeout=300,
-        init_process_group=False, kill_on={2: "die"},
+        loss_rank, N + 1, args=(args.params, free_port(), R, killed), timeout=300,
+        init_process_group=False, kill_on={killed: "die"},
     )  # fmt: skip
-    zero, back = out[0], out[N]
-    longest, steady = _gaps(zero["stamps"])
+    survivor, back = out[watcher], out[N]
+    longest, steady = _gaps(survivor["stamps"])
     first = next(t for s, t in back["stamps"])
-    print(f"  loss of rank 2 (kill -9 after update {KILL_AT}):")
-    print(f"    longest gap between updates on rank 0: {longest:.2f} s "
+    print(f"  loss of rank {killed} (kill -9 after update {KILL_AT}):")
+    print(f"    longest gap between updates on rank {watcher}: {longest:.2f} s "
           f"(steady {steady * 1e3:.0f} ms)")  # fmt: skip
     print(
-        f"    restarted rank 2: first update {first - back['entered']:.2f} s after its code starts"
+        f"    restarted rank {killed}: first update {first - back['entered']:.2f} s after its "
+        "code starts"
     )
-    print(f"    rank 0 and rank 2 equal at the end: {zero['digest'] == back['digest']}")
-    print("    rank 0's changes: " + _changes(zero))
+    print(f"    rank {watcher} and rank {killed} equal at the end: "
+          f"{survivor['digest'] == back['digest']}")  # fmt: skip
+    print(f"    rank {watcher}'s changes: " + _changes(survivor))
+    if R < N:
+        return
     out = run_ranks(
         hang_rank, N, args=(args.params, free_port()), timeout=300, init_process_group=False
     )

@@ -31,6 +31,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_tolerated_losses_policy() -> None:
+    from gradfleet.cli.strategy_table import rank0_replaceable
+
+    # rank 0 may go where every rank keeps the state: no server asked for, on the CPU
+    assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3)
+    assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
+    assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3, "cuda")
+    for off in ({"max_losses": 0}, {"transport": "server"}, {"shards": 2}, {"overlap": True},
+                {"tokens": "shared"}, {"num_tokens": 1}):  # fmt: skip
+        assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **off}, 3)
+    assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
+    assert not rank0_replaceable("easgd", {"mode": "async"}, 3)
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
     assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1
@@ -183,8 +194,9 @@ def test_recipe_refuses_lockstep_strategies(monkeypatch: pytest.MonkeyPatch, str
     ("strategy", "first", "last"),
     [
         ("sync-replicas:replicas_to_aggregate=3,max_losses=1", 3, 2),
-        # backups without a server: no rank holds the state alone, rank 0 included
-        ("sync-replicas:replicas_to_aggregate=2,transport=allreduce,max_losses=1", 2, 2),
+        # backups, no server asked for: none by default, no rank holds the state alone,
+        # rank 0 included (N - R = 1 loss allowed by default)
+        ("sync-replicas:replicas_to_aggregate=2", 2, 2),
     ],
     ids=["all-reduce", "backups-without-a-server"],
 )

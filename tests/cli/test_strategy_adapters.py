@@ -128,7 +128,9 @@ def test_ddp_is_in_the_table_but_not_offered_by_strategy():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        ({"replicas_to_aggregate": 2, "max_losses": 1}, "needs no server"),
+        ({"replicas_to_aggregate": 2, "transport": "server", "max_losses": 1}, "needs no server"),
+        ({"replicas_to_aggregate": 2, "shards": 2, "max_losses": 1}, "needs no server"),
+        ({"replicas_to_aggregate": 2, "max_losses": 2}, "at most total_num_replicas - "),
         ({"replicas_to_aggregate": 3, "max_losses": 3}, "fewer losses than the workers"),
         (
             {"replicas_to_aggregate": 2, "transport": "allreduce", "max_losses": 2},

@@ -412,6 +412,7 @@ def sync_nonfinite(ctx: RankContext) -> dict:
         3,
         last_step=6,
         timeout=10,
+        transport="server",
     )
     errors, count = [], 0
     if ctx.rank != 2:  # R = 2 of 3: without this, ranks 0 and 1 could finish before rank 2 steps

@@ -202,7 +202,9 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     run_id = f"gradfleet-{uuid.uuid4().hex[:8]}"
     tolerated = tolerated_losses(spec.strategy, spec.strategy_args, workers)
     # the store is this process's: where every rank holds the state, rank 0 may go too
-    any_rank = rank0_replaceable(spec.strategy, spec.strategy_args)
+    any_rank = not spec.servers and rank0_replaceable(
+        spec.strategy, spec.strategy_args, workers, spec.device
+    )
     # servers first: each round of polling sees a dead server before the workers it failed
     order = [*range(workers, world), *range(workers)]
     running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}

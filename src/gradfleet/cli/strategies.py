@@ -351,7 +351,7 @@ class SyncReplicas(Strategy):
             shard_assignment=self.args.get("shard_assignment"),
             nonfinite=self.args.get("nonfinite", "raise"),
             model=model if self.args.get("with_model", True) else None,
-            max_losses=int(self.args.get("max_losses", 0)),
+            max_losses=int(self.args["max_losses"]) if "max_losses" in self.args else None,
             hear_every_worker=self.args.get("hear_every_worker", True),
         )
         if self.args.get("stream_reads"):

@@ -33,6 +33,8 @@ __all__ = [
     "TABLE",
     "StrategyInfo",
     "available",
+    "rank0_replaceable",
+    "serverless_losses",
     "tolerated_losses",
     "validate_strategy",
 ]
@@ -100,20 +102,21 @@ TABLE: dict[str, StrategyInfo] = {
                 "tokens": "distinct (default: each update takes one gradient from each of "
                 "replicas_to_aggregate workers) or shared (TF's token queue: first come, "
                 "first served)",
-                "transport": "allreduce (default where replicas_to_aggregate = workers and "
-                "no server is asked for: DDP-style buckets, no server; with "
-                "replicas_to_aggregate < workers the first R ready all-reduce and the others "
-                "receive the update: every rank keeps the state) or server",
+                "transport": "allreduce (default where no server is asked for: no server, "
+                "every rank keeps the state; with replicas_to_aggregate = workers DDP-style "
+                "buckets, with fewer or auto, on the CPU, the first R ready all-reduce and the "
+                "others receive the update) or server (rank 0, or the shards and --servers)",
                 "overlap": "true/false: send gradients during backward (default: on for "
                 "allreduce, where it never changes the numbers; off for servers)",
                 "shards": "parameter shards over the worker ranks, shard k on worker "
                 "k mod workers (default 1: one server on rank 0; asks for a server)",
                 "shard_assignment": "bytes, round_robin, split or backward_order (default: "
                 "backward_order, 4 per rank, with several shards where the optimizer allows)",
-                "max_losses": "workers the all-reduce may lose and go on without (default 0; "
-                "needs no server: replicas_to_aggregate = workers, or transport=allreduce with "
-                "at most workers - replicas_to_aggregate; the survivors heal from each other's "
-                "state, and a restarted worker rejoins from a live one)",
+                "max_losses": "workers the exchange without a server may lose and go on "
+                "without, rank 0 included (default: workers - replicas_to_aggregate with "
+                "backups, workers - 1 with auto, 0 with replicas_to_aggregate = workers; 0 "
+                "turns it off); the survivors heal from each other's state, and a restarted "
+                "worker rejoins from a live one",
                 "hear_every_worker": "true/false: with transport=allreduce and "
                 "replicas_to_aggregate < workers, a worker left out of many updates is "
                 "waited for briefly (default true; false: the first R always make the update)",
@@ -208,8 +211,10 @@ def validate_strategy(
             )
         _int(name, "shards", args.get("shards", 1), 1)
         losses = _int(name, "max_losses", args.get("max_losses", 0), 0)
-        serverless = k == total or args.get("transport") == "allreduce"
-        if losses and (not serverless or losses > total - k if k < total else losses >= total):
+        serverless = args.get("transport") != "server" and not servers_asked(args)
+        fewest = 1 if auto else k  # a chosen R follows the live workers
+        if losses and (not serverless or losses > total - fewest if fewest < total
+                       else losses >= total):  # fmt: skip
             raise ValueError(
                 f"strategy sync-replicas: max_losses={losses} needs no server (the all-reduce: "
                 f"replicas_to_aggregate = total_num_replicas, or transport=allreduce) and fewer "
@@ -241,11 +246,38 @@ def validate_strategy(
             )
 
 
-def rank0_replaceable(name: str, args: dict[str, Any]) -> bool:
+def servers_asked(args: dict[str, Any]) -> bool:
+    """Does a sync-replicas run name its servers (``shards``, ``--servers``' ranks) or an
+    option only a server has (TF's shared token queue)?"""
+    named = "shards" in args or "server_ranks" in args or "server_address" in args
+    return named or args.get("tokens") == "shared" or int(args.get("num_tokens", -1)) != -1
+
+
+def serverless_losses(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> int:
+    """The losses a sync-replicas run goes on without where every rank holds the whole state
+    (no server: :func:`gradfleet.distributed.sync.arguments.choose_transport`): ``max_losses``,
+    by default N - R with backups (N - 1 with ``auto``) -- 0 elsewhere, and for a run with a
+    server, whose rank 0 holds the state alone."""
+    if name != "sync-replicas" or servers_asked(args) or args.get("transport") == "server":
+        return 0
+    total = int(args.get("total_num_replicas", workers))
+    k = args.get("replicas_to_aggregate", workers - 1)
+    backups = k == "auto" or int(k) < total
+    if backups and (args.get("overlap") is True or "shard_assignment" in args):
+        return 0  # a server's options: the exchange with a server
+    if "max_losses" in args:
+        return int(args["max_losses"])
+    # backups run without a server on the CPU only (gloo), and there lose N - R by default
+    if not backups or (device != "cpu" and args.get("transport") != "allreduce"):
+        return 0
+    return total - 1 if k == "auto" else total - int(k)
+
+
+def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> bool:
     """Can the job lose rank 0 (under a launcher that hosts the job's store)?  Where every
-    rank holds the whole state -- sync-replicas' all-reduce with ``max_losses`` -- the lowest
+    rank holds the whole state -- sync-replicas without a server, losses allowed -- the lowest
     live rank takes over rank 0's files; elsewhere rank 0 hosts the servers."""
-    return name == "sync-replicas" and bool(int(args.get("max_losses", 0)))
+    return serverless_losses(name, args, workers, device) > 0
 
 
 def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
@@ -261,11 +293,9 @@ def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:
     if workers < 2:
         return 0
     if name == "sync-replicas":
-        if int(args.get("max_losses", 0)):  # the all-reduce exchange, losses allowed
+        if "max_losses" in args:  # without a server: what it allows (0: a loss ends it)
             return int(args["max_losses"])
         total = int(args.get("total_num_replicas", workers))
-        if args.get("transport") == "allreduce":  # no server, no max_losses: a loss ends it
-            return 0
         if args.get("replicas_to_aggregate") == "auto":  # R follows the live workers
             return total - 1
         return max(total - int(args.get("replicas_to_aggregate", workers - 1)), 0)

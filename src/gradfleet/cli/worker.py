@@ -30,7 +30,7 @@ from .run_files import Metrics, atomic_save, last_logged_step, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import Strategy
-from .strategy_table import STRATEGIES, tolerated_losses
+from .strategy_table import STRATEGIES, serverless_losses, tolerated_losses
 from .torchrun import env_rank
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
@@ -209,8 +209,10 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
         if job.servers:  # the dedicated ranks after the workers
             ranks = server_ranks(job.workers, job.servers)
             args.update(server_ranks=ranks, server_rank=ranks[0])
-        if job.rejoining and name == "sync-replicas" and int(args.get("max_losses", 0)):
-            args.update(worker=rank)  # the all-reduce's members heal it from their state
+        every_rank = serverless_losses(name, spec.strategy_args, job.workers, spec.device)
+        if job.rejoining and not job.servers and every_rank:
+            # the members heal it from their state
+            args.update(worker=rank, max_losses=every_rank)
         elif job.rejoining:
             assert job.control is not None
             address = job.control.server_address()

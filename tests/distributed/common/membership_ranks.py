@@ -34,7 +34,7 @@ def close_before_hello(ctx: RankContext, wrapper: str) -> dict:
     x = torch.zeros(3, requires_grad=True)
     inner = gradfleet.GradientDescentOptimizer([x], 0.5)
     if wrapper == "sync":
-        opt = SyncReplicasOptimizer(inner, 1, 2, timeout=30)
+        opt = SyncReplicasOptimizer(inner, 1, 2, timeout=30, transport="server")
     else:
         opt = ElasticAverageOptimizer(inner, 2, 1, mode=AsyncCentre(timeout=30))
     start = time.monotonic()

@@ -25,7 +25,8 @@ def main(wrapper: str) -> None:
     x = torch.zeros(4, requires_grad=True)
     inner = gradfleet.GradientDescentOptimizer([x], 0.1)
     if wrapper == "sync":
-        opt = SyncReplicasOptimizer(inner, 1, 2, timeout=60)  # R=1: nobody waits at the end
+        # R=1: nobody waits at the end
+        opt = SyncReplicasOptimizer(inner, 1, 2, timeout=60, transport="server")
         address = opt.server_address
     else:
         centre = AsyncCentre(timeout=60)

@@ -176,15 +176,23 @@ def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None =
     return out
 
 
-def backups_layout(ctx: RankContext) -> dict:
-    """R = 2 of 3, no server named, the model given: where the variables are."""
+def backups_layout(ctx: RankContext, transport: str | None) -> dict:
+    """R = 2 of 3, no server rank named, the model given: the exchange, the losses it goes on
+    without, and where the variables are."""
     from torch import nn
 
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
     opt = SyncReplicasOptimizer(
-        gradfleet.AdamOptimizer(model.parameters(), 0.01), 2, 3, timeout=30, model=model
-    )
-    out = {"shards": list(opt.server_ranks), "streaming": opt.streaming}
+        gradfleet.AdamOptimizer(model.parameters(), 0.01), 2, 3, timeout=30, model=model,
+        transport=transport,
+    )  # fmt: skip
+    exchange = opt.exchange
+    out = {
+        "exchange": type(exchange).__name__,
+        "max_losses": getattr(exchange, "max_losses", None),
+        "shards": list(opt.server_ranks),
+        "streaming": opt.streaming,
+    }
     opt.close()
     return out
 

@@ -239,11 +239,21 @@ def test_one_server_laid_out_for_the_job_gives_the_numbers_of_one_whole_server(s
     _same_variables(auto[:2], whole[:2])
 
 
-def test_backup_workers_with_no_server_named_lay_out_rank_0():
-    """R = 2 of 3, no server named, the model given: 4 shards on rank 0 (no variables on the
-    other workers), reads streamed."""
-    backups = run_ranks(exchange_ranks.backups_layout, 3)
-    assert all(b == {"shards": [0, 0, 0, 0], "streaming": True} for b in backups), backups
+def test_backup_workers_with_no_server_named_run_without_one_and_lose_any_host():
+    """R = 2 of 3, no server named, CPU parameters on gloo: the first R ready all-reduce,
+    every rank keeps the state and the job goes on without N - R = 1 lost worker, any rank."""
+    backups = run_ranks(exchange_ranks.backups_layout, 3, args=(None,))
+    assert all(b["exchange"] == "FirstArrivalsExchange" for b in backups), backups
+    assert all(b["max_losses"] == 1 for b in backups), backups
+
+
+def test_backup_workers_on_a_server_with_no_rank_named_lay_out_rank_0():
+    """R = 2 of 3, ``transport="server"``, no server rank named, the model given: 4 shards on
+    rank 0 (no variables on the other workers), reads streamed."""
+    backups = run_ranks(exchange_ranks.backups_layout, 3, args=("server",))
+    for b in backups:
+        assert b["exchange"] == "ServerExchange", backups
+        assert b["shards"] == [0, 0, 0, 0] and b["streaming"], backups
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ __all__ = [
     "check_arguments",
     "check_overlap",
     "choose_transport",
+    "default_losses",
     "replicas_label",
     "replicas_policy",
     "resolve_worker",
@@ -119,20 +120,38 @@ def choose_transport(
     servers_named: bool,
     chosen: bool = False,
     rejoining: bool = False,
+    cpu_gloo: bool = True,
+    server_only: bool = False,
 ) -> str:
-    """The exchange when ``transport`` is not given: all-reduce where it gives the server's
-    numbers faster -- every worker in every update (R == N) with one gradient each
-    (``tokens="distinct"``), no server named, one process per worker (or a worker
-    ``rejoining`` such a job outside its process group) -- else the server (also where R is
-    ``chosen`` per update)."""
+    """The exchange when ``transport`` is not given: without a server (every rank keeps the
+    state, so no host holds it alone) wherever that exchange runs the job -- one gradient per
+    worker per update (``tokens="distinct"``, R <= N), no server named and no option only a
+    server has (``server_only``: overlap or a shard assignment asked for with backups), one
+    process per worker (or a worker ``rejoining`` such a job outside its process group), and
+    for backups (R < N, or R ``chosen`` per update) CPU parameters on gloo (``cpu_gloo``) --
+    else the server."""
     if transport is not None:
         return transport
-    if chosen:
-        return "server"
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     world = total_num_replicas if rejoining else world
-    lockstep = replicas_to_aggregate == total_num_replicas == world and tokens == "distinct"
-    return "allreduce" if lockstep and not servers_named else "server"
+    one_each = replicas_to_aggregate <= total_num_replicas == world and tokens == "distinct"
+    if not one_each or servers_named or server_only:
+        return "server"
+    backups = replicas_to_aggregate < total_num_replicas or chosen
+    return "allreduce" if cpu_gloo or not backups else "server"
+
+
+def default_losses(max_losses: int | None, transport: str, backups: bool, R: int, N: int,
+                   chosen: bool) -> int:  # fmt: skip
+    """``max_losses`` when not given: where the job already does without a worker -- backups
+    (R < N, or R chosen per update) on the exchange without a server, where every rank keeps
+    the state -- as many losses as leave an update possible (N - R; N - 1 where R follows the
+    live workers), so that no host is one the job cannot lose; else 0 (a loss ends the job)."""
+    if max_losses is not None:
+        return max_losses
+    if transport != "allreduce" or not backups:
+        return 0
+    return N - 1 if chosen else N - R
 
 
 def average_indices(index: dict[int, int], variables: Iterable[torch.Tensor] | None) -> list[int]:

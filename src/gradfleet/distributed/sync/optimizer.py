@@ -27,15 +27,18 @@ nonfinite); ``nonfinite`` policy; ``last_step`` releases every worker at the end
 waits ``timeout`` seconds gets an error naming the silent ranks, a dead server an error naming
 the server rank.
 
-The exchange is chosen once, at construction: ``transport="allreduce"`` -- the default where
-every worker joins every update (R == N == the world size, ``tokens="distinct"``) and no server
-is named (``server_rank``, ``server_ranks``, ``server_address``) -- replaces the server by
-all-reduces in buckets overlapped with backward, as DDP's (:mod:`.allreduce`): the same numbers
-up to the order of summation.  ``transport="allreduce"`` with backup workers (R < N, asked for
-by name) has no server either: the first R workers ready all-reduce and the others receive the
-update (:mod:`.worker.first_arrivals`), so no rank holds the state alone; so does
-``replicas_to_aggregate="auto"`` with ``transport="allreduce"``, every rank choosing each R
-alike.  Otherwise ``transport="server"`` (also the default for ``"auto"``).
+The exchange is chosen once, at construction (:func:`.arguments.choose_transport`).  Where no
+server is named (``server_rank``, ``server_ranks``, ``server_address``), every worker sends one
+gradient per update (``tokens="distinct"``) and runs in its own process of the group, the
+default is ``transport="allreduce"``, which has no server and keeps the state on every rank, so
+no host holds it alone: with R == N, all-reduces in buckets overlapped with backward, as DDP's
+(:mod:`.allreduce`), the same numbers up to the order of summation; with backup workers (R < N,
+or ``"auto"``: every rank choosing each R alike) and CPU parameters on gloo, the first R workers
+ready all-reduce and the others receive the update (:mod:`.worker.first_arrivals`), and the job
+goes on without up to ``max_losses`` lost workers, by default as many as leave an update
+possible (N - R; N - 1 with ``"auto"``).  Otherwise -- a server named, TF's shared token queue,
+CUDA parameters with backups, or with backups an option only a server has (``overlap=True``, a
+``shard_assignment``) -- ``transport="server"``.
 
 Sharding (TF's variables over several ps tasks): ``server_ranks=[r0, r1, ...]`` gives shard
 ``k`` to rank ``server_ranks[k]`` (whole parameters, balancing bytes or round-robin); the chief
@@ -76,6 +79,7 @@ from .arguments import (
     check_arguments,
     check_overlap,
     choose_transport,
+    default_losses,
     replicas_label,
     replicas_policy,
     resolve_worker,
@@ -125,6 +129,14 @@ def elastic_group(
     return ElasticGroup(store, rank, N, timeout=timeout, joining=joining)
 
 
+def _cpu_gloo(opt: torch.optim.Optimizer) -> bool:
+    """CPU parameters, on gloo where there is a process group: what the exchange of backups
+    without a server runs on."""
+    if any(p.is_cuda for g in opt.param_groups for p in g["params"]):
+        return False
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo"
+
+
 class SyncReplicasOptimizer(WrapperOptimizer):
     """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
 
@@ -146,8 +158,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             ``"shared"``: TF's token queue, first come first served (module docstring).
         transport: ``"server"`` or ``"allreduce"`` (no server: every rank keeps the state;
             with R < N or ``"auto"`` the first R workers ready make each update, CPU
-            parameters); default:
-            ``"allreduce"`` where R == N and it gives the same numbers (module docstring).
+            parameters); default: ``"allreduce"`` wherever it runs the job, else
+            ``"server"`` (module docstring).
         timeout: seconds a worker waits for a token / the server before failing.
         last_step: once ``global_step`` reaches it, every worker is released at once.
         nonfinite: ``"raise"`` (the worker gets ``FloatingPointError``, nothing accumulated),
@@ -203,17 +215,23 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         model: the model whose parameters ``opt`` holds: with several shards, each module's
             next forward waits for its own shards' values (:meth:`stream_reads`); nothing
             to stream otherwise.
-        max_losses: workers the all-reduce exchange may lose and go on without (default 0: a
-            lost worker ends the job, as DDP).  With K > 0 the survivors of a loss form a new
-            group within about a second, heal from the member holding the newest step, and
-            go on as N - 1 (the dense mean over the members left); a restarted worker
-            (``worker=`` its rank, outside the process group) takes its state from a live
-            member and the job is back at N.  More than K gone at once ends the job naming
-            them.  Needs ``transport="allreduce"`` (R == N, ``tokens="distinct"``) and CPU
-            parameters (gloo; CUDA ones are refused until NCCL's loss is measured):
-            :mod:`.worker.allreduce`.
-        store: for a restarted worker with ``max_losses``: the job's store (default: a client
-            of ``MASTER_ADDR:MASTER_PORT``).  The others use their process group's.
+        max_losses: workers the exchange without a server (``transport="allreduce"``) may
+            lose and go on without.  Default: with backups (R < N, or ``"auto"``) as many as
+            leave an update possible (N - R; N - 1 with ``"auto"``, whose R follows the live
+            workers), so that no host is one the job cannot lose; with R == N 0 (a lost
+            worker ends the job, as DDP).  ``max_losses=0`` turns it off.  With K > 0 the
+            survivors of a loss form a new group within about a second, heal from the member
+            holding the newest step, and go on (R == N: as N - 1, the dense mean over the
+            members left); a restarted worker (``worker=`` its rank, outside the process
+            group) takes its state from a live member and the job is back at N.  More than K
+            gone at once ends the job naming them.  CPU parameters (gloo; CUDA ones are
+            refused until NCCL's loss is measured): :mod:`.worker.allreduce`,
+            :mod:`.worker.first_arrivals`.
+        store: for a restarted worker of a job without a server: the job's store (default:
+            a client of ``MASTER_ADDR:MASTER_PORT``).  ``worker=`` with ``store=`` or
+            ``max_losses=`` (and no ``server_address``) is such a worker; ``worker=`` alone,
+            outside a process group, is one that hosts a server.  The others use their
+            process group's store.
         hear_every_worker: with backups and no server (``transport="allreduce"``, R < N):
             a worker whose gradients went into many more of the recent updates than another
             worker's, about as fast as itself, waits briefly for that one to count in
@@ -251,7 +269,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         overlap: bool | None = None,
         global_step: int = 0,
         model: torch.nn.Module | None = None,
-        max_losses: int = 0,
+        max_losses: int | None = None,
         store: dist.Store | None = None,
         hear_every_worker: bool = True,
     ) -> None:
@@ -261,10 +279,23 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         policy = replicas_policy(replicas_to_aggregate)
         named = server_rank is not None or server_ranks is not None or server_address is not None
-        max_losses = check_int(_OWNER, "max_losses", max_losses, 0)
-        # a restarted worker of an all-reduce job names itself: it is outside the group
-        rejoining = bool(max_losses) and worker is not None and server_address is None
-        transport = choose_transport(transport, R, N, rule, named, policy is not None, rejoining)
+        given = None if max_losses is None else check_int(_OWNER, "max_losses", max_losses, 0)
+        backups = R < N or policy is not None  # members known only at step()
+        # a restarted worker of a job without a server names itself (and, where its losses
+        # are allowed by default, the job's store): it is outside the group.  Without them, a
+        # worker named outside a process group is one hosting a server
+        rejoining = (
+            worker is not None
+            and server_address is None
+            and bool(given or (given is None and backups and store is not None))
+        )
+        transport = choose_transport(
+            transport, R, N, rule, named, policy is not None, rejoining,
+            cpu_gloo=_cpu_gloo(opt),
+            server_only=backups and (overlap is True or shard_assignment is not None),
+        )  # fmt: skip
+        rejoining = rejoining and transport == "allreduce"
+        max_losses = default_losses(given, transport, backups, R, N, policy is not None)
         if max_losses and (transport != "allreduce" or max_losses >= N):
             raise ValueError(
                 f"{_OWNER}: max_losses={max_losses} needs transport='allreduce' (no server: "
@@ -272,7 +303,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 f"the N={N} workers; with a server, backup workers (replicas_to_aggregate < "
                 "total_num_replicas) tolerate the loss of a worker"
             )
-        if R < N and max_losses > N - R:  # backups without a server: R must stay reachable
+        if R < N and policy is None and max_losses > N - R:  # R must stay reachable
             raise ValueError(
                 f"{_OWNER}: max_losses={max_losses} would leave fewer than "
                 f"replicas_to_aggregate={R} of the {N} workers"
@@ -326,7 +357,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             dist.get_world_size() if inside else None,
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
-        backups = R < N or policy is not None  # members known only at step()
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
@@ -337,6 +367,8 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         self.exchange: Exchange
         if transport == "allreduce":
+            if backups:  # refused before any group is made
+                FirstArrivalsExchange.check(job, self.optimizer)
             group = (
                 elastic_group(list(self.params()), N, self.worker, timeout, store, rejoining)
                 if max_losses

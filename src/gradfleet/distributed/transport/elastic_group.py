@@ -120,6 +120,7 @@ class ElasticGroup:
         # point-to-point wait leaves it once another member begins the next generation
         self.watch_reforming = False
         self._stop = threading.Event()
+        self._dropping: list[threading.Thread] = []  # groups let go of, still closing
         beat_store = dist.PrefixStore(NAMESPACE, _own_connection(root))
         self.store.add(f"beat/{self.rank}", 1)
         self._beat = threading.Thread(
@@ -287,7 +288,9 @@ class ElasticGroup:
             return
         holder = [pg]
         del pg
-        threading.Thread(target=holder.clear, name="gradfleet-drop-group", daemon=True).start()
+        dropping = threading.Thread(target=holder.clear, name="gradfleet-drop-group", daemon=True)
+        dropping.start()
+        self._dropping.append(dropping)
 
     def close(self) -> None:
         """The end: stop the heartbeat and release the group here and now (nothing is in
@@ -297,6 +300,13 @@ class ElasticGroup:
         self._pending.clear()
         self.pg = None  # the last reference: gloo's destructor runs on this thread
         self._beat.join(timeout=1.0)
+        # groups let go after a loss: their destructors end once their works have (a lost
+        # peer's at once, a silent one's at the group's timeout)
+        for dropping in self._dropping:
+            dropping.join(timeout=self.timeout)
+        self._dropping = [t for t in self._dropping if t.is_alive()]
+        if self._dropping:
+            log.warning("elastic group: %d released group(s) still closing", len(self._dropping))
 
     # ------------------------------------------------------------------ collectives
     def _peer(self) -> str:

@@ -101,13 +101,15 @@ LOST_AT = 4  # rank 2 is killed after this many step() calls
 
 
 def lose_one(ctx: RankContext) -> dict:
-    """R = 2 of N = 3 without a server; rank 2 is SIGKILLed (by the harness) after LOST_AT
-    step() calls.  The others keep stepping until the exchange says the peer is gone; each
-    returns its error and how long after the kill it came."""
+    """R = 2 of N = 3 without a server, losses turned off (``max_losses=0``); rank 2 is
+    SIGKILLed (by the harness) after LOST_AT step() calls.  The others keep stepping until the
+    exchange says the peer is gone; each returns its error and how long after the kill it
+    came."""
     w = torch.nn.Parameter(start_w())
     opt = SyncReplicasOptimizer(
-        torch.optim.Adam([w], lr=LR), R, N, transport="allreduce", last_step=10_000, timeout=60
-    )
+        torch.optim.Adam([w], lr=LR), R, N, transport="allreduce", last_step=10_000, timeout=60,
+        max_losses=0,
+    )  # fmt: skip
     calls = 0
     try:
         while True:

@@ -108,8 +108,9 @@ def test_backups_without_a_server_refuse_what_they_cannot_do():
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_a_lost_worker_ends_the_job_with_an_error_within_seconds():
-    """No max_losses here yet: the leaders' sends to the lost worker fail, and every survivor
-    ends with an error that says a peer is gone, well within the 60 s timeout."""
+    """Losses turned off (``max_losses=0``; by default N - R are allowed): the leaders' sends
+    to the lost worker fail, and every survivor ends with an error that says a peer is gone,
+    well within the 60 s timeout."""
     out = run_ranks(fr.lose_one, fr.N, timeout=150, kill_on={2: "die"})
     assert out[2] == RankKilled(2)
     for o in out[:2]:

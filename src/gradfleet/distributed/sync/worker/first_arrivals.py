@@ -93,25 +93,8 @@ class FirstArrivalsExchange(ServerlessExchange):
         """``store``: where the workers count their arrivals (default: the job's); ``group``:
         an :class:`~...transport.elastic_group.ElasticGroup` where losses are allowed (one
         that is joining makes this rank heal from a live member before it returns)."""
+        self.check(job, opt)
         R, N = job.R, job.N
-        if job.tokens != "distinct":
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate={R} < "
-                f"total_num_replicas={N} takes one gradient per worker per update "
-                "(tokens='distinct'); TF's shared token queue needs transport='server'"
-            )
-        if job.max_losses > N - R:
-            raise ValueError(
-                f"{_OWNER}: max_losses={job.max_losses} would leave fewer than "
-                f"replicas_to_aggregate={R} of the {N} workers"
-            )
-        if any(p.is_cuda for g in opt.param_groups for p in g["params"]):
-            raise ValueError(
-                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
-                "total_num_replicas takes CPU parameters only for now (gloo: NCCL's "
-                "point-to-point under these patterns is not measured yet); use "
-                "transport='server'"
-            )
         elastic = group is not None
         group = WorldGroup(timeout=job.timeout) if group is None else group
         joining = group.generation > 0 or group.size != N
@@ -142,6 +125,30 @@ class FirstArrivalsExchange(ServerlessExchange):
         else:
             self.start()
         self._decide()
+
+    @staticmethod
+    def check(job: Job, opt: torch.optim.Optimizer) -> None:
+        """What this exchange refuses, before any group is made."""
+        R, N = job.R, job.N
+        if job.tokens != "distinct":
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate={R} < "
+                f"total_num_replicas={N} takes one gradient per worker per update "
+                "(tokens='distinct'); TF's shared token queue needs transport='server'"
+            )
+        fewest = 1 if job.policy is not None else R  # a chosen R follows the live workers
+        if job.max_losses > N - fewest:
+            raise ValueError(
+                f"{_OWNER}: max_losses={job.max_losses} would leave fewer than "
+                f"replicas_to_aggregate={fewest} of the {N} workers"
+            )
+        if any(p.is_cuda for g in opt.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{_OWNER}: transport='allreduce' with replicas_to_aggregate < "
+                "total_num_replicas takes CPU parameters only for now (gloo: NCCL's "
+                "point-to-point under these patterns is not measured yet); use "
+                "transport='server'"
+            )
 
     # ------------------------------------------------------------------ the round
     def step(
@@ -182,13 +189,13 @@ class FirstArrivalsExchange(ServerlessExchange):
         self._sending.clear()
         self.buckets = Buckets(self.params)
         self._change(check_losses=exc is not None)
+        self._decide()  # a chosen R follows the live workers; a fixed one must stay reachable
         if self.group.size < self.R:
             raise RuntimeError(
                 f"{_OWNER}(transport='allreduce'): rank {self.rank}: {self.group.size} workers "
                 f"left, fewer than replicas_to_aggregate={self.R}"
             )
         self.board.new_generation(self.group.generation)
-        self._decide()
 
     def _decide(self) -> None:
         """The R of the update at the current step: fixed, or the policy's choice from the
@@ -398,7 +405,7 @@ class FirstArrivalsExchange(ServerlessExchange):
     def close(self) -> None:
         """Finish sending what late workers still have to receive (each receives in its next
         ``step()``: a worker that stopped stepping is given ``timeout`` seconds, then left
-        with a warning), then let go of the members' groups."""
+        with a warning), then let go of the members' groups and the job's."""
         try:
             while self._sending:
                 self._finish_oldest_send()
@@ -410,6 +417,10 @@ class FirstArrivalsExchange(ServerlessExchange):
         finally:
             self._sending.clear()
             self.board.close()
+            # where losses are allowed: stop the heartbeat and release the group now, not at
+            # the interpreter's exit, which would end a thread inside gloo or the store
+            # ("terminate called without an active exception")
+            self.group.close()
 
     # ------------------------------------------------------------------ books
     def worker_counters(self, shard: int = 0) -> dict[int, dict[str, int]]:

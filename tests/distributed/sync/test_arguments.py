@@ -1,0 +1,52 @@
+"""The exchange a SyncReplicasOptimizer gets when ``transport`` is left out, and the losses it
+goes on without when ``max_losses`` is (``sync.arguments``; no process group: one process is
+a world of one, so N = 1 is "one process per worker" and a worker rejoining stands for N)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradfleet.distributed.sync.arguments import choose_transport, default_losses
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        # R = N = the world, one gradient each, no server named: the all-reduce
+        ({"R": 1, "N": 1}, "allreduce"),
+        # backups (a rejoining worker stands for a world of N), CPU on gloo: no server either
+        ({"R": 2, "N": 3, "rejoining": True}, "allreduce"),
+        ({"R": 3, "N": 3, "chosen": True, "rejoining": True}, "allreduce"),
+        # backups with CUDA parameters (NCCL): the server
+        ({"R": 2, "N": 3, "rejoining": True, "cpu_gloo": False}, "server"),
+        ({"R": 3, "N": 3, "rejoining": True, "cpu_gloo": False}, "allreduce"),  # R = N: DDP's
+        # a server named, TF's shared queue, an option only a server has, or the asked-for one
+        ({"R": 2, "N": 3, "rejoining": True, "named": True}, "server"),
+        ({"R": 2, "N": 3, "rejoining": True, "tokens": "shared"}, "server"),
+        ({"R": 2, "N": 3, "rejoining": True, "server_only": True}, "server"),
+        ({"R": 2, "N": 3, "rejoining": True, "transport": "server"}, "server"),
+        ({"R": 3, "N": 2, "rejoining": True, "tokens": "shared"}, "server"),  # R > N
+        # more workers than processes (or dedicated server ranks): the server
+        ({"R": 2, "N": 3}, "server"),
+    ],
+)
+def test_the_exchange_left_to_choose(args: dict, expected: str) -> None:
+    got = choose_transport(
+        args.get("transport"), args["R"], args["N"], args.get("tokens", "distinct"),
+        args.get("named", False), args.get("chosen", False), args.get("rejoining", False),
+        cpu_gloo=args.get("cpu_gloo", True), server_only=args.get("server_only", False),
+    )  # fmt: skip
+    assert got == expected
+
+
+def test_losses_allowed_by_default_where_every_rank_keeps_the_state() -> None:
+    # backups without a server: as many as leave an update possible
+    assert default_losses(None, "allreduce", True, 3, 4, False) == 1
+    assert default_losses(None, "allreduce", True, 1, 4, False) == 3
+    assert default_losses(None, "allreduce", True, 4, 4, True) == 3  # "auto": R follows
+    # R = N (a loss ends it, as DDP), or a server (rank 0 holds the state): none
+    assert default_losses(None, "allreduce", False, 4, 4, False) == 0
+    assert default_losses(None, "server", True, 3, 4, False) == 0
+    # given: as given (0 turns it off)
+    assert default_losses(0, "allreduce", True, 3, 4, False) == 0
+    assert default_losses(2, "allreduce", False, 4, 4, False) == 2
