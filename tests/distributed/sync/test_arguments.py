@@ -50,3 +50,26 @@ def test_losses_allowed_by_default_where_every_rank_keeps_the_state() -> None:
     # given: as given (0 turns it off)
     assert default_losses(0, "allreduce", True, 3, 4, False) == 0
     assert default_losses(2, "allreduce", False, 4, 4, False) == 2
+
+
+def test_a_servers_checkpoint_is_refused_by_the_default_exchange_naming_the_way_back() -> None:
+    """A checkpoint of a job that ran with a server (an earlier default) is not loaded into
+    the exchange without one: the error says how to resume it as it ran, and nothing changes."""
+    import torch
+
+    import gradfleet
+    from gradfleet.distributed import SyncReplicasOptimizer
+
+    x = torch.nn.Parameter(torch.ones(2))
+    with SyncReplicasOptimizer(
+        gradfleet.GradientDescentOptimizer([x], 0.5), 1, transport="server"
+    ) as served:
+        x.grad = torch.ones(2)
+        served.step()
+        saved = served.state_dict()
+    y = torch.nn.Parameter(torch.zeros(2))
+    with SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer([y], 0.5), 1) as default:
+        assert type(default.exchange).__name__ == "AllReduceExchange"
+        with pytest.raises(ValueError, match="pass transport='server' to resume it as it ran"):
+            default.load_state_dict(saved)
+        assert default.global_step == 0 and torch.equal(y.detach(), torch.zeros(2))

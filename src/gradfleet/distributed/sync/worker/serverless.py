@@ -264,7 +264,9 @@ class ServerlessExchange:
         if counters.get("allreduce") is None:
             raise ValueError(
                 f"{_OWNER}.load_state_dict: the checkpoint is of an exchange with servers, "
-                "this optimizer all-reduces (transport='allreduce')"
+                "this optimizer has none (transport='allreduce': the default where no server "
+                "is named, also with backup workers on the CPU); pass transport='server' to "
+                "resume it as it ran"
             )
 
     def load_state(self, state: dict[str, Any]) -> None:
