@@ -3,7 +3,9 @@
 For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the recipe
 of docs/failures.md -- one agent per worker, ``--max-restarts=1`` -- for strategies that can
 lose a worker, ``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
-step, SIGKILL the chosen rank (1..N-1; rank 0 hosts the servers and is always fatal), and
+step, SIGKILL the chosen rank (0..N-1 where every rank holds the state and the launcher hosts
+the store -- sync-replicas without a server under ``gradfleet train``; else 1..N-1: rank 0
+hosts the servers or the store, and is always fatal), and
 classify the end: *completed* (exit 0 everywhere, the summary written), *failed fast* (a
 non-zero exit, with the seconds from the kill to the last process's end), or *hung* (nothing
 ended within ``--deadline`` seconds; everything is then killed). *Steps lost*: the model
@@ -34,7 +36,12 @@ from statistics import median
 from typing import Any
 
 from gradfleet.cli.config import parse_spec
-from gradfleet.cli.strategy_table import STRATEGIES, tolerated_losses, validate_strategy
+from gradfleet.cli.strategy_table import (
+    STRATEGIES,
+    rank0_replaceable,
+    tolerated_losses,
+    validate_strategy,
+)
 
 # Each strategy's option sets, one job kind each (a strategy not named here: one kind, with its
 # defaults).
@@ -114,7 +121,9 @@ def _kill_all(procs: list, out: Path) -> None:
 
 
 def run_job(launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float) -> dict:
-    rank, at = rng.randrange(1, workers), rng.randint(steps // 10, steps * 6 // 10)
+    name, args = parse_spec(strategy, "strategy")
+    lowest = 0 if launcher == "cli" and rank0_replaceable(name, args, workers) else 1
+    rank, at = rng.randrange(lowest, workers), rng.randint(steps // 10, steps * 6 // 10)
     with tempfile.TemporaryDirectory(prefix="gf-faults-") as tmp:
         out = Path(tmp) / "run"
         procs = _start(launcher, strategy, workers, steps, out)
