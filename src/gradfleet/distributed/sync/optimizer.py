@@ -138,7 +138,8 @@ def _cpu_gloo(opt: torch.optim.Optimizer) -> bool:
 
 
 class SyncReplicasOptimizer(WrapperOptimizer):
-    """Aggregate ``replicas_to_aggregate`` gradients per update on a server (see module doc).
+    """Aggregate ``replicas_to_aggregate`` gradients per update, without a server (every rank
+    keeping the state) or on servers, as chosen at construction (see module doc).
 
     Args:
         opt: the wrapped optimizer over this worker's model parameters; the server (every
