@@ -216,11 +216,10 @@ def validate_strategy(
         if losses and (not serverless or losses > total - fewest if fewest < total
                        else losses >= total):  # fmt: skip
             raise ValueError(
-                f"strategy sync-replicas: max_losses={losses} needs no server (the all-reduce: "
-                f"replicas_to_aggregate = total_num_replicas, or transport=allreduce) and fewer "
-                f"losses than the workers, at most total_num_replicas - replicas_to_aggregate "
-                f"with backups (got {k} of {total}); with a server, backups tolerate losses "
-                "already"
+                f"strategy sync-replicas: max_losses={losses} needs no server (no shards, "
+                f"transport=server, tokens=shared or num_tokens) and fewer losses than the "
+                f"workers, at most total_num_replicas - replicas_to_aggregate with backups (got "
+                f"{k} of {total}); with a server, backups tolerate the loss of a worker already"
             )
         choices = {
             "tokens": ("distinct", "shared"),
