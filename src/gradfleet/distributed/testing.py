@@ -7,8 +7,10 @@ parent and exports torchrun's variables, for code that calls ``gradfleet.distrib
 calls ``fn(ctx, *args)`` and returns every rank's result.
 
 It cannot hang: the group's collective timeout is ``pg_timeout`` seconds; when a rank fails the
-others get ``grace`` seconds to finish or fail; at ``timeout`` every live rank dumps its Python
-stacks (``faulthandler`` on SIGUSR1) and is killed. Failures raise :class:`MultiProcessError`
+others get ``grace`` seconds to finish or fail; ``timeout`` seconds after every rank started (its
+stack dump armed: a rank's start, the forkserver's imports included, can take seconds on a
+loaded machine, at most ``START_S``) every live rank dumps its Python stacks (``faulthandler``
+on SIGUSR1) and is killed. Failures raise :class:`MultiProcessError`
 with every rank's traceback or stack dump. ``kill_on={rank: "name"}`` SIGKILLs a rank as soon as
 it calls ``ctx.signal("name")``; ``kill_after={rank: seconds}`` kills it after a delay. Killed ranks
 report a :class:`RankKilled` result instead of failing the run.
@@ -38,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RankContext", "RankKilled", "MultiProcessError", "run_ranks", "free_port"]
+
+START_S = 120.0
+"""The longest a rank may take to start (the forkserver's imports of torch, on a loaded
+machine): ``timeout`` counts from when every rank has."""
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +140,10 @@ def _child(rank: int, world_size: int, ref: Any, args: tuple, workdir: str, cfg:
     )
     stacks = open(Path(workdir, f"stacks-{rank}.txt"), "w")  # open until os._exit
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    # Second line of defence if the parent itself dies: dump and exit on our own.
-    faulthandler.dump_traceback_later(cfg.deadline_s + 10, exit=True, file=stacks)
+    # Second line of defence if the parent itself dies: dump and exit on our own (after the
+    # parent's deadline, which starts once the last rank has started).
+    faulthandler.dump_traceback_later(cfg.deadline_s + START_S + 10, exit=True, file=stacks)
+    Path(workdir, f"started-{rank}").touch()  # the parent may now ask for the stacks
     code = 0
     started = time.monotonic()
     try:
@@ -210,16 +218,24 @@ def _read(path: Path) -> tuple[str, Any] | None:
     return pickle.loads(path.read_bytes())
 
 
+def _started(workdir: str, rank: int) -> bool:
+    return Path(workdir, f"started-{rank}").exists()
+
+
 def _dump_and_kill(procs: list, workdir: str) -> None:
-    live = [p for p in procs if p.exitcode is None]
-    for p in live:
+    """Every live rank that armed its stack dump dumps its stacks; then every live rank is
+    killed (one that had not started yet would die of SIGUSR1's default action, stackless)."""
+    live = [(r, p) for r, p in enumerate(procs) if p.exitcode is None]
+    for r, p in live:
+        if not _started(workdir, r):
+            continue
         try:
             os.kill(p.pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     if live:
         time.sleep(0.5)
-    for p in live:
+    for _, p in live:
         p.kill()
     for p in procs:
         p.join(5)
@@ -284,8 +300,13 @@ def _supervise(procs, workdir, timeout, grace, kill_on, kill_after) -> dict:
     start = time.monotonic()
     killed: set[int] = set()
     failed_at = None
+    began = None  # when every rank had started (ended ones count as started)
     while True:
         now = time.monotonic() - start
+        if began is None and all(
+            _started(workdir, r) or p.exitcode is not None for r, p in enumerate(procs)
+        ):
+            began = now
         for r, name in kill_on.items():
             if r not in killed and Path(workdir, f"signal-{r}-{name}").exists():
                 procs[r].kill()
@@ -303,7 +324,7 @@ def _supervise(procs, workdir, timeout, grace, kill_on, kill_after) -> dict:
         if failed_at is not None and now - failed_at > grace:
             _dump_and_kill(procs, workdir)
             return {"killed": killed, "timeout": False}
-        if now > timeout:
+        if now > (START_S if began is None else began) + timeout:
             _dump_and_kill(procs, workdir)
             return {"killed": killed, "timeout": True}
         time.sleep(0.05)
@@ -325,6 +346,8 @@ def _collect(procs, workdir: str, status: dict) -> list[Any]:
             continue
         elif outcome is not None and outcome[0] == "error":
             reports[r] = outcome[1]
+        elif not _started(workdir, r):
+            reports[r] = f"no result (exit code {p.exitcode}): it had not started its function"
         else:
             reports[r] = f"no result (exit code {p.exitcode}); stacks:\n{stacks or '(none)'}"
     if reports:
