@@ -354,3 +354,23 @@ def auto_backups(ctx: RankContext) -> dict:
     opt.close()
     dist.barrier()
     return json.loads(json.dumps(out))
+
+
+def close_before_stepping(ctx: RankContext) -> dict:
+    """R = 1 of 2, the default exchange (no server): rank 0 closes at once and leaves; rank 1
+    steps once (rank 0, late, is owed the update) and closes after rank 0 is gone.  Returns
+    what each close raised (None) and rank 1's variables."""
+    x = torch.nn.Parameter(torch.zeros(3))
+    opt = SyncReplicasOptimizer(torch.optim.SGD([x], lr=0.5), 1, 2, timeout=30)
+    raised = None
+    if ctx.rank == 1:
+        ctx.wait_signal(0, "gone", timeout=60)
+        x.grad = torch.ones(3)
+        opt.step()
+    try:
+        opt.close()
+    except Exception as exc:  # noqa: BLE001 -- the test reports it
+        raised = f"{type(exc).__name__}: {exc}"
+    if ctx.rank == 0:
+        ctx.signal("gone")
+    return {"raised": raised, "x": x.detach().tolist(), "exchange": type(opt.exchange).__name__}

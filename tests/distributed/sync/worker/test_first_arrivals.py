@@ -238,3 +238,13 @@ def test_auto_chooses_each_r_alike_on_every_rank_without_a_server():
     assert 2 in history[fr.SLOW_FROM + 2 :], history
     left_out = [2 not in m for m, r in zip(plan, history, strict=True) if r == 2]
     assert sum(left_out) >= len(left_out) * 2 / 3, (plan, history)  # the slow one, mostly
+
+
+@pytest.mark.timeout(180)
+def test_close_after_a_late_worker_left_does_not_raise():
+    """A member that steps and closes after the other worker closed and left (without
+    receiving the update it is owed) ends without an error, its update applied."""
+    out = run_ranks(fr.close_before_stepping, 2, timeout=150)
+    assert all(o["exchange"] == "FirstArrivalsExchange" for o in out), out
+    assert [o["raised"] for o in out] == [None, None], out
+    assert out[1]["x"] == [-0.5, -0.5, -0.5], out

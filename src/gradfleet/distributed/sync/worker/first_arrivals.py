@@ -409,7 +409,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         try:
             while self._sending:
                 self._finish_oldest_send()
-        except RuntimeError as exc:
+        except (RuntimeError, *LINK_ERRORS) as exc:  # it left, or is gone: nothing to wait for
             log.warning(
                 "rank %d: closing: a late worker did not receive the last updates: %s",
                 self.rank, exc,
