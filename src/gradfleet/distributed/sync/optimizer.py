@@ -304,11 +304,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
                 f"the N={N} workers; with a server, backup workers (replicas_to_aggregate < "
                 "total_num_replicas) tolerate the loss of a worker"
             )
-        if R < N and policy is None and max_losses > N - R:  # R must stay reachable
-            raise ValueError(
-                f"{_OWNER}: max_losses={max_losses} would leave fewer than "
-                f"replicas_to_aggregate={R} of the {N} workers"
-            )
         if not isinstance(hear_every_worker, bool):
             raise TypeError(
                 f"{_OWNER}: hear_every_worker must be True or False, got {hear_every_worker!r}"
