@@ -193,9 +193,7 @@ def test_host_agent_ends_its_workers_the_other_host_finishes(
     # 300 steps took 2 s in all: on a loaded CI host the agent ended the killed rank's
     # neighbour only after it had finished them (so, rightly, it was not lost); 1500 leave ~8 s
     world, steps, out = 4, 1500, tmp_path / "run"
-    # the server on rank 0, whose heartbeat wait this test is about (without a server, the
-    # default, the survivors of this whole-host loss do not end in time yet: docs/failures.md)
-    strategy = "sync-replicas:replicas_to_aggregate=2,transport=server"
+    strategy = "sync-replicas:replicas_to_aggregate=2"  # the default: no server
     train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(world), "--steps", str(steps)]
     train += ["--timeout", str(TIMEOUT), "--out", str(out), "-q"]
     procs = _agents_per_host(hosts, 2, train, tmp_path)

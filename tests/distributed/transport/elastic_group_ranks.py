@@ -48,3 +48,38 @@ def fast_restart(ctx: RankContext, port: int) -> dict:
     seen["sums"] = sums
     group.close()
     return seen
+
+
+def dies_before_connecting(ctx: RankContext, port: int) -> dict:
+    """Rank 2 leaves its group after 3 sums and is decided into the next generation, then dies
+    before it connects.  Returns each survivor's view of the change and its sums."""
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=ctx.rank == 0, wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    group = ElasticGroup(store, ctx.rank, 3, timeout=60)
+    seen: dict = {"changes": []}
+    sums = []
+    for i in range(6):
+        if ctx.rank == 2 and i == 3:
+
+            def die(*_: object, **__: object) -> None:
+                ctx.signal("die")
+                time.sleep(60)
+
+            group._form = die  # type: ignore[method-assign]  # decided in, never connects
+            group.reform()
+        x = torch.tensor([float(ctx.rank + 1)])
+        try:
+            group.all_reduce(x)
+        except LINK_ERRORS:
+            started = time.monotonic()
+            gone, came = group.reform()
+            took = round(time.monotonic() - started, 2)
+            seen["changes"].append([gone, came, group.generation, group.members, took])
+            x = torch.tensor([float(ctx.rank + 1)])
+            group.all_reduce(x)
+        sums.append(x.item())
+    seen["sums"], seen["continuing"] = sums, group.continuing
+    group.close()
+    return seen

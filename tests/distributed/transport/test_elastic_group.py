@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gradfleet.distributed.testing import RankKilled, free_port, run_ranks
+from gradfleet.distributed.transport.elastic_group import _FORM_S
 
 from . import elastic_group_ranks as egr
 
@@ -25,3 +26,23 @@ def test_a_fast_restart_is_a_member_again_as_a_new_process():
         assert out[rank]["sums"] == [6.0] * 10  # 1 + 2 + 3, before and after
     assert out[3]["generation"] == 1 and out[3]["members"] == [0, 1, 2]
     assert out[3]["sums"] == [6.0] * 5
+
+
+@pytest.mark.faults
+def test_a_member_that_dies_before_connecting_is_left_out_of_the_next():
+    """Decided into generation 1, rank 2 dies before it connects: the others give up on
+    generation 1 after ``_FORM_S`` (not the group's 60 s timeout) and form generation 2
+    without it, holding their state."""
+    out = run_ranks(
+        egr.dies_before_connecting, 3, args=(free_port(),), timeout=120,
+        init_process_group=False, kill_on={2: "die"},
+    )  # fmt: skip
+    assert out[2] == RankKilled(2)
+    for rank in (0, 1):
+        (change,) = out[rank]["changes"]
+        gone, came, generation, members, took = change
+        assert (gone, came, generation, members) == ([2], [], 2, [0, 1]), change
+        # one forming timeout, then one dead_after of silence, and the polling
+        assert took < _FORM_S + 10, change
+        assert out[rank]["sums"] == [6.0] * 3 + [3.0] * 3  # 1 + 2 + 3, then 1 + 2
+        assert out[rank]["continuing"]

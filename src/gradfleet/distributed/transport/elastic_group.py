@@ -67,6 +67,7 @@ HEARTBEAT_S = 0.1
 DEAD_AFTER_S = 1.0
 _POLL_S = 0.01  # a member forming a generation: the gap after a loss
 _JOIN_POLL_S = 0.05  # a joining process waiting, maybe long, for the members to see it
+_FORM_S = 5.0  # a member decided in connects within this, or the next generation is decided
 _WATCH_S = 0.25  # a member blocked in a collective looks at the others' heartbeats (< dead_after/2)
 
 
@@ -136,7 +137,7 @@ class ElasticGroup:
             self.store.set(f"g0/here/{self.rank}", self.incarnation)
             first = [[r, self._incarnation_of(0, r)] for r in range(world)]
             self.store.compare_set("g0/members", "", json.dumps(first))  # alike from each rank
-            self._form(0, dict(first))
+            self._form(0, dict(first), timeout=self.timeout)  # ranks start at their own pace
 
     # ------------------------------------------------------------------ who is here
     @property
@@ -179,13 +180,17 @@ class ElasticGroup:
         """Announce this rank for the generations after ``after`` until one takes it in."""
         generation = after + 1
         deadline = time.monotonic() + self.timeout
+        last, was_member = self.generation, self.incarnations.get(self.rank) == self.incarnation
         while True:
             previous = self._decided(generation - 1) or {}
             log.debug("rank %d: here for generation %d", self.rank, generation)
             self.store.set(f"g{generation}/here/{self.rank}", self.incarnation)
             members = self._decided(generation) or self._decide(generation, list(previous))
             if members.get(self.rank) == self.incarnation:
-                break
+                if self._formed(generation, members):
+                    break
+                generation += 1  # a member died between the decision and the forming
+                continue
             # decided before this rank arrived (or judged it gone): ask to join the next one
             log.info(
                 "rank %d: generation %d formed without it (%s); asking to join the next",
@@ -199,9 +204,12 @@ class ElasticGroup:
                     f"{self.timeout:g}s"
                 )
         self.store.delete_key(f"join/{self.rank}")
-        before = self._decided(generation - 1) or {}
-        self.continuing = before.get(self.rank) == self.incarnation
-        self._form(generation, members)
+        # holds the state: a member of the last generation it formed, and in every generation
+        # decided since (one that did not form made no update)
+        self.continuing = was_member and all(
+            (self._decided(g) or {}).get(self.rank) == self.incarnation
+            for g in range(last + 1, generation)
+        )
 
     def _decide(self, generation: int, previous: Sequence[int]) -> dict[int, str]:
         """Wait until every candidate of ``generation`` is here or gone; write the decision
@@ -253,15 +261,32 @@ class ElasticGroup:
             time.sleep(_JOIN_POLL_S)
         return decided
 
-    def _form(self, generation: int, members: dict[int, str]) -> None:
+    def _formed(self, generation: int, members: dict[int, str]) -> bool:
+        """Generation ``generation``'s group, formed (True); or False when a member decided in
+        died before it connected: gloo would wait for it until the job's timeout, so the
+        members give up after ``_FORM_S`` and decide the next generation, without it."""
+        try:
+            self._form(generation, members, timeout=min(self.timeout, _FORM_S))
+        except LINK_ERRORS as exc:
+            log.warning(
+                "rank %d: generation %d of the elastic group did not form (%s); deciding "
+                "the next", self.rank, generation, exc,
+            )  # fmt: skip
+            return False
+        self.pg._set_default_timeout(timedelta(seconds=self.timeout))
+        return True
+
+    def _form(self, generation: int, members: dict[int, str], timeout: float) -> None:
         """Build generation ``generation``'s process group among ``members`` (rank ->
-        incarnation)."""
-        self.generation, self.members = generation, sorted(members)
-        self.incarnations = dict(members)
+        incarnation), each peer connected within ``timeout`` seconds; this rank takes the
+        generation only once it is formed."""
         log.debug("rank %d: forming generation %d: %s", self.rank, generation, members)
         store = dist.PrefixStore(f"g{generation}/pg/", self.store)
-        size, index = len(self.members), self.members.index(self.rank)
-        self.pg = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=self.timeout))
+        size, index = len(members), sorted(members).index(self.rank)
+        with gloo_link(f"generation {generation}'s members {sorted(members)}", "connecting"):
+            pg = dist.ProcessGroupGloo(store, index, size, timedelta(seconds=timeout))
+        self.generation, self.members, self.incarnations = generation, sorted(members), members
+        self.pg = pg
         log.debug("rank %d: generation %d formed", self.rank, generation)
         self.joiners_waiting = False
 
