@@ -4,9 +4,10 @@ gradient noise.
 The chief (``SyncChief``, one server) is driven in one process by a discrete-event simulation
 of N workers whose rounds follow a recorded schedule (a worker slows down mid-run and
 recovers), on a fake clock.  A float64 reference written from the rule in the docs (rounds as
-medians of the last three, a late worker's round, the noise terms, ``argmax R/(R+rho)/T(R)``, one
-gradient per worker per update, stale ones dropped) runs the same schedule: the R sequence and
-the applied sums must match.
+medians of the last three, a late worker's round, the noise terms, the measured lags,
+``argmax R/(R+rho)/T(R)`` with gradients per second before the noise is measured and a 5%
+margin to change R, one gradient per worker per update, stale ones dropped) runs the same
+schedule: the R sequence and the applied sums must match.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import gradfleet
 from gradfleet.distributed.common.replies import Answer
 from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.common.replicas_policy import (
+    LAG_HALF_LIFE,
     AutoReplicas,
     Decision,
     Measurements,
@@ -125,6 +127,9 @@ class Reference:
         self.contributors: list[int] = []
         self.history: list[int] = []
         self.R = N
+        self.current = None  # the R chosen last
+        self.lags: dict[int, tuple] = {}  # R -> (smoothed interval / T(R) >= 1, update)
+        self.last_made = self.expected = None
 
     @property
     def values(self):
@@ -135,9 +140,13 @@ class Reference:
         return self.step, self.x.copy()
 
     def _choose(self, now):
-        if len(self.rounds) < self.N or self.noise_updates < 3:
+        if len(self.rounds) < self.N:
+            self.expected = None
             return self.N
-        rho = math.inf if self.signal <= 0 else max(self.trace, 0.0) / self.signal
+        if self.noise_updates < 3 or self.signal <= 0:  # warm-up: the most gradients per second
+            rho = math.inf
+        else:
+            rho = max(self.trace, 0.0) / self.signal
         times = []
         for w in range(self.N):
             d = statistics.median(self.rounds[w][-3:])
@@ -147,9 +156,17 @@ class Reference:
 
         def rate(r):
             gain = r if math.isinf(rho) else r / (r + rho)
-            return gain / max(times[r - 1], 1e-9)
+            # an R's measured lag: how much longer than T(R) its updates took
+            f, measured_at = self.lags.get(r, (1.0, 0))  # its excess halves every 10 updates
+            lag = 1.0 + (f - 1.0) * 0.5 ** ((self.step - measured_at) / 10)
+            return gain / max(times[r - 1] * lag, 1e-9)
 
-        return max(range(self.N, 1, -1), key=lambda r: (rate(r), r))  # R = 1 measures no noise
+        best = max(range(self.N, 1, -1), key=lambda r: (rate(r), r))  # R = 1 measures no noise
+        if self.current is not None and rate(best) <= rate(self.current) * 1.05:
+            best = self.current  # another R must promise 5% more to be taken
+        self.current = best
+        self.expected = times[best - 1]
+        return best
 
     def push(self, w, tag, grad, version):
         now = self.clock()
@@ -177,10 +194,17 @@ class Reference:
             if self.trace is None:
                 self.trace, self.signal = trace, signal
             else:
-                self.trace += 0.3 * (trace - self.trace)
-                self.signal += 0.3 * (signal - self.signal)
+                self.trace += 0.1 * (trace - self.trace)
+                self.signal += 0.1 * (signal - self.signal)
         self.x = self.x - TF_LR * mean
         self.history.append(self.R)
+        if self.last_made is not None and self.expected is not None:
+            latest = sorted(self.rounds[w][-1] for w in range(self.N))  # a later slowdown's
+            lag = max((now - self.last_made) / max(self.expected, latest[self.R - 1]), 1.0)
+            old = self.lags.get(self.R)
+            smoothed = lag if old is None else old[0] + 0.3 * (lag - old[0])
+            self.lags[self.R] = (smoothed, self.step)  # measured at this update
+        self.last_made = now
         self.step += 1
         self.R = self._choose(now)
         for v in self.contributors:
@@ -264,9 +288,55 @@ def test_auto_takes_the_most_progress_per_second(rounds, rho, best):
     assert AutoReplicas().choose(_view(rounds, rho)) == best
 
 
-def test_auto_waits_for_everyone_until_it_has_measured():
+def test_auto_waits_for_everyone_until_their_rounds_are_measured():
     assert AutoReplicas().choose(Decision(0, 4, None, 2.0)) == 4
-    assert AutoReplicas().choose(Decision(0, 3, (1.0, 1.0, 9.0), None)) == 3
+
+
+@pytest.mark.parametrize(
+    ("rounds", "best"),
+    [
+        ((1.0, 1.0, 9.0), 2),  # a straggler: 2 gradients/s against 3 / 9
+        ((1.0, 1.0, 1.05), 3),  # even: 3 / 1.05 gradients/s against 2
+    ],
+)
+def test_before_the_noise_is_measured_auto_takes_the_most_gradients_per_second(rounds, best):
+    """The warm-up: no noise scale yet, so every gradient counts alike (``rho`` infinite)."""
+    assert AutoReplicas().choose(Decision(0, 3, rounds, None)) == best
+
+
+def test_auto_keeps_its_r_until_another_promises_the_margin_more():
+    policy = AutoReplicas()
+    assert policy.choose(_view((1.0, 1.0, 1.0, 1.0), 2.0)) == 4
+    # R = 3 now promises 3/5 / 1.0 against 4/6 / 1.12: 1.0076x, under the 5% margin: R = 4 stays
+    assert policy.choose(_view((1.0, 1.0, 1.0, 1.12), 2.0)) == 4
+    restored = AutoReplicas()
+    restored.load_state_dict(policy.state_dict())
+    assert restored.choose(_view((1.0, 1.0, 1.0, 1.12), 2.0)) == 4  # a checkpoint keeps it
+    fresh = AutoReplicas()
+    fresh.load_state_dict({})  # a checkpoint from before the policy kept its R: the argmax
+    assert fresh.choose(_view((1.0, 1.0, 1.0, 1.12), 2.0)) == 3
+    # 1.17x: taken, and then kept while R = 4 promises less than 5% over it
+    assert policy.choose(_view((1.0, 1.0, 1.0, 1.3), 2.0)) == 3
+    assert policy.choose(_view((1.0, 1.0, 1.0, 1.08), 2.0)) == 3  # 4/6 / 1.08 against 3/5: 1.03x
+    assert policy.choose(_view((1.0, 1.0, 1.0, 0.9), 2.0)) == 4  # 1.23x
+
+
+def test_a_measured_lag_lengthens_t_of_r_and_its_excess_halves_every_half_life():
+    """An update at R that took longer than T(R) (workers out of phase) makes R cost more;
+    the excess decays while R is not measured again, so R is tried again."""
+    m = Measurements()
+    m.lag(3, seconds=3.0, expected=1.5, update=4)  # twice T(3)
+    m.lag(4, seconds=0.5, expected=1.0, update=4)  # faster than T(4): a lag is at least 1
+    assert m.recent_lags(5) == {3: pytest.approx(1 + 0.5 ** (1 / LAG_HALF_LIFE)), 4: 1.0}
+    assert m.recent_lags(4 + LAG_HALF_LIFE)[3] == pytest.approx(1.5)
+    m.lag(3, seconds=1.5, expected=1.5, update=6)  # smoothed: 2 + 0.3 (1 - 2)
+    assert m.recent_lags(6)[3] == pytest.approx(1.7)
+    rounds = (1.0, 1.0, 1.0, 1.0)
+    view = Decision(7, 4, rounds, 2.0, lags={4: 1.3})
+    assert AutoReplicas().choose(view) == 3  # 3/5 against 4/6 / 1.3
+    restored = Measurements()
+    restored.load_state_dict(m.state_dict())
+    assert restored.recent_lags(9) == m.recent_lags(9)
 
 
 def test_measurements_expect_a_late_worker_to_need_as_long_again():

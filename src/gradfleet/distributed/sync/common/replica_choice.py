@@ -31,6 +31,8 @@ class ReplicaChoice:
         self.measured = Measurements()
         self.history: list[int] = []  # the R of every update made, in order
         self.replicas: dict[int, int] = {}  # step -> the R of its update
+        self._last_made: float | None = None  # when the last update was made (made's now)
+        self._expected: dict[int, float] = {}  # step -> T(R) when its R was chosen
 
     def of(self, step: int, current: int) -> int:
         """The R of the update at ``step`` (a token's), else of the update at ``current``."""
@@ -44,6 +46,8 @@ class ReplicaChoice:
         else:
             view = self._view(step, live, now)
             r = self.policy.choose(view)
+            if view.rounds is not None and 1 <= r <= len(view.rounds):
+                self._expected[step] = view.rounds[r - 1]
             if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= view.live:
                 raise ValueError(
                     f"SyncReplicasOptimizer: the replicas policy {self.policy!r} chose {r!r} "
@@ -86,6 +90,7 @@ class ReplicaChoice:
     def _lower(self, step: int, r: int, why: str) -> int:
         log.debug("SyncReplicas chief: update %d now waits for R=%d (%s)", step, r, why)
         self.replicas[step] = r
+        self._expected.pop(step, None)  # chosen again mid-way: its lag says nothing of R
         return r
 
     def _view(self, step: int, live: Sequence[int], now: float) -> Decision:
@@ -94,13 +99,38 @@ class ReplicaChoice:
             live=max(len(live), 1),
             rounds=self.measured.expected_rounds(now, live),
             noise_scale=self.measured.noise_scale(),
+            lags=self.measured.recent_lags(step),
         )
 
     # ------------------------------------------------------------------ events
-    def made(self, update: int) -> None:
-        """The update at ``update`` was made on every shard."""
-        self.history.append(self.replicas.get(update, self.fixed))
+    def made(
+        self,
+        update: int,
+        now: float | None = None,
+        interval: float | None = None,
+        live: Sequence[int] = (),
+    ) -> None:
+        """The update at ``update`` was made on every shard: at ``now`` (on the clock of the
+        other calls), or ``interval`` seconds after the one before (as measured elsewhere, the
+        same on every rank).  With either, its lag: the interval against the T(R) it was
+        chosen by, or the R-th of the ``live`` workers' latest rounds if longer (a slowdown
+        that came after the choice is the rounds', not the R's)."""
+        r = self.replicas.get(update, self.fixed)
+        self.history.append(r)
         self.measured.close_update(update)
+        if now is not None:
+            if self._last_made is not None:
+                interval = now - self._last_made
+            self._last_made = now
+        expected = self._expected.pop(update, None)
+        for old in [s for s in self._expected if s < update]:
+            del self._expected[old]
+        if self.policy is None or interval is None or expected is None:
+            return
+        latest = self.measured.latest_rounds(live)
+        if latest is not None and r <= len(latest):
+            expected = max(expected, latest[r - 1])
+        self.measured.lag(r, interval, expected, update)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -109,6 +139,7 @@ class ReplicaChoice:
             "pending": {int(k): int(v) for k, v in self.replicas.items()},
             "policy": None if self.policy is None else self.policy.state_dict(),
             "measured": None if self.policy is None else self.measured.state_dict(),
+            "expected": {int(k): float(v) for k, v in self._expected.items()},
         }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
@@ -119,6 +150,8 @@ class ReplicaChoice:
             return
         self.history = [int(r) for r in saved["history"]]
         self.replicas = {int(k): int(v) for k, v in saved["pending"].items()}
+        # absent: a checkpoint from before lags were measured
+        self._expected = {int(k): float(v) for k, v in saved.get("expected", {}).items()}
         if self.policy is not None and saved["policy"] is not None:
             self.policy.load_state_dict(saved["policy"])
             self.measured.load_state_dict(saved["measured"])

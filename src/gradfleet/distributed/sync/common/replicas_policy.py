@@ -47,7 +47,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -58,12 +58,18 @@ __all__ = [
     "NOISE_UPDATES",
     "NOISE_WEIGHT",
     "ROUNDS_KEPT",
+    "SWITCH_MARGIN",
+    "LAG_WEIGHT",
+    "LAG_HALF_LIFE",
     "progress",
 ]
 
 ROUNDS_KEPT = 3  # a worker's round: the median of its last three (one outlier does not count)
-NOISE_WEIGHT = 0.3  # the newest update's share in the smoothed noise terms
+NOISE_WEIGHT = 0.1  # the newest update's share in the smoothed noise terms
 NOISE_UPDATES = 3  # updates of 2+ gradients before the noise scale is trusted
+SWITCH_MARGIN = 0.05  # another R must promise this much more progress per second to be taken
+LAG_WEIGHT = 0.3  # the newest update's share in an R's smoothed lag
+LAG_HALF_LIFE = 10  # updates over which an R's lag not measured again loses half its excess
 
 
 def progress(replicas: int, noise_scale: float) -> float:
@@ -84,6 +90,8 @@ class Decision:
     live: int
     rounds: tuple[float, ...] | None
     noise_scale: float | None
+    # R -> how many times longer than T(R) an update at that R took, where measured lately
+    lags: dict[int, float] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -98,24 +106,41 @@ class ReplicasPolicy(Protocol):
 
 
 class AutoReplicas:
-    """The built-in policy (module docstring): the R with the most progress per second."""
+    """The built-in policy (module docstring): the R with the most progress per second; while
+    the noise is not measured yet, the most gradients per second; and the R it chose last
+    until another is worth :data:`SWITCH_MARGIN` more."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None  # the R chosen last
+
+    def rates(self, view: Decision) -> dict[int, float]:
+        """Progress per second of each R it may choose (module docstring); empty until every
+        live worker's round is measured."""
+        if view.rounds is None:
+            return {}
+        rho = math.inf if view.noise_scale is None else view.noise_scale
+        low = min(view.live, 2)
+        return {
+            r: progress(r, rho) / max(view.rounds[r - 1] * view.lags.get(r, 1.0), 1e-9)
+            for r in range(low, view.live + 1)
+        }
 
     def choose(self, view: Decision) -> int:
-        if view.rounds is None or view.noise_scale is None:
+        rates = self.rates(view)
+        if not rates:
             return view.live
-        best, best_rate = view.live, -1.0
-        for r in range(view.live, min(view.live, 2) - 1, -1):  # ties: the larger R (first)
-            wait = max(view.rounds[r - 1], 1e-9)
-            rate = progress(r, view.noise_scale) / wait
-            if rate > best_rate * (1 + 1e-12):
-                best, best_rate = r, rate
+        best = max(rates, key=lambda r: (rates[r], r))  # ties: the larger R
+        if self.current in rates and rates[best] <= rates[self.current] * (1 + SWITCH_MARGIN):
+            best = self.current
+        self.current = best
         return best
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"current": self.current}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        current = state.get("current")  # absent: a checkpoint from before it was kept
+        self.current = None if current is None else int(current)
 
 
 class Measurements:
@@ -128,6 +153,8 @@ class Measurements:
         self.trace: float | None = None  # smoothed tr(Sigma) estimate
         self.signal: float | None = None  # smoothed |G|^2 estimate
         self.measured = 0  # updates folded into them
+        # R -> (smoothed lag of updates made at R, the update that measured it last)
+        self.lags: dict[int, tuple[float, int]] = {}
         self._parts: dict[int, list[float]] = {}  # update -> [sum |g_i|^2, |sum g_i|^2, k]
 
     # ------------------------------------------------------------------ events
@@ -150,6 +177,15 @@ class Measurements:
         """One round of ``worker``, measured elsewhere (without a server: the seconds its
         last gradient took, as the update's leader read them on the store)."""
         self.rounds.setdefault(int(worker), deque(maxlen=ROUNDS_KEPT)).append(float(seconds))
+
+    def lag(self, replicas: int, seconds: float, expected: float, update: int) -> None:
+        """The update ``update``, made from ``replicas`` gradients, came ``seconds`` after the
+        one before it, where ``T(R)`` said ``expected``: what an update at that R really costs,
+        workers out of phase included (at least ``T(R)``: the lag is 1 or more)."""
+        lag = max(float(seconds) / max(float(expected), 1e-9), 1.0)
+        old = self.lags.get(int(replicas))
+        smoothed = lag if old is None else old[0] + LAG_WEIGHT * (lag - old[0])
+        self.lags[int(replicas)] = (smoothed, int(update))
 
     def noise(self, update: int, sum_sq: float, mean_sq: float, count: int) -> None:
         """One shard's part of ``update``'s noise terms: ``sum_sq`` = sum over its gradients of
@@ -189,6 +225,16 @@ class Measurements:
             return math.inf
         return max(self.trace, 0.0) / self.signal
 
+    def recent_lags(self, update: int) -> dict[int, float]:
+        """Each R's smoothed lag as of ``update``: its excess over 1 halves every
+        :data:`LAG_HALF_LIFE` updates since it was last measured, so an R that was costly once
+        (a slowdown since gone) is tried again, and one still costly is soon measured so again:
+        the exploration is bounded by the half-life."""
+        return {
+            r: 1.0 + (f - 1.0) * 0.5 ** (max(update - u, 0) / LAG_HALF_LIFE)
+            for r, (f, u) in self.lags.items()
+        }
+
     def expected_rounds(self, now: float, live: Iterable[int]) -> tuple[float, ...] | None:
         """Each live worker's round in seconds, sorted (a late one: twice its time so far);
         None until every live worker has a measured round."""
@@ -201,6 +247,16 @@ class Measurements:
             if token is not None and not token[2] and now - token[1] > d:
                 d = 2 * (now - token[1])
             out.append(d)
+        return tuple(sorted(out))
+
+    def latest_rounds(self, live: Iterable[int]) -> tuple[float, ...] | None:
+        """Each live worker's latest round in seconds, sorted; None until every one is
+        measured."""
+        out = []
+        for w in live:
+            if w not in self.rounds:
+                return None
+            out.append(self.rounds[w][-1])
         return tuple(sorted(out))
 
     def overdue(self, now: float, live: Iterable[int]) -> list[int]:
@@ -222,6 +278,7 @@ class Measurements:
             "trace": self.trace,
             "signal": self.signal,
             "measured": self.measured,
+            "lags": {int(r): [f, u] for r, (f, u) in self.lags.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -231,4 +288,6 @@ class Measurements:
         }
         self.trace, self.signal = state["trace"], state["signal"]
         self.measured = int(state["measured"])
+        saved = state.get("lags", {})  # absent: a checkpoint from before they were kept
+        self.lags = {int(r): (float(f), int(u)) for r, (f, u) in saved.items()}
         self.tokens, self._parts = {}, {}

@@ -28,12 +28,13 @@ TF's token queue is :mod:`..tokens`; the non-finite check and policies are :mod:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..common.finite import NONFINITE_POLICIES, all_finite
+from ..common.preconditioning import weighted_sum_sq
 
 __all__ = ["GradientAggregator"]
 
@@ -73,6 +74,9 @@ class GradientAggregator:
         self.measure_noise = False
         self._sum_sq: torch.Tensor | None = None  # sum over accepted pushes of |g_i|^2
         self.last_noise: tuple[float, float, int] | None = None  # of the last update
+        # the preconditioner the noise is weighted by (``Shard.measure``), read once per update
+        self.noise_weights: Callable[[], list[torch.Tensor | None]] | None = None
+        self._weights: list[torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ validation
     def check(self, worker: int, grads: Sequence[torch.Tensor | None]) -> None:
@@ -141,7 +145,7 @@ class GradientAggregator:
             )  # fmt: skip
             return False
         sums, dense = [], []  # dense ones are added in one call: a server adds every push
-        values = []  # what was added, on the accumulators' device: its |g|^2 for "auto"
+        added: list[torch.Tensor | None] = [None] * len(grads)  # its |P g|^2, for "auto"
         with torch.no_grad():
             for i, g in enumerate(grads):
                 if g is None:
@@ -154,28 +158,29 @@ class GradientAggregator:
                     self.kinds[i] = "sparse"
                     g = g.coalesce()
                     idx = g.indices()[0]
-                    values.append(g.values().to(self.dtypes[i]))
-                    acc.index_add_(0, idx, values[-1])
+                    acc.index_add_(0, idx, g.values().to(self.dtypes[i]))
                     self._rows[i][idx] += 1
+                    added[i] = g
                 else:
                     self.kinds[i] = "dense"
                     sums.append(acc)
-                    values.append(g if g.dtype == acc.dtype else g.to(acc.dtype))
-                    dense.append(values[-1])
+                    dense.append(g if g.dtype == acc.dtype else g.to(acc.dtype))
+                    added[i] = dense[-1]
             if sums:
                 torch._foreach_add_(sums, dense)
-            if self.measure_noise and values:
-                self._add_sum_sq(values)
+            if self.measure_noise:
+                self._add_sum_sq(added)
         self.counter += 1
         self._count(worker, "accepted")
         return True
 
-    def _add_sum_sq(self, values: list[torch.Tensor]) -> None:
-        """``|g_i|^2`` of one accepted push (its dense gradients and sparse rows, as added),
-        summed on the accumulators' device in float64 (read back once per update, by
-        :meth:`take_average`)."""
-        norms = torch._foreach_norm(values)
-        total = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+    def _add_sum_sq(self, added: list[torch.Tensor | None]) -> None:
+        """``|P g_i|^2`` of one accepted push (its dense gradients and sparse rows, as added;
+        ``P`` the optimizer's preconditioner, :mod:`..common.preconditioning`), summed on the
+        accumulators' device in float64 (read back once per update, by :meth:`take_average`)."""
+        if self.noise_weights is not None and self._weights is None:
+            self._weights = self.noise_weights()  # the optimizer's state is the update's own
+        total = weighted_sum_sq(added, self._weights)
         self._sum_sq = total if self._sum_sq is None else self._sum_sq + total
 
     def drop_withheld(self, worker: int, step_tag: int) -> None:
@@ -227,11 +232,8 @@ class GradientAggregator:
     def _noise_terms(self) -> tuple[float, float, int]:
         """``(sum_i |g_i|^2, |mean_i g_i|^2, k)`` of the update being taken."""
         k = self.counter
-        seen = [s for s, used in zip(self._sum, self._seen, strict=True) if used]
-        mean_sq = 0.0
-        if seen:
-            norms = torch._foreach_norm(seen)
-            mean_sq = float(torch.stack([n.double() for n in norms]).square().sum()) / k**2
+        used = [s if seen else None for s, seen in zip(self._sum, self._seen, strict=True)]
+        mean_sq = float(weighted_sum_sq(used, self._weights)) / k**2
         sum_sq = 0.0 if self._sum_sq is None else float(self._sum_sq)
         return sum_sq, mean_sq, k
 
@@ -247,7 +249,7 @@ class GradientAggregator:
 
     def _reset(self) -> None:
         self.counter = 0
-        self._sum_sq = None
+        self._sum_sq = self._weights = None
         torch._foreach_zero_(self._sum)
         for r, kind in zip(self._rows, self.kinds, strict=True):
             if kind != "dense":  # dense variables never count rows

@@ -303,7 +303,7 @@ class SyncChief:
         """``global_step += 1`` once every shard applied the update, then the next update's R
         and the tokens."""
         while min(self.applied) > self.global_step:
-            self.choice.made(self.global_step)
+            self.choice.made(self.global_step, self.clock(), live=self._live())
             self.global_step += 1
             self._choose()
             self.line.updated(self.global_step)

@@ -45,6 +45,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from ...common.apply import apply_gradients
 from ...common.membership import Membership
 from ...common.replies import Answer
 from ..common.job import Job
+from ..common.preconditioning import preconditioners
 from ..layout.pieces import Piece, split_optimizer
 from .aggregator import GradientAggregator
 from .read_ahead import HeldPushes, push_answers, read_answer, release_answers, values_answer
@@ -140,8 +142,10 @@ class Shard:
         return self.aggregator.measure_noise
 
     def measure(self) -> None:
-        """Make this shard adaptive (``replicas_to_aggregate="auto"``)."""
+        """Make this shard adaptive (``replicas_to_aggregate="auto"``): the noise of its
+        gradients as its optimizer preconditions them."""
         self.aggregator.measure_noise = True
+        self.aggregator.noise_weights = partial(preconditioners, self.opt, self.params)
 
     def set_replicas(self, replicas: int) -> bool:
         """The pending update waits for ``replicas`` gradients from now on; True iff those in

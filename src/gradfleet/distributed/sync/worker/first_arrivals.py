@@ -66,6 +66,7 @@ from ...transport.arrival_board import ArrivalBoard, Made
 from ...transport.world_group import WorldGroup
 from ..common.job import Job
 from ..common.outcome import Outcome
+from ..common.preconditioning import preconditioners, weighted_sum_sq
 from ..common.replica_choice import ReplicaChoice
 from .buckets import Buckets
 from .deference import MARGIN, RECENT, Deference
@@ -103,6 +104,8 @@ class FirstArrivalsExchange(ServerlessExchange):
         # each update's R: fixed, or chosen by the policy from what every rank measured alike
         self.choice = ReplicaChoice(R, job.policy)
         self.auto = job.policy is not None
+        self._noise_weights: list[torch.Tensor | None] | None = None  # this update's P
+        self._last_made_at: float | None = None  # when this rank last applied an update
         self.R = R
         if elastic:
             group.watch_reforming = True  # members re-form at different points (a wait ends)
@@ -213,8 +216,11 @@ class FirstArrivalsExchange(ServerlessExchange):
             measured = self.choice.measured
             for r in sorted(made.rounds):
                 measured.timed(r, made.rounds[r])
-            measured.noise(step, sum_sq, _sum_sq(averages), len(made.members))
-        self.choice.made(step)
+            self._last_made_at = time.monotonic()
+            mean_sq = float(weighted_sum_sq(averages, self._noise_weights))
+            measured.noise(step, sum_sq, mean_sq, len(made.members))
+        # the leader's interval since the update before: the same on every rank
+        self.choice.made(step, interval=made.interval, live=self.group.members)
         self._decide()
 
     def _take_part(self, grads: list[torch.Tensor | None]) -> tuple[bool, int, int]:
@@ -279,8 +285,9 @@ class FirstArrivalsExchange(ServerlessExchange):
             self.bytes_sent += sum(f.numel() * f.element_size() for f in self.buckets.flat)
         mean = GradientMean(self.params, len(members), reduce, self.group.device, _OWNER)
         flags = mean.flags(grads, extra=int(self.auto))
-        if self.auto:  # the noise of the update (replicas_policy): sum over members of |g_i|^2
-            flags[-1] = _sum_sq(grads)
+        if self.auto:  # the noise of the update (replicas_policy): sum over members of |P g_i|^2
+            self._noise_weights = preconditioners(self.opt, self.params)
+            flags[-1] = float(weighted_sum_sq(grads, self._noise_weights))
         reduce(flags)
         for work in works:
             if work is not None:
@@ -326,9 +333,14 @@ class FirstArrivalsExchange(ServerlessExchange):
             self._finish_oldest_send()
         if not leader:  # the leader's record: the rounds that every rank measures alike
             return self.board.wait_made(step) if self.auto else Made(order[0], tuple(order))
-        rounds = self.board.lately(step + 1, self.group.members, RECENT) if self.auto else None
-        self.board.made(step, self.rank, order, rounds)
-        return Made(self.rank, tuple(order), rounds or {})
+        if not self.auto:
+            self.board.made(step, self.rank, order)
+            return Made(self.rank, tuple(order))
+        rounds = self.board.lately(step + 1, self.group.members, RECENT)
+        last = self._last_made_at
+        interval = None if last is None else time.monotonic() - last
+        self.board.made(step, self.rank, order, rounds, interval)
+        return Made(self.rank, tuple(order), rounds, interval)
 
     def _finish_oldest_send(self) -> None:
         works, _ = self._sending.popleft()
@@ -368,6 +380,8 @@ class FirstArrivalsExchange(ServerlessExchange):
         slots = [self.buckets.slot[i] for i in range(n)]
         step = self.global_step
         averages = mean.means([None] * n, slots, flags)
+        if self.auto:  # the members' preconditioner: the state before the update, as theirs
+            self._noise_weights = preconditioners(self.opt, self.params)
         self._apply(averages, made.members)
         self._measure(step, averages, float(flags[-1]) if self.auto else 0.0, made)
 
@@ -457,10 +471,3 @@ class FirstArrivalsExchange(ServerlessExchange):
         self.board.new_epoch(books["epoch"])
         self.history = [list(m) for m in books["history"]]
         self._dropped_before = {int(r): int(n) for r, n in books["dropped_before"].items()}
-
-
-def _sum_sq(tensors: list[torch.Tensor | None]) -> float:
-    """The sum of the squares of every element of ``tensors`` (a sparse one's values), in
-    float64."""
-    values = [g.coalesce().values() if g.is_sparse else g for g in tensors if g is not None]
-    return float(sum(v.double().pow(2).sum() for v in values)) if values else 0.0
