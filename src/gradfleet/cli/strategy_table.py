@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gradfleet.distributed as gfd
+from gradfleet.distributed.sync.arguments import choose_transport, default_losses, default_tokens
 
 from .strategies import (
     DDP,
@@ -253,23 +254,27 @@ def servers_asked(args: dict[str, Any]) -> bool:
 
 
 def serverless_losses(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> int:
-    """The losses a sync-replicas run goes on without where every rank holds the whole state
-    (no server: :func:`gradfleet.distributed.sync.arguments.choose_transport`): ``max_losses``,
-    by default N - R with backups (N - 1 with ``auto``) -- 0 elsewhere, and for a run with a
-    server, whose rank 0 holds the state alone."""
-    if name != "sync-replicas" or servers_asked(args) or args.get("transport") == "server":
+    """The losses a sync-replicas run goes on without where every rank holds the whole state:
+    the library's own choice of exchange and default losses
+    (:func:`gradfleet.distributed.sync.arguments.choose_transport`, ``default_losses``) for one
+    process per worker -- 0 elsewhere, and for a run with a server, whose rank 0 holds the
+    state alone."""
+    if name != "sync-replicas":
         return 0
     total = int(args.get("total_num_replicas", workers))
     k = args.get("replicas_to_aggregate", workers - 1)
-    backups = k == "auto" or int(k) < total
-    if backups and (args.get("overlap") is True or "shard_assignment" in args):
-        return 0  # a server's options: the exchange with a server
-    if "max_losses" in args:
-        return int(args["max_losses"])
-    # backups run without a server on the CPU only (gloo), and there lose N - R by default
-    if not backups or (device != "cpu" and args.get("transport") != "allreduce"):
+    chosen = k == "auto"
+    R = total if chosen else int(k)
+    backups = chosen or R < total
+    tokens = default_tokens(args.get("tokens"), R, total, args.get("num_tokens", -1))
+    server_only = backups and (args.get("overlap") is True or "shard_assignment" in args)
+    transport = choose_transport(
+        args.get("transport"), R, total, tokens, servers_asked(args), chosen,
+        cpu_gloo=device == "cpu", server_only=server_only, world=workers,
+    )  # fmt: skip
+    if transport != "allreduce":
         return 0
-    return total - 1 if k == "auto" else total - int(k)
+    return default_losses(args.get("max_losses"), transport, backups, R, total, chosen)
 
 
 def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> bool:

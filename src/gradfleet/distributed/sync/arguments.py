@@ -29,6 +29,15 @@ __all__ = [
 _OWNER = "SyncReplicasOptimizer"
 
 
+def default_tokens(tokens: Any, R: int, N: int, num_tokens: Any = -1) -> Any:
+    """The token rule: ``tokens`` when given, else ``"distinct"`` unless an update needs
+    several gradients of one worker (R > N) or ``num_tokens`` sets TF's initial tokens (both
+    are the shared queue's)."""
+    if tokens is not None:
+        return tokens
+    return "shared" if R > N or num_tokens != -1 else "distinct"
+
+
 def check_arguments(
     replicas_to_aggregate: Any,
     total_num_replicas: Any,
@@ -53,8 +62,7 @@ def check_arguments(
     N = R if total_num_replicas is None else total_num_replicas
     N = check_int(_OWNER, "total_num_replicas", N, 1)
     initial = init_tokens(num_tokens, R, N)
-    if tokens is None:
-        tokens = "shared" if R > N or num_tokens != -1 else "distinct"
+    tokens = default_tokens(tokens, R, N, num_tokens)
     if tokens not in TOKEN_RULES:
         raise ValueError(f"{_OWNER}: tokens must be one of {TOKEN_RULES}, got {tokens!r}")
     if tokens == "distinct" and R > N:
@@ -122,6 +130,7 @@ def choose_transport(
     rejoining: bool = False,
     cpu_gloo: bool = True,
     server_only: bool = False,
+    world: int | None = None,
 ) -> str:
     """The exchange when ``transport`` is not given: without a server (every rank keeps the
     state, so no host holds it alone) wherever that exchange runs the job -- one gradient per
@@ -129,10 +138,13 @@ def choose_transport(
     server has (``server_only``: overlap or a shard assignment asked for with backups), one
     process per worker (or a worker ``rejoining`` such a job outside its process group), and
     for backups (R < N, or R ``chosen`` per update) CPU parameters on gloo (``cpu_gloo``) --
-    else the server."""
+    else the server.  ``world``: the processes of the job (None: the process group's; a
+    launcher deciding before any group exists passes its own)."""
     if transport is not None:
         return transport
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world is None:
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
     world = total_num_replicas if rejoining else world
     one_each = replicas_to_aggregate <= total_num_replicas == world and tokens == "distinct"
     if not one_each or servers_named or server_only:
