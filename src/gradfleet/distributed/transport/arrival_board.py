@@ -20,7 +20,8 @@ the members' generation, which changes when one is lost or joins):
   to it asks, :mod:`..sync.worker.deference`);
 * ``d/<t>``: the update made at ``t``: ``{"leader": rank, "members": [ranks]}`` (JSON; with
   ``replicas_to_aggregate="auto"`` also ``"rounds"``: each worker's last gradient's seconds,
-  and ``"interval"``: the seconds since the update before, on the leader's clock);
+  ``"interval"``: the seconds since the update before, on the leader's clock, and
+  ``"exchange"``: the seconds the leader spent exchanging it);
 * ``dropped/<rank>``: gradients of ``rank`` that came after the first R (a counter, under
   ``<epoch>/`` only: it outlives a generation);
 * ``ended``: why the job ended, written by the first rank that met a lost peer, so that a rank
@@ -57,6 +58,7 @@ class Made:
     members: tuple[int, ...]
     rounds: dict[int, float] = field(default_factory=dict)  # replicas_to_aggregate="auto"
     interval: float | None = None  # "auto": seconds since the update before, the leader's clock
+    exchange: float | None = None  # "auto": the seconds the leader spent exchanging it
 
 
 def _nothing_to_watch() -> Callable[[], str | None]:
@@ -170,16 +172,20 @@ class ArrivalBoard:
         members: list[int],
         rounds: dict[int, float] | None = None,
         interval: float | None = None,
+        exchange: float | None = None,
     ) -> None:
         """The leader: the update at ``step`` is made, and its data is on the way; with
         ``rounds``, the seconds each worker's last gradient took, as the leader read them, and
-        ``interval``, the seconds since it saw the update before made (what every rank's
-        choice of the next R is made from)."""
+        ``interval``, the seconds since it saw the update before made, and ``exchange``, the
+        seconds from the first R's arrival to this record (what every rank's choice of the next
+        R is made from)."""
         record: dict[str, Any] = {"leader": leader, "members": members}
         if rounds is not None:
             record["rounds"] = {str(r): s for r, s in rounds.items()}
         if interval is not None:
             record["interval"] = interval
+        if exchange is not None:
+            record["exchange"] = exchange
         self.store.set(f"d/{step}", json.dumps(record))
 
     def is_made(self, step: int) -> bool:
@@ -192,9 +198,9 @@ class ArrivalBoard:
         self._wait([key], f"the update at step {step} (this rank came after the first)")
         record = json.loads(self.store.get(key))
         rounds = {int(r): float(s) for r, s in record.get("rounds", {}).items()}
-        interval = record.get("interval")
+        interval, exchange = record.get("interval"), record.get("exchange")
         members = tuple(int(r) for r in record["members"])
-        return Made(int(record["leader"]), members, rounds, interval)
+        return Made(int(record["leader"]), members, rounds, interval, exchange)
 
     def members_group(self, members: list[int]) -> Any:
         """The gloo process group of ``members`` (sorted ranks, this one among them), made

@@ -23,18 +23,28 @@ R again before every update, from what it has measured:
   both unbiased, each smoothed over updates (weight :data:`NOISE_WEIGHT` on the newest) before
   their ratio is taken, once :data:`NOISE_UPDATES` updates were measured (one update's
   estimate is too noisy to act on).  An update of one gradient tells nothing about the noise.
+  For an adaptive optimizer the norms are taken in its preconditioner's metric
+  (:mod:`.preconditioning`): the noise its steps feel.
+* **What an R really costs.**  ``T(R)`` is the steady cost of an update, as if every worker
+  started its round together.  A worker left out of the last updates is out of phase (its next
+  gradient will be stale, the one after joins); where stragglers move, that costs an R as much
+  as its rounds.  Charging the model's guess of it to the choice would keep a recovered worker
+  out for good, so it is measured instead: an update's *lag* (:meth:`Measurements.lag`) is the
+  seconds since the update before over the ``T(R)`` it was chosen by (or the R-th of the
+  workers' latest rounds, if a slowdown came after the choice), at least 1, smoothed per R
+  (weight :data:`LAG_WEIGHT`).  Its excess over 1 halves every :data:`LAG_HALF_LIFE` updates
+  in which that R is not made, so an R that was costly once is tried again: the only
+  exploration, bounded by that half-life.
 
 :class:`AutoReplicas` chooses, among 2 <= R <= live workers (1 only when one worker is live:
 an update of one gradient measures no noise, so a choice of R = 1 could never be revisited),
-the R that maximises progress per second, ``(R / (R + rho)) / T(R)`` (ties: the larger R).
-``T(R)`` is the steady cost of an update, as if every worker started its round together: a
-worker left out of the last updates is out of phase (its next gradient will be stale, the one
-after joins), and charging that one-time wait to the choice would keep it out for good once it
-has recovered.  It starts from R = live workers and stays there until every live worker's round
-and the noise have been measured.  Assumptions, stated in the docs: gradients of one update
-are independent samples of the same distribution; the progress model holds for the optimizer
-(exact for SGD at its best step size, a heuristic for adaptive ones); the next rounds look like
-the last few.
+the R that maximises progress per second, ``(R / (R + rho)) / (T(R) lag(R))`` (ties: the
+larger R), and keeps the R it chose last unless another promises :data:`SWITCH_MARGIN` more.
+It starts from R = live workers until every live worker's round is measured, then takes the
+most gradients per second (``rho`` infinite) until the noise is measured.  Assumptions, stated
+in the docs: gradients of one update are independent samples of the same distribution; the
+progress model holds for the optimizer (exact for SGD at its best step size, a heuristic at
+another step size and for adaptive ones); the next rounds look like the last few.
 
 A policy is any object with ``choose(view) -> int`` (``view``: a :class:`Decision`), plus
 ``state_dict()``/``load_state_dict()`` for checkpoints.  Pure: no clock and no I/O; the chief
@@ -84,13 +94,13 @@ def progress(replicas: int, noise_scale: float) -> float:
 class Decision:
     """What a policy sees before an update: the ``update`` (global step) being decided, the
     live workers' rounds in seconds, sorted (``rounds``; ``None``: not every live worker's
-    round is measured yet) and the noise scale ``rho`` (None: not measured yet)."""
+    round is measured yet), the noise scale ``rho`` (None: not measured yet) and each measured
+    R's ``lags`` (how many times longer than ``T(R)`` its updates took, decayed)."""
 
     update: int
     live: int
     rounds: tuple[float, ...] | None
     noise_scale: float | None
-    # R -> how many times longer than T(R) an update at that R took, where measured lately
     lags: dict[int, float] = field(default_factory=dict)
 
 

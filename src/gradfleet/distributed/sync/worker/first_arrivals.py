@@ -106,6 +106,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         self.auto = job.policy is not None
         self._noise_weights: list[torch.Tensor | None] | None = None  # this update's P
         self._last_made_at: float | None = None  # when this rank last applied an update
+        self._first_at = 0.0  # when the first R of this update were known (the leader's)
         self.R = R
         if elastic:
             group.watch_reforming = True  # members re-form at different points (a wait ends)
@@ -214,8 +215,10 @@ class FirstArrivalsExchange(ServerlessExchange):
         then the next update's R."""
         if self.auto:
             measured = self.choice.measured
+            # a round here is a gradient's seconds: the update's exchange, which the chief's
+            # rounds hold (a push's transfer), is added, so that T(R) is an update's cost
             for r in sorted(made.rounds):
-                measured.timed(r, made.rounds[r])
+                measured.timed(r, made.rounds[r] + (made.exchange or 0.0))
             self._last_made_at = time.monotonic()
             mean_sq = float(weighted_sum_sq(averages, self._noise_weights))
             measured.noise(step, sum_sq, mean_sq, len(made.members))
@@ -242,6 +245,7 @@ class FirstArrivalsExchange(ServerlessExchange):
             self.board.count_dropped()
             return False, self.global_step, self.global_step
         order = self.board.first(step, self.R)
+        self._first_at = time.monotonic()  # the exchange of the update starts
         members = sorted(order)
         averages, (flags, rows) = self._reduce(grads, members)
         self._apply(averages, members)
@@ -337,10 +341,11 @@ class FirstArrivalsExchange(ServerlessExchange):
             self.board.made(step, self.rank, order)
             return Made(self.rank, tuple(order))
         rounds = self.board.lately(step + 1, self.group.members, RECENT)
-        last = self._last_made_at
-        interval = None if last is None else time.monotonic() - last
-        self.board.made(step, self.rank, order, rounds, interval)
-        return Made(self.rank, tuple(order), rounds, interval)
+        now, last = time.monotonic(), self._last_made_at
+        interval = None if last is None else now - last
+        exchange = now - self._first_at
+        self.board.made(step, self.rank, order, rounds, interval, exchange)
+        return Made(self.rank, tuple(order), rounds, interval, exchange)
 
     def _finish_oldest_send(self) -> None:
         works, _ = self._sending.popleft()
