@@ -210,8 +210,9 @@ class FirstArrivalsExchange(ServerlessExchange):
         self, step: int, averages: list[torch.Tensor | None], sum_sq: float, made: Any
     ) -> None:
         """The update at ``step`` is applied: with a policy, its rounds (as its leader read
-        them) and its gradient noise (``sum_sq``: the members' summed ``|g_i|^2``; the mean's
-        ``|m|^2`` from ``averages``) join the measurements, in the same order on every rank;
+        them, each with the update's exchange), its interval, and its gradient noise
+        (``sum_sq``: the members' summed ``g_i^T P g_i``, ``P`` the optimizer's preconditioner;
+        the mean's from ``averages``) join the measurements, in the same order on every rank;
         then the next update's R."""
         if self.auto:
             measured = self.choice.measured
@@ -289,7 +290,7 @@ class FirstArrivalsExchange(ServerlessExchange):
             self.bytes_sent += sum(f.numel() * f.element_size() for f in self.buckets.flat)
         mean = GradientMean(self.params, len(members), reduce, self.group.device, _OWNER)
         flags = mean.flags(grads, extra=int(self.auto))
-        if self.auto:  # the noise of the update (replicas_policy): sum over members of |P g_i|^2
+        if self.auto:  # the noise of the update (replicas_policy): sum over members of g^T P g
             self._noise_weights = preconditioners(self.opt, self.params)
             flags[-1] = float(weighted_sum_sq(grads, self._noise_weights))
         reduce(flags)
