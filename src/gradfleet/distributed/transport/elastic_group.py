@@ -226,6 +226,7 @@ class ElasticGroup:
                 if self._formed(generation, members):
                     break
                 generation += 1  # a member died between the decision and the forming
+                self._check_deadline(deadline)
                 continue
             # decided before this rank arrived (or judged it gone): ask to join the next one
             log.info(
@@ -234,11 +235,7 @@ class ElasticGroup:
             )  # fmt: skip
             self.store.set(f"join/{self.rank}", "1")
             generation += 1
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"rank {self.rank}: no generation of the elastic group took it in within "
-                    f"{self.timeout:g}s"
-                )
+            self._check_deadline(deadline)
         self.store.delete_key(f"join/{self.rank}")
         # holds the state: a member of the last generation it formed, and in every generation
         # decided since (one that did not form made no update)
@@ -246,6 +243,13 @@ class ElasticGroup:
             (self._decided(g) or {}).get(self.rank) == self.incarnation
             for g in range(last + 1, generation)
         )
+
+    def _check_deadline(self, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank {self.rank}: no generation of the elastic group took it in within "
+                f"{self.timeout:g}s"
+            )
 
     def _decide(self, generation: int, previous: Sequence[int]) -> dict[int, str]:
         """Wait until every candidate of ``generation`` is here or gone; write the decision
