@@ -555,6 +555,61 @@ def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> l
     return [traj, centre]
 
 
+def easgd_centre_lost(ctx: RankContext, steps: int, tau: int, alpha: float, lost_at: int) -> dict:
+    """Workers take turns as in :func:`easgd_round_robin`; the centre (rank 0) has its standby
+    on rank 1.  While rank 0 hands worker 2's exchange number ``lost_at`` to the standby, it
+    is SIGKILLed (``kill_on={0: "die"}``) once the standby has applied it, before worker 2
+    hears back: worker 2 sends it again to the standby, ranks 1 and 2 go on taking turns.
+    ``lost_at=0``: no loss; every rank then returns its copy of the centre (the server's and
+    the standby's) after the last turn, for a bit-for-bit comparison."""
+    from gradfleet.distributed import AsyncCentre
+    from gradfleet.distributed.hosting import standby
+
+    if ctx.rank == 0 and lost_at:
+        forward = standby.Forwarder.forward
+
+        def forward_then_die(self, msg):  # fault injection: the primary dies mid-exchange
+            forward(self, msg)
+            if msg["op"] == "exchange_add" and msg["worker"] == 2 and msg["number"] == lost_at:
+                _die(ctx)
+
+        standby.Forwarder.forward = forward_then_die
+    model = make_model()
+    strategy = AsyncCentre(timeout=20)
+    opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
+    _joined(ctx)  # every worker starts from the initial centre, as the replay does
+    lost_step = lost_at * tau - 1  # the local step whose exchange is worker 2's number lost_at
+    traj = []
+    for s in range(steps):
+        live = [r for r in range(ctx.world_size) if not (lost_at and r == 0 and s > lost_step)]
+        if ctx.rank not in live:  # rank 0 is about to be killed, from its server's thread
+            time.sleep(60)
+        turn = live.index(ctx.rank)
+        if turn:
+            ctx.wait_signal(live[turn - 1], f"s{s}", timeout=30)
+        elif s:
+            ctx.wait_signal(live[-1], f"s{s - 1}", timeout=30)
+        opt.zero_grad()
+        loss_of(model, ctx.rank, s).backward()
+        opt.step()
+        traj.append([p.detach().clone() for p in model.parameters()])
+        ctx.signal(f"s{s}")
+    ctx.wait_signal(2, f"s{steps - 1}", timeout=30)
+    out = {"traj": traj, "standby": strategy.standby, "moved": strategy.server_rank}
+    if not lost_at and ctx.rank in (0, 1):  # the server's centre and the standby's
+        server = strategy._server if ctx.rank == 0 else strategy._standby_server
+        out["copy"] = [c.clone() for c in server.centre]
+        out["applied"] = dict(server.exchanges)
+    if lost_at and ctx.rank == 1:  # now the centre
+        out["applied"] = strategy.counters()["exchanges"]
+        out["centre"] = [c.clone() for c in strategy.centre()]
+    ctx.signal("read")
+    for r in range(1 if lost_at else 0, ctx.world_size):
+        ctx.wait_signal(r, "read", timeout=30)
+    strategy.close()
+    return out
+
+
 def easgd_rejoin(ctx: RankContext, restarted_steps: int) -> dict:
     """3 workers (ranks 0-2) train; rank 2 is SIGKILLed after 10 steps and rank 3 restarts it:
     a fresh process that joins as worker 2 through the server address, makes
@@ -620,7 +675,7 @@ def easgd_server_dies(ctx: RankContext) -> str:
     try:
         # built inside the try: rank 0 makes its 6 steps without waiting for rank 1, so a
         # rank 1 slow to connect meets the dead centre here, and must name it all the same
-        strategy = AsyncCentre(timeout=5)
+        strategy = AsyncCentre(timeout=5, standby=False)  # the centre's loss ends the job
         opt = _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05)
         for s in range(10_000):
             opt.zero_grad()

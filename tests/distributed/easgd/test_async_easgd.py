@@ -22,14 +22,17 @@ def test_tf_oracle_two_workers_tau1_alpha_half():
     assert out[0]["global_step"] == 1 == out[1]["global_step"]
 
 
-def simulate_round_robin(world, steps, tau, alpha, lr=0.1):
-    """Float64 replay of async EASGD with workers taking turns in rank order."""
+def simulate_round_robin(world, steps, tau, alpha, lr=0.1, gone_after=None):
+    """Float64 replay of async EASGD with workers taking turns in rank order (worker 0 takes
+    no turn after its local step ``gone_after``)."""
     models = [sync_ranks.make_model() for _ in range(world)]
     opts = [gradfleet.GradientDescentOptimizer(m.parameters(), lr) for m in models]  # TF's lr cast
     centre = [p.detach().clone() for p in models[0].parameters()]
     traj = [[] for _ in range(world)]
     for s in range(steps):
         for r, m in enumerate(models):
+            if r == 0 and gone_after is not None and s > gone_after:
+                continue
             m.zero_grad()
             sync_ranks.loss_of(m, r, s).backward()
             opts[r].step()
@@ -52,6 +55,39 @@ def test_round_robin_matches_simulation(world, tau, alpha):
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     for g, w in zip(out[0][1], centre, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_standby_is_bit_identical_to_the_centre():
+    out = run_ranks(sync_ranks.easgd_centre_lost, 3, args=(6, 1, 0.3, 0), timeout=90)
+    assert out[0]["standby"] == 1  # chosen: one host, so the next rank
+    assert out[0]["applied"] == out[1]["applied"] == {0: 6, 1: 6, 2: 6}
+    for a, b in zip(out[0]["copy"], out[1]["copy"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("tau", [1, 2])
+def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau):
+    """Rank 0 (the centre) is killed after its standby applied worker 2's exchange and
+    before worker 2 heard back: worker 2 sends it again, it is applied once, and every
+    survivor's trajectory is the float64 replay of the exchanges actually made."""
+    steps, alpha, lost_at = 8, 0.3, 3
+    out = run_ranks(
+        sync_ranks.easgd_centre_lost, 3, args=(steps, tau, alpha, lost_at), timeout=90,
+        kill_on={0: "die"},
+    )  # fmt: skip
+    assert out[0] == RankKilled(0)
+    gone_after = lost_at * tau - 1
+    traj, centre = simulate_round_robin(3, steps, tau, alpha, gone_after=gone_after)
+    for r in (1, 2):
+        assert out[r]["moved"] == 1  # worker 2 moved to the standby, rank 1 (its own)
+        for got, want in zip(out[r]["traj"], traj[r], strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    # every exchange made counted once: worker 0's up to its loss, worker 2's sent twice
+    assert out[1]["applied"] == {0: lost_at, 1: steps // tau, 2: steps // tau}
+    for g, w in zip(out[1]["centre"], centre, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 

@@ -100,7 +100,7 @@ def test_sync_replicas_server_death_names_server_rank():
         assert out[r].startswith("ServerUnreachable") and "server rank 0" in out[r]
 
 
-def test_async_easgd_server_death_names_server_rank():
+def test_async_easgd_server_death_without_a_standby_names_server_rank():
     out = run_ranks(sync_ranks.easgd_server_dies, 2, timeout=60, kill_on={0: "die"})
     assert out[1].startswith("ServerUnreachable") and "server rank 0" in out[1]
 

@@ -21,13 +21,23 @@ Start / restart (TF's ``get_init_op`` + ``synchronous=False``): a worker reads t
 into its parameters and local centre and starts at ``local_step = 0``; a worker that was killed and
 restarted does the same while the others never stop.  A restarted process is outside the process
 group, so it names the server explicitly: ``AsyncCentre(address=..., worker=...)`` with the
-``address`` of the running server (``AsyncCentre.address`` on any worker).  A dead server makes
+``address`` of the running server (``AsyncCentre.address`` on any worker).
+
+A standby (:mod:`..hosting.standby`): with two or more workers and the centre on a worker rank,
+the centre has a live copy on another rank (``standby``: by default the first rank after the
+server's on another host, else the next rank).  The server hands every exchange to it before
+answering, so the copy is bit-identical after every exchange a worker saw answered.  When the
+server's host is lost, each worker moves to the standby and sends the exchange it was waiting
+on again under the same number (the centre applies it once: redone, or applied already and
+answered with the same read), and training goes on.  A second loss -- the standby's too, or a
+centre without a standby (``standby=False``, one worker, or a dedicated centre rank) -- makes
 every exchange fail at once with an error naming the server rank.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +48,8 @@ import torch.distributed as dist
 from ..common.flat import copy_received
 from ..hosting.dedicated import CENTRE, announce
 from ..hosting.hosted_server import HostedServer, server_host, share_address
-from ..transport import MailboxClient
+from ..hosting.standby import choose_standby
+from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
 from .server.centre_server import CentreServer
@@ -63,6 +74,10 @@ class AsyncCentre(CentreStrategy):
         address: for a process outside the process group (a restarted worker): the running
             server's ``"host:port"``.
         worker: that process's worker id (with ``address``).
+        standby: the rank that keeps a live copy of the centre and takes over when the
+            server's host is lost (module docstring).  ``None`` (default): chosen, the first
+            worker rank after ``server_rank`` on another host, else the next one, where there
+            are two or more workers and the centre is on a worker rank; ``False``: none.
     """
 
     mode = "async"
@@ -74,13 +89,26 @@ class AsyncCentre(CentreStrategy):
         host: str | None = None,
         address: str | None = None,
         worker: int | None = None,
+        standby: int | bool | None = None,
     ) -> None:
+        if standby is True or (
+            standby is not None and standby is not False and not isinstance(standby, int)
+        ):
+            raise ValueError(
+                f"AsyncCentre: standby must be a worker rank, None (chosen) or False (none), "
+                f"got {standby!r}"
+            )
         self.server_rank, self.timeout, self.host = server_rank, float(timeout), host
         self.address, self.worker = address, worker
+        self.standby: int | bool | None = standby
+        self.standby_address: str | None = None  # where the standby serves, once it does
+        self._number = 0  # this worker's exchanges: each is applied once, also when sent again
         self.num_worker, self.synchronous = 1, False
         self.dedicated = False  # the centre's rank only serves (it is not a worker)
         self._server: CentreServer | None = None
         self._hosted: HostedServer | None = None
+        self._standby_server: CentreServer | None = None  # on the standby's rank
+        self._standby_hosted: HostedServer | None = None
         self._client: MailboxClient | None = None
         self._read: list[torch.Tensor] | None = None
         self._diff: list[torch.Tensor] = []
@@ -139,64 +167,159 @@ class AsyncCentre(CentreStrategy):
                     spec, params, [self.server_rank], [list(range(len(params)))], self.num_worker
                 )
             host = server_host(self.host, "AsyncCentre", group)  # collective over the group
+            standby = self._standby_rank(group)
             if comm.rank == self.server_rank:
-                self._server = CentreServer(params, self.num_worker, self.timeout)
+                self._server = CentreServer(
+                    params, self.num_worker, self.timeout, keep_reads=standby is not None
+                )
                 self._hosted = HostedServer(
                     self._server, self._server.members, host, "EASGD centre"
                 )
                 self.address = self._hosted.address
             self.address = share_address(self.address, self.server_rank, group)
-        self._client = MailboxClient(
-            self.address,
-            f"easgd{self.worker}",
-            self.timeout + 10.0,
-            f"server rank {self.server_rank}",
-        )
+            if standby is not None:
+                self._start_standby(standby, comm.rank, host, group)
+        self._client = self._connect(self.address, self.server_rank)
         hello = self._client.call(
             "hello", worker=self.worker, shapes=[list(p.shape) for p in params]
         )
+        if self.standby_address is None:
+            self.standby_address = hello.get("standby")
         with torch.no_grad():  # TF's init op: x := centre (the wrapper then caches c_loc := x)
             for p, c in zip(params, hello["centre"], strict=True):
                 p.copy_(c)
         if self.synchronous:
             self._client.call("barrier", worker=self.worker)
 
+    # ------------------------------------------------------------------ the standby
+    def _standby_rank(self, group: Any) -> int | None:
+        """The standby's rank (collective: every rank of the group gathers the host names)."""
+        if self.dedicated:  # the serving rank's centre is built by serve(), without one
+            if self.standby not in (None, False):
+                raise ValueError(
+                    "AsyncCentre: a dedicated centre rank has no standby yet (standby="
+                    f"{self.standby}); put the centre on a worker rank (server_rank < "
+                    f"{self.num_worker}) to keep one"
+                )
+            return None
+        if self.standby is False or self.num_worker < 2:
+            return None
+        hosts: list[Any] = [None] * self.num_worker
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if self.standby is None:
+            return choose_standby(hosts, self.server_rank, range(self.num_worker))
+        assert isinstance(self.standby, int)
+        if not 0 <= self.standby < self.num_worker or self.standby == self.server_rank:
+            raise ValueError(
+                f"AsyncCentre: standby must be a worker rank in [0, {self.num_worker}) other "
+                f"than server_rank={self.server_rank}, got {self.standby}"
+            )
+        return self.standby
+
+    def _start_standby(self, rank: int, mine: int, host: str, group: Any) -> None:
+        """Rank ``rank`` starts the standby from the server's centre, before any worker's
+        hello; the server then forwards to it (collective over the group)."""
+        self.standby = rank
+        if mine == rank:
+            server = MailboxClient(  # once, to read the centre it starts from
+                self.address,
+                f"easgd-standby{rank}",
+                self.timeout,
+                f"server rank {self.server_rank}",
+            )
+            centre = server.call("read", worker=self.worker)["centre"]
+            self._standby_server = CentreServer(
+                centre, self.num_worker, self.timeout, keep_reads=True
+            )
+            self._standby_hosted = HostedServer(
+                self._standby_server, self._standby_server.members, host,
+                f"EASGD centre (standby on rank {rank})", standby=True,
+            )  # fmt: skip
+            self.standby_address = self._standby_hosted.address
+        self.standby_address = share_address(self.standby_address, rank, group)
+        if self._hosted is not None and self._server is not None:
+            self._hosted.forward_to(
+                self.standby_address, f"the EASGD centre's standby on rank {rank}", self.timeout
+            )
+            self._server.standby = self.standby_address
+        dist.barrier(group=group)  # no hello before the server forwards
+
+    def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
+        return MailboxClient(
+            address, f"easgd{self.worker}", self.timeout + 10.0, f"server rank {rank}"
+        )
+
+    def _call(self, op: str, worker: int | None = None, **fields: Any) -> dict[str, Any]:
+        """One request to the centre (as ``worker``, default this one), sent again to the
+        standby if the centre is lost."""
+        assert self._client is not None, "setup() must run first"
+        fields["worker"] = self.worker if worker is None else worker
+        try:
+            return self._client.call(op, **fields)
+        except ServerUnreachable as exc:
+            self._fail_over(exc)
+            return self._client.call(op, **fields)
+
+    def _fail_over(self, exc: ServerUnreachable) -> None:
+        """The centre is lost: move to its standby (once), or raise ``exc``."""
+        if self.standby_address is None or self.standby_address == self.address:
+            raise exc
+        log.warning(
+            "worker rank %s: the EASGD centre on server rank %s is lost (%s); moving to its "
+            "standby on rank %s", self.worker, self.server_rank, exc, self.standby,
+        )  # fmt: skip
+        lost = self.server_rank
+        self.address, self.server_rank = self.standby_address, self.standby
+        self._client = self._connect(self.address, self.server_rank)
+        if isinstance(lost, int) and lost < self.num_worker and lost != self.worker:
+            # the lost server's host took its worker with it: the new centre must not wait
+            # for its done (a worker that is still alive counts again at its next request)
+            self._client.call("done", worker=lost, forgotten=True)
+
     def exchange(self, params: Sequence[torch.Tensor], moving_rate: float) -> list[torch.Tensor]:
         assert self._client is not None, "setup() must run first"
         if self._read is None:  # buffers reused by every exchange (the wrapper's c_loc)
             self._read = [torch.empty_like(p, requires_grad=False) for p in params]
             self._diff = [torch.empty_like(p, requires_grad=False) for p in params]
+        self._number += 1
+        try:
+            self._exchange_once(params, moving_rate)
+        except ServerUnreachable as exc:
+            self._fail_over(exc)  # then the same exchange again, under the same number
+            self._exchange_once(params, moving_rate)
+        with torch.no_grad():
+            for p, r, d in zip(params, self._read, self._diff, strict=True):
+                p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
+        return self._read
+
+    def _exchange_once(self, params: Sequence[torch.Tensor], moving_rate: float) -> None:
+        """Read the centre into ``self._read`` and add this worker's pull to it."""
+        assert self._client is not None and self._read is not None
         client = self._client
         # TF's read of the centre, then its assign_add: x goes out while c_read comes in (the
         # receive is posted before x is sent, so gloo can start c_read at once)
-        client.request("exchange_read", worker=self.worker)
+        client.request("exchange_read", worker=self.worker, number=self._number)
         _, finish_read = client.begin_response(receive_into=self._read)
         client.request(
-            "exchange_add", worker=self.worker, alpha=moving_rate,
+            "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number,
             params=[p.detach() for p in params],
         )  # fmt: skip
         centre_read = finish_read()["centre"]
         client.response()  # the centre has x: the parameters may change now
-        with torch.no_grad():
-            for p, c, r, d in zip(params, centre_read, self._read, self._diff, strict=True):
-                copy_received(r, c)
-                p.sub_(torch.sub(p, r, out=d), alpha=moving_rate)  # x -= alpha (x - c_loc)
-        return self._read
+        for r, c in zip(self._read, centre_read, strict=True):
+            copy_received(r, c)
 
     def centre(self) -> list[torch.Tensor]:
-        assert self._client is not None, "setup() must run first"
-        return [c.clone() for c in self._client.call("read", worker=self.worker)["centre"]]
+        return [c.clone() for c in self._call("read")["centre"]]
 
     def counters(self) -> dict[str, dict[int, int]]:
         """Server-side exchanges and (re)joins per worker."""
-        assert self._client is not None
-        reply = self._client.call("read", worker=self.worker)
+        reply = self._call("read")
         return {k: {int(w): n for w, n in reply[k].items()} for k in ("exchanges", "joins")}
 
     def worker_silence(self) -> dict[int, float]:
         """Seconds since the centre last heard from each worker that has not left."""
-        assert self._client is not None, "setup() must run first"
-        report = self._client.call("members", worker=self.worker)
+        report = self._call("members")
         return {int(w): float(s) for w, s in report["silence"].items()}
 
     def forget_workers(self, ranks: Sequence[int]) -> None:
@@ -210,7 +333,7 @@ class AsyncCentre(CentreStrategy):
                 f"AsyncCentre.forget_workers: ranks must be in [0, {self.num_worker}), got {bad}"
             )
         for r in ranks:
-            self._client.call("done", worker=int(r), forgotten=True)
+            self._call("done", worker=int(r), forgotten=True)
 
     @property
     def bytes_sent(self) -> int:
@@ -221,28 +344,30 @@ class AsyncCentre(CentreStrategy):
         return {"centre": [c.clone() for c in self.centre()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """On the server rank: restore the centre; elsewhere only check the shapes."""
+        """On the rank that hosts the centre (the server's, or the standby's once it took
+        over): restore the centre (the standby gets it too); elsewhere only check the
+        shapes."""
         current = self.centre()
         values = state["centre"]
         if [tuple(v.shape) for v in values] != [tuple(c.shape) for c in current]:
             raise ValueError("ElasticAverageOptimizer.load_state_dict: centre shapes differ")
-        if self._server is not None:
-            assert self._client is not None
-            self._client.call("load", worker=self.worker, centre=values)
+        if self.worker == self.server_rank:
+            self._call("load", centre=values)
 
     def close(self) -> None:
-        """Leave; the server rank keeps serving until every worker (also one that has not
-        said hello yet) left or has been silent for ``timeout`` seconds, so call it at the end
-        of training on every worker."""
+        """Leave; the server rank (and the standby's) keeps serving until every worker (also
+        one that has not said hello yet) left or has been silent for ``timeout`` seconds, so
+        call it at the end of training on every worker."""
         if self._client is not None:
             try:
-                self._client.call("done", worker=self.worker, timeout=5.0)
+                self._call("done", timeout=5.0)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %s: EASGD centre gone before its done: %s", self.worker, exc)
             self._client = None
-        if self._hosted is not None:
-            self._hosted.close(time.monotonic() + self.timeout)
-            self._hosted = None
+        for hosted in (self._hosted, self._standby_hosted):
+            if hosted is not None:
+                hosted.close(time.monotonic() + self.timeout)
+        self._hosted = self._standby_hosted = None
 
 
 CENTRE_MODES[AsyncCentre.mode] = AsyncCentre

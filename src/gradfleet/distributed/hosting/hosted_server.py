@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ..common.membership import Membership
 from ..common.replies import Answer, error
-from ..transport import MailboxServer, store_client
+from ..transport import MailboxServer, ServerUnreachable, store_client
+from .standby import Forwarder, StandbyRole
 
 __all__ = [
     "HostedServer",
@@ -207,6 +208,9 @@ class HostedServer:
     Answers go back to their requests; any other output is an effect passed to ``perform``
     (in the handler call, in order).  ``watch`` (optional) runs on every tick before the
     machine's own ``tick`` and may return answers too (e.g. after probing other servers).
+    A replicated machine (:mod:`.standby`): the primary's server is given its standby's
+    address with :meth:`forward_to`, and every request that may change the state is handled
+    there first; the standby's is made with ``standby=True``.
     """
 
     def __init__(
@@ -217,16 +221,40 @@ class HostedServer:
         name: str,
         perform: Callable[[Any], None] | None = None,
         watch: Callable[[], list[Any]] | None = None,
+        standby: bool = False,
     ) -> None:
         self.machine, self.members, self.name = machine, members, name
         self._perform, self._watch = perform, watch
+        self.forwarder: Forwarder | None = None
+        self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
+
+    def forward_to(self, address: str, name: str, timeout: float) -> None:
+        """From now on, hand every request that may change the state to the standby at
+        ``address`` (called ``name`` in messages) before handling it here."""
+        self.forwarder = Forwarder(address, name, timeout)
 
     @property
     def address(self) -> str:
         return self.mailbox.address
 
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
+        if self.standby is not None:
+            try:
+                copy = self.standby.admit(msg)
+            except RuntimeError as exc:  # the primary's copy after the promotion
+                _send(error(reply, "RuntimeError", str(exc)))
+                return
+            if copy is not None:  # the primary's copy: handled here, answered to the primary
+                self._emit(self.machine.handle(*copy))
+                _send(Answer(reply, {}))
+                return
+        if self.forwarder is not None:
+            try:
+                self.forwarder.forward(msg)
+            except ServerUnreachable as exc:  # the standby took over: nothing is handled here
+                _send(error(reply, "ServerUnreachable", str(exc)))
+                return
         self._emit(self.machine.handle(msg, reply))
 
     def _tick(self) -> None:
@@ -260,6 +288,8 @@ class HostedServer:
         if not self.members.finished():
             staying = sorted(set(range(self.members.expected)) - self.members.left)
             log.warning("%s: stops with worker rank(s) %s not gone yet", self.name, staying)
+        if self.forwarder is not None:
+            self.forwarder.close()
         self.mailbox.close()
 
 

@@ -81,3 +81,55 @@ def test_an_add_without_a_read_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="without an exchange_read"):
         add(server, 0, [torch.zeros(2)], 0.5)
     assert torch.equal(server.centre[0], torch.ones(2))
+
+
+# ---------------------------------------------------------------- exchanges sent again
+def numbered(server: CentreServer, worker: int, number: int, x: list[torch.Tensor]):
+    """One exchange of ``worker`` under ``number``: (the read it was answered, the add's answer)."""
+    (r,) = server.handle({"op": "exchange_read", "worker": worker, "number": number}, worker)
+    read_back = [c.clone() for c in r.payload["centre"]]
+    msg = {"op": "exchange_add", "worker": worker, "alpha": 0.25, "params": x, "number": number}
+    (a,) = server.handle(msg, worker)
+    return read_back, a.payload
+
+
+@pytest.mark.parametrize("cut", ["after_read", "after_add"])
+def test_an_exchange_sent_again_is_applied_once(cut):
+    """A replicated centre (keep_reads) applies a worker's exchange sent again under the same
+    number once: after its add, the same read and no second add; after its read only, a
+    fresh read and one add."""
+    torch.manual_seed(1)
+    c0 = [torch.randn(5, dtype=torch.float64)]
+    x0, x1 = [torch.randn(5, dtype=torch.float64)], [torch.randn(5, dtype=torch.float64)]
+    server = CentreServer(c0, num_worker=2, timeout=10.0, keep_reads=True)
+    hello(server, 0), hello(server, 1)
+    numbered(server, 1, 1, x1)
+    (r,) = server.handle({"op": "exchange_read", "worker": 0, "number": 1}, 0)
+    first_read = [c.clone() for c in r.payload["centre"]]
+    if cut == "after_add":
+        server.handle({"op": "exchange_add", "worker": 0, "alpha": 0.25, "params": x0,
+                       "number": 1}, 0)  # fmt: skip
+    before = [c.clone() for c in server.centre]
+    read_again, answer = numbered(server, 0, 1, x0)  # the worker sends it again
+    assert answer == {}
+    assert server.exchanges == {0: 1, 1: 1}
+    if cut == "after_add":  # applied already: the same read, the centre untouched
+        assert torch.equal(read_again[0], first_read[0])
+        assert torch.equal(server.centre[0], before[0])
+    else:  # read only: redone from the centre as it is now, added once
+        assert torch.equal(read_again[0], before[0])
+        want = before[0] + 0.25 * (x0[0] - before[0])
+        eps = torch.finfo(torch.float64).eps
+        torch.testing.assert_close(server.centre[0], want, rtol=0, atol=4 * eps)
+    numbered(server, 0, 2, x0)  # the next exchange is applied as usual
+    assert server.exchanges == {0: 2, 1: 1}
+
+
+def test_a_centre_without_a_standby_keeps_no_read_after_the_add():
+    server = CentreServer([torch.zeros(3)], num_worker=1, timeout=10.0)
+    hello(server, 0)
+    numbered(server, 0, 1, [torch.ones(3)])
+    assert server.reads == {}  # no model-sized copy per worker where nothing is sent again
+    with pytest.raises(ValueError, match="exchange_add 2 without an exchange_read"):
+        server.handle({"op": "exchange_add", "worker": 0, "alpha": 0.5,
+                       "params": [torch.ones(3)], "number": 2}, 0)  # fmt: skip

@@ -12,6 +12,11 @@ no I/O; :class:`~.async_centre.AsyncCentre` hosts it.  Requests:
   requests, as between TF's read and ``assign_add`` (not atomic across workers): the
   worker sends ``x`` while ``c_read`` travels to it, so an exchange costs one transfer time,
   both directions of the link busy at once, not two.
+* ``number``: the worker's count of its exchanges, on both requests.  A worker whose centre was
+  lost sends its exchange again to the standby (:mod:`...hosting.standby`) under the same
+  number: an add already applied is not applied again, and a read of an exchange already
+  applied answers the ``c_read`` that add used (kept, per worker, while ``keep_reads``: on a
+  replicated centre), so the worker moves exactly as it would have.
 * ``barrier``:  TF's ``synchronous=True`` start-up barrier: held until ``num_worker`` arrived,
   or failed with a ``TimeoutError`` naming the missing ranks after ``timeout`` seconds.
 * ``read`` / ``load``: the centre and counters; restore the centre from a checkpoint.
@@ -38,11 +43,22 @@ log = logging.getLogger(__name__)
 class CentreServer:
     """The centre variables and the start-up barrier (module docstring)."""
 
-    def __init__(self, centre: Sequence[torch.Tensor], num_worker: int, timeout: float) -> None:
+    def __init__(
+        self,
+        centre: Sequence[torch.Tensor],
+        num_worker: int,
+        timeout: float,
+        keep_reads: bool = False,
+    ) -> None:
         self.centre = [c.detach().clone() for c in centre]
         # reused buffers (no page faults of a fresh model-sized tensor per exchange)
         self._diff = [torch.empty_like(c) for c in self.centre]
-        self.reads: dict[int, list[torch.Tensor]] = {}  # each worker's c_read until its add
+        # each worker's (exchange number, c_read) until its add (``keep_reads``: until its
+        # next read, for an exchange sent again after the centre's loss)
+        self.reads: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        self.applied: dict[int, Any] = {}  # each worker's last exchange number added
+        self.keep_reads = keep_reads
+        self.standby: str | None = None  # the standby's address, told in ``hello``
         self.num_worker, self.timeout = num_worker, timeout
         self.exchanges: dict[int, int] = {}
         self.joins: dict[int, int] = {}
@@ -70,23 +86,35 @@ class CentreServer:
                 )
             self.members.hello(worker)
             self.reads.pop(worker, None)  # a restarted worker's unfinished exchange
-            return [Answer(ticket, {"centre": self.centre})]
+            self.applied.pop(worker, None)  # (its numbers start again)
+            return [Answer(ticket, {"centre": self.centre, "standby": self.standby})]
+        number = msg.get("number")
         if op == "exchange_read":
+            kept = self.reads.get(worker)
+            if number is not None and self.applied.get(worker) == number and kept is not None:
+                # sent again after the centre's loss, its add already applied: the same read
+                return [Answer(ticket, {"centre": kept[1]})]
             # TF's read of the centre: the worker's d = x - c_read is completed by its
             # "exchange_add", which may come after other workers' reads and adds
-            self.reads[worker] = [c.clone() for c in self.centre]
-            return [Answer(ticket, {"centre": self.reads[worker]}, fresh=True)]
+            self.reads[worker] = (number, [c.clone() for c in self.centre])
+            return [Answer(ticket, {"centre": self.reads[worker][1]}, fresh=True)]
         if op == "exchange_add":
-            read = self.reads.pop(worker, None)
-            if read is None:
+            if number is not None and self.applied.get(worker) == number:
+                log.info("EASGD centre: worker rank %d's exchange %s again: applied once "
+                         "already", worker, number)  # fmt: skip
+                return [Answer(ticket, {})]
+            kept = self.reads.get(worker) if self.keep_reads else self.reads.pop(worker, None)
+            if kept is None or kept[0] != number:
                 raise ValueError(
-                    f"ElasticAverageOptimizer: worker rank {worker} sent exchange_add without "
-                    "an exchange_read before it"
+                    f"ElasticAverageOptimizer: worker rank {worker} sent exchange_add"
+                    f"{'' if number is None else f' {number}'} without an exchange_read "
+                    "before it"
                 )
             alpha = float(msg["alpha"])
-            for c, x, r, d in zip(self.centre, msg["params"], read, self._diff, strict=True):
+            for c, x, r, d in zip(self.centre, msg["params"], kept[1], self._diff, strict=True):
                 c.add_(torch.sub(x.to(c), r, out=d), alpha=alpha)  # TF's assign_add(alpha d)
             self.exchanges[worker] = self.exchanges.get(worker, 0) + 1
+            self.applied[worker] = number
             return [Answer(ticket, {})]
         if op == "barrier":
             self.arrived.add(worker)
