@@ -41,7 +41,13 @@ def test_tolerated_losses_policy() -> None:
                 {"tokens": "shared"}, {"num_tokens": 1}):  # fmt: skip
         assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **off}, 3)
     assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
-    assert not rank0_replaceable("easgd", {"mode": "async"}, 3)
+    # asynchronous EASGD: rank 0's centre has a standby by default
+    assert rank0_replaceable("easgd", {"mode": "async"}, 3)
+    assert rank0_replaceable("easgd", {"mode": "async"}, 2)
+    assert not rank0_replaceable("easgd", {"mode": "async", "standby": False}, 3)
+    assert not rank0_replaceable("easgd", {"mode": "async", "server_rank": 3}, 3)  # --servers 1
+    assert not rank0_replaceable("easgd", {"mode": "async"}, 1)
+    assert not rank0_replaceable("easgd", {}, 3)  # sync: an all-reduce in lockstep
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
     assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1
@@ -219,3 +225,19 @@ def test_allreduce_with_a_loss_allowed_survives_rank_0(
     assert (change["event"], change["ranks"], change["members"]) == ("lost", [0], [1, 2])
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     assert (out / "model.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
+    """Rank 0 hosts the asynchronous EASGD centre; its standby on rank 1 takes over when rank 0
+    is SIGKILLed: the others finish every step, rank 1 writes the run's files from then on,
+    and the summary names the loss."""
+    steps = 300
+    out, summary, _ = _survive_kill(tmp_path, "easgd:mode=async,period=4", steps, rank=0)
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    assert (out / "model.pt").is_file()
+    (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
+    assert "moving to its standby on rank 1" in log.read_text()

@@ -237,6 +237,7 @@ class Easgd(Strategy):
                 host=self.args.get("host", "127.0.0.1"),
                 address=self.args.get("server_address"),
                 worker=self.args.get("worker"),
+                standby=self.args.get("standby"),
             )
         wrapped = gfd.ElasticAverageOptimizer(
             opt,
@@ -273,6 +274,12 @@ class Easgd(Strategy):
     def forget(self, ranks: list[int]) -> None:
         if ranks and self.centre is not None:
             self.centre.forget_workers(ranks)
+
+    def leader(self) -> int:
+        # rank 0's host was lost with the centre: the standby's rank hosts the centre now
+        if self.centre is not None and self.centre.moved_from == 0:
+            return int(self.centre.server_rank)
+        return 0
 
 
 class Towers(Strategy):

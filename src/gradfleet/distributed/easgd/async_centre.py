@@ -103,6 +103,7 @@ class AsyncCentre(CentreStrategy):
         self.standby: int | bool | None = standby
         self.standby_address: str | None = None  # where the standby serves, once it does
         self._number = 0  # this worker's exchanges: each is applied once, also when sent again
+        self.moved_from: int | None = None  # the lost server's rank, once on the standby
         self.num_worker, self.synchronous = 1, False
         self.dedicated = False  # the centre's rank only serves (it is not a worker)
         self._server: CentreServer | None = None
@@ -269,6 +270,7 @@ class AsyncCentre(CentreStrategy):
             "standby on rank %s", self.worker, self.server_rank, exc, self.standby,
         )  # fmt: skip
         lost = self.server_rank
+        self.moved_from = int(lost)
         self.address, self.server_rank = self.standby_address, self.standby
         self._client = self._connect(self.address, self.server_rank)
         if isinstance(lost, int) and lost < self.num_worker and lost != self.worker:
