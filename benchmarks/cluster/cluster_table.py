@@ -14,8 +14,9 @@ A row (``benchmarks.cluster.cluster.Row``) names its strategy and options in the
   wrapper's; ``assignment``: ``shard_assignment`` (default ``"bytes"``); ``auto``: the
   assignment left out and the model given (laid out for the job); ``stream``: the reads
   stream into the next forward (``stream_reads``);
-* ``easgd-async``: the table's ``easgd:mode=async``, ``period`` and ``rho`` as its; the centre
-  on the first fast host's rank (``centre="dedicated"``: on the first dedicated server rank);
+* ``easgd-async``: the table's ``easgd:mode=async``, ``period``, ``rho`` and ``standby`` as
+  its; the centre on the first fast host's rank (``centre="dedicated"``: on the first
+  dedicated server rank);
 * ``model-average``: ``interval`` as the table's.
 
 :func:`table_strategy` turns a row into the table's name and arguments, checked as the CLI
@@ -57,7 +58,7 @@ ROW_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
             "hear",
         ),
     ),
-    "easgd-async": ("easgd", ("period", "rho", "centre")),
+    "easgd-async": ("easgd", ("period", "rho", "centre", "standby")),
     "model-average": ("model-average", ("interval",)),
 }
 LOOP_OPTIONS = ("steps_scale",)  # the worker loop's, not the strategy's
@@ -115,7 +116,7 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
             if not o.get("auto"):  # auto: left out, laid out for the job from the model
                 args["shard_assignment"] = o.get("assignment", "bytes")
     elif name == "easgd":
-        args = {"mode": "async", **{k: o[k] for k in ("period", "rho") if k in o}}
+        args = {"mode": "async", **{k: o[k] for k in ("period", "rho", "standby") if k in o}}
     elif name == "model-average":
         args = {k: o[k] for k in ("interval",) if k in o}
     # compute: every host trains alone, a one-worker run of its own

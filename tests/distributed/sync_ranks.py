@@ -555,25 +555,47 @@ def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> l
     return [traj, centre]
 
 
-def easgd_centre_lost(ctx: RankContext, steps: int, tau: int, alpha: float, lost_at: int) -> dict:
+def easgd_centre_lost(
+    ctx: RankContext, steps: int, tau: int, alpha: float, lost_at: int, cut: str = "applied"
+) -> dict:
     """Workers take turns as in :func:`easgd_round_robin`; the centre (rank 0) has its standby
-    on rank 1.  While rank 0 hands worker 2's exchange number ``lost_at`` to the standby, it
-    is SIGKILLed (``kill_on={0: "die"}``) once the standby has applied it, before worker 2
-    hears back: worker 2 sends it again to the standby, ranks 1 and 2 go on taking turns.
-    ``lost_at=0``: no loss; every rank then returns its copy of the centre (the server's and
-    the standby's) after the last turn, for a bit-for-bit comparison."""
+    on rank 1.  Rank 0 is SIGKILLed (``kill_on={0: "die"}``) at worker 2's exchange number
+    ``lost_at``: once the standby has applied it and before worker 2 hears back
+    (``cut="applied"``), or before the server handles it (``"unsent"``).  Worker 2 sends it
+    again to the standby, and ranks 1 and 2 go on taking turns.  ``lost_at=0``: no loss;
+    ranks 0 and 1 then return their copy of the centre (the server's and the standby's) after
+    the last turn, for a bit-for-bit comparison."""
     from gradfleet.distributed import AsyncCentre
     from gradfleet.distributed.hosting import standby
 
-    if ctx.rank == 0 and lost_at:
+    def lost(fields: dict) -> bool:
+        return fields.get("worker") == 2 and fields.get("number") == lost_at
+
+    if ctx.rank == 0 and lost_at and cut == "applied":  # fault injection, in the forwarder
+        init = standby.Forwarder.__init__
+
+        def init_then_watch(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            call = self.client.call
+
+            def call_then_die(op, **fields):
+                out = call(op, **fields)  # the standby has applied the copy
+                if fields.get("copy_of") == "exchange_add" and lost(fields):
+                    _die(ctx)
+                return out
+
+            self.client.call = call_then_die
+
+        standby.Forwarder.__init__ = init_then_watch
+    if ctx.rank == 0 and lost_at and cut == "unsent":
         forward = standby.Forwarder.forward
 
-        def forward_then_die(self, msg):  # fault injection: the primary dies mid-exchange
-            forward(self, msg)
-            if msg["op"] == "exchange_add" and msg["worker"] == 2 and msg["number"] == lost_at:
+        def die_then_forward(self, msg):
+            if msg["op"] == "exchange_add" and lost(msg):
                 _die(ctx)
+            return forward(self, msg)
 
-        standby.Forwarder.forward = forward_then_die
+        standby.Forwarder.forward = die_then_forward
     model = make_model()
     strategy = AsyncCentre(timeout=20)
     opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
@@ -602,6 +624,7 @@ def easgd_centre_lost(ctx: RankContext, steps: int, tau: int, alpha: float, lost
         out["applied"] = dict(server.exchanges)
     if lost_at and ctx.rank == 1:  # now the centre
         out["applied"] = strategy.counters()["exchanges"]
+        out["resent"] = dict(strategy._standby_server.resent)
         out["centre"] = [c.clone() for c in strategy.centre()]
     ctx.signal("read")
     for r in range(1 if lost_at else 0, ctx.world_size):

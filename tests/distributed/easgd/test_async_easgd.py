@@ -67,14 +67,15 @@ def test_the_standby_is_bit_identical_to_the_centre():
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("tau", [1, 2])
-def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau):
-    """Rank 0 (the centre) is killed after its standby applied worker 2's exchange and
-    before worker 2 heard back: worker 2 sends it again, it is applied once, and every
-    survivor's trajectory is the float64 replay of the exchanges actually made."""
+@pytest.mark.parametrize(("tau", "cut"), [(1, "applied"), (2, "applied"), (1, "unsent")])
+def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau, cut):
+    """Rank 0 (the centre) is killed during worker 2's exchange: after its standby applied it
+    and before worker 2 heard back, or before the server handled it.  Worker 2 sends it again,
+    it is applied once, and every survivor's trajectory is the float64 replay of the
+    exchanges actually made."""
     steps, alpha, lost_at = 8, 0.3, 3
     out = run_ranks(
-        sync_ranks.easgd_centre_lost, 3, args=(steps, tau, alpha, lost_at), timeout=90,
+        sync_ranks.easgd_centre_lost, 3, args=(steps, tau, alpha, lost_at, cut), timeout=90,
         kill_on={0: "die"},
     )  # fmt: skip
     assert out[0] == RankKilled(0)
@@ -87,6 +88,8 @@ def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     # every exchange made counted once: worker 0's up to its loss, worker 2's sent twice
     assert out[1]["applied"] == {0: lost_at, 1: steps // tau, 2: steps // tau}
+    # applied on the standby before the loss: the exchange sent again was not applied again
+    assert out[1]["resent"] == ({2: 1} if cut == "applied" else {})
     for g, w in zip(out[1]["centre"], centre, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 

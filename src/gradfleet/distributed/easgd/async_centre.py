@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..common.flat import copy_received
 from ..hosting.dedicated import CENTRE, announce
 from ..hosting.hosted_server import HostedServer, server_host, share_address
-from ..hosting.standby import choose_standby
+from ..hosting.standby import DATA, choose_standby
 from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
@@ -111,6 +111,7 @@ class AsyncCentre(CentreStrategy):
         self._standby_server: CentreServer | None = None  # on the standby's rank
         self._standby_hosted: HostedServer | None = None
         self._client: MailboxClient | None = None
+        self._standby_client: MailboxClient | None = None  # x goes there too, on this link
         self._read: list[torch.Tensor] | None = None
         self._diff: list[torch.Tensor] = []
 
@@ -181,6 +182,8 @@ class AsyncCentre(CentreStrategy):
             if standby is not None:
                 self._start_standby(standby, comm.rank, host, group)
         self._client = self._connect(self.address, self.server_rank)
+        if self.standby_address is not None:
+            self._standby_client = self._connect(self.standby_address, self.standby)
         hello = self._client.call(
             "hello", worker=self.worker, shapes=[list(p.shape) for p in params]
         )
@@ -240,8 +243,10 @@ class AsyncCentre(CentreStrategy):
         self.standby_address = share_address(self.standby_address, rank, group)
         if self._hosted is not None and self._server is not None:
             self._hosted.forward_to(
-                self.standby_address, f"the EASGD centre's standby on rank {rank}", self.timeout
-            )
+                self.standby_address, f"the EASGD centre's standby on rank {rank}", self.timeout,
+                direct={"exchange_add": ("params",)},  # the workers send x there themselves
+                early=("exchange_read",),  # a read lost with the server is simply redone
+            )  # fmt: skip
             self._server.standby = self.standby_address
         dist.barrier(group=group)  # no hello before the server forwards
 
@@ -272,7 +277,7 @@ class AsyncCentre(CentreStrategy):
         lost = self.server_rank
         self.moved_from = int(lost)
         self.address, self.server_rank = self.standby_address, self.standby
-        self._client = self._connect(self.address, self.server_rank)
+        self._client, self._standby_client = self._connect(self.address, self.server_rank), None
         if isinstance(lost, int) and lost < self.num_worker and lost != self.worker:
             # the lost server's host took its worker with it: the new centre must not wait
             # for its done (a worker that is still alive counts again at its next request)
@@ -300,16 +305,46 @@ class AsyncCentre(CentreStrategy):
         client = self._client
         # TF's read of the centre, then its assign_add: x goes out while c_read comes in (the
         # receive is posted before x is sent, so gloo can start c_read at once)
+        x = [p.detach() for p in params]
         client.request("exchange_read", worker=self.worker, number=self._number)
         _, finish_read = client.begin_response(receive_into=self._read)
+        # x to the standby first: the server waits for it there before it answers the add
+        to_standby = self._send_standby(x)
         client.request(
-            "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number,
-            params=[p.detach() for p in params],
-        )  # fmt: skip
+            "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number, params=x
+        )
         centre_read = finish_read()["centre"]
         client.response()  # the centre has x: the parameters may change now
+        if to_standby:
+            self._standby_answer()
         for r, c in zip(self._read, centre_read, strict=True):
             copy_received(r, c)
+
+    def _send_standby(self, x: list[torch.Tensor]) -> bool:
+        """Send x to the standby as well, on this worker's own link (:mod:`..hosting.standby`);
+        a lost standby is dropped (the server goes on without it too)."""
+        if self._standby_client is None:
+            return False
+        try:
+            self._standby_client.request(
+                DATA, worker=self.worker, number=self._number, fields=["params"], params=x
+            )
+            return True
+        except ServerUnreachable as exc:
+            self._standby_lost(exc)
+            return False
+
+    def _standby_answer(self) -> None:
+        assert self._standby_client is not None
+        try:
+            self._standby_client.response()
+        except ServerUnreachable as exc:
+            self._standby_lost(exc)
+
+    def _standby_lost(self, exc: ServerUnreachable) -> None:
+        log.warning("worker rank %s: the EASGD centre's standby on rank %s is lost: %s",
+                    self.worker, self.standby, exc)  # fmt: skip
+        self._standby_client, self.standby_address = None, None
 
     def centre(self) -> list[torch.Tensor]:
         return [c.clone() for c in self._call("read")["centre"]]
@@ -365,7 +400,7 @@ class AsyncCentre(CentreStrategy):
                 self._call("done", timeout=5.0)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %s: EASGD centre gone before its done: %s", self.worker, exc)
-            self._client = None
+            self._client = self._standby_client = None
         for hosted in (self._hosted, self._standby_hosted):
             if hosted is not None:
                 hosted.close(time.monotonic() + self.timeout)

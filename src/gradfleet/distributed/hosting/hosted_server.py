@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..common.membership import Membership
 from ..common.replies import Answer, error
 from ..transport import MailboxServer, ServerUnreachable, store_client
-from .standby import Forwarder, StandbyRole
+from .standby import DATA, DROPPED, Forwarder, StandbyRole
 
 __all__ = [
     "HostedServer",
@@ -226,13 +227,22 @@ class HostedServer:
         self.machine, self.members, self.name = machine, members, name
         self._perform, self._watch = perform, watch
         self.forwarder: Forwarder | None = None
+        self._held: deque[tuple[int, list[Any]]] = deque()  # answers waiting for the standby
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
-    def forward_to(self, address: str, name: str, timeout: float) -> None:
+    def forward_to(
+        self,
+        address: str,
+        name: str,
+        timeout: float,
+        direct: dict[str, tuple[str, ...]] | None = None,
+        early: tuple[str, ...] = (),
+    ) -> None:
         """From now on, hand every request that may change the state to the standby at
-        ``address`` (called ``name`` in messages) before handling it here."""
-        self.forwarder = Forwarder(address, name, timeout)
+        ``address`` (called ``name`` in messages), and answer it once the standby has it;
+        ``direct`` and ``early`` as :class:`~.standby.Forwarder`'s."""
+        self.forwarder = Forwarder(address, name, timeout, direct, early, wake=self.mailbox.wake)
 
     @property
     def address(self) -> str:
@@ -241,23 +251,58 @@ class HostedServer:
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
         if self.standby is not None:
             try:
-                copy = self.standby.admit(msg)
+                copies = self.standby.admit(msg, reply)
             except RuntimeError as exc:  # the primary's copy after the promotion
                 _send(error(reply, "RuntimeError", str(exc)))
                 return
-            if copy is not None:  # the primary's copy: handled here, answered to the primary
-                self._emit(self.machine.handle(*copy))
-                _send(Answer(reply, {}))
+            if copies is not None:  # the primary's copies: handled here, answered to it
+                if msg["op"] == DATA:
+                    _send(Answer(reply, {}))
+                for request, ack in copies:
+                    self._emit(self.machine.handle(request, DROPPED))
+                    _send(Answer(ack, {}))
                 return
+        number = None
         if self.forwarder is not None:
+            if self.forwarder.failure is not None:  # a bug in forwarding: raised as itself
+                raise self.forwarder.failure
             try:
-                self.forwarder.forward(msg)
+                number = self.forwarder.forward(msg)
             except ServerUnreachable as exc:  # the standby took over: nothing is handled here
                 _send(error(reply, "ServerUnreachable", str(exc)))
                 return
-        self._emit(self.machine.handle(msg, reply))
+        outputs = self.machine.handle(msg, reply)
+        if number is None:
+            self._emit(outputs)
+        else:  # answered once the standby has it
+            self._held.append((number, outputs))
+            self._release()
+
+    def _release(self) -> None:
+        """Send the held answers whose copies the standby has handled, in order; once the
+        standby took over, or forwarding failed, answer them with that error instead."""
+        assert self.forwarder is not None
+        while self._held:
+            number, outputs = self._held[0]
+            state = self.forwarder.state(number)
+            if state == "waiting":
+                return
+            self._held.popleft()
+            if state == "done":
+                self._emit(outputs)
+                continue
+            failure = self.forwarder.failure
+            kind, message = (
+                ("ServerUnreachable", str(self.forwarder.deposed)) if state == "deposed"
+                else (type(failure).__name__, str(failure))
+            )  # fmt: skip
+            for out in outputs:
+                if isinstance(out, Answer):
+                    _send(error(out.ticket, kind, message))
 
     def _tick(self) -> None:
+        if self._held:
+            self._release()
         if self._watch is not None:
             self._emit(self._watch())
         self._emit(self.machine.tick())

@@ -2,12 +2,21 @@
 
 A server whose host may be lost (the asynchronous EASGD centre) keeps a *standby*: the same
 state machine, started from the same state, on another rank, ideally on another host.  The
-*primary* forwards every request that may change its state to the standby and waits for the
-standby to have handled it, and only then handles it itself and answers (the Parameter
-Server's chain replication, Li et al. 2014, with a chain of two).  The machines are
-deterministic given their requests in order, so the standby is bit-identical to its primary
-after every request the primary answered, and holds at least every request a worker saw
-answered.
+*primary* handles each request as it comes, queues a copy of it for the standby, and holds
+its answer until the standby has handled the copy (the Parameter Server's chain replication,
+Li et al. 2014, with a chain of two); a thread of its own sends the copies, in order, one at a
+time, so the primary's handling never waits for the standby.  The machines are deterministic
+given their requests in order, so the standby is bit-identical to its primary after every
+request the primary answered, and holds every request a worker saw answered.  A request whose
+loss is harmless (a read, redone if the primary dies) may be answered at once (``early``).
+
+The large tensors of a request need not travel twice over the primary's link, the busiest of
+the job: a request's *direct* fields (the EASGD centre's: a worker's parameters) are sent by
+the worker itself to the standby as well, as a ``standby_data`` request, on its own link, at
+the same time as to the primary; the primary's copy then carries only the control part, and
+the standby applies it once the worker's data is in (a copy whose data has not come yet
+waits for it; the primary waits for the standby's answer).  Requests that carry these fields
+name their ``worker`` and its ``number`` for the request, which pair copy and data.
 
 When the primary's host is lost, its workers move to the standby and send the request they
 were waiting on again, under the same number (each machine answers a request it already
@@ -31,17 +40,21 @@ standby, so its workers move too.  A standby that is lost leaves the primary ser
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..transport import MailboxClient, ServerUnreachable
-from ..transport.errors import LINK_ERRORS
+import torch
 
-__all__ = ["COPY", "READ_ONLY", "Forwarder", "StandbyRole", "choose_standby"]
+from ..transport import MailboxClient, ServerUnreachable
+
+__all__ = ["COPY", "DATA", "READ_ONLY", "Forwarder", "StandbyRole", "choose_standby"]
 
 log = logging.getLogger(__name__)
 
 COPY = "standby_copy"  # the op of a forwarded request; its own op travels as "copy_of"
+DATA = "standby_data"  # a worker's direct fields of a request, sent to the standby itself
 READ_ONLY = frozenset({"read", "members"})  # requests that change nothing: not forwarded
 _MAILBOX_FIELDS = ("op", "client", "seq", "inc")  # the mailbox's own, not the request's
 
@@ -59,41 +72,162 @@ def choose_standby(hosts: Sequence[str], primary: int, candidates: Sequence[int]
 
 
 class Forwarder:
-    """The primary's client of its standby at ``address`` (module docstring)."""
+    """The primary's side (module docstring): queues a copy of each request that may change the
+    state, and a thread of its own hands them to the standby at ``address``, in order, one at a
+    time, so that the primary's handling never waits for the standby.  The caller holds the
+    answers of a request until :meth:`state` says its copy was handled there.
 
-    def __init__(self, address: str, name: str, timeout: float) -> None:
-        self.name = name
+    ``direct``: per op, the fields the workers send to the standby themselves (left out of the
+    copy); ``early``: ops whose answers need not wait (a request that, lost with the primary,
+    is simply redone); ``wake``: called from the thread when a copy was handled.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        timeout: float,
+        direct: dict[str, tuple[str, ...]] | None = None,
+        early: tuple[str, ...] = (),
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.name, self.direct, self.early, self._wake = name, dict(direct or {}), early, wake
         self.client: MailboxClient | None = MailboxClient(address, "primary", timeout, name)
         self.deposed: str | None = None  # set once the standby took over: every answer fails
+        self.failure: BaseException | None = None  # a bug in forwarding: raised as itself
+        self._queued = 0  # copies queued, numbered from 1
+        self._done = 0  # copies the standby handled (or that need it no more: it is lost)
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gradfleet-standby", daemon=True)
+        self._thread.start()
 
-    def forward(self, msg: dict[str, Any]) -> None:
-        """Hand ``msg`` to the standby and wait until it was handled there; raises
-        :class:`ServerUnreachable` once the standby has taken over (the primary must not
-        handle it).  A lost standby is logged and the primary goes on alone."""
+    def forward(self, msg: dict[str, Any]) -> int | None:
+        """Queue a copy of ``msg``; its number, whose answers wait for :meth:`state`, or None
+        (nothing to wait for).  Raises :class:`ServerUnreachable` once the standby took over:
+        the primary must not handle the request."""
         if self.deposed is not None:
             raise ServerUnreachable(self.deposed)
         if self.client is None or msg["op"] in READ_ONLY:
-            return
-        fields = {k: v for k, v in msg.items() if k not in _MAILBOX_FIELDS}
-        try:
-            self.client.call(COPY, copy_of=msg["op"], **fields)
-        except ServerUnreachable as exc:
-            # the client's verdict: the standby is gone (an error reply raises as itself)
-            log.warning("%s is lost; this server goes on without a standby: %s", self.name, exc)
-            self.client = None
-        except LINK_ERRORS as exc:
-            log.warning("%s is lost; this server goes on without a standby: %s", self.name, exc)
-            self.client = None
-        except RuntimeError as exc:
-            if not str(exc).startswith("StandbyPromoted"):
-                raise
-            self.deposed = f"{self.name} took over (this server was cut off from a worker)"
-            log.warning("%s; this server answers no more requests", self.deposed)
-            self.client = None
-            raise ServerUnreachable(self.deposed) from None
+            return None
+        direct = self.direct.get(msg["op"], ())
+        fields = {
+            k: _copied(v)  # the request's tensors live until its client's next message only
+            for k, v in msg.items()
+            if k not in _MAILBOX_FIELDS and k not in direct
+        }
+        if direct:
+            fields["direct"] = list(direct)
+        self._queued += 1
+        self._copies.put((self._queued, msg["op"], fields))
+        return None if msg["op"] in self.early else self._queued
+
+    def state(self, number: int) -> str:
+        """``"done"`` (the standby has copy ``number``, or is lost), ``"waiting"``,
+        ``"deposed"`` (the standby took over) or ``"failed"`` (:attr:`failure`)."""
+        if self.failure is not None:
+            return "failed"
+        if self._done >= number:
+            return "done"
+        return "deposed" if self.deposed is not None else "waiting"
+
+    def _run(self) -> None:
+        while (item := self._copies.get()) is not None:
+            number, op, fields = item
+            try:
+                if self.client is not None and self.deposed is None:
+                    self.client.call(COPY, copy_of=op, **fields)
+            except ServerUnreachable as exc:
+                # the client's verdict: the standby is gone (an error reply raises as itself)
+                log.warning("%s is lost; this server goes on without a standby: %s",
+                            self.name, exc)  # fmt: skip
+                self.client = None
+            except RuntimeError as exc:
+                if not str(exc).startswith("StandbyPromoted"):
+                    self._fail(exc)
+                    return
+                self.deposed = f"{self.name} took over (this server was cut off from a worker)"
+                log.warning("%s; this server answers no more requests", self.deposed)
+                self.client = None
+                self._wake()
+                continue
+            except BaseException as exc:
+                self._fail(exc)
+                return
+            if self.deposed is None:
+                self._done = number
+            self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("%s: forwarding failed", self.name, exc_info=exc)
+        self.failure = exc
+        self._wake()
 
     def close(self) -> None:
+        self._copies.put(None)
+        self._thread.join(5)
         self.client = None
+
+
+class StandbyRole:
+    """The standby's side (module docstring): :meth:`admit` sorts each request."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.promoted = False
+        self.data: dict[tuple[int, Any], dict[str, Any]] = {}  # (worker, number) -> fields
+        self.waiting: tuple[dict[str, Any], Any] | None = None  # a copy waiting for its data
+
+    def admit(self, msg: dict[str, Any], reply: Any) -> list[tuple[dict[str, Any], Any]] | None:
+        """What to handle for ``msg`` (answered with ``reply``): None for a worker's own
+        request (after which copies are refused); else the primary's copies now complete,
+        each with the ticket that acknowledges it to the primary, to be handled with their
+        answers dropped (:data:`DROPPED`).  A worker's data is acknowledged by the caller.
+        Raises ``StandbyPromoted`` (a ``RuntimeError`` the primary tells apart) for a copy
+        that comes after the promotion."""
+        if msg["op"] == DATA:
+            if self.promoted:  # sent before the worker heard: it sends the request itself
+                return []
+            key = (int(msg["worker"]), msg.get("number"))
+            # kept beyond this request: the link's buffer is reused by the worker's next one
+            self.data[key] = {k: _copied(v) for k, v in msg.items() if k in msg["fields"]}
+            return self._complete()
+        if msg["op"] != COPY:
+            if not self.promoted:
+                self.promoted = True
+                self.data.clear()
+                log.warning(
+                    "%s takes over: worker client %r came to it (its primary is lost or cut off)",
+                    self.name, msg.get("client"),
+                )  # fmt: skip
+            return None
+        if self.promoted:
+            raise RuntimeError(f"StandbyPromoted: {self.name} has taken over")
+        skip = (*_MAILBOX_FIELDS, "copy_of", "direct")
+        original = {k: v for k, v in msg.items() if k not in skip}
+        original["op"] = msg["copy_of"]
+        if not msg.get("direct"):
+            return [(original, reply)]
+        self.waiting = (original, reply)  # the primary sends one copy at a time
+        return self._complete()
+
+    def _complete(self) -> list[tuple[dict[str, Any], Any]]:
+        """The waiting copy, with its worker's data, once both are in."""
+        if self.waiting is None:
+            return []
+        original, reply = self.waiting
+        data = self.data.pop((int(original["worker"]), original.get("number")), None)
+        if data is None:
+            return []
+        self.waiting = None
+        return [({**original, **data}, reply)]
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return [_copied(v) for v in value]
+    return value
 
 
 class _Dropped:
@@ -103,28 +237,4 @@ class _Dropped:
         pass
 
 
-class StandbyRole:
-    """The standby's side (module docstring): :meth:`admit` sorts each request."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.promoted = False
-
-    def admit(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
-        """For a forwarded copy: the request as the primary got it and a ticket whose answers
-        are dropped; None for a worker's own request (after which copies are refused).
-        Raises ``StandbyPromoted`` (a ``RuntimeError`` the primary tells apart) for a copy
-        that comes after the promotion."""
-        if msg["op"] != COPY:
-            if not self.promoted:
-                self.promoted = True
-                log.warning(
-                    "%s takes over: worker client %r came to it (its primary is lost or cut off)",
-                    self.name, msg.get("client"),
-                )  # fmt: skip
-            return None
-        if self.promoted:
-            raise RuntimeError(f"StandbyPromoted: {self.name} has taken over")
-        original = {k: v for k, v in msg.items() if k not in _MAILBOX_FIELDS and k != "copy_of"}
-        original["op"] = msg["copy_of"]
-        return original, _Dropped()
+DROPPED = _Dropped()

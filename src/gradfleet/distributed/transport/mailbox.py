@@ -158,6 +158,10 @@ class MailboxServer:
         while not self._stopping.wait(self._tick_s):
             push_control(poke, REQUESTS, {"op": "_tick"})
 
+    def wake(self) -> None:
+        """Run the tick on the handling thread now (another thread has news for it)."""
+        self._work.put(({"op": "_tick"}, None, None))
+
     def connect_local(
         self, client: str, incarnation: str, link: LocalLink | None
     ) -> queue.SimpleQueue:

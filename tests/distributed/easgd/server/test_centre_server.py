@@ -113,6 +113,7 @@ def test_an_exchange_sent_again_is_applied_once(cut):
     read_again, answer = numbered(server, 0, 1, x0)  # the worker sends it again
     assert answer == {}
     assert server.exchanges == {0: 1, 1: 1}
+    assert server.resent == ({0: 1} if cut == "after_add" else {})
     if cut == "after_add":  # applied already: the same read, the centre untouched
         assert torch.equal(read_again[0], first_read[0])
         assert torch.equal(server.centre[0], before[0])

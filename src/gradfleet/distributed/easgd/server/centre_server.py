@@ -57,6 +57,7 @@ class CentreServer:
         # next read, for an exchange sent again after the centre's loss)
         self.reads: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         self.applied: dict[int, Any] = {}  # each worker's last exchange number added
+        self.resent: dict[int, int] = {}  # per worker: adds sent again, applied already
         self.keep_reads = keep_reads
         self.standby: str | None = None  # the standby's address, told in ``hello``
         self.num_worker, self.timeout = num_worker, timeout
@@ -100,6 +101,7 @@ class CentreServer:
             return [Answer(ticket, {"centre": self.reads[worker][1]}, fresh=True)]
         if op == "exchange_add":
             if number is not None and self.applied.get(worker) == number:
+                self.resent[worker] = self.resent.get(worker, 0) + 1
                 log.info("EASGD centre: worker rank %d's exchange %s again: applied once "
                          "already", worker, number)  # fmt: skip
                 return [Answer(ticket, {})]
