@@ -3,9 +3,10 @@
 For each job: start it as a user would (``gradfleet train -n N``; under torchrun, the recipe
 of docs/failures.md -- one agent per worker, ``--max-restarts=1`` -- for strategies that can
 lose a worker, ``torchrun --nproc-per-node N`` for the others), wait until rank 0 logged the chosen
-step, SIGKILL the chosen rank (0..N-1 where every rank holds the state and the launcher hosts
-the store -- sync-replicas without a server under ``gradfleet train``; else 1..N-1: rank 0
-hosts the servers or the store, and is always fatal), and
+step, SIGKILL the chosen rank (``--rank R``, or at random: 0..N-1 where the launcher hosts the
+store and rank 0 can be replaced -- sync-replicas without a server, async EASGD whose centre
+has a standby, under ``gradfleet train``; else 1..N-1: rank 0 hosts the servers or the store,
+and is always fatal), and
 classify the end: *completed* (exit 0 everywhere, the summary written), *failed fast* (a
 non-zero exit, with the seconds from the kill to the last process's end), or *hung* (nothing
 ended within ``--deadline`` seconds; everything is then killed). *Steps lost*: the model
@@ -120,10 +121,15 @@ def _kill_all(procs: list, out: Path) -> None:
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def run_job(launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float) -> dict:
+def run_job(
+    launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float,
+    rank: int | None = None,
+) -> dict:  # fmt: skip
     name, args = parse_spec(strategy, "strategy")
     lowest = 0 if launcher == "cli" and rank0_replaceable(name, args, workers) else 1
-    rank, at = rng.randrange(lowest, workers), rng.randint(steps // 10, steps * 6 // 10)
+    at = rng.randint(steps // 10, steps * 6 // 10)
+    if rank is None:
+        rank = rng.randrange(lowest, workers)
     with tempfile.TemporaryDirectory(prefix="gf-faults-") as tmp:
         out = Path(tmp) / "run"
         procs = _start(launcher, strategy, workers, steps, out)
@@ -171,6 +177,12 @@ def main() -> None:
     ap.add_argument("--strategy", action="append", help="repeat; default: every kind")
     ap.add_argument("--deadline", type=float, default=240, help="seconds before 'hung'")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="kill this rank in every job (default: a random one it may lose)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -186,7 +198,7 @@ def main() -> None:
     for launcher in args.launchers.split(","):
         for strategy in strategies:
             jobs = [
-                run_job(launcher, strategy, args.workers, args.steps, rng, args.deadline)
+                run_job(launcher, strategy, args.workers, args.steps, rng, args.deadline, args.rank)
                 for _ in range(args.jobs)
             ]
             row = {"launcher": launcher, "strategy": strategy, **summarise(jobs), "runs": jobs}

@@ -579,8 +579,8 @@ def easgd_centre_lost(
             call = self.client.call
 
             def call_then_die(op, **fields):
-                out = call(op, **fields)  # the standby has applied the copy
-                if fields.get("copy_of") == "exchange_add" and lost(fields):
+                out = call(op, **fields)  # the standby has applied the copies
+                if any(c["copy_of"] == "exchange_add" and lost(c) for c in fields["copies"]):
                     _die(ctx)
                 return out
 

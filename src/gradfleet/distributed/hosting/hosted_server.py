@@ -258,8 +258,10 @@ class HostedServer:
             if copies is not None:  # the primary's copies: handled here, answered to it
                 if msg["op"] == DATA:
                     _send(Answer(reply, {}))
-                for request, ack in copies:
+                ready, acks = copies
+                for request in ready:
                     self._emit(self.machine.handle(request, DROPPED))
+                for ack in acks:
                     _send(Answer(ack, {}))
                 return
         number = None

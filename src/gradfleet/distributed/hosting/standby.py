@@ -15,7 +15,8 @@ the job: a request's *direct* fields (the EASGD centre's: a worker's parameters)
 the worker itself to the standby as well, as a ``standby_data`` request, on its own link, at
 the same time as to the primary; the primary's copy then carries only the control part, and
 the standby applies it once the worker's data is in (a copy whose data has not come yet
-waits for it; the primary waits for the standby's answer).  Requests that carry these fields
+waits for it, and the copies after it too).  The copies queued while one message is on its
+way go in the next message, together: one round trip for them.  Requests that carry these fields
 name their ``worker`` and its ``number`` for the request, which pair copy and data.
 
 When the primary's host is lost, its workers move to the standby and send the request they
@@ -42,6 +43,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,11 +133,24 @@ class Forwarder:
         return "deposed" if self.deposed is not None else "waiting"
 
     def _run(self) -> None:
-        while (item := self._copies.get()) is not None:
-            number, op, fields = item
+        closing = False
+        while not closing and (item := self._copies.get()) is not None:
+            # every copy queued meanwhile goes in the same message: one round trip for them
+            batch = [item]
+            while True:
+                try:
+                    more = self._copies.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            number = batch[-1][0]
             try:
                 if self.client is not None and self.deposed is None:
-                    self.client.call(COPY, copy_of=op, **fields)
+                    copies = [{**fields, "copy_of": op} for _, op, fields in batch]
+                    self.client.call(COPY, copies=copies)
             except ServerUnreachable as exc:
                 # the client's verdict: the standby is gone (an error reply raises as itself)
                 log.warning("%s is lost; this server goes on without a standby: %s",
@@ -175,18 +190,19 @@ class StandbyRole:
         self.name = name
         self.promoted = False
         self.data: dict[tuple[int, Any], dict[str, Any]] = {}  # (worker, number) -> fields
-        self.waiting: tuple[dict[str, Any], Any] | None = None  # a copy waiting for its data
+        self.pending: deque[dict[str, Any]] = deque()  # the primary's copies, in order
+        self.ack: Any = None  # the reply to the primary's message of those copies
 
-    def admit(self, msg: dict[str, Any], reply: Any) -> list[tuple[dict[str, Any], Any]] | None:
-        """What to handle for ``msg`` (answered with ``reply``): None for a worker's own
-        request (after which copies are refused); else the primary's copies now complete,
-        each with the ticket that acknowledges it to the primary, to be handled with their
-        answers dropped (:data:`DROPPED`).  A worker's data is acknowledged by the caller.
+    def admit(self, msg: dict[str, Any], reply: Any) -> tuple[list[dict[str, Any]], list] | None:
+        """What to do for ``msg`` (answered with ``reply``): None for a worker's own request
+        (after which copies are refused); else the primary's copies now complete, in order,
+        to be handled with their answers dropped (:data:`DROPPED`), and the replies that
+        acknowledge them to the primary.  A worker's data is acknowledged by the caller.
         Raises ``StandbyPromoted`` (a ``RuntimeError`` the primary tells apart) for a copy
         that comes after the promotion."""
         if msg["op"] == DATA:
             if self.promoted:  # sent before the worker heard: it sends the request itself
-                return []
+                return [], []
             key = (int(msg["worker"]), msg.get("number"))
             # kept beyond this request: the link's buffer is reused by the worker's next one
             self.data[key] = {k: _copied(v) for k, v in msg.items() if k in msg["fields"]}
@@ -202,24 +218,31 @@ class StandbyRole:
             return None
         if self.promoted:
             raise RuntimeError(f"StandbyPromoted: {self.name} has taken over")
-        skip = (*_MAILBOX_FIELDS, "copy_of", "direct")
-        original = {k: v for k, v in msg.items() if k not in skip}
-        original["op"] = msg["copy_of"]
-        if not msg.get("direct"):
-            return [(original, reply)]
-        self.waiting = (original, reply)  # the primary sends one copy at a time
+        for copy in msg["copies"]:  # the primary sends one message at a time
+            original = {k: v for k, v in copy.items() if k != "copy_of"}
+            original["op"] = copy["copy_of"]
+            self.pending.append(original)
+        self.ack = reply
         return self._complete()
 
-    def _complete(self) -> list[tuple[dict[str, Any], Any]]:
-        """The waiting copy, with its worker's data, once both are in."""
-        if self.waiting is None:
-            return []
-        original, reply = self.waiting
-        data = self.data.pop((int(original["worker"]), original.get("number")), None)
-        if data is None:
-            return []
-        self.waiting = None
-        return [({**original, **data}, reply)]
+    def _complete(self) -> tuple[list[dict[str, Any]], list]:
+        """The pending copies whose workers' data are in, in order, and the primary's ack
+        once none is left."""
+        ready = []
+        while self.pending:
+            original = self.pending[0]
+            if original.get("direct"):
+                key = (int(original["worker"]), original.get("number"))
+                data = self.data.pop(key, None)
+                if data is None:
+                    break  # the next copies wait for this one
+                original = {k: v for k, v in original.items() if k != "direct"} | data
+            self.pending.popleft()
+            ready.append(original)
+        acks = []
+        if not self.pending and self.ack is not None:
+            acks, self.ack = [self.ack], None
+        return ready, acks
 
 
 def _copied(value: Any) -> Any:
