@@ -41,12 +41,14 @@ def test_tolerated_losses_policy() -> None:
                 {"tokens": "shared"}, {"num_tokens": 1}):  # fmt: skip
         assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **off}, 3)
     assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
-    # asynchronous EASGD: rank 0's centre has a standby by default
-    assert rank0_replaceable("easgd", {"mode": "async"}, 3)
-    assert rank0_replaceable("easgd", {"mode": "async"}, 2)
+    # asynchronous EASGD: where rank 0's centre has a standby
+    assert rank0_replaceable("easgd", {"mode": "async", "standby": True}, 3)
+    assert rank0_replaceable("easgd", {"mode": "async", "standby": 2}, 2)
+    assert not rank0_replaceable("easgd", {"mode": "async"}, 3)
     assert not rank0_replaceable("easgd", {"mode": "async", "standby": False}, 3)
-    assert not rank0_replaceable("easgd", {"mode": "async", "server_rank": 3}, 3)  # --servers 1
-    assert not rank0_replaceable("easgd", {"mode": "async"}, 1)
+    dedicated = {"mode": "async", "standby": True, "server_rank": 3}  # --servers 1
+    assert not rank0_replaceable("easgd", dedicated, 3)
+    assert not rank0_replaceable("easgd", {"mode": "async", "standby": True}, 1)
     assert not rank0_replaceable("easgd", {}, 3)  # sync: an all-reduce in lockstep
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
@@ -234,7 +236,8 @@ def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
     is SIGKILLed: the others finish every step, rank 1 writes the run's files from then on,
     and the summary names the loss."""
     steps = 300
-    out, summary, _ = _survive_kill(tmp_path, "easgd:mode=async,period=4", steps, rank=0)
+    strategy = "easgd:mode=async,period=4,standby=true"
+    out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
     trained = [r["step"] for r in metrics(out) if "loss" in r]
     assert trained[-1] == steps and trained == sorted(trained), trained
     assert summary["test_accuracy"] >= summary["target_accuracy"]

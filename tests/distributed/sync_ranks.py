@@ -597,7 +597,7 @@ def easgd_centre_lost(
 
         standby.Forwarder.forward = die_then_forward
     model = make_model()
-    strategy = AsyncCentre(timeout=20)
+    strategy = AsyncCentre(timeout=20, standby=True)
     opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
     _joined(ctx)  # every worker starts from the initial centre, as the replay does
     lost_step = lost_at * tau - 1  # the local step whose exchange is worker 2's number lost_at
@@ -698,7 +698,7 @@ def easgd_server_dies(ctx: RankContext) -> str:
     try:
         # built inside the try: rank 0 makes its 6 steps without waiting for rank 1, so a
         # rank 1 slow to connect meets the dead centre here, and must name it all the same
-        strategy = AsyncCentre(timeout=5, standby=False)  # the centre's loss ends the job
+        strategy = AsyncCentre(timeout=5)  # no standby: the centre's loss ends the job
         opt = _easgd(model.parameters(), 2, 1, 0.2, strategy, lr=0.05)
         for s in range(10_000):
             opt.zero_grad()

@@ -80,9 +80,9 @@ TABLE: dict[str, StrategyInfo] = {
                 "moving_rate": "alpha in (0, 1] (default 0.9 / (period * workers))",
                 "rho": "elastic penalty (default 0.1; rho=tf: TF's moving_rate / learning_rate, "
                 "which suits plain SGD but stalls Adam)",
-                "standby": "async: the worker rank keeping a live copy of the centre, which "
-                "takes over if rank 0's host is lost (default: chosen, with 2+ workers; "
-                "false: none)",
+                "standby": "async: true (chosen) or a worker rank: a live copy of the centre, "
+                "which takes over if rank 0's host is lost (default: none; it costs exchange "
+                "time)",
             },
             Easgd,
         ),
@@ -194,12 +194,12 @@ def validate_strategy(
             raise ValueError(f"strategy easgd: rho must be >= 0 or 'tf', got {rho!r}")
         standby = args.get("standby")
         if standby is not None and standby is not False:
-            if mode != "async" or isinstance(standby, bool) or not isinstance(standby, int):
+            if mode != "async" or not isinstance(standby, (bool, int)):
                 raise ValueError(
-                    "strategy easgd: standby must be a worker rank or false, with mode=async; "
-                    f"got standby={standby!r}, mode={mode}"
+                    "strategy easgd: standby must be true, false or a worker rank, with "
+                    f"mode=async; got standby={standby!r}, mode={mode}"
                 )
-            if not 0 < standby < workers:
+            if standby is not True and not 0 < standby < workers:
                 raise ValueError(
                     f"strategy easgd: standby must be a worker rank in [1, {workers}) (rank 0 "
                     f"hosts the centre), got {standby}"
@@ -296,11 +296,12 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
     """Can the job lose rank 0 (under a launcher that hosts the job's store)?  Where every
     rank holds the whole state -- sync-replicas without a server, losses allowed -- the lowest
     live rank takes over rank 0's files; where asynchronous EASGD's centre on rank 0 has a
-    standby (the default with two or more workers), the standby's rank does; elsewhere rank 0
-    hosts the servers."""
+    standby (``standby=true`` or a rank, with two or more workers), the standby's rank does;
+    elsewhere rank 0 hosts the servers."""
     if name == "easgd" and args.get("mode", "sync") == "async":
         on_rank0 = int(args.get("server_rank", 0)) == 0
-        return on_rank0 and workers >= 2 and args.get("standby") is not False
+        standby = args.get("standby")
+        return on_rank0 and workers >= 2 and standby is not None and standby is not False
     return serverless_losses(name, args, workers, device) > 0
 
 

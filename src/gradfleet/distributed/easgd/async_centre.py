@@ -23,15 +23,16 @@ restarted does the same while the others never stop.  A restarted process is out
 group, so it names the server explicitly: ``AsyncCentre(address=..., worker=...)`` with the
 ``address`` of the running server (``AsyncCentre.address`` on any worker).
 
-A standby (:mod:`..hosting.standby`): with two or more workers and the centre on a worker rank,
-the centre has a live copy on another rank (``standby``: by default the first rank after the
-server's on another host, else the next rank).  The server hands every exchange to it before
-answering, so the copy is bit-identical after every exchange a worker saw answered.  When the
-server's host is lost, each worker moves to the standby and sends the exchange it was waiting
-on again under the same number (the centre applies it once: redone, or applied already and
-answered with the same read), and training goes on.  A second loss -- the standby's too, or a
-centre without a standby (``standby=False``, one worker, or a dedicated centre rank) -- makes
-every exchange fail at once with an error naming the server rank.
+A standby (:mod:`..hosting.standby`, ``standby=True`` or a rank): with two or more workers and
+the centre on a worker rank, the centre has a live copy on another rank (chosen: the first rank
+after the server's on another host, else the next rank).  The server answers an exchange once
+the standby has it too, so the copy is bit-identical after every exchange a worker saw
+answered; each worker sends its parameters to the standby itself.  When the server's host is
+lost, each worker moves to the standby and sends the exchange it was waiting on again under
+the same number (the centre applies it once: redone, or applied already and answered with the
+same read), and training goes on.  A second loss -- the standby's too, or a centre without a
+standby (the default, one worker, or a dedicated centre rank) -- makes every exchange fail at
+once with an error naming the server rank.
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ class AsyncCentre(CentreStrategy):
             server's ``"host:port"``.
         worker: that process's worker id (with ``address``).
         standby: the rank that keeps a live copy of the centre and takes over when the
-            server's host is lost (module docstring).  ``None`` (default): chosen, the first
-            worker rank after ``server_rank`` on another host, else the next one, where there
-            are two or more workers and the centre is on a worker rank; ``False``: none.
+            server's host is lost (module docstring); ``True``: chosen, the first worker rank
+            after ``server_rank`` on another host, else the next one; ``None``/``False``
+            (default): none.  Off by default: on the emulated 4-host cluster it cost 3x the
+            updates per second (docs/failures.md).
     """
 
     mode = "async"
@@ -91,12 +93,10 @@ class AsyncCentre(CentreStrategy):
         worker: int | None = None,
         standby: int | bool | None = None,
     ) -> None:
-        if standby is True or (
-            standby is not None and standby is not False and not isinstance(standby, int)
-        ):
+        if standby is not None and not isinstance(standby, (bool, int)):
             raise ValueError(
-                f"AsyncCentre: standby must be a worker rank, None (chosen) or False (none), "
-                f"got {standby!r}"
+                f"AsyncCentre: standby must be a worker rank, True (chosen) or False/None "
+                f"(none), got {standby!r}"
             )
         self.server_rank, self.timeout, self.host = server_rank, float(timeout), host
         self.address, self.worker = address, worker
@@ -199,18 +199,18 @@ class AsyncCentre(CentreStrategy):
     def _standby_rank(self, group: Any) -> int | None:
         """The standby's rank (collective: every rank of the group gathers the host names)."""
         if self.dedicated:  # the serving rank's centre is built by serve(), without one
-            if self.standby not in (None, False):
+            if self.standby is not None and self.standby is not False:
                 raise ValueError(
                     "AsyncCentre: a dedicated centre rank has no standby yet (standby="
                     f"{self.standby}); put the centre on a worker rank (server_rank < "
                     f"{self.num_worker}) to keep one"
                 )
             return None
-        if self.standby is False or self.num_worker < 2:
+        if self.standby is None or self.standby is False or self.num_worker < 2:
             return None
         hosts: list[Any] = [None] * self.num_worker
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if self.standby is None:
+        if self.standby is True:
             return choose_standby(hosts, self.server_rank, range(self.num_worker))
         assert isinstance(self.standby, int)
         if not 0 <= self.standby < self.num_worker or self.standby == self.server_rank:
