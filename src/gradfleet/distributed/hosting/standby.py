@@ -157,25 +157,24 @@ class Forwarder:
                             self.name, exc)  # fmt: skip
                 self.client = None
             except RuntimeError as exc:
-                if not str(exc).startswith("StandbyPromoted"):
-                    self._fail(exc)
+                if not str(exc).startswith("StandbyPromoted"):  # a bug: raised as itself
+                    log.error("%s: forwarding failed", self.name, exc_info=exc)
+                    self.failure = exc
+                    self._wake()
                     return
                 self.deposed = f"{self.name} took over (this server was cut off from a worker)"
                 log.warning("%s; this server answers no more requests", self.deposed)
                 self.client = None
                 self._wake()
                 continue
-            except BaseException as exc:
-                self._fail(exc)
+            except BaseException as exc:  # a bug: raised as itself by the server
+                log.error("%s: forwarding failed", self.name, exc_info=exc)
+                self.failure = exc
+                self._wake()
                 return
             if self.deposed is None:
                 self._done = number
             self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        log.error("%s: forwarding failed", self.name, exc_info=exc)
-        self.failure = exc
-        self._wake()
 
     def close(self) -> None:
         self._copies.put(None)

@@ -236,6 +236,22 @@ def test_a_token_request_waits_for_the_push_it_names():
     assert "params" not in token.payload  # values=False: the push's answer brings them
 
 
+def test_a_token_request_waiting_for_its_push_fails_when_the_chief_stops():
+    """The chief stops on a bug (its probe's) while a token request waits for the push it
+    names: the request is answered with the bug, at once (it waited for the job's timeout)."""
+    make = _model_opt("sgd")
+    chief = SyncChief(make(), Job(1, 1, "shared", 1, timeout=10), indices=[0, 1], num_shards=2)
+    ask = {"op": "step", "worker": 0, "tag": 0, "version": -1, "values": False,
+           "after_inc": "i", "after_seq": 5}  # fmt: skip
+    token = serve(chief, ask)
+    assert token.payload is None  # parked: its push is on its way
+    answers = chief.fail("KeyError", "the chief's probe raised KeyError: 'bug'")
+    assert [a.payload for a in answers] == [
+        {"error": "KeyError", "message": "the chief's probe raised KeyError: 'bug'"}
+    ]
+    assert chief.fail("KeyError", "again") == []  # answered once
+
+
 def test_a_push_that_a_token_request_follows_keeps_its_workers_place_in_line():
     """R = N = 2, no initial tokens, two shards.  Worker 1's push to shard 0 is in, its token
     request not yet, when the update completes: one of its 2 tokens is kept for worker 1, and

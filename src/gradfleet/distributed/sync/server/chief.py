@@ -390,6 +390,9 @@ class SyncChief:
         if self.broken is not None:
             for entry in self.line.take_all():
                 out += self._answer(entry.worker, entry.ticket, *self.broken)
+            # a token request that overtook its push waits outside the line: it fails too
+            for request, ticket in self.requests.take_parked():
+                out += self._answer(int(request["worker"]), ticket, *self.broken)
         while len(self.line) and now - self.line.waiting[0].since > self.timeout:
             first = self.line.waiting[0]
             message = self.stall_message(first.worker, now - first.since)  # still waiting

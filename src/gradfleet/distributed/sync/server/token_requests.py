@@ -53,6 +53,12 @@ class TokenRequests:
     def parked(self, worker: int) -> bool:
         return worker in self._parked
 
+    def take_parked(self) -> list[tuple[dict[str, Any], Any]]:
+        """Every parked token request, forgotten here (the chief stops: each is answered
+        with its error)."""
+        taken, self._parked = list(self._parked.values()), {}
+        return taken
+
     @property
     def any_parked(self) -> bool:
         return bool(self._parked)
