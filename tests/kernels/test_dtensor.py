@@ -217,10 +217,12 @@ def _nan_in_one_shard(mesh) -> str:
 
 
 @pytest.mark.compile
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_dtensor_matrix_every_optimizer_every_path():
     before = fused.compiled_signatures
-    result = run_ranks(matrix_rank, 2, timeout=360, pg_timeout=120)
+    # every optimizer's fused kernels compiled in both ranks: CPU-bound, and CI's second
+    # stage runs beside two pip installs (360 s was exceeded on a VM with CPU stolen)
+    result = run_ranks(matrix_rank, 2, timeout=540, pg_timeout=120)
     assert fused.compiled_signatures == before  # the compiles happened in the ranks
     for rank, out in enumerate(result):
         failures = out["failures"]
