@@ -231,18 +231,11 @@ class HostedServer:
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
-    def forward_to(
-        self,
-        address: str,
-        name: str,
-        timeout: float,
-        direct: dict[str, tuple[str, ...]] | None = None,
-        early: tuple[str, ...] = (),
-    ) -> None:
+    def forward_to(self, address: str, name: str, timeout: float, **options: Any) -> None:
         """From now on, hand every request that may change the state to the standby at
         ``address`` (called ``name`` in messages), and answer it once the standby has it;
-        ``direct`` and ``early`` as :class:`~.standby.Forwarder`'s."""
-        self.forwarder = Forwarder(address, name, timeout, direct, early, wake=self.mailbox.wake)
+        ``options``: :class:`~.standby.Forwarder`'s ``direct`` and ``early``."""
+        self.forwarder = Forwarder(address, name, timeout, wake=self.mailbox.wake, **options)
 
     @property
     def address(self) -> str:
