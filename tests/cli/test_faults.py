@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradfleet.cli.strategy_table import tolerated_losses
 
@@ -244,3 +245,38 @@ def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
     assert (out / "model.pt").is_file()
     (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
     assert "moving to its standby on rank 1" in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
+    """The centre on a dedicated server rank (``--servers 1``: rank 3) with its standby on a
+    worker rank: the server rank is SIGKILLed, the workers move to the standby and finish
+    every step, the summary names the loss, and a checkpoint after it holds the server's
+    file, written from the standby's centre."""
+    steps = 300
+    out, proc = _train(
+        tmp_path, "easgd:mode=async,period=4,standby=true", 3, steps,
+        "--servers", "1", "--checkpoint-every", "100",
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=3, deadline=deadline)
+    assert code == 0, console
+    said = "warning: dedicated server rank 3 lost"
+    warning = [ln for ln in console.splitlines() if ln.startswith(said)]
+    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
+    summary = json.loads((out / "summary.json").read_text())
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == 3 and lost["role"] == "dedicated server"
+    assert lost["cause"] == "killed by signal 9"
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    last = out / "checkpoints" / f"step-{steps:07d}"
+    server = torch.load(last / "rank-3.pt", weights_only=True)
+    assert server["kind"] == "AsyncCentre"
+    # the last checkpoint comes after every worker's last exchange: its centre is the one
+    # the run exported (model.pt holds the centre's values: TF's swapping saver)
+    model = torch.load(out / "model.pt", weights_only=True)
+    for a, b in zip(server["centre"], model.values(), strict=True):
+        assert torch.equal(a, b)

@@ -556,22 +556,32 @@ def easgd_round_robin(ctx: RankContext, steps: int, tau: int, alpha: float) -> l
 
 
 def easgd_centre_lost(
-    ctx: RankContext, steps: int, tau: int, alpha: float, lost_at: int, cut: str = "applied"
+    ctx: RankContext,
+    steps: int,
+    tau: int,
+    alpha: float,
+    lost_at: int,
+    cut: str = "applied",
+    dedicated: bool = False,
 ) -> dict:
-    """Workers take turns as in :func:`easgd_round_robin`; the centre (rank 0) has its standby
-    on rank 1.  Rank 0 is SIGKILLed (``kill_on={0: "die"}``) at worker 2's exchange number
-    ``lost_at``: once the standby has applied it and before worker 2 hears back
-    (``cut="applied"``), or before the server handles it (``"unsent"``).  Worker 2 sends it
-    again to the standby, and ranks 1 and 2 go on taking turns.  ``lost_at=0``: no loss;
-    ranks 0 and 1 then return their copy of the centre (the server's and the standby's) after
-    the last turn, for a bit-for-bit comparison."""
-    from gradfleet.distributed import AsyncCentre
+    """Workers take turns as in :func:`easgd_round_robin`; the centre is on rank 0, its
+    standby on rank 1 (``dedicated``: the centre on the last rank, which only serves, its
+    standby on rank 0).  The centre's rank is SIGKILLed (``kill_on={rank: "die"}``) at worker
+    2's exchange number ``lost_at``: once the standby has applied it and before worker 2 hears
+    back (``cut="applied"``), or before the server handles it (``"unsent"``).  Worker 2 sends
+    it again to the standby, and the live workers go on taking turns.  ``lost_at=0``: no
+    loss; the server's rank and the standby's then return their copy of the centre after the
+    last turn, for a bit-for-bit comparison."""
+    from gradfleet.distributed import AsyncCentre, ParameterServer
     from gradfleet.distributed.hosting import standby
+
+    workers = ctx.world_size - 1 if dedicated else ctx.world_size
+    server_rank = workers if dedicated else 0
 
     def lost(fields: dict) -> bool:
         return fields.get("worker") == 2 and fields.get("number") == lost_at
 
-    if ctx.rank == 0 and lost_at and cut == "applied":  # fault injection, in the forwarder
+    if ctx.rank == server_rank and lost_at and cut == "applied":  # in the forwarder
         init = standby.Forwarder.__init__
 
         def init_then_watch(self, *args, **kwargs):
@@ -587,7 +597,7 @@ def easgd_centre_lost(
             self.client.call = call_then_die
 
         standby.Forwarder.__init__ = init_then_watch
-    if ctx.rank == 0 and lost_at and cut == "unsent":
+    if ctx.rank == server_rank and lost_at and cut == "unsent":
         forward = standby.Forwarder.forward
 
         def die_then_forward(self, msg):
@@ -596,14 +606,23 @@ def easgd_centre_lost(
             return forward(self, msg)
 
         standby.Forwarder.forward = die_then_forward
+    if dedicated and ctx.rank == server_rank:  # only serves, until every worker left
+        server = ParameterServer()
+        _joined(ctx)
+        server.join()
+        assert server._centre is not None
+        return {"copy": [c.clone() for c in server._centre.centre],
+                "applied": dict(server._centre.exchanges)}  # fmt: skip
     model = make_model()
-    strategy = AsyncCentre(timeout=20, standby=True)
-    opt = _easgd(model.parameters(), ctx.world_size, tau, alpha, strategy, lr=0.1)
+    strategy = AsyncCentre(server_rank=server_rank, timeout=20, standby=True)
+    opt = _easgd(model.parameters(), workers, tau, alpha, strategy, lr=0.1)
     _joined(ctx)  # every worker starts from the initial centre, as the replay does
     lost_step = lost_at * tau - 1  # the local step whose exchange is worker 2's number lost_at
+    gone = 0 if lost_at and not dedicated else None  # the worker lost with the centre
+    alive = [r for r in range(workers) if r != gone]
     traj = []
     for s in range(steps):
-        live = [r for r in range(ctx.world_size) if not (lost_at and r == 0 and s > lost_step)]
+        live = [r for r in range(workers) if not (r == gone and s > lost_step)]
         if ctx.rank not in live:  # rank 0 is about to be killed, from its server's thread
             time.sleep(60)
         turn = live.index(ctx.rank)
@@ -618,16 +637,16 @@ def easgd_centre_lost(
         ctx.signal(f"s{s}")
     ctx.wait_signal(2, f"s{steps - 1}", timeout=30)
     out = {"traj": traj, "standby": strategy.standby, "moved": strategy.server_rank}
-    if not lost_at and ctx.rank in (0, 1):  # the server's centre and the standby's
-        server = strategy._server if ctx.rank == 0 else strategy._standby_server
+    if not lost_at and ctx.rank in (server_rank, strategy.standby):  # the two copies
+        server = strategy._server if ctx.rank == server_rank else strategy._standby_server
         out["copy"] = [c.clone() for c in server.centre]
         out["applied"] = dict(server.exchanges)
-    if lost_at and ctx.rank == 1:  # now the centre
+    if lost_at and ctx.rank == strategy.standby:  # now the centre
         out["applied"] = strategy.counters()["exchanges"]
         out["resent"] = dict(strategy._standby_server.resent)
         out["centre"] = [c.clone() for c in strategy.centre()]
     ctx.signal("read")
-    for r in range(1 if lost_at else 0, ctx.world_size):
+    for r in alive:
         ctx.wait_signal(r, "read", timeout=30)
     strategy.close()
     return out

@@ -37,7 +37,7 @@ from gradfleet.distributed.job_control import JobControl
 from .exit_times import ExitTimes
 from .run_files import last_logged_step
 from .spec import RunSpec
-from .strategy_table import rank0_replaceable, tolerated_losses
+from .strategy_table import rank0_replaceable, server_replaceable, tolerated_losses
 from .worker import run_worker
 
 __all__ = ["WorkerFailed", "run_local", "launch"]
@@ -205,6 +205,9 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     any_rank = not spec.servers and rank0_replaceable(
         spec.strategy, spec.strategy_args, workers, spec.device
     )
+    server_spare = bool(spec.servers) and server_replaceable(
+        spec.strategy, spec.strategy_args, workers
+    )
     # servers first: each round of polling sees a dead server before the workers it failed
     order = [*range(workers, world), *range(workers)]
     running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}
@@ -236,6 +239,18 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 if summary is not None:  # after rank 0 saved the results: report only
                     print(f"warning: {role} rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip
+                    continue
+                if rank >= workers and server_spare and job.started():
+                    # its standby on a worker rank takes over: the workers move to it
+                    server_spare = False  # a second loss has none
+                    step = last_logged_step(out / "metrics.jsonl")
+                    job.mark_lost(rank, step=step, cause=cause, log=str(rank_log), role=role)
+                    print(
+                        f"warning: {role} rank {rank} lost: {cause}; {where}; its standby "
+                        "took over, training goes on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     continue
                 if rank >= workers:  # a dedicated server: every worker depends on it
                     log.info("dedicated server rank %d failed (%s): fatal", rank, cause)

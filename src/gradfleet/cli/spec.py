@@ -295,7 +295,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         raise ConfigError(str(err)) from None
     strategy = merged.get("strategy", RunSpec.strategy)
     name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
-    strat.validate_strategy(name, args, workers)
+    strat.validate_strategy(name, args, workers, servers=servers)
     if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
         raise ConfigError(
             "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "

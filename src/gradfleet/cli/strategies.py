@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradfleet.distributed as gfd
+from gradfleet.distributed.hosting.dedicated import CENTRE
 from gradfleet.distributed.transport.all_reduce import mean_gradients
 from gradfleet.distributed.transport.collectives import TorchCollective
 
@@ -105,6 +106,11 @@ class Strategy:
         """The rank that writes the run's files (metrics, checkpoints' pointer, summary, the
         model): rank 0, or the lowest live one where every rank holds the whole state."""
         return 0
+
+    def server_state(self, rank: int) -> dict[str, Any] | None:
+        """The checkpoint of dedicated server ``rank``, lost, where a standby holds its state
+        now (what that server's ``state_dict()`` would have been); None where none does."""
+        return None
 
     def finish(self) -> None:
         """Collective end-of-training hook (every rank calls it)."""
@@ -274,6 +280,13 @@ class Easgd(Strategy):
     def forget(self, ranks: list[int]) -> None:
         if ranks and self.centre is not None:
             self.centre.forget_workers(ranks)
+
+    def server_state(self, rank: int) -> dict[str, Any] | None:
+        # the dedicated centre's rank was lost: its standby holds the centre, saved in the
+        # server's own checkpoint format (what serve(state=) resumes from)
+        if self.centre is None or self.centre.moved_from != rank:
+            return None
+        return {"kind": CENTRE, "centre": self.centre.state_dict()["centre"]}
 
     def leader(self) -> int:
         # rank 0's host was lost with the centre: the standby's rank hosts the centre now

@@ -35,6 +35,7 @@ __all__ = [
     "StrategyInfo",
     "available",
     "rank0_replaceable",
+    "server_replaceable",
     "serverless_losses",
     "tolerated_losses",
     "validate_strategy",
@@ -159,7 +160,11 @@ def _int(spec: str, key: str, value: Any, minimum: int) -> int:
 
 
 def validate_strategy(
-    name: str, args: dict[str, Any], workers: int, table: Mapping[str, StrategyInfo] = STRATEGIES
+    name: str,
+    args: dict[str, Any],
+    workers: int,
+    table: Mapping[str, StrategyInfo] = STRATEGIES,
+    servers: int = 0,
 ) -> None:
     """Reject unknown strategies/arguments and impossible worker counts (before any launch).
 
@@ -199,10 +204,11 @@ def validate_strategy(
                     "strategy easgd: standby must be true, false or a worker rank, with "
                     f"mode=async; got standby={standby!r}, mode={mode}"
                 )
-            if standby is not True and not 0 < standby < workers:
+            lowest = 0 if servers else 1  # without --servers rank 0 hosts the centre
+            if standby is not True and not lowest <= standby < workers:
                 raise ValueError(
-                    f"strategy easgd: standby must be a worker rank in [1, {workers}) (rank 0 "
-                    f"hosts the centre), got {standby}"
+                    f"strategy easgd: standby must be a worker rank in [{lowest}, {workers})"
+                    f"{'' if servers else ' (rank 0 hosts the centre)'}, got {standby}"
                 )
     if name == "sync-replicas":
         total = _int(name, "total_num_replicas", args.get("total_num_replicas", workers), 1)
@@ -303,6 +309,16 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
         standby = args.get("standby")
         return on_rank0 and workers >= 2 and standby is not None and standby is not False
     return serverless_losses(name, args, workers, device) > 0
+
+
+def server_replaceable(name: str, args: dict[str, Any], workers: int) -> bool:
+    """Can the job lose its dedicated server rank (``--servers 1``)?  Where asynchronous
+    EASGD's centre has a standby on a worker rank (``standby=true`` or a rank, with two or
+    more workers): the workers move to it and go on."""
+    if name == "easgd" and args.get("mode", "sync") == "async":
+        standby = args.get("standby")
+        return workers >= 2 and standby is not None and standby is not False
+    return False
 
 
 def tolerated_losses(name: str, args: dict[str, Any], workers: int) -> int:

@@ -77,6 +77,17 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         if writer:
             job.control.wait_checkpoint(step, job.timeout)
         if job.servers:
+            if rank == 0:  # a lost server's state, where a standby holds it now
+                servers = server_ranks(job.workers, job.servers)
+                for r, lost in job.control.lost_workers(servers).items():
+                    server_state = strategy.server_state(r)
+                    if server_state is None:
+                        raise RuntimeError(
+                            f"checkpoint {step}: dedicated server rank {r} was lost "
+                            f"({lost.get('cause')}) and no rank holds its state"
+                        )
+                    atomic_save(server_state, ckpt_dir / f"rank-{r}.pt")
+                    job.control.server_checkpoint_saved(step, r)
             checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
     if writer:
         pointer = out / "checkpoints" / "latest"
@@ -174,7 +185,8 @@ class _Job:
             return
         self._next_poll = time.monotonic() + 0.5
         control.publish_progress(step)
-        for r, info in control.lost_workers().items():
+        # the dedicated server ranks too: one whose standby took over is named
+        for r, info in control.lost_workers(range(self.workers + self.servers)).items():
             if r not in self.lost:
                 self.lost[r] = {"step": step, **info}
                 log.info("rank %d lost at step %s, training goes on: %s", r, step, info)
@@ -355,9 +367,10 @@ def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
     job.poll(metrics, job.step, now=True, leader=job.rank)
     for r, cause in missing.items():  # dead without a launcher that saw it (torchrun), or stuck
         job.lost.setdefault(r, {"rank": r, "step": None, "cause": cause})
-    if job.lost:
-        log.info("forgetting lost ranks %s at the server", sorted(job.lost))
-    strategy.forget(sorted(job.lost))
+    workers = sorted(r for r in job.lost if r < job.workers)  # not a lost server's rank
+    if workers:
+        log.info("forgetting lost ranks %s at the server", workers)
+    strategy.forget(workers)
     strategy.finish()
 
 

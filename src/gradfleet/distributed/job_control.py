@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -202,10 +203,11 @@ class JobControl:
         at = self._get(f"rejoined/{rank}")
         return None if at is None else (int(at[0]), int(at[1]))
 
-    def lost_workers(self) -> dict[int, dict[str, Any]]:
-        """Ranks the launcher reported lost and that are not (yet) back: ``{rank: info}``."""
+    def lost_workers(self, ranks: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
+        """Ranks the launcher reported lost and that are not (yet) back: ``{rank: info}``
+        (among ``ranks``; default every worker rank, ``range(world_size)``)."""
         out = {}
-        for r in range(self.world_size):
+        for r in range(self.world_size) if ranks is None else ranks:
             info = self._get(f"lost/{r}")
             if info is not None and self._get(f"rejoined/{r}") is None:
                 out[r] = info

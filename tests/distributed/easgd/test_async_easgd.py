@@ -66,31 +66,50 @@ def test_the_standby_is_bit_identical_to_the_centre():
         assert torch.equal(a, b)
 
 
+def test_a_dedicated_centres_standby_is_bit_identical_to_it():
+    """The centre on rank 3, which only serves: its standby is on a worker rank (chosen:
+    the first after rank 3, wrapping, so rank 0)."""
+    out = run_ranks(sync_ranks.easgd_centre_lost, 4, args=(6, 1, 0.3, 0, "applied", True),
+                    timeout=90)  # fmt: skip
+    assert out[1]["standby"] == 0
+    assert out[3]["applied"] == out[0]["applied"] == {0: 6, 1: 6, 2: 6}
+    for a, b in zip(out[3]["copy"], out[0]["copy"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.faults
-@pytest.mark.parametrize(("tau", "cut"), [(1, "applied"), (2, "applied"), (1, "unsent")])
-def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau, cut):
-    """Rank 0 (the centre) is killed during worker 2's exchange: after its standby applied it
-    and before worker 2 heard back, or before the server handled it.  Worker 2 sends it again,
-    it is applied once, and every survivor's trajectory is the float64 replay of the
-    exchanges actually made."""
+@pytest.mark.parametrize(
+    ("tau", "cut", "dedicated"),
+    [(1, "applied", False), (2, "applied", False), (1, "unsent", False),
+     (1, "applied", True), (2, "unsent", True)],
+)  # fmt: skip
+def test_the_centre_lost_mid_exchange_the_standby_applies_it_once(tau, cut, dedicated):
+    """The centre's rank (rank 0, or a dedicated rank 3) is killed during worker 2's
+    exchange: after its standby applied it and before worker 2 heard back, or before the
+    server handled it.  Worker 2 sends it again, it is applied once, and every survivor's
+    trajectory is the float64 replay of the exchanges actually made."""
     steps, alpha, lost_at = 8, 0.3, 3
+    world, server = (4, 3) if dedicated else (3, 0)
     out = run_ranks(
-        sync_ranks.easgd_centre_lost, 3, args=(steps, tau, alpha, lost_at, cut), timeout=90,
-        kill_on={0: "die"},
+        sync_ranks.easgd_centre_lost, world, args=(steps, tau, alpha, lost_at, cut, dedicated),
+        timeout=90, kill_on={server: "die"},
     )  # fmt: skip
-    assert out[0] == RankKilled(0)
-    gone_after = lost_at * tau - 1
+    assert out[server] == RankKilled(server)
+    standby = 0 if dedicated else 1
+    # a dedicated centre takes no worker with it; rank 0's does
+    gone_after = None if dedicated else lost_at * tau - 1
     traj, centre = simulate_round_robin(3, steps, tau, alpha, gone_after=gone_after)
-    for r in (1, 2):
-        assert out[r]["moved"] == 1  # worker 2 moved to the standby, rank 1 (its own)
+    for r in (0, 1, 2) if dedicated else (1, 2):
+        assert out[r]["moved"] == standby  # every live worker moved to the standby
         for got, want in zip(out[r]["traj"], traj[r], strict=True):
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     # every exchange made counted once: worker 0's up to its loss, worker 2's sent twice
-    assert out[1]["applied"] == {0: lost_at, 1: steps // tau, 2: steps // tau}
+    first = steps // tau if dedicated else lost_at
+    assert out[standby]["applied"] == {0: first, 1: steps // tau, 2: steps // tau}
     # applied on the standby before the loss: the exchange sent again was not applied again
-    assert out[1]["resent"] == ({2: 1} if cut == "applied" else {})
-    for g, w in zip(out[1]["centre"], centre, strict=True):
+    assert out[standby]["resent"] == ({2: 1} if cut == "applied" else {})
+    for g, w in zip(out[standby]["centre"], centre, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 

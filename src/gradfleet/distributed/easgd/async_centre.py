@@ -38,7 +38,6 @@ once with an error naming the server rank.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +47,7 @@ import torch.distributed as dist
 
 from ..common.flat import copy_received
 from ..hosting.dedicated import CENTRE, announce
-from ..hosting.hosted_server import HostedServer, server_host, share_address
+from ..hosting.hosted_server import HostedServer, gather_hosts, server_host, share_address
 from ..hosting.standby import DATA, choose_standby
 from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
@@ -158,9 +157,10 @@ class AsyncCentre(CentreStrategy):
         if self.address is None:
             group = getattr(comm, "group", None)
             if self.dedicated:  # the centre's rank learns the job from rank 0 (..serving)
+                self._check_standby()  # before the server waits on this job's set-up
                 spec = {
                     "kind": CENTRE, "server_rank": self.server_rank, "timeout": self.timeout,
-                    "num_worker": self.num_worker,
+                    "num_worker": self.num_worker, "standby": self.standby,
                     "layout": [
                         (list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params
                     ],
@@ -197,28 +197,19 @@ class AsyncCentre(CentreStrategy):
 
     # ------------------------------------------------------------------ the standby
     def _standby_rank(self, group: Any) -> int | None:
-        """The standby's rank (collective: every rank of the group gathers the host names)."""
-        if self.dedicated:  # the serving rank's centre is built by serve(), without one
-            if self.standby is not None and self.standby is not False:
-                raise ValueError(
-                    "AsyncCentre: a dedicated centre rank has no standby yet (standby="
-                    f"{self.standby}); put the centre on a worker rank (server_rank < "
-                    f"{self.num_worker}) to keep one"
-                )
-            return None
-        if self.standby is None or self.standby is False or self.num_worker < 2:
-            return None
-        hosts: list[Any] = [None] * self.num_worker
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if self.standby is True:
-            return choose_standby(hosts, self.server_rank, range(self.num_worker))
-        assert isinstance(self.standby, int)
+        """The standby's rank (collective: every rank of the group, a dedicated centre's
+        included, gathers the host names)."""
+        self._check_standby()
+        return standby_rank(self.standby, self.server_rank, self.num_worker, group)
+
+    def _check_standby(self) -> None:
+        if self.standby is None or isinstance(self.standby, bool):
+            return
         if not 0 <= self.standby < self.num_worker or self.standby == self.server_rank:
             raise ValueError(
                 f"AsyncCentre: standby must be a worker rank in [0, {self.num_worker}) other "
                 f"than server_rank={self.server_rank}, got {self.standby}"
             )
-        return self.standby
 
     def _start_standby(self, rank: int, mine: int, host: str, group: Any) -> None:
         """Rank ``rank`` starts the standby from the server's centre, before any worker's
@@ -242,12 +233,7 @@ class AsyncCentre(CentreStrategy):
             self.standby_address = self._standby_hosted.address
         self.standby_address = share_address(self.standby_address, rank, group)
         if self._hosted is not None and self._server is not None:
-            self._hosted.forward_to(
-                self.standby_address, f"the EASGD centre's standby on rank {rank}", self.timeout,
-                direct={"exchange_add": ("params",)},  # the workers send x there themselves
-                early=("exchange_read",),  # a read lost with the server is simply redone
-            )  # fmt: skip
-            self._server.standby = self.standby_address
+            forward_to_standby(self._hosted, self._server, self.standby_address, rank)
         dist.barrier(group=group)  # no hello before the server forwards
 
     def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
@@ -405,6 +391,28 @@ class AsyncCentre(CentreStrategy):
             if hosted is not None:
                 hosted.close(time.monotonic() + self.timeout)
         self._hosted = self._standby_hosted = None
+
+
+def standby_rank(
+    standby: int | bool | None, server_rank: int, num_worker: int, group: Any = None
+) -> int | None:
+    """The rank of the centre's standby: ``standby`` itself (a worker rank), or with
+    ``True`` the first worker rank after ``server_rank`` on another host, else the next one;
+    None without a standby (or with one worker).  Collective where one is asked for: every
+    rank of ``group`` (a dedicated centre's rank too) gathers the host names."""
+    if standby is None or standby is False or num_worker < 2:
+        return None
+    hosts = gather_hosts(group)
+    if standby is True:
+        return choose_standby(hosts, server_rank, range(num_worker))
+    return int(standby)
+
+
+def forward_to_standby(hosted: HostedServer, centre: CentreServer, address: str, rank: int) -> None:
+    """The centre's server answers from now on once its standby at ``address`` (on ``rank``)
+    has each exchange, and tells each worker's hello where the standby is."""
+    hosted.forward_to(address, f"the EASGD centre's standby on rank {rank}", centre.timeout)
+    centre.standby = address
 
 
 CENTRE_MODES[AsyncCentre.mode] = AsyncCentre

@@ -40,6 +40,7 @@ __all__ = [
     "choose_server_host",
     "env_server_host",
     "gather_addresses",
+    "gather_hosts",
     "probe",
     "server_host",
     "share_address",
@@ -169,6 +170,15 @@ def share_address(address: str | None, src: int, group: Any = None) -> str:
     return box[0]
 
 
+def gather_hosts(group: Any = None) -> list[str]:
+    """Every rank's host name, in the group's rank order (every rank of ``group`` calls it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [socket.gethostname()]
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return [str(h) for h in hosts]
+
+
 def gather_addresses(mine: dict[int, str]) -> dict[int, str]:
     """Every rank's ``{server id: address}`` merged (all ranks of the default group call it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -231,11 +241,17 @@ class HostedServer:
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
-    def forward_to(self, address: str, name: str, timeout: float, **options: Any) -> None:
+    def forward_to(self, address: str, name: str, timeout: float) -> None:
         """From now on, hand every request that may change the state to the standby at
-        ``address`` (called ``name`` in messages), and answer it once the standby has it;
-        ``options``: :class:`~.standby.Forwarder`'s ``direct`` and ``early``."""
-        self.forwarder = Forwarder(address, name, timeout, wake=self.mailbox.wake, **options)
+        ``address`` (called ``name`` in messages), and answer it once the standby has it.
+        The machine says which fields its workers send the standby themselves
+        (``standby_direct``) and which answers need not wait (``standby_early``): see
+        :class:`~.standby.Forwarder`."""
+        self.forwarder = Forwarder(
+            address, name, timeout, wake=self.mailbox.wake,
+            direct=getattr(self.machine, "standby_direct", None),
+            early=tuple(getattr(self.machine, "standby_early", ())),
+        )  # fmt: skip
 
     @property
     def address(self) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..easgd.async_centre import forward_to_standby, standby_rank
 from ..easgd.server.centre_server import CentreServer
 from ..sync.layout.pieces import view, whole
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
@@ -160,12 +161,20 @@ class ParameterServer:
         spec = self.spec
         host = server_host(host, "serve")  # collective, as on the workers
         if self.kind == CENTRE:
-            self._centre = CentreServer(self._values, spec["num_worker"], spec["timeout"])
+            # as the workers' AsyncCentre.setup does, collective for collective
+            standby = standby_rank(spec.get("standby"), self.rank, spec["num_worker"])
+            self._centre = CentreServer(
+                self._values, spec["num_worker"], spec["timeout"], keep_reads=standby is not None
+            )
             if state is not None:
                 for c, v in zip(self._centre.centre, state["centre"], strict=True):
                     c.copy_(v)
             self._hosted = HostedServer(self._centre, self._centre.members, host, "EASGD centre")
             share_address(self._hosted.address, self.rank)
+            if standby is not None:  # a worker rank starts it from this centre, then tells
+                address = share_address(None, standby)
+                forward_to_standby(self._hosted, self._centre, address, standby)
+                dist.barrier()  # no worker's hello before this server forwards
             return
         ranks = spec["placement"].ranks
         self._sync = SyncServers(

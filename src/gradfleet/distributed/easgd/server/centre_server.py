@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 class CentreServer:
     """The centre variables and the start-up barrier (module docstring)."""
 
+    # how a live standby (..hosting.standby) follows it: each worker sends its x to the
+    # standby itself, and a read lost with the server is simply redone
+    standby_direct = {"exchange_add": ("params",)}
+    standby_early = ("exchange_read",)
+
     def __init__(
         self,
         centre: Sequence[torch.Tensor],
