@@ -190,6 +190,10 @@ def rows(world: int) -> list[Row]:
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",
             "easgd-async", {"period": 4, "steps_scale": 2, "centre": "dedicated"}, kind="local",
             transfer_updates=4, warmup_updates=4, server_hosts=1),
+        Row("easgd-ded-standby", "async EASGD, centre on a dedicated server host, its standby "
+            "on a worker host, period 4", "easgd-async",
+            {"period": 4, "steps_scale": 2, "centre": "dedicated", "standby": True},
+            kind="local", transfer_updates=4, warmup_updates=4, server_hosts=1),
         Row("ma8", "ModelAverage, interval 8", "model-average",
             {"interval": 8, "steps_scale": 2}, kind="local", transfer_updates=8,
             warmup_updates=8),

@@ -313,11 +313,11 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
 
 def server_replaceable(name: str, args: dict[str, Any], workers: int) -> bool:
     """Can the job lose its dedicated server rank (``--servers 1``)?  Where asynchronous
-    EASGD's centre has a standby on a worker rank (``standby=true`` or a rank, with two or
-    more workers): the workers move to it and go on."""
-    if name == "easgd" and args.get("mode", "sync") == "async":
+    EASGD's centre has a standby on a worker rank (``standby=true`` or a rank): the workers
+    move to it and go on."""
+    if name == "easgd" and args.get("mode", "sync") == "async" and workers >= 1:
         standby = args.get("standby")
-        return workers >= 2 and standby is not None and standby is not False
+        return standby is not None and standby is not False
     return False
 
 

@@ -23,16 +23,17 @@ restarted does the same while the others never stop.  A restarted process is out
 group, so it names the server explicitly: ``AsyncCentre(address=..., worker=...)`` with the
 ``address`` of the running server (``AsyncCentre.address`` on any worker).
 
-A standby (:mod:`..hosting.standby`, ``standby=True`` or a rank): with two or more workers and
-the centre on a worker rank, the centre has a live copy on another rank (chosen: the first rank
-after the server's on another host, else the next rank).  The server answers an exchange once
+A standby (:mod:`..hosting.standby`, ``standby=True`` or a rank): the centre has a live copy on
+a worker rank other than the server's (chosen: the first worker rank after the server's on
+another host, else the next one, wrapping; a dedicated centre rank's standby is on a worker
+rank too, rank 0 where all share one host).  The server answers an exchange once
 the standby has it too, so the copy is bit-identical after every exchange a worker saw
 answered; each worker sends its parameters to the standby itself.  When the server's host is
 lost, each worker moves to the standby and sends the exchange it was waiting on again under
 the same number (the centre applies it once: redone, or applied already and answered with the
 same read), and training goes on.  A second loss -- the standby's too, or a centre without a
-standby (the default, one worker, or a dedicated centre rank) -- makes every exchange fail at
-once with an error naming the server rank.
+standby (the default, or one worker with the centre on its rank) -- makes every exchange fail
+at once with an error naming the server rank.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ import torch.distributed as dist
 
 from ..common.flat import copy_received
 from ..hosting.dedicated import CENTRE, announce
-from ..hosting.hosted_server import HostedServer, gather_hosts, server_host, share_address
-from ..hosting.standby import DATA, choose_standby
+from ..hosting.hosted_server import HostedServer, server_host, share_address
+from ..hosting.standby import DATA, standby_rank
 from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
@@ -77,8 +78,7 @@ class AsyncCentre(CentreStrategy):
         standby: the rank that keeps a live copy of the centre and takes over when the
             server's host is lost (module docstring); ``True``: chosen, the first worker rank
             after ``server_rank`` on another host, else the next one; ``None``/``False``
-            (default): none.  Off by default: on the emulated 4-host cluster it cost 3x the
-            updates per second (docs/failures.md).
+            (default): none.  Off by default: its cost (docs/failures.md).
     """
 
     mode = "async"
@@ -200,7 +200,7 @@ class AsyncCentre(CentreStrategy):
         """The standby's rank (collective: every rank of the group, a dedicated centre's
         included, gathers the host names)."""
         self._check_standby()
-        return standby_rank(self.standby, self.server_rank, self.num_worker, group)
+        return standby_rank(self.standby, self.server_rank, range(self.num_worker), group)
 
     def _check_standby(self) -> None:
         if self.standby is None or isinstance(self.standby, bool):
@@ -233,7 +233,9 @@ class AsyncCentre(CentreStrategy):
             self.standby_address = self._standby_hosted.address
         self.standby_address = share_address(self.standby_address, rank, group)
         if self._hosted is not None and self._server is not None:
-            forward_to_standby(self._hosted, self._server, self.standby_address, rank)
+            name = f"the EASGD centre's standby on rank {rank}"
+            self._hosted.forward_to(self.standby_address, name, self.timeout)
+            self._server.standby = self.standby_address  # told in each worker's hello
         dist.barrier(group=group)  # no hello before the server forwards
 
     def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
@@ -391,28 +393,6 @@ class AsyncCentre(CentreStrategy):
             if hosted is not None:
                 hosted.close(time.monotonic() + self.timeout)
         self._hosted = self._standby_hosted = None
-
-
-def standby_rank(
-    standby: int | bool | None, server_rank: int, num_worker: int, group: Any = None
-) -> int | None:
-    """The rank of the centre's standby: ``standby`` itself (a worker rank), or with
-    ``True`` the first worker rank after ``server_rank`` on another host, else the next one;
-    None without a standby (or with one worker).  Collective where one is asked for: every
-    rank of ``group`` (a dedicated centre's rank too) gathers the host names."""
-    if standby is None or standby is False or num_worker < 2:
-        return None
-    hosts = gather_hosts(group)
-    if standby is True:
-        return choose_standby(hosts, server_rank, range(num_worker))
-    return int(standby)
-
-
-def forward_to_standby(hosted: HostedServer, centre: CentreServer, address: str, rank: int) -> None:
-    """The centre's server answers from now on once its standby at ``address`` (on ``rank``)
-    has each exchange, and tells each worker's hello where the standby is."""
-    hosted.forward_to(address, f"the EASGD centre's standby on rank {rank}", centre.timeout)
-    centre.standby = address
 
 
 CENTRE_MODES[AsyncCentre.mode] = AsyncCentre

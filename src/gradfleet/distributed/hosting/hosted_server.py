@@ -40,7 +40,6 @@ __all__ = [
     "choose_server_host",
     "env_server_host",
     "gather_addresses",
-    "gather_hosts",
     "probe",
     "server_host",
     "share_address",
@@ -168,15 +167,6 @@ def share_address(address: str | None, src: int, group: Any = None) -> str:
     root = src if group is None else dist.get_global_rank(group, src)
     dist.broadcast_object_list(box, src=root, group=group)
     return box[0]
-
-
-def gather_hosts(group: Any = None) -> list[str]:
-    """Every rank's host name, in the group's rank order (every rank of ``group`` calls it)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [socket.gethostname()]
-    hosts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return [str(h) for h in hosts]
 
 
 def gather_addresses(mine: dict[int, str]) -> dict[int, str]:

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..easgd.async_centre import forward_to_standby, standby_rank
 from ..easgd.server.centre_server import CentreServer
 from ..sync.layout.pieces import view, whole
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .hosted_server import HostedServer, gather_addresses, server_host, share_address
+from .standby import standby_rank
 from .sync_servers import SyncServers
 
 __all__ = ["ParameterServer", "serve"]
@@ -162,7 +162,8 @@ class ParameterServer:
         host = server_host(host, "serve")  # collective, as on the workers
         if self.kind == CENTRE:
             # as the workers' AsyncCentre.setup does, collective for collective
-            standby = standby_rank(spec.get("standby"), self.rank, spec["num_worker"])
+            workers = spec["num_worker"]
+            standby = standby_rank(spec.get("standby"), self.rank, range(workers))
             self._centre = CentreServer(
                 self._values, spec["num_worker"], spec["timeout"], keep_reads=standby is not None
             )
@@ -173,7 +174,9 @@ class ParameterServer:
             share_address(self._hosted.address, self.rank)
             if standby is not None:  # a worker rank starts it from this centre, then tells
                 address = share_address(None, standby)
-                forward_to_standby(self._hosted, self._centre, address, standby)
+                name = f"the EASGD centre's standby on rank {standby}"
+                self._hosted.forward_to(address, name, spec["timeout"])
+                self._centre.standby = address  # told in each worker's hello
                 dist.barrier()  # no worker's hello before this server forwards
             return
         ranks = spec["placement"].ranks

@@ -42,16 +42,27 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..transport import MailboxClient, ServerUnreachable
 
-__all__ = ["COPY", "DATA", "READ_ONLY", "Forwarder", "StandbyRole", "choose_standby"]
+__all__ = [
+    "COPY",
+    "DATA",
+    "READ_ONLY",
+    "Forwarder",
+    "StandbyRole",
+    "choose_standby",
+    "gather_hosts",
+    "standby_rank",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +82,30 @@ def choose_standby(hosts: Sequence[str], primary: int, candidates: Sequence[int]
     after = [r for r in ordered if r > primary] + [r for r in ordered if r < primary]
     elsewhere = [r for r in after if hosts[r] != hosts[primary]]
     return (elsewhere or after)[0]
+
+
+def gather_hosts(group: Any = None) -> list[str]:
+    """Every rank's host name, in the group's rank order (every rank of ``group`` calls it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [socket.gethostname()]
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return [str(h) for h in hosts]
+
+
+def standby_rank(
+    standby: int | bool | None, primary: int, candidates: Sequence[int], group: Any = None
+) -> int | None:
+    """The rank of the standby of the server on rank ``primary``: ``standby`` itself (a rank),
+    or with ``True`` :func:`choose_standby` among ``candidates``; None for ``None``/``False``
+    or without a candidate.  Collective where one is asked for: every rank of ``group`` (a
+    dedicated server's rank too) gathers the host names."""
+    if standby is None or standby is False or not [r for r in candidates if r != primary]:
+        return None
+    hosts = gather_hosts(group)
+    if standby is True:
+        return choose_standby(hosts, primary, candidates)
+    return int(standby)
 
 
 class Forwarder:
