@@ -188,7 +188,8 @@ def rows(world: int) -> list[Row]:
             "period 4", "easgd-async", {"period": 4, "steps_scale": 2, "standby": True},
             kind="local", transfer_updates=4, warmup_updates=4),
         Row("easgd-ded", "async EASGD, centre on a dedicated server host, period 4",
-            "easgd-async", {"period": 4, "steps_scale": 2, "centre": "dedicated"}, kind="local",
+            "easgd-async", {"period": 4, "steps_scale": 2, "centre": "dedicated",
+                            "standby": False}, kind="local",
             transfer_updates=4, warmup_updates=4, server_hosts=1),
         Row("easgd-ded-standby", "async EASGD, centre on a dedicated server host, its standby "
             "on a worker host, period 4", "easgd-async",

@@ -150,7 +150,8 @@ def easgd_train(ctx: RankContext, N: int, server_rank: int, steps: int) -> dict:
 
 
 def easgd_server_lost(ctx: RankContext, N: int) -> dict:
-    """The dedicated centre (rank ``N``) dies once worker 0 exchanged twice."""
+    """The dedicated centre (rank ``N``), without a standby, dies once worker 0 exchanged
+    twice."""
     if ctx.rank >= N:
         server = ParameterServer()
         ctx.wait_signal(0, "stepped", timeout=30)
@@ -160,7 +161,7 @@ def easgd_server_lost(ctx: RankContext, N: int) -> dict:
     model = make_model(width=4)
     opt = ElasticAverageOptimizer(
         gradfleet.GradientDescentOptimizer(model.parameters(), 0.05),
-        N, 1, mode=AsyncCentre(server_rank=N, timeout=30),
+        N, 1, mode=AsyncCentre(server_rank=N, timeout=30, standby=False),
     )  # fmt: skip
     address = opt._strategy.address
     errors = []

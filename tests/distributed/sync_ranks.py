@@ -652,11 +652,12 @@ def easgd_centre_lost(
     return out
 
 
-def easgd_rejoin(ctx: RankContext, restarted_steps: int) -> dict:
+def easgd_rejoin(ctx: RankContext, restarted_steps: int, standby: bool = False) -> dict:
     """3 workers (ranks 0-2) train; rank 2 is SIGKILLed after 10 steps and rank 3 restarts it:
     a fresh process that joins as worker 2 through the server address, makes
     ``restarted_steps`` steps and says so; ranks 0 and 1 train until then.  Counted in steps
-    and events, never in seconds (a loaded machine steps slowly)."""
+    and events, never in seconds (a loaded machine steps slowly).  ``standby``: the centre
+    keeps one on rank 1, which the restarted worker learns from its hello."""
     from gradfleet.distributed import AsyncCentre
 
     group = torch.distributed.new_group([0, 1, 2])
@@ -670,7 +671,7 @@ def easgd_rejoin(ctx: RankContext, restarted_steps: int) -> dict:
             for p in model.parameters():
                 p.fill_(123.0)  # garbage: the join must overwrite it with the centre
     else:
-        strategy = AsyncCentre(timeout=10)
+        strategy = AsyncCentre(timeout=10, standby=standby)
     opt = _easgd(
         model.parameters(), 3, 2, 0.2, strategy, lr=0.05, group=None if ctx.rank == 3 else group
     )
@@ -705,6 +706,15 @@ def easgd_rejoin(ctx: RankContext, restarted_steps: int) -> dict:
     }
     if ctx.rank == 0:
         out["counters"] = strategy.counters()
+    if ctx.rank == 3:
+        out["standby"] = (strategy.standby, strategy.standby_address is not None)
+    if ctx.rank in (0, 1):  # the centre and its standby, once every worker is done
+        ctx.signal("counted")
+        for r in (0, 1):
+            ctx.wait_signal(r, "counted", timeout=30)
+        if standby:
+            server = strategy._server if ctx.rank == 0 else strategy._standby_server
+            out["copy"] = [c.clone() for c in server.centre]
     strategy.close()
     return out
 

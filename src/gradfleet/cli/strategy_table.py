@@ -81,9 +81,10 @@ TABLE: dict[str, StrategyInfo] = {
                 "moving_rate": "alpha in (0, 1] (default 0.9 / (period * workers))",
                 "rho": "elastic penalty (default 0.1; rho=tf: TF's moving_rate / learning_rate, "
                 "which suits plain SGD but stalls Adam)",
-                "standby": "async: true (chosen) or a worker rank: a live copy of the centre, "
-                "which takes over if rank 0's host is lost (default: none; it costs exchange "
-                "time)",
+                "standby": "async: true (chosen), false or a worker rank: a live copy of the "
+                "centre, which takes over if the centre's host is lost (default: on with "
+                "--servers 1, off with the centre on rank 0, where it costs rank 0 its "
+                "loopback exchanges)",
             },
             Easgd,
         ),
@@ -313,11 +314,10 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
 
 def server_replaceable(name: str, args: dict[str, Any], workers: int) -> bool:
     """Can the job lose its dedicated server rank (``--servers 1``)?  Where asynchronous
-    EASGD's centre has a standby on a worker rank (``standby=true`` or a rank): the workers
-    move to it and go on."""
+    EASGD's centre has a standby on a worker rank (the default there; ``standby=false``
+    turns it off): the workers move to it and go on."""
     if name == "easgd" and args.get("mode", "sync") == "async" and workers >= 1:
-        standby = args.get("standby")
-        return standby is not None and standby is not False
+        return args.get("standby") is not False
     return False
 
 

@@ -123,8 +123,9 @@ def test_synchronous_adds_only_a_startup_barrier():
     assert out[1]["waited"] < out[0]["waited"]
 
 
-def test_restarted_worker_rejoins_while_others_continue():
-    out = run_ranks(sync_ranks.easgd_rejoin, 4, args=(50,), timeout=120, kill_on={2: "die"})
+@pytest.mark.parametrize("standby", [False, True])
+def test_restarted_worker_rejoins_while_others_continue(standby):
+    out = run_ranks(sync_ranks.easgd_rejoin, 4, args=(50, standby), timeout=120, kill_on={2: "die"})
     assert out[2] == RankKilled(2)
     first, second, restarted = out[0], out[1], out[3]
     # the survivors never stopped: they stepped while rank 2 was gone, and until the
@@ -138,6 +139,10 @@ def test_restarted_worker_rejoins_while_others_continue():
     assert restarted["steps"] == 50 and restarted["local_step"] == restarted["steps"]
     assert first["counters"]["exchanges"][2] > 5  # more than the first incarnation's 10/tau
     assert all(o["finite"] for o in (first, second, restarted))
+    if standby:  # the restarted worker sent its x to the standby too, named by its hello
+        assert restarted["standby"] == (1, True)
+        for a, b in zip(first["copy"], second["copy"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_single_process_async_mode_and_checkpoint():

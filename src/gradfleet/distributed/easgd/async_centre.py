@@ -77,8 +77,9 @@ class AsyncCentre(CentreStrategy):
         worker: that process's worker id (with ``address``).
         standby: the rank that keeps a live copy of the centre and takes over when the
             server's host is lost (module docstring); ``True``: chosen, the first worker rank
-            after ``server_rank`` on another host, else the next one; ``None``/``False``
-            (default): none.  Off by default: its cost (docs/failures.md).
+            after ``server_rank`` on another host, else the next one; ``False``: none;
+            ``None`` (default): on for a dedicated centre rank, off for a centre on a worker
+            rank (:meth:`asked_standby`; the costs are in docs/failures.md).
     """
 
     mode = "async"
@@ -160,7 +161,7 @@ class AsyncCentre(CentreStrategy):
                 self._check_standby()  # before the server waits on this job's set-up
                 spec = {
                     "kind": CENTRE, "server_rank": self.server_rank, "timeout": self.timeout,
-                    "num_worker": self.num_worker, "standby": self.standby,
+                    "num_worker": self.num_worker, "standby": self.asked_standby(),
                     "layout": [
                         (list(p.shape), str(p.dtype).removeprefix("torch.")) for p in params
                     ],
@@ -182,13 +183,14 @@ class AsyncCentre(CentreStrategy):
             if standby is not None:
                 self._start_standby(standby, comm.rank, host, group)
         self._client = self._connect(self.address, self.server_rank)
-        if self.standby_address is not None:
-            self._standby_client = self._connect(self.standby_address, self.standby)
         hello = self._client.call(
             "hello", worker=self.worker, shapes=[list(p.shape) for p in params]
         )
-        if self.standby_address is None:
-            self.standby_address = hello.get("standby")
+        if self.standby_address is None and hello.get("standby") is not None:
+            # a process that joined by address: the standby the centre named
+            self.standby_address, self.standby = hello["standby"], hello["standby_rank"]
+        if self.standby_address is not None:  # x goes there too, on this link
+            self._standby_client = self._connect(self.standby_address, self.standby)
         with torch.no_grad():  # TF's init op: x := centre (the wrapper then caches c_loc := x)
             for p, c in zip(params, hello["centre"], strict=True):
                 p.copy_(c)
@@ -200,7 +202,14 @@ class AsyncCentre(CentreStrategy):
         """The standby's rank (collective: every rank of the group, a dedicated centre's
         included, gathers the host names)."""
         self._check_standby()
-        return standby_rank(self.standby, self.server_rank, range(self.num_worker), group)
+        return standby_rank(self.asked_standby(), self.server_rank, range(self.num_worker), group)
+
+    def asked_standby(self) -> int | bool:
+        """``standby`` as given, or by default (None): on for a dedicated centre rank, whose
+        standby costs about nothing (its workers send the copy on their own links), off for
+        a centre on a worker rank (the worker beside the centre loses its loopback
+        exchanges: docs/failures.md)."""
+        return self.dedicated if self.standby is None else self.standby
 
     def _check_standby(self) -> None:
         if self.standby is None or isinstance(self.standby, bool):
@@ -236,6 +245,7 @@ class AsyncCentre(CentreStrategy):
             name = f"the EASGD centre's standby on rank {rank}"
             self._hosted.forward_to(self.standby_address, name, self.timeout)
             self._server.standby = self.standby_address  # told in each worker's hello
+            self._server.standby_rank = rank
         dist.barrier(group=group)  # no hello before the server forwards
 
     def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
@@ -296,15 +306,16 @@ class AsyncCentre(CentreStrategy):
         x = [p.detach() for p in params]
         client.request("exchange_read", worker=self.worker, number=self._number)
         _, finish_read = client.begin_response(receive_into=self._read)
-        # x to the standby first: the server waits for it there before it answers the add
-        to_standby = self._send_standby(x)
+        # x is at the standby before the add leaves: the server never applies an add whose x
+        # the standby could miss (this worker lost on the way), and a restarted worker's x
+        # (its numbers start again) replaces any its earlier self left there
+        if self._send_standby(x):
+            self._standby_answer()
         client.request(
             "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number, params=x
         )
         centre_read = finish_read()["centre"]
         client.response()  # the centre has x: the parameters may change now
-        if to_standby:
-            self._standby_answer()
         for r, c in zip(self._read, centre_read, strict=True):
             copy_received(r, c)
 

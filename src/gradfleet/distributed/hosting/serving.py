@@ -177,6 +177,7 @@ class ParameterServer:
                 name = f"the EASGD centre's standby on rank {standby}"
                 self._hosted.forward_to(address, name, spec["timeout"])
                 self._centre.standby = address  # told in each worker's hello
+                self._centre.standby_rank = standby
                 dist.barrier()  # no worker's hello before this server forwards
             return
         ranks = spec["placement"].ranks

@@ -12,12 +12,15 @@ loss is harmless (a read, redone if the primary dies) may be answered at once (`
 
 The large tensors of a request need not travel twice over the primary's link, the busiest of
 the job: a request's *direct* fields (the EASGD centre's: a worker's parameters) are sent by
-the worker itself to the standby as well, as a ``standby_data`` request, on its own link, at
-the same time as to the primary; the primary's copy then carries only the control part, and
-the standby applies it once the worker's data is in (a copy whose data has not come yet
-waits for it, and the copies after it too).  The copies queued while one message is on its
-way go in the next message, together: one round trip for them.  Requests that carry these fields
-name their ``worker`` and its ``number`` for the request, which pair copy and data.
+the worker itself to the standby as well, as a ``standby_data`` request, on its own link; the
+primary's copy then carries only the control part, and the standby applies it with the
+worker's data.  The worker sends the request to the primary only once the standby has
+acknowledged the data, so a copy never waits for data that a lost worker took with it, and a
+restarted worker's data (its numbers start again) replaces any of its earlier self's (a copy
+whose data has not come would wait for it, and the copies after it too).  The copies queued
+while one message is on its way go in the next message, together: one round trip for them.
+Requests that carry these fields name their ``worker`` and its ``number`` for the request,
+which pair copy and data.
 
 When the primary's host is lost, its workers move to the standby and send the request they
 were waiting on again, under the same number (each machine answers a request it already

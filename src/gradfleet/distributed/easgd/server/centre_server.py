@@ -65,6 +65,7 @@ class CentreServer:
         self.resent: dict[int, int] = {}  # per worker: adds sent again, applied already
         self.keep_reads = keep_reads
         self.standby: str | None = None  # the standby's address, told in ``hello``
+        self.standby_rank: int | None = None
         self.num_worker, self.timeout = num_worker, timeout
         self.exchanges: dict[int, int] = {}
         self.joins: dict[int, int] = {}
@@ -93,7 +94,8 @@ class CentreServer:
             self.members.hello(worker)
             self.reads.pop(worker, None)  # a restarted worker's unfinished exchange
             self.applied.pop(worker, None)  # (its numbers start again)
-            return [Answer(ticket, {"centre": self.centre, "standby": self.standby})]
+            standby = {"standby": self.standby, "standby_rank": self.standby_rank}
+            return [Answer(ticket, {"centre": self.centre, **standby})]
         number = msg.get("number")
         if op == "exchange_read":
             kept = self.reads.get(worker)
