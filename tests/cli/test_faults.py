@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_tolerated_losses_policy() -> None:
-    from gradfleet.cli.strategy_table import rank0_replaceable
+    from gradfleet.cli.strategy_table import rank0_replaceable, server_replaceable
 
     # rank 0 may go where every rank keeps the state: no server asked for, on the CPU
     assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3)
@@ -51,6 +51,11 @@ def test_tolerated_losses_policy() -> None:
     assert not rank0_replaceable("easgd", dedicated, 3)
     assert not rank0_replaceable("easgd", {"mode": "async", "standby": True}, 1)
     assert not rank0_replaceable("easgd", {}, 3)  # sync: an all-reduce in lockstep
+    # --servers 1: the dedicated centre's standby is on by default, off with standby=false
+    assert server_replaceable("easgd", {"mode": "async"}, 3)
+    assert server_replaceable("easgd", {"mode": "async", "standby": 1}, 3)
+    assert not server_replaceable("easgd", {"mode": "async", "standby": False}, 3)
+    assert not server_replaceable("sync-replicas", {}, 3)
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
     assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1
@@ -250,13 +255,13 @@ def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.faults
 def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
-    """The centre on a dedicated server rank (``--servers 1``: rank 3) with its standby on a
-    worker rank: the server rank is SIGKILLed, the workers move to the standby and finish
-    every step, the summary names the loss, and a checkpoint after it holds the server's
-    file, written from the standby's centre."""
+    """The centre on a dedicated server rank (``--servers 1``: rank 3) has its standby on a
+    worker rank by default: the server rank is SIGKILLed, the workers move to the standby
+    and finish every step, the summary names the loss, and a checkpoint after it holds the
+    server's file, written from the standby's centre."""
     steps = 300
     out, proc = _train(
-        tmp_path, "easgd:mode=async,period=4,standby=true", 3, steps,
+        tmp_path, "easgd:mode=async,period=4", 3, steps,
         "--servers", "1", "--checkpoint-every", "100",
     )  # fmt: skip
     deadline = time.monotonic() + 200
