@@ -89,9 +89,11 @@ def _last_step(out: Path) -> int:
     return steps[-1] if steps else 0
 
 
-def _start(launcher: str, strategy: str, workers: int, steps: int, out: Path) -> list:
+def _start(
+    launcher: str, strategy: str, workers: int, steps: int, out: Path, servers: int = 0
+) -> list:
     train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(workers)]
-    train += ["--steps", str(steps), "--out", str(out), "-q"]
+    train += ["--steps", str(steps), "--out", str(out), "-q", "--servers", str(servers)]
     common = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     if launcher == "cli":
         return [subprocess.Popen([sys.executable, *train], **common)]
@@ -123,7 +125,7 @@ def _kill_all(procs: list, out: Path) -> None:
 
 def run_job(
     launcher: str, strategy: str, workers: int, steps: int, rng, deadline: float,
-    rank: int | None = None,
+    rank: int | None = None, servers: int = 0,
 ) -> dict:  # fmt: skip
     name, args = parse_spec(strategy, "strategy")
     lowest = 0 if launcher == "cli" and rank0_replaceable(name, args, workers) else 1
@@ -132,7 +134,7 @@ def run_job(
         rank = rng.randrange(lowest, workers)
     with tempfile.TemporaryDirectory(prefix="gf-faults-") as tmp:
         out = Path(tmp) / "run"
-        procs = _start(launcher, strategy, workers, steps, out)
+        procs = _start(launcher, strategy, workers, steps, out, servers)
         end = time.monotonic() + deadline
         try:
             while _last_step(out) < at:  # wait for the chosen step
@@ -183,8 +185,17 @@ def main() -> None:
         default=None,
         help="kill this rank in every job (default: a random one it may lose)",
     )
+    ap.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        help="dedicated server ranks after the workers (gradfleet train --servers; with "
+        "--launchers cli): --rank N kills the first",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.servers and args.launchers != "cli":
+        ap.error("--servers: with --launchers cli (the torchrun recipe starts no server rank)")
     rng = random.Random(args.seed)
     strategies = args.strategy or configurations()
     for strategy in strategies:  # a clear error before any job starts
@@ -198,7 +209,16 @@ def main() -> None:
     for launcher in args.launchers.split(","):
         for strategy in strategies:
             jobs = [
-                run_job(launcher, strategy, args.workers, args.steps, rng, args.deadline, args.rank)
+                run_job(
+                    launcher,
+                    strategy,
+                    args.workers,
+                    args.steps,
+                    rng,
+                    args.deadline,
+                    args.rank,
+                    args.servers,
+                )  # fmt: skip
                 for _ in range(args.jobs)
             ]
             row = {"launcher": launcher, "strategy": strategy, **summarise(jobs), "runs": jobs}
@@ -211,7 +231,8 @@ def main() -> None:
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"workers": args.workers, "steps": args.steps, "jobs": args.jobs}
+        meta = {"workers": args.workers, "servers": args.servers, "steps": args.steps,
+                "jobs": args.jobs}  # fmt: skip
         args.json.write_text(json.dumps({"config": meta, "rows": report}, indent=2) + "\n")
 
 
