@@ -141,7 +141,7 @@ def test_dedicated_servers_equal_colocated_and_resume_exactly(
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("strategy", "servers", "victim"),
-    [("sync-replicas", 2, 3), ("easgd:mode=async", 1, 2)],
+    [("sync-replicas", 2, 3), ("easgd:mode=async,standby=false", 1, 2)],  # no standby
     ids=["sync-shard", "easgd-centre"],
 )
 @pytest.mark.faults
