@@ -12,8 +12,9 @@ A server rank builds no model and writes no metrics: it calls
 ``optimizer``), takes part in the workers' start barrier, saves its own state into each
 checkpoint directory when rank 0 asks (``rank-R.pt``, what ``serve(state=)`` resumes from), and
 returns once every worker left. A server that dies makes every worker's step fail naming it;
-the launcher reports it as ``dedicated server rank R failed`` -- except the EASGD centre with a
-standby (``standby=true``), whose workers move to the standby and go on.
+the launcher reports it as ``dedicated server rank R failed`` -- except the EASGD centre, whose
+workers move to its standby on a worker rank and go on (its default; ``standby=false`` turns
+it off).
 """
 
 from __future__ import annotations
