@@ -285,3 +285,14 @@ def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     model = torch.load(out / "model.pt", weights_only=True)
     for a, b in zip(server["centre"], model.values(), strict=True):
         assert torch.equal(a, b)
+    # --resume: the server rank starts again from the file the standby's centre gave (it
+    # loads its own rank-3.pt, weights_only: without it the server rank fails)
+    proc = popen([*GRADFLEET, "train", "--resume", str(out), "--steps", "400", "-q"], tmp_path)
+    try:
+        ((code, console),) = finish([proc], time.monotonic() + 200, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == 400 and trained == sorted(trained), trained
+    assert json.loads((out / "summary.json").read_text())["lost_workers"] == []
