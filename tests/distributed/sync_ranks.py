@@ -754,3 +754,99 @@ def easgd_barrier(ctx: RankContext, late: float) -> dict:
     passed = time.time()
     strategy.close()
     return {"arrived": arrived, "passed": passed, "waited": passed - arrived}
+
+
+def _wait_dead(pid: int, timeout: float = 30.0) -> None:
+    """Until process ``pid`` is gone (killed by the harness, a zombie at most)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"process {pid} still alive after {timeout} s")
+
+
+def easgd_second_loss(ctx: RankContext, k1: int, k2: int, k3: int, save_to: str) -> dict:
+    """3 workers (ranks 0-2), tau 1, the centre on rank 0 with its standby on rank 1.  Each
+    makes ``k1`` steps; rank 0 is SIGKILLed and ranks 1 and 2 move to the standby.  Rank 3
+    restarts worker 0 by the standby's address with ``standby=True``: it becomes the new
+    centre's standby, from its live state.  Ranks 1-3 make ``k2`` steps each; the two copies
+    are then compared; rank 1, the centre now, is SIGKILLed, and ranks 2 and 3 make ``k3``
+    steps each on rank 3's copy.  Steps are ordered by signals only at the phases' ends.
+    Rank 1's copy, before it is killed, goes to the file ``save_to``."""
+    from gradfleet.distributed import AsyncCentre
+
+    model = make_model()
+    workdir = Path(ctx.workdir)
+    if ctx.rank == 1:
+        (workdir / "pid-1").write_text(str(os.getpid()))
+    if ctx.rank == 3:  # the restarted worker 0: no process group, the running centre's address
+        ctx.wait_signal(0, "die", timeout=60)
+        ctx.wait_signal(1, "moved", timeout=60)
+        address = (workdir / "standby-address").read_text()
+        strategy = AsyncCentre(timeout=20, address=address, worker=0, server_rank=1, standby=True)
+        group = None
+    else:
+        group = dist.new_group([0, 1, 2])
+        strategy = AsyncCentre(timeout=20, standby=True)
+    opt = _easgd(model.parameters(), 3, 1, 0.3, strategy, lr=0.1, group=group)
+    if ctx.rank == 1:
+        (workdir / "standby-address").write_text(strategy.standby_address)
+
+    def steps(count: int, start: int) -> None:
+        for s in range(start, start + count):
+            opt.zero_grad()
+            loss_of(model, ctx.rank, s).backward()
+            opt.step()
+
+    pid_of_1 = int((workdir / "pid-1").read_text()) if ctx.rank != 1 else 0
+    out: dict = {}
+    if ctx.rank < 3:  # phase A
+        steps(k1, 0)
+        ctx.signal("a")
+        for r in range(3):
+            ctx.wait_signal(r, "a", timeout=60)
+        if ctx.rank == 0:
+            _die(ctx)
+        steps(1, k1)  # ranks 1 and 2: this exchange moves them to rank 1's copy
+        ctx.signal("moved")
+        ctx.wait_signal(3, "attached", timeout=60)
+        steps(k2 - 1, k1 + 1)
+    else:
+        out["standby_after_join"] = strategy.standby_address is None  # it is the standby
+        out["serves"] = strategy._standby_server is not None
+        ctx.signal("attached")
+        steps(k2, 0)
+    ctx.signal("b")
+    for r in (1, 2, 3):
+        ctx.wait_signal(r, "b", timeout=60)
+    if ctx.rank in (1, 3):  # the centre (rank 1's promoted copy) and its new standby
+        state = {
+            "copy": [c.clone() for c in strategy._standby_server.centre],
+            "applied": dict(strategy._standby_server.exchanges),
+        }
+        if ctx.rank == 1:  # about to be killed: its copy goes through a file
+            torch.save(state, save_to)
+        out.update(state)
+    ctx.signal("compared")
+    for r in (1, 2, 3):
+        ctx.wait_signal(r, "compared", timeout=60)
+    if ctx.rank == 1:
+        _die(ctx)
+    _wait_dead(pid_of_1)  # its next exchange finds the centre gone
+    steps(k3, k1 + k2 if ctx.rank < 3 else k2)  # ranks 2 and 3: on rank 3's copy
+    ctx.signal("c")
+    for r in (2, 3):
+        ctx.wait_signal(r, "c", timeout=60)
+    out["moved"] = strategy.server_rank
+    if ctx.rank == 3:
+        out["final"] = strategy.counters()["exchanges"]
+    ctx.signal("read")
+    for r in (2, 3):
+        ctx.wait_signal(r, "read", timeout=60)
+    strategy.close()
+    return out

@@ -166,3 +166,29 @@ def test_unknown_mode_lists_async():
     x = torch.zeros(1, requires_grad=True)
     with pytest.raises(ValueError, match="'async'"):
         ElasticAverageOptimizer(gradfleet.GradientDescentOptimizer([x], 1.0), 1, mode="nope")
+
+
+@pytest.mark.faults
+def test_a_restarted_process_becomes_the_standby_and_a_second_loss_is_survived(tmp_path):
+    """The centre's rank (0) is killed; its standby (rank 1) takes over.  A restarted worker 0
+    (rank 3) asks to be the new centre's standby and starts from its live state: after more
+    exchanges the two copies are bit-identical.  Then rank 1 is killed too, and ranks 2 and 3
+    go on on rank 3's copy, every exchange counted once."""
+    k1, k2, k3 = 3, 4, 3
+    out = run_ranks(
+        sync_ranks.easgd_second_loss, 4, args=(k1, k2, k3, str(tmp_path / "rank1.pt")),
+        timeout=120,
+        kill_on={0: "die", 1: "die"},
+    )  # fmt: skip
+    assert out[0] == RankKilled(0) and out[1] == RankKilled(1)
+    restarted = out[3]
+    assert restarted["serves"] and restarted["standby_after_join"]
+    # both moved to the restarted worker 0's copy (named by its worker rank)
+    assert out[2]["moved"] == 0 == restarted["moved"]
+    # before the second loss: rank 3's copy equals the centre's (on rank 1), bit for bit
+    centre = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert centre["applied"] == restarted["applied"]
+    for a, b in zip(centre["copy"], restarted["copy"], strict=True):
+        assert torch.equal(a, b)
+    # every exchange made counted once: worker 0's two lives, worker 1 until its loss
+    assert restarted["final"] == {0: k1 + k2 + k3, 1: k1 + k2, 2: k1 + k2 + k3}

@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from ..common.flat import copy_received
 from ..hosting.dedicated import CENTRE, announce
-from ..hosting.hosted_server import HostedServer, server_host, share_address
-from ..hosting.standby import DATA, standby_rank
+from ..hosting.hosted_server import HostedServer, env_server_host, server_host, share_address
+from ..hosting.standby import ATTACH, DATA, standby_rank
 from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
@@ -101,9 +101,11 @@ class AsyncCentre(CentreStrategy):
         self.server_rank, self.timeout, self.host = server_rank, float(timeout), host
         self.address, self.worker = address, worker
         self.standby: int | bool | None = standby
+        self._by_address = address is not None  # a process that joins a running job
         self.standby_address: str | None = None  # where the standby serves, once it does
         self._number = 0  # this worker's exchanges: each is applied once, also when sent again
         self.moved_from: int | None = None  # the lost server's rank, once on the standby
+        self._lost: set[str] = set()  # addresses of standbys found lost
         self.num_worker, self.synchronous = 1, False
         self.dedicated = False  # the centre's rank only serves (it is not a worker)
         self._server: CentreServer | None = None
@@ -183,6 +185,7 @@ class AsyncCentre(CentreStrategy):
             if standby is not None:
                 self._start_standby(standby, comm.rank, host, group)
         self._client = self._connect(self.address, self.server_rank)
+        rejoin_as_standby = self._by_address and self.standby is True
         hello = self._client.call(
             "hello", worker=self.worker, shapes=[list(p.shape) for p in params]
         )
@@ -191,6 +194,8 @@ class AsyncCentre(CentreStrategy):
             self.standby_address, self.standby = hello["standby"], hello["standby_rank"]
         if self.standby_address is not None:  # x goes there too, on this link
             self._standby_client = self._connect(self.standby_address, self.standby)
+        elif rejoin_as_standby:
+            self._become_standby(params)
         with torch.no_grad():  # TF's init op: x := centre (the wrapper then caches c_loc := x)
             for p, c in zip(params, hello["centre"], strict=True):
                 p.copy_(c)
@@ -247,6 +252,28 @@ class AsyncCentre(CentreStrategy):
             self._server.standby = self.standby_address  # told in each worker's hello
             self._server.standby_rank = rank
         dist.barrier(group=group)  # no hello before the server forwards
+
+    def _become_standby(self, params: Sequence[torch.Tensor]) -> None:
+        """A restarted process (joined by ``address``) with ``standby=True``, whose centre has
+        no standby (its own took over after a loss): serve an empty copy and ask the centre
+        to take it as its standby; the centre's first copy is its whole state, so a second
+        loss is survived as the first."""
+        assert self._client is not None
+        name = f"the EASGD centre's standby on rank {self.worker}"
+        server = CentreServer(params, self.num_worker, self.timeout, keep_reads=True)
+        host = self.host or env_server_host()
+        hosted = HostedServer(server, server.members, host, name, standby=True)
+        try:
+            self._client.call(
+                ATTACH, worker=self.worker, address=hosted.address, rank=self.worker, name=name,
+                seconds=self.timeout,
+            )  # fmt: skip
+        except RuntimeError as exc:  # refused (the centre has a standby): a worker only
+            log.warning("worker rank %s: not a standby: %s", self.worker, exc)
+            hosted.close(time.monotonic())
+            return
+        log.info("worker rank %s: %s, from the centre's live state", self.worker, name)
+        self._standby_server, self._standby_hosted = server, hosted
 
     def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
         return MailboxClient(
@@ -309,15 +336,29 @@ class AsyncCentre(CentreStrategy):
         # x is at the standby before the add leaves: the server never applies an add whose x
         # the standby could miss (this worker lost on the way), and a restarted worker's x
         # (its numbers start again) replaces any its earlier self left there
-        if self._send_standby(x):
-            self._standby_answer()
+        sent = self._send_standby(x) and self._standby_answer()
         client.request(
-            "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number, params=x
-        )
-        centre_read = finish_read()["centre"]
+            "exchange_add", worker=self.worker, alpha=moving_rate, number=self._number, params=x,
+            standby=self.standby_address if sent else None,  # where x went too (if anywhere)
+        )  # fmt: skip
+        answer = finish_read()
         client.response()  # the centre has x: the parameters may change now
-        for r, c in zip(self._read, centre_read, strict=True):
+        for r, c in zip(self._read, answer["centre"], strict=True):
             copy_received(r, c)
+        self._follow_standby(answer.get("standby"), answer.get("standby_rank"))
+
+    def _follow_standby(self, address: str | None, rank: int | None) -> None:
+        """The centre named a standby this worker does not send to (one attached since its
+        hello, after a loss): send there from the next exchange on."""
+        if address in (None, self.standby_address, self.address) or address in self._lost:
+            return
+        log.info("worker rank %s: the EASGD centre's standby is now on rank %s (%s)",
+                 self.worker, rank, address)  # fmt: skip
+        self.standby_address, self.standby = address, rank
+        try:
+            self._standby_client = self._connect(address, rank)
+        except ServerUnreachable as exc:
+            self._standby_lost(exc)
 
     def _send_standby(self, x: list[torch.Tensor]) -> bool:
         """Send x to the standby as well, on this worker's own link (:mod:`..hosting.standby`);
@@ -333,16 +374,21 @@ class AsyncCentre(CentreStrategy):
             self._standby_lost(exc)
             return False
 
-    def _standby_answer(self) -> None:
+    def _standby_answer(self) -> bool:
+        """Whether the standby acknowledged the parameters sent to it."""
         assert self._standby_client is not None
         try:
             self._standby_client.response()
+            return True
         except ServerUnreachable as exc:
             self._standby_lost(exc)
+            return False
 
     def _standby_lost(self, exc: ServerUnreachable) -> None:
         log.warning("worker rank %s: the EASGD centre's standby on rank %s is lost: %s",
                     self.worker, self.standby, exc)  # fmt: skip
+        if self.standby_address is not None:
+            self._lost.add(self.standby_address)  # the centre may still name it a while
         self._standby_client, self.standby_address = None, None
 
     def centre(self) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..common.membership import Membership
 from ..common.replies import Answer, error
 from ..transport import MailboxServer, ServerUnreachable, store_client
-from .standby import DATA, DROPPED, Forwarder, StandbyRole
+from .standby import ATTACH, DATA, DROPPED, REPLICA, Forwarder, StandbyRole
 
 __all__ = [
     "HostedServer",
@@ -247,7 +247,33 @@ class HostedServer:
     def address(self) -> str:
         return self.mailbox.address
 
+    def _attach(self, msg: dict[str, Any], reply: Any) -> None:
+        """A restarted process asks to be this primary's standby (:mod:`.standby`): its first
+        copy is the machine's whole state, and the answer waits until it has it."""
+        live = self.forwarder is not None and self.forwarder.client is not None
+        state = getattr(self.machine, "replica_state", None)
+        why = (
+            "it is a standby" if self.standby is not None and not self.standby.promoted
+            else "it has a live standby" if live
+            else "its state machine cannot be replicated" if state is None
+            else None
+        )  # fmt: skip
+        if why is not None:
+            _send(error(reply, "RuntimeError", f"{self.name}: no new standby, {why}"))
+            return
+        assert state is not None
+        self.forward_to(msg["address"], msg["name"], float(msg["seconds"]))
+        assert self.forwarder is not None
+        number = self.forwarder.forward({"op": REPLICA, "worker": -1, **state()})
+        self.machine.standby, self.machine.standby_rank = msg["address"], msg["rank"]
+        log.info("%s: %s attached as its standby", self.name, msg["name"])
+        self._held.append((number, [Answer(reply, {})]))
+        self._release()
+
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
+        if msg["op"] == ATTACH:
+            self._attach(msg, reply)
+            return
         if self.standby is not None:
             try:
                 copies = self.standby.admit(msg, reply)

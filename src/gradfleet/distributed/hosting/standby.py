@@ -20,7 +20,17 @@ restarted worker's data (its numbers start again) replaces any of its earlier se
 whose data has not come would wait for it, and the copies after it too).  The copies queued
 while one message is on its way go in the next message, together: one round trip for them.
 Requests that carry these fields name their ``worker`` and its ``number`` for the request,
-which pair copy and data.
+which pair copy and data, and ``standby``, the address the worker sent them to: a copy
+leaves them out only where that is the standby's (a worker that has not met a new standby
+yet sent them to the primary alone, and the copy carries them).
+
+A primary that has no standby (its own was lost, or it is a promoted standby) takes a new
+one: a restarted process serves an empty copy and asks, with an ``standby_attach`` request,
+to be its standby.  The primary's first copy to it is its whole state (``load_replica``, the
+machine's ``replica_state()``), in the order of the requests, and the answer to the attach
+waits until the new standby has it; the reads then tell each worker where the standby is, and
+a second loss is survived as the first (torchft's live recovery: the state comes from a live
+peer, not from a checkpoint).
 
 When the primary's host is lost, its workers move to the standby and send the request they
 were waiting on again, under the same number (each machine answers a request it already
@@ -57,8 +67,10 @@ import torch.distributed as dist
 from ..transport import MailboxClient, ServerUnreachable
 
 __all__ = [
+    "ATTACH",
     "COPY",
     "DATA",
+    "REPLICA",
     "READ_ONLY",
     "Forwarder",
     "StandbyRole",
@@ -71,6 +83,8 @@ log = logging.getLogger(__name__)
 
 COPY = "standby_copy"  # the op of a forwarded request; its own op travels as "copy_of"
 DATA = "standby_data"  # a worker's direct fields of a request, sent to the standby itself
+ATTACH = "standby_attach"  # a restarted process asks a primary without a standby to be its one
+REPLICA = "load_replica"  # the first copy a new standby gets: the primary's whole state
 READ_ONLY = frozenset({"read", "members"})  # requests that change nothing: not forwarded
 _MAILBOX_FIELDS = ("op", "client", "seq", "inc")  # the mailbox's own, not the request's
 
@@ -132,6 +146,7 @@ class Forwarder:
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.name, self.direct, self.early, self._wake = name, dict(direct or {}), early, wake
+        self.address = address
         self.client: MailboxClient | None = MailboxClient(address, "primary", timeout, name)
         self.deposed: str | None = None  # set once the standby took over: every answer fails
         self.failure: BaseException | None = None  # a bug in forwarding: raised as itself
@@ -149,7 +164,10 @@ class Forwarder:
             raise ServerUnreachable(self.deposed)
         if self.client is None or msg["op"] in READ_ONLY:
             return None
-        direct = self.direct.get(msg["op"], ())
+        # a request's direct fields went to the standby only where its worker says they did
+        # (``standby``: the address it sent them to; a worker that has not met this standby
+        # yet, or lost its link to it, sent them to the primary alone: the copy carries them)
+        direct = self.direct.get(msg["op"], ()) if msg.get("standby") == self.address else ()
         fields = {
             k: _copied(v)  # the request's tensors live until its client's next message only
             for k, v in msg.items()

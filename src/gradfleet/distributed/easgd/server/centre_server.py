@@ -21,6 +21,9 @@ no I/O; :class:`~.async_centre.AsyncCentre` hosts it.  Requests:
   or failed with a ``TimeoutError`` naming the missing ranks after ``timeout`` seconds.
 * ``read`` / ``load``: the centre and counters; restore the centre from a checkpoint.
 * ``done``:     the worker left (``forgotten``: another rank reports it dead for good).
+* ``load_replica``: a new standby (:mod:`...hosting.standby`) starts from its primary's
+  :meth:`CentreServer.replica_state`.  Reads answer where the standby is, so a worker follows
+  one attached after its hello.
 """
 
 from __future__ import annotations
@@ -73,7 +76,34 @@ class CentreServer:
         self.arrived: set[int] = set()
         self.barrier: list[tuple[int, Any, float]] = []
 
+    def replica_state(self) -> dict[str, Any]:
+        """Everything a new standby starts from (its ``load_replica``): the centre, each
+        worker's last exchange applied and its kept read, the counters and who left."""
+        return {
+            "centre": [c.clone() for c in self.centre],
+            "applied": {str(w): n for w, n in self.applied.items()},
+            "reads": {str(w): [n, [c.clone() for c in r]] for w, (n, r) in self.reads.items()},
+            "exchanges": {str(w): n for w, n in self.exchanges.items()},
+            "joins": {str(w): n for w, n in self.joins.items()},
+            "resent": {str(w): n for w, n in self.resent.items()},
+            "left": sorted(self.members.left),
+            "forgotten": sorted(self.members.forgotten),
+        }
+
+    def _load_replica(self, msg: dict[str, Any]) -> None:
+        for c, v in zip(self.centre, msg["centre"], strict=True):
+            c.copy_(v)
+        self.applied = {int(w): n for w, n in msg["applied"].items()}
+        self.reads = {int(w): (n, [r.clone() for r in rs]) for w, (n, rs) in msg["reads"].items()}
+        for name in ("exchanges", "joins", "resent"):
+            setattr(self, name, {int(w): n for w, n in msg[name].items()})
+        self.members.left = {int(w) for w in msg["left"]}
+        self.members.forgotten = {int(w) for w in msg["forgotten"]}
+
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
+        if msg["op"] == "load_replica":  # a new standby starts from its primary's state
+            self._load_replica(msg)
+            return [Answer(ticket, {})]
         worker, op = int(msg["worker"]), msg["op"]
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
@@ -101,11 +131,14 @@ class CentreServer:
             kept = self.reads.get(worker)
             if number is not None and self.applied.get(worker) == number and kept is not None:
                 # sent again after the centre's loss, its add already applied: the same read
-                return [Answer(ticket, {"centre": kept[1]})]
+                standby = {"standby": self.standby, "standby_rank": self.standby_rank}
+                return [Answer(ticket, {"centre": kept[1], **standby})]
             # TF's read of the centre: the worker's d = x - c_read is completed by its
             # "exchange_add", which may come after other workers' reads and adds
             self.reads[worker] = (number, [c.clone() for c in self.centre])
-            return [Answer(ticket, {"centre": self.reads[worker][1]}, fresh=True)]
+            # where the standby is now: a worker follows one attached since its hello
+            standby = {"standby": self.standby, "standby_rank": self.standby_rank}
+            return [Answer(ticket, {"centre": self.reads[worker][1], **standby}, fresh=True)]
         if op == "exchange_add":
             if number is not None and self.applied.get(worker) == number:
                 self.resent[worker] = self.resent.get(worker, 0) + 1
