@@ -641,6 +641,9 @@ def easgd_centre_lost(
         server = strategy._server if ctx.rank == server_rank else strategy._standby_server
         out["copy"] = [c.clone() for c in server.centre]
         out["applied"] = dict(server.exchanges)
+        if ctx.rank == strategy.standby:  # copies completed with the workers' own data
+            assert strategy._standby_hosted is not None
+            out["paired"] = strategy._standby_hosted.standby.paired
     if lost_at and ctx.rank == strategy.standby:  # now the centre
         out["applied"] = strategy.counters()["exchanges"]
         out["resent"] = dict(strategy._standby_server.resent)
@@ -831,6 +834,9 @@ def easgd_second_loss(ctx: RankContext, k1: int, k2: int, k3: int, save_to: str)
         }
         if ctx.rank == 1:  # about to be killed: its copy goes through a file
             torch.save(state, save_to)
+        else:  # copies completed with data the workers sent here, once they learnt of it
+            assert strategy._standby_hosted is not None
+            state["paired"] = strategy._standby_hosted.standby.paired
         out.update(state)
     ctx.signal("compared")
     for r in (1, 2, 3):

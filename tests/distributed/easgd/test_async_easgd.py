@@ -64,6 +64,9 @@ def test_the_standby_is_bit_identical_to_the_centre():
     assert out[0]["applied"] == out[1]["applied"] == {0: 6, 1: 6, 2: 6}
     for a, b in zip(out[0]["copy"], out[1]["copy"], strict=True):
         assert torch.equal(a, b)
+    # each worker sent its parameters to the standby itself: every add's copy was completed
+    # with them, none carried them from the server
+    assert out[1]["paired"] == 18
 
 
 def test_a_dedicated_centres_standby_is_bit_identical_to_it():
@@ -75,6 +78,7 @@ def test_a_dedicated_centres_standby_is_bit_identical_to_it():
     assert out[3]["applied"] == out[0]["applied"] == {0: 6, 1: 6, 2: 6}
     for a, b in zip(out[3]["copy"], out[0]["copy"], strict=True):
         assert torch.equal(a, b)
+    assert out[0]["paired"] == 18
 
 
 @pytest.mark.faults
@@ -190,5 +194,8 @@ def test_a_restarted_process_becomes_the_standby_and_a_second_loss_is_survived(t
     assert centre["applied"] == restarted["applied"]
     for a, b in zip(centre["copy"], restarted["copy"], strict=True):
         assert torch.equal(a, b)
+    # the workers learnt of the new standby from their reads and sent it their parameters
+    # (the adds before that carried them in the centre's copies)
+    assert restarted["paired"] >= 1
     # every exchange made counted once: worker 0's two lives, worker 1 until its loss
     assert restarted["final"] == {0: k1 + k2 + k3, 1: k1 + k2, 2: k1 + k2 + k3}

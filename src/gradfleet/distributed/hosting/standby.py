@@ -247,6 +247,7 @@ class StandbyRole:
         self.data: dict[tuple[int, Any], dict[str, Any]] = {}  # (worker, number) -> fields
         self.pending: deque[dict[str, Any]] = deque()  # the primary's copies, in order
         self.ack: Any = None  # the reply to the primary's message of those copies
+        self.paired = 0  # copies applied with the data their workers sent here
 
     def admit(self, msg: dict[str, Any], reply: Any) -> tuple[list[dict[str, Any]], list] | None:
         """What to do for ``msg`` (answered with ``reply``): None for a worker's own request
@@ -292,6 +293,7 @@ class StandbyRole:
                 if data is None:
                     break  # the next copies wait for this one
                 original = {k: v for k, v in original.items() if k != "direct"} | data
+                self.paired += 1
             self.pending.popleft()
             ready.append(original)
         acks = []

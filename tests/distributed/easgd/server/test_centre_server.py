@@ -134,3 +134,31 @@ def test_a_centre_without_a_standby_keeps_no_read_after_the_add():
     with pytest.raises(ValueError, match="exchange_add 2 without an exchange_read"):
         server.handle({"op": "exchange_add", "worker": 0, "alpha": 0.5,
                        "params": [torch.ones(3)], "number": 2}, 0)  # fmt: skip
+
+
+def test_a_new_standby_starts_from_the_replica_state_and_then_follows_as_the_centre():
+    """``replica_state`` through the wire's JSON (dict keys become strings) into an empty
+    centre (``load_replica``): the same requests then give both the same answers and state,
+    also for an exchange sent again whose read was kept."""
+    from gradfleet.distributed.transport import wire
+
+    centre = CentreServer([torch.tensor([1.0, 2.0])], num_worker=2, timeout=10, keep_reads=True)
+    for w in (0, 1):
+        hello(centre, w)
+    centre.handle({"op": "exchange_read", "worker": 0, "number": 1}, 0)
+    add_1 = {"op": "exchange_add", "worker": 0, "alpha": 0.5, "number": 1,
+             "params": [torch.tensor([3.0, 0.0])]}  # fmt: skip
+    centre.handle(add_1, 0)
+    centre.handle({"op": "exchange_read", "worker": 1, "number": 1}, 1)  # its add comes later
+    centre.handle({"op": "done", "worker": 0}, 0)
+    skeleton, tensors = wire.split({"op": "load_replica", **centre.replica_state()})
+    copy = CentreServer([torch.zeros(2)], num_worker=2, timeout=10, keep_reads=True)
+    copy.handle(wire.join(wire.loads(wire.dumps(skeleton)), tensors), None)
+    assert copy.members.left == {0} and copy.applied == {0: 1} and copy.exchanges == {0: 1}
+    add_2 = {"op": "exchange_add", "worker": 1, "alpha": 0.5, "number": 1,
+             "params": [torch.tensor([0.0, 4.0])]}  # fmt: skip
+    for server in (centre, copy):
+        server.handle(add_2, 1)  # worker 1's read was taken before the copy
+        server.handle(add_1, 0)  # sent again: applied once already
+    assert torch.equal(centre.centre[0], copy.centre[0])
+    assert centre.resent == copy.resent == {0: 1} and copy.exchanges == {0: 1, 1: 1}
