@@ -31,9 +31,11 @@ the standby has it too, so the copy is bit-identical after every exchange a work
 answered; each worker sends its parameters to the standby itself.  When the server's host is
 lost, each worker moves to the standby and sends the exchange it was waiting on again under
 the same number (the centre applies it once: redone, or applied already and answered with the
-same read), and training goes on.  A second loss -- the standby's too, or a centre without a
-standby (the default, or one worker with the centre on its rank) -- makes every exchange fail
-at once with an error naming the server rank.
+same read), and training goes on.  A restarted process that joins by address with
+``standby=True`` becomes the new centre's standby, from its live state, so a later loss is
+survived too.  A loss while the centre has no standby (the default on a worker rank, one
+worker with the centre on its rank, or after a loss until a process takes the standby's
+place) makes every exchange fail at once with an error naming the server rank.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ class AsyncCentre(CentreStrategy):
             server's host is lost (module docstring); ``True``: chosen, the first worker rank
             after ``server_rank`` on another host, else the next one; ``False``: none;
             ``None`` (default): on for a dedicated centre rank, off for a centre on a worker
-            rank (:meth:`asked_standby`; the costs are in docs/failures.md).
+            rank (:meth:`asked_standby`; the costs are in docs/failures.md).  For a process
+            that joins by ``address`` (a restarted one), ``True``: become the standby of a
+            centre that has none (its own took over after a loss), from its live state.
     """
 
     mode = "async"
