@@ -109,3 +109,48 @@ def test_answers_after_a_failed_effect_carry_its_error():
         assert payload["error"] == "ServerUnreachable" and "server rank 2" in payload["message"]
     finally:
         hosted.mailbox.close()
+
+
+def test_a_primary_without_a_standby_takes_a_new_one_from_its_whole_state():
+    """``standby_attach``: the new standby's first copy is the primary's whole state, and the
+    answer waits until it has it; a second one, a standby's own server, or a machine that
+    cannot be replicated refuse, naming why."""
+    import time
+
+    import torch
+
+    from gradfleet.distributed.easgd.server.centre_server import CentreServer
+    from gradfleet.distributed.hosting.standby import ATTACH
+
+    def attach(hosted: HostedServer, to: HostedServer) -> _Ticket:
+        ticket = _Ticket()
+        msg = {"op": ATTACH, "address": to.address, "rank": 1, "name": "the copy",
+               "seconds": 10.0}  # fmt: skip
+        hosted._handle(msg, ticket)
+        return ticket
+
+    centre = CentreServer([torch.tensor([1.0, 2.0])], 2, 10.0, keep_reads=True)
+    centre.handle({"op": "load", "worker": 0, "centre": [torch.tensor([5.0, 6.0])]}, None)
+    primary = HostedServer(centre, centre.members, "127.0.0.1", "centre")
+    copy = CentreServer([torch.zeros(2)], 2, 10.0, keep_reads=True)
+    standby = HostedServer(copy, copy.members, "127.0.0.1", "copy", standby=True)
+    idle = HostedServer(_Idle(), Membership(1, 5.0), "127.0.0.1", "idle")
+    try:
+        refused = attach(standby, primary)  # a standby is no primary
+        assert "it is a standby" in refused.payloads[0]["message"]
+        refused = attach(idle, standby)
+        assert "cannot be replicated" in refused.payloads[0]["message"]
+        first = attach(primary, standby)
+        deadline = time.monotonic() + 10
+        while not first.payloads and time.monotonic() < deadline:
+            time.sleep(0.01)  # answered from the server's tick once the copy is handled
+        assert first.payloads == [{}]
+        assert torch.equal(copy.centre[0], torch.tensor([5.0, 6.0]))
+        assert (centre.standby, centre.standby_rank) == (standby.address, 1)
+        second = attach(primary, standby)
+        assert "it has a live standby" in second.payloads[0]["message"]
+    finally:
+        for hosted in (primary, standby, idle):
+            if hosted.forwarder is not None:
+                hosted.forwarder.close()
+            hosted.mailbox.close()

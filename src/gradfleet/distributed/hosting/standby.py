@@ -25,7 +25,7 @@ leaves them out only where that is the standby's (a worker that has not met a ne
 yet sent them to the primary alone, and the copy carries them).
 
 A primary that has no standby (its own was lost, or it is a promoted standby) takes a new
-one: a restarted process serves an empty copy and asks, with an ``standby_attach`` request,
+one: a restarted process serves an empty copy and asks, with a ``standby_attach`` request,
 to be its standby.  The primary's first copy to it is its whole state (``load_replica``, the
 machine's ``replica_state()``), in the order of the requests, and the answer to the attach
 waits until the new standby has it; the reads then tell each worker where the standby is, and
