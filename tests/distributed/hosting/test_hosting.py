@@ -124,8 +124,7 @@ def test_a_primary_without_a_standby_takes_a_new_one_from_its_whole_state():
 
     def attach(hosted: HostedServer, to: HostedServer) -> _Ticket:
         ticket = _Ticket()
-        msg = {"op": ATTACH, "address": to.address, "rank": 1, "name": "the copy",
-               "seconds": 10.0}  # fmt: skip
+        msg = {"op": ATTACH, "address": to.address, "rank": 1, "seconds": 10.0}
         hosted._handle(msg, ticket)
         return ticket
 

@@ -251,10 +251,7 @@ class AsyncCentre(CentreStrategy):
             self.standby_address = self._standby_hosted.address
         self.standby_address = share_address(self.standby_address, rank, group)
         if self._hosted is not None and self._server is not None:
-            name = f"the EASGD centre's standby on rank {rank}"
-            self._hosted.forward_to(self.standby_address, name, self.timeout)
-            self._server.standby = self.standby_address  # told in each worker's hello
-            self._server.standby_rank = rank
+            self._hosted.forward_to(self.standby_address, rank, self.timeout)
         dist.barrier(group=group)  # no hello before the server forwards
 
     def _become_standby(self, params: Sequence[torch.Tensor]) -> None:
@@ -269,7 +266,7 @@ class AsyncCentre(CentreStrategy):
         hosted = HostedServer(server, server.members, host, name, standby=True)
         try:
             self._client.call(
-                ATTACH, worker=self.worker, address=hosted.address, rank=self.worker, name=name,
+                ATTACH, worker=self.worker, address=hosted.address, rank=self.worker,
                 seconds=self.timeout,
             )  # fmt: skip
         except RuntimeError as exc:  # refused (the centre has a standby): a worker only

@@ -231,17 +231,20 @@ class HostedServer:
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
-    def forward_to(self, address: str, name: str, timeout: float) -> None:
+    def forward_to(self, address: str, rank: int, timeout: float) -> None:
         """From now on, hand every request that may change the state to the standby at
-        ``address`` (called ``name`` in messages), and answer it once the standby has it.
-        The machine says which fields its workers send the standby themselves
-        (``standby_direct``) and which answers need not wait (``standby_early``): see
-        :class:`~.standby.Forwarder`."""
+        ``address`` (on ``rank``), and answer it once the standby has it.  The machine says
+        which fields its workers send the standby themselves (``standby_direct``) and which
+        answers need not wait (``standby_early``), see :class:`~.standby.Forwarder`; a
+        machine with ``standby`` / ``standby_rank`` tells its workers where it is."""
+        name = f"the {self.name}'s standby on rank {rank}"
         self.forwarder = Forwarder(
             address, name, timeout, wake=self.mailbox.wake,
             direct=getattr(self.machine, "standby_direct", None),
             early=tuple(getattr(self.machine, "standby_early", ())),
         )  # fmt: skip
+        if hasattr(self.machine, "standby"):
+            self.machine.standby, self.machine.standby_rank = address, rank
 
     @property
     def address(self) -> str:
@@ -262,11 +265,10 @@ class HostedServer:
             _send(error(reply, "RuntimeError", f"{self.name}: no new standby, {why}"))
             return
         assert state is not None
-        self.forward_to(msg["address"], msg["name"], float(msg["seconds"]))
+        self.forward_to(msg["address"], int(msg["rank"]), float(msg["seconds"]))
         assert self.forwarder is not None
         number = self.forwarder.forward({"op": REPLICA, "worker": -1, **state()})
-        self.machine.standby, self.machine.standby_rank = msg["address"], msg["rank"]
-        log.info("%s: %s attached as its standby", self.name, msg["name"])
+        log.info("%s: a standby on rank %s attached", self.name, msg["rank"])
         self._held.append((number, [Answer(reply, {})]))
         self._release()
 

@@ -173,11 +173,7 @@ class ParameterServer:
             self._hosted = HostedServer(self._centre, self._centre.members, host, "EASGD centre")
             share_address(self._hosted.address, self.rank)
             if standby is not None:  # a worker rank starts it from this centre, then tells
-                address = share_address(None, standby)
-                name = f"the EASGD centre's standby on rank {standby}"
-                self._hosted.forward_to(address, name, spec["timeout"])
-                self._centre.standby = address  # told in each worker's hello
-                self._centre.standby_rank = standby
+                self._hosted.forward_to(share_address(None, standby), standby, spec["timeout"])
                 dist.barrier()  # no worker's hello before this server forwards
             return
         ranks = spec["placement"].ranks

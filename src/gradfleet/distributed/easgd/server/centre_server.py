@@ -100,6 +100,10 @@ class CentreServer:
         self.members.left = {int(w) for w in msg["left"]}
         self.members.forgotten = {int(w) for w in msg["forgotten"]}
 
+    def _standby(self) -> dict[str, Any]:
+        """Where the standby is, told in hellos and reads."""
+        return {"standby": self.standby, "standby_rank": self.standby_rank}
+
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer]:
         if msg["op"] == "load_replica":  # a new standby starts from its primary's state
             self._load_replica(msg)
@@ -124,21 +128,19 @@ class CentreServer:
             self.members.hello(worker)
             self.reads.pop(worker, None)  # a restarted worker's unfinished exchange
             self.applied.pop(worker, None)  # (its numbers start again)
-            standby = {"standby": self.standby, "standby_rank": self.standby_rank}
-            return [Answer(ticket, {"centre": self.centre, **standby})]
+            return [Answer(ticket, {"centre": self.centre, **self._standby()})]
         number = msg.get("number")
         if op == "exchange_read":
             kept = self.reads.get(worker)
             if number is not None and self.applied.get(worker) == number and kept is not None:
                 # sent again after the centre's loss, its add already applied: the same read
-                standby = {"standby": self.standby, "standby_rank": self.standby_rank}
-                return [Answer(ticket, {"centre": kept[1], **standby})]
+                return [Answer(ticket, {"centre": kept[1], **self._standby()})]
             # TF's read of the centre: the worker's d = x - c_read is completed by its
             # "exchange_add", which may come after other workers' reads and adds
             self.reads[worker] = (number, [c.clone() for c in self.centre])
             # where the standby is now: a worker follows one attached since its hello
-            standby = {"standby": self.standby, "standby_rank": self.standby_rank}
-            return [Answer(ticket, {"centre": self.reads[worker][1], **standby}, fresh=True)]
+            read = {"centre": self.reads[worker][1], **self._standby()}
+            return [Answer(ticket, read, fresh=True)]
         if op == "exchange_add":
             if number is not None and self.applied.get(worker) == number:
                 self.resent[worker] = self.resent.get(worker, 0) + 1
