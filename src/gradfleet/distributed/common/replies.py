@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Answer", "error"]
+__all__ = ["DROPPED", "Answer", "error"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,14 @@ def error(ticket: Any, kind: str, message: str) -> Answer:
     """An answer that raises ``kind`` (``"TimeoutError"``, ``"ServerUnreachable"``, ...) with
     ``message`` in the worker."""
     return Answer(ticket, {"error": kind, "message": message})
+
+
+class _Dropped:
+    """A ticket whose answers go nowhere: a standby's copy of a request (its primary answers
+    the worker), or a request a new standby was given with its primary's state."""
+
+    def send(self, payload: Any, share: Any = None, fresh: bool = False) -> None:
+        pass
+
+
+DROPPED = _Dropped()

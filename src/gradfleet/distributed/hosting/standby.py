@@ -64,10 +64,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..common.replies import DROPPED
 from ..transport import MailboxClient, ServerUnreachable
 
 __all__ = [
     "ATTACH",
+    "DROPPED",
     "COPY",
     "DATA",
     "REPLICA",
@@ -308,13 +310,3 @@ def _copied(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_copied(v) for v in value]
     return value
-
-
-class _Dropped:
-    """The ticket of a forwarded copy: the standby's answers to it go nowhere."""
-
-    def send(self, payload: Any, share: Any = None, fresh: bool = False) -> None:
-        pass
-
-
-DROPPED = _Dropped()

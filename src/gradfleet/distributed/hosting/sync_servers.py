@@ -13,6 +13,12 @@ is a round trip, and over links whose queues are full of gradients it takes tens
 milliseconds, which on the chief's own thread held up tokens, pushes and reports (one probe
 per server rank, not per shard: the shards of one rank live and die with its process).
 
+A replicated chief (``job.standby``): the standby's rank hosts a second :class:`SyncChief`,
+served as a standby (:mod:`.standby`), which asks the chief to take it (``standby_attach``)
+and starts from the chief's whole state; :func:`start_standby` is the collective every rank of
+the job takes part in for it.  Both copies then follow the hyperparameters the workers' pushes
+carry.
+
 The probing thread hands its first failure to the chief's tick (:meth:`SyncServers._watch`),
 which decides once, through the chief (:meth:`~..sync.server.chief.SyncChief.fail`): a probe
 that raised one of ``LINK_ERRORS`` found its server lost, and every worker raises
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..common.replies import Answer
 from ..sync.common.job import Job
@@ -36,9 +43,10 @@ from ..sync.layout.assignment import Placement
 from ..sync.server.chief import SyncChief
 from ..sync.server.shards import Applied, Resized, Shard, ShardServer
 from ..transport import LINK_ERRORS, MailboxClient, ServerUnreachable, lost_peer
-from .hosted_server import HostedServer, probe
+from .hosted_server import HostedServer, probe, share_address
+from .standby import ATTACH
 
-__all__ = ["SyncServers", "PROBE_S"]
+__all__ = ["SyncServers", "PROBE_S", "start_standby"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +56,8 @@ PROBE_S = 0.5
 class SyncServers:
     """The chief and shard servers that ``placement`` gives rank ``rank`` (see module
     docstring), serving ``job``; ``hyperparameters_from_workers``: a dedicated server's copy
-    follows the hyperparameters the workers' pushes carry."""
+    follows the hyperparameters the workers' pushes carry.  ``standby``: the rank of the
+    chief's standby (this rank hosts it if it is ``rank``)."""
 
     def __init__(
         self,
@@ -59,8 +68,10 @@ class SyncServers:
         host: str,
         *,
         hyperparameters_from_workers: bool = False,
+        standby: int | None = None,
     ) -> None:
         ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
+        follow = hyperparameters_from_workers or standby is not None
         self.ranks, self.timeout = list(ranks), job.timeout
         self.chief: SyncChief | None = None
         self._chief_server: HostedServer | None = None
@@ -76,12 +87,22 @@ class SyncServers:
         self._stop_probing = threading.Event()
         self._prober: threading.Thread | None = None
         self._probe_s = min(self.timeout, 5.0)  # how long one probe may wait for its answer
+        self.standby_rank = standby
+        self.standby_chief: SyncChief | None = None  # the copy, on the standby's rank
+        self.standby_server: HostedServer | None = None
         if rank == self.ranks[0]:
             self.chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
-            self.chief.shard.follow_workers = hyperparameters_from_workers
+            self.chief.shard.follow_workers = follow
             self._chief_server = HostedServer(
                 self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch,
                 perform=self._resize,
+            )  # fmt: skip
+        if rank == standby:
+            self.standby_chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
+            self.standby_chief.shard.follow_workers = True
+            self.standby_server = HostedServer(
+                self.standby_chief, self.standby_chief.members, host,
+                f"SyncReplicas chief (standby on rank {rank})", standby=True,
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
             if self.ranks[k] == rank:
@@ -138,6 +159,19 @@ class SyncServers:
         if self._probes:
             self._prober = threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True)
             self._prober.start()
+
+    def attach(self, chief_address: str) -> None:
+        """The standby's rank: ask the chief at ``chief_address`` to take this copy as its
+        standby; it answers once the copy holds its whole state."""
+        assert self.standby_server is not None
+        client = MailboxClient(
+            chief_address, f"standby{self.standby_rank}", self.timeout + 10.0,
+            f"server rank {self.ranks[0]} (chief)", data=False,
+        )  # fmt: skip
+        client.call(
+            ATTACH, worker=-1, address=self.standby_server.address, rank=self.standby_rank,
+            seconds=self.timeout,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
@@ -220,9 +254,30 @@ class SyncServers:
         if self._chief_server is not None:
             self._chief_server.close(end)
             self._chief_server = None
+        if self.standby_server is not None:  # (a promoted one serves until its workers left)
+            self.standby_server.close(end)
+            self.standby_server = None
         self._stop_probing.set()
         # a probe still inside its store call when the interpreter finalizes would be ended
         # through torch's C++ frames, aborting the process (..closing): wait for it
         if self._prober is not None:
             self._prober.join(self._probe_s + 1.0)
             self._prober = None
+
+
+def start_standby(
+    servers: SyncServers | None, standby: int | None, chief_address: str, group: Any = None
+) -> str | None:
+    """The chief's standby joins it (collective: every rank of the job, a dedicated server's
+    too): its rank tells every rank its address, asks the chief to take it and starts from
+    its whole state; then no worker says hello before the chief forwards.  The standby's
+    address (None without one)."""
+    if standby is None:
+        return None
+    mine = servers.standby_server if servers is not None else None
+    address = share_address(mine.address if mine is not None else None, standby, group)
+    if mine is not None:
+        assert servers is not None
+        servers.attach(chief_address)
+    dist.barrier(group=group)
+    return address

@@ -19,6 +19,7 @@ __all__ = [
     "average_indices",
     "check_arguments",
     "check_overlap",
+    "check_standby",
     "choose_transport",
     "default_losses",
     "replicas_label",
@@ -164,6 +165,66 @@ def default_losses(max_losses: int | None, transport: str, backups: bool, R: int
     if transport != "allreduce" or not backups:
         return 0
     return N - 1 if chosen else N - R
+
+
+def check_standby(
+    standby: Any,
+    transport: str,
+    ranks: list[int],
+    R: int,
+    N: int,
+    chosen: bool,
+    joining: bool,
+) -> int | bool:
+    """``standby`` checked (ValueError naming it): a live copy of the chief on another rank,
+    which takes over when the chief's host is lost (:mod:`..hosting.standby`).  ``True``:
+    on the first worker rank after the chief's on another host; a rank: there; ``False``:
+    none.  None: on wherever the job has one server and already does without a host -- backup
+    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off.  A
+    process that joins by address (``joining``) with ``True`` becomes the standby of a
+    chief that has none (its own took over)."""
+    one = len(ranks) == 1
+    dedicated = ranks[0] >= N
+    if standby is None:
+        usable = transport == "server" and one and not chosen and not joining
+        return usable and (R < N or dedicated) and (N >= 2 or dedicated)
+    if isinstance(standby, bool):
+        pass
+    elif isinstance(standby, int):
+        if not 0 <= standby < N or standby == ranks[0]:
+            raise ValueError(
+                f"{_OWNER}: standby must be a worker rank in [0, {N}) other than the chief's "
+                f"({ranks[0]}), True (chosen) or False (none), got {standby}"
+            )
+    else:
+        raise ValueError(
+            f"{_OWNER}: standby must be True (chosen), False (none) or a worker rank, got "
+            f"{standby!r}"
+        )
+    if standby is False:
+        return False
+    if transport != "server":
+        raise ValueError(
+            f"{_OWNER}: standby={standby!r} keeps a copy of a server, and "
+            f"transport={transport!r} has none: every rank keeps the state already "
+            "(max_losses= lets it go on without a lost one)"
+        )
+    if not one:
+        raise ValueError(
+            f"{_OWNER}: standby={standby!r} needs one server (server_ranks={ranks} shards "
+            "the variables: a standby per shard is not built yet)"
+        )
+    if chosen:
+        raise ValueError(
+            f"{_OWNER}: standby={standby!r} needs a fixed replicas_to_aggregate: a chosen R "
+            "depends on the chief's clock, which its standby does not share"
+        )
+    if standby is True and N < 2 and not dedicated:
+        raise ValueError(
+            f"{_OWNER}: standby=True needs a worker rank other than the chief's: "
+            f"total_num_replicas={N}"
+        )
+    return standby
 
 
 def average_indices(index: dict[int, int], variables: Iterable[torch.Tensor] | None) -> list[int]:

@@ -78,6 +78,7 @@ from .arguments import (
     average_indices,
     check_arguments,
     check_overlap,
+    check_standby,
     choose_transport,
     default_losses,
     replicas_label,
@@ -239,6 +240,17 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             first, so that no worker's data stays unheard because it once came late
             (:mod:`.worker.deference`, docs/distributed.md).  ``False``: the first R to
             count in always make the update, the fastest choice.
+        standby: a live copy of the chief on another worker rank, which takes over when
+            the chief's host is lost (one server, a fixed R): every request that changes
+            the chief is handled there too before it is answered, each worker sends its
+            gradients there itself, and a worker whose chief is lost moves to the copy and
+            sends its step again, applied once (:mod:`...hosting.standby`).  ``True``: on
+            the first worker rank after the chief's on another host; a rank: there;
+            ``False``: none.  Default: on with one server at a fixed R where the job
+            already does without a host (backups, R < N; or a server on a rank that only
+            serves); else off.  With ``server_address`` (a restarted process), ``True``
+            makes it the standby of a chief that has none (its own took over), from the
+            chief's live state.  The costs: docs/failures.md.
 
     ``state_dict`` is per rank: the chief's holds ``global_step``, the tokens and shard 0,
     another server rank's the shards it hosts (``"shards"``), a plain worker's only its own
@@ -273,6 +285,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         max_losses: int | None = None,
         store: dist.Store | None = None,
         hear_every_worker: bool = True,
+        standby: int | bool | None = None,
     ) -> None:
         R, N, initial, rule = check_arguments(
             replicas_to_aggregate, total_num_replicas, num_tokens, transport, nonfinite,
@@ -354,12 +367,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
+        standby = check_standby(
+            standby, transport, ranks, R, N, policy is not None, server_address is not None
+        )
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
             nonfinite=nonfinite, last_step=last_step, ema=variable_averages,
             averaged=tuple(averaged), global_step=start, policy=policy, max_losses=max_losses,
-            hear_every_worker=hear_every_worker,
+            hear_every_worker=hear_every_worker, standby=standby,
         )  # fmt: skip
         self.exchange: Exchange
         if transport == "allreduce":

@@ -30,7 +30,8 @@ import torch
 
 from ..hosting.dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting.hosted_server import gather_addresses, server_host, share_address
-from ..hosting.sync_servers import SyncServers
+from ..hosting.standby import standby_rank
+from ..hosting.sync_servers import SyncServers, start_standby
 from ..transport import ServerUnreachable
 from .common.finite import all_finite_list
 from .common.job import Job
@@ -82,15 +83,18 @@ class ServerExchange:
                 f"{self.dedicated} is not supported (they start at 0; restart them with "
                 "serve(state=...))"
             )
-        self.hyper = HyperparameterPusher(optimizer, bool(self.dedicated))
+        # dedicated servers, and a replicated chief, take the hyperparameters from the pushes
+        self.hyper = HyperparameterPusher(optimizer, bool(self.dedicated) or bool(job.standby))
         self.layout = ShardLayout(optimizer, shard_assignment, job.ema, ranks)
         self.servers: SyncServers | None = None
+        self.standby: int | None = None  # the chief's standby's rank
         self.is_chief = given is None and worker == ranks[0]
         self.server_addresses = self._start_servers(host) if given is None else list(given)
         self.server_address = self.server_addresses[0]
         self.settle = settle
         self.latch = ErrorLatch(worker)  # its threads' errors, raised at the step boundary
-        clients = ShardClients(self.server_addresses, ranks, worker, job.timeout)
+        clients = ShardClients(self.server_addresses, ranks, worker, job.timeout, job.N)
+        self.clients = clients
         targets, load = self.layout.shard_params, self.layout.load_shard
         self.links: PlainLinks | ReadAheadLinks | None
         take_answers = None
@@ -128,8 +132,12 @@ class ServerExchange:
                 spec, self.layout.views(self.params), placement.ranks, placement.parts, self.job.N
             )
         host = server_host(host, _OWNER)  # collective: every rank of the group calls it
-        if self.worker in placement.ranks:
-            self.servers = SyncServers(self.optimizer, self.job, placement, self.worker, host)
+        # the chief's standby (collective where one is asked for: the ranks' hosts)
+        standby = standby_rank(self.job.standby, placement.ranks[0], range(self.job.N))
+        if self.worker in placement.ranks or self.worker == standby:
+            self.servers = SyncServers(
+                self.optimizer, self.job, placement, self.worker, host, standby=standby
+            )
         mine = self.servers.addresses() if self.servers is not None else {}
         if len(placement.ranks) == 1:  # one server: its rank tells the others
             addresses = {0: share_address(mine.get(0), placement.ranks[0])}
@@ -137,6 +145,8 @@ class ServerExchange:
             addresses = gather_addresses(mine)
         if self.servers is not None:
             self.servers.connect(addresses)
+        self.standby = standby
+        start_standby(self.servers, standby, addresses[0])
         return [addresses[k] for k in range(len(placement.ranks))]
 
     # ----------------------------------------------------------------- the step
@@ -155,21 +165,16 @@ class ServerExchange:
         # what every push of this step carries is decided once, by its first push (overlap's
         # may leave during backward), and forgotten when the step ends
         try:
-            if self.readiness is not None:
-                try:
-                    return self._overlapped_step(grads, stream)
-                finally:
-                    self.readiness.reset()
-            tag = local_step
-            judged_apart = len(self.layout) > 1 and self.job.nonfinite != "apply"
-            if judged_apart and not all_finite_list(grads):
-                log.warning(
-                    "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
-                    "shard holding it reports it)", self.worker,
-                )  # fmt: skip
-                tag = -1
-            accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
-            return self._finish_step(tag, accepted, stream)
+            try:
+                return self._step_once(local_step, grads, stream)
+            except ServerUnreachable as exc:  # the chief is lost: to its standby, if any
+                self.clients.fail_over(exc)
+                links.reset()
+                self.server_addresses = list(self.clients.addresses)
+                self.server_address = self.server_addresses[0]
+                tag = local_step  # the same step again, under the same number
+                accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
+                return self._finish_step(tag, accepted, stream)
         except ServerUnreachable as exc:
             decided = self.latch.decide(f"step {local_step}", exc)
             if decided is exc:
@@ -177,6 +182,25 @@ class ServerExchange:
             raise decided from exc
         finally:
             self._extra = None
+            self.clients.number += 1  # (a step sent again keeps its number)
+
+    def _step_once(self, local_step: int, grads: Grads, stream: bool) -> Outcome:
+        links = self._open_links()
+        if self.readiness is not None:
+            try:
+                return self._overlapped_step(grads, stream)
+            finally:
+                self.readiness.reset()
+        tag = local_step
+        judged_apart = len(self.layout) > 1 and self.job.nonfinite != "apply"
+        if judged_apart and not all_finite_list(grads):
+            log.warning(
+                "worker rank %d: non-finite gradient, pushed as stale to every shard (the "
+                "shard holding it reports it)", self.worker,
+            )  # fmt: skip
+            tag = -1
+        accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
+        return self._finish_step(tag, accepted, stream)
 
     def _finish_step(self, tag: int, accepted: bool, stream: bool) -> Outcome:
         """Take the token (answers to the pushes meanwhile), then the shards' values, each

@@ -7,6 +7,10 @@ skeleton (the structure with each tensor replaced by its dtype and shape) is sma
 as ``torch.save`` bytes and is read back with ``weights_only=True``, so a peer can send
 nothing but data.  The tensors travel on the data plane, never pickled: their bytes
 concatenated into one buffer, one broadcast.
+
+:func:`pack_state` / :func:`unpack_state` are the same split for a message of the mailbox wire
+(:mod:`.wire`), whose JSON control part would turn an optimizer state's int keys into strings:
+the skeleton as a ``uint8`` tensor, the tensors beside it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["broadcast_state"]
+__all__ = ["broadcast_state", "pack_state", "unpack_state"]
 
 _TENSOR = "__gradfleet_tensor__"
 
@@ -58,6 +62,22 @@ def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return _walk(obj, _is_tensor, placeholder)
 
 
+def pack_state(state: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``state`` as ``(skeleton, tensors)``: the skeleton's ``torch.save`` bytes as a ``uint8``
+    tensor, and the tensors it refers to (:func:`unpack_state` puts them back)."""
+    tensors: list[torch.Tensor] = []
+    buffer = io.BytesIO()
+    torch.save(_skeleton(state, tensors), buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8), tensors
+
+
+def unpack_state(skeleton: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
+    """The state :func:`pack_state` split (the skeleton read with ``weights_only=True``; the
+    tensors used as they are, on the CPU)."""
+    shape = torch.load(io.BytesIO(skeleton.cpu().numpy().tobytes()), weights_only=True)
+    return _walk(shape, _is_placeholder, lambda p: tensors[p[1]])
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -71,9 +91,7 @@ def broadcast_state(
     one."""
     tensors: list[torch.Tensor] = []
     if index == src:
-        buffer = io.BytesIO()
-        torch.save(_skeleton(state, tensors), buffer)
-        raw = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        raw, tensors = pack_state(state)
         size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)

@@ -388,7 +388,9 @@ def _read_ahead_links(monkeypatch, ranks, worker):
 
     monkeypatch.setattr(shard_clients, "MailboxClient", _RecordingClient)
     _RecordingClient.log = []
-    clients = shard_clients.ShardClients([f"h:{k}" for k in range(len(ranks))], ranks, worker, 10.0)
+    clients = shard_clients.ShardClients(
+        [f"h:{k}" for k in range(len(ranks))], ranks, worker, 10.0, 4
+    )
     return ReadAheadLinks(clients, lambda k: [], lambda k, v: None, ErrorLatch(worker))
 
 

@@ -110,7 +110,7 @@ class _Client:
 def _plain(monkeypatch, shards: int, script: dict[int, list[dict]]):
     monkeypatch.setattr(shard_clients, "MailboxClient", _Client)
     _Client.log, _Client.script = [], script
-    clients = shard_clients.ShardClients([f"h:{k}" for k in range(shards)], [0] * shards, 0, 5.0)
+    clients = shard_clients.ShardClients([f"h:{k}" for k in range(shards)], [0] * shards, 0, 5.0, 2)
     clients.versions = dict.fromkeys(range(shards), 2)
     loaded: dict[int, list] = {}
     links = PlainLinks(clients, lambda k: [], lambda k, values: loaded.__setitem__(k, values))

@@ -36,7 +36,9 @@ class Job:
     job starts from; ``policy``: chooses each update's R (``replicas_to_aggregate="auto"``);
     ``max_losses``: workers the all-reduce exchange may lose and go on without (0: a loss
     ends the job); ``hear_every_worker``: backups without a server wait briefly for a worker
-    left out of many updates (:mod:`..worker.deference`)."""
+    left out of many updates (:mod:`..worker.deference`); ``standby``: a live copy of the
+    chief on another rank (``True``: chosen for the job; a rank; ``False``: none), see
+    :func:`..arguments.check_standby`."""
 
     R: int
     N: int
@@ -51,6 +53,7 @@ class Job:
     policy: ReplicasPolicy | None = None
     max_losses: int = 0
     hear_every_worker: bool = True
+    standby: int | bool = False
 
     @property
     def tokens_per_update(self) -> int:

@@ -34,6 +34,17 @@ it cannot go on, whose first cause is kept (``broken``) and logged once.
 
 ``last_step`` (beyond TF): once ``global_step`` reaches it every token request is answered at
 once, so no worker blocks at the end of training (TF's end-of-training hangs, #7970).
+
+A live standby (:mod:`...hosting.standby`, beyond TF): the chief is deterministic given its
+requests in order, so a copy on another host that handles the same requests stays
+bit-identical to it.  For that a worker numbers its step requests (``number``), and a step
+request sent again under the same number -- its worker moved here after the primary's loss --
+is never applied twice: it takes over its place in the token line if it still waits there, or
+gets the answer it was given (the token, its verdict; the values as they are now).  The
+workers send their gradients to the standby themselves (``standby_direct``), and a new standby
+starts from :meth:`SyncChief.replica_state` (``load_replica``).  Hyperparameters then come with
+the workers' pushes on both copies (as on a dedicated server), never from one host's own
+optimizer, whose LR schedule may be at another point.
 """
 
 from __future__ import annotations
@@ -47,7 +58,8 @@ from typing import Any
 import torch
 
 from ...common.membership import Membership
-from ...common.replies import Answer, error
+from ...common.replies import DROPPED, Answer, error
+from ...transport.state_transfer import pack_state, unpack_state
 from ..common.job import Job
 from ..common.replica_choice import ReplicaChoice
 from ..common.replicas_policy import Measurements, ReplicasPolicy
@@ -75,6 +87,10 @@ class SyncChief:
     ``num_shards`` > 1 makes ``global_step`` wait for the other shards' ``applied`` reports;
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
     """
+
+    # what a replicated chief's workers send its standby themselves, and no early answers
+    standby_direct = {"step": ("grads",)}
+    standby_early: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -105,6 +121,13 @@ class SyncChief:
         self.left_for: dict[int, str] = {}  # workers that left because a server was unreachable
         # (error class name, message) every request gets once the chief cannot go on
         self.broken: tuple[str, str] | None = None
+        # replication (module docstring): where the standby is, told in hellos; each worker's
+        # last step request number and the answer it was given; requests sent again
+        self.standby: str | None = None
+        self.standby_rank: int | None = None
+        self.numbers: dict[int, int] = {}
+        self.answered: dict[int, tuple[int | None, str, Any]] = {}
+        self.resent: dict[int, int] = {}
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -157,6 +180,9 @@ class SyncChief:
     # ------------------------------------------------------------------ requests
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
         op = msg["op"]
+        if op == "load_replica":  # a new standby starts from its primary's whole state
+            self._load_replica(msg)
+            return [Answer(ticket, {})]
         if op == "applied":
             k = int(msg["shard"])
             if "noise" in msg:
@@ -169,6 +195,9 @@ class SyncChief:
             if msg.get("unreachable"):  # it left because a server is gone (its view)
                 self.left_for[worker] = str(msg["unreachable"])
             forgotten = bool(msg.get("forgotten", False))
+            if forgotten:  # dead for good: its place in line too (a copy's, whose ticket
+                # was a standby's, is never answered)
+                self.line.remove(lambda e: e.worker != worker)
             self.left_at[worker] = (self.global_step, forgotten)
             self.measured.forget(worker)
             self._forget_placeholder(worker)
@@ -205,8 +234,12 @@ class SyncChief:
         (answer,) = self._own(self.server.handle(msg, ticket))
         self.left_at.pop(worker, None)
         self.left_for.pop(worker, None)
+        self.numbers.pop(worker, None)  # a restarted worker's numbers start again
+        self.answered.pop(worker, None)
         self.measured.served(worker, self.global_step, self.clock())
         extra = {"global_step": self.global_step, "r": self.replicas[self.global_step]}
+        if self.standby is not None:
+            extra.update(standby=self.standby, standby_rank=self.standby_rank)
         return [replace(answer, payload={**answer.payload, **extra})]
 
     def _push(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
@@ -227,6 +260,11 @@ class SyncChief:
         self, worker: int, msg: dict[str, Any], ticket: Any
     ) -> list[Answer | Resized]:
         self.members.heard(worker)
+        number = msg.get("number")
+        if number is not None:
+            if self.numbers.get(worker) == int(number):
+                return self._again(worker, msg, ticket)
+            self.numbers[worker] = int(number)
         if not self.requests.ready(msg):
             self.requests.park(msg, ticket)  # its push to shard 0 is still on its way
             return []
@@ -241,6 +279,29 @@ class SyncChief:
                 return placed
         self._wait_for_token(msg, ticket, accepted)
         return self._serve_tokens()
+
+    def _again(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
+        """Worker ``worker``'s step request sent again under the same number (it moved here
+        from a lost primary): its place in line now waits with this ticket, or it gets the
+        answer it was given, with the values as they are now.  Nothing is applied again."""
+        self.resent[worker] = self.resent.get(worker, 0) + 1
+        version = int(msg["version"]) if msg.get("values", True) else None
+        for entry in self.line:
+            if entry.worker == worker:
+                entry.ticket, entry.version = ticket, version
+                return []
+        number, kind, payload = self.answered.get(worker, (None, "", None))
+        if number != int(msg["number"]):
+            raise RuntimeError(
+                f"SyncReplicas chief: worker rank {worker} sent step request {msg['number']} "
+                "again, but it neither waits in the token line nor was answered"
+            )
+        if kind != "token":
+            return [error(ticket, kind, payload)]
+        answer = {**payload, "version": self.shard.step}
+        if version is not None and version != self.shard.step:
+            answer["params"] = self.params
+        return [Answer(ticket, answer, self.shard.values_key if "params" in answer else None)]
 
     def _own(self, outs: list[Answer | Applied]) -> list[Answer]:
         """Shard 0's outputs: its own update reported here, the answers passed on."""
@@ -281,6 +342,8 @@ class SyncChief:
         if ticket is None:
             self.requests.grant(worker, kind, payload)
             return []
+        kept = {k: v for k, v in payload.items() if k != "params"} if kind == "token" else payload
+        self.answered[worker] = (self.numbers.get(worker), kind, kept)
         if kind == "token":
             key = self.shard.values_key if "params" in payload else None
             return [Answer(ticket, payload, key)]
@@ -442,6 +505,37 @@ class SyncChief:
         if len(self.applied) > 1:
             state["applied"] = list(self.applied)
         return state
+
+    def replica_state(self) -> dict[str, Any]:
+        """Everything a new standby starts from (its ``load_replica``): the checkpoint's state,
+        the workers waiting in line and who left, each worker's last step request and its
+        answer, as a packed skeleton and its tensors (the wire's JSON keeps no int keys)."""
+        state = {
+            "chief": self.state_dict(),
+            "waiting": [(e.worker, e.tag, e.accepted, e.version) for e in self.line],
+            "contributors": sorted(self.shard.contributors),
+            "left_at": dict(self.left_at),
+            "left_for": dict(self.left_for),
+            "numbers": dict(self.numbers),
+            "answered": dict(self.answered),
+            "resent": dict(self.resent),
+            "members": (sorted(self.members.left), sorted(self.members.forgotten)),
+        }
+        skeleton, tensors = pack_state(state)
+        return {"skeleton": skeleton, "tensors": tensors}
+
+    def _load_replica(self, msg: dict[str, Any]) -> None:
+        state = unpack_state(msg["skeleton"], [t.clone() for t in msg["tensors"]])
+        self.load_state_dict(state["chief"])
+        self.line.take_all()
+        for worker, tag, accepted, version in state["waiting"]:  # a copy's: never answered
+            self.line.join(worker, DROPPED, tag, accepted, version)
+        self.shard.contributors = set(state["contributors"])
+        self.left_at, self.left_for = dict(state["left_at"]), dict(state["left_for"])
+        self.numbers, self.answered = dict(state["numbers"]), dict(state["answered"])
+        self.resent = dict(state["resent"])
+        left, forgotten = state["members"]
+        self.members.left, self.members.forgotten = set(left), set(forgotten)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         applied = list(state.get("applied", [state["global_step"]]))

@@ -130,8 +130,8 @@ class Shard:
         self.averaged = [(j, i) for j, i in enumerate(self.indices) if i in chosen]
         self.loads = 0  # checkpoint loads: they change the variables without a step
         self.contributors: set[int] = set()  # workers whose gradient is in the pending update
-        # a dedicated server's ``source`` is its own copy: the workers' pushes carry the
-        # hyperparameters (LR schedules run on the workers)
+        # a dedicated server's, or a replicated chief's: the workers' pushes carry the
+        # hyperparameters (LR schedules run on the workers), ``source`` is not read
         self.follow_workers = False
 
     @property
@@ -182,16 +182,16 @@ class Shard:
 
     def follow(self, hyper: Sequence[dict[str, Any]] | None) -> None:
         """A worker's numeric hyperparameters per param group (sent when they changed): a
-        dedicated server takes them for its next update; a server inside a worker rank reads
-        its own rank's optimizer instead."""
+        dedicated server, or a replicated chief and its standby, take them for the next
+        update; a server inside a worker rank reads its own rank's optimizer instead."""
         if hyper is None or not self.follow_workers:
             return
-        if len(hyper) != len(self.source.param_groups):
+        if len(hyper) != len(self.opt.param_groups):
             raise ValueError(
                 f"SyncReplicasOptimizer: a worker has {len(hyper)} param groups, the server "
-                f"{len(self.source.param_groups)}"
+                f"{len(self.opt.param_groups)}"
             )
-        for group, values in zip(self.source.param_groups, hyper, strict=True):
+        for group, values in zip(self.opt.param_groups, hyper, strict=True):
             group.update(values)
 
     def push(
@@ -218,8 +218,9 @@ class Shard:
         """TF's sync op for these variables: take the averages, apply them, moving averages."""
         averages = self.aggregator.take_average()
         self.contributors.clear()
-        for mine, theirs in zip(self.opt.param_groups, self.source.param_groups, strict=True):
-            mine.update({k: v for k, v in theirs.items() if k not in ("params", "non_slot")})
+        if not self.follow_workers:  # this rank's own optimizer (its LR schedule)
+            for mine, theirs in zip(self.opt.param_groups, self.source.param_groups, strict=True):
+                mine.update({k: v for k, v in theirs.items() if k not in ("params", "non_slot")})
         pairs = [(g, p) for g, p in zip(averages, self.params, strict=True) if g is not None]
         if pairs:
             apply_gradients(self.opt, pairs)

@@ -10,6 +10,11 @@ not).  Per step, TF's worker train op:
 * :meth:`PlainLinks.token_and_reads` -- the shards' answers to the push, collected while the
   chief works on the token; then every other shard's values that changed since the last read,
   all shards' replies received at once.  Returns a :class:`~.pending_step.FinishedStep`.
+
+A replicated chief: the token request carries the step's ``number``, and shard 0's gradients
+go to the chief's standby first (:meth:`~.shard_clients.ShardClients.send_standby`).  A chief
+lost during overlap's early push is raised at ``token_and_reads``, on the worker's thread,
+where the exchange moves to the standby and sends the step again (:meth:`PlainLinks.reset`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ...transport import ServerUnreachable
 from .answer_taker import Load
 from .pending_step import FinishedStep
 from .shard_clients import Grads, ShardClients, busy_error
@@ -37,6 +43,7 @@ class PlainLinks:
         self._pending: list[int] = []  # shards whose push answers are not read yet
         self._token_sent = False  # the token request went out (the step's last push)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
+        self.lost: ServerUnreachable | None = None  # the chief, lost in an early push
 
     def push(self, tag: int, parts: Sequence[Grads], extra: dict[str, Any]) -> bool:
         """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
@@ -58,10 +65,13 @@ class PlainLinks:
         """Overlap: the gradients of the shards in ``jobs`` are complete: out at once, shard
         0's with the token request."""
         for k, grads in jobs.items():
-            if k == 0:
-                self._request_token(tag, grads, extra)
-            else:
+            if k != 0:
                 self._push_shard(k, tag, grads, extra)
+                continue
+            try:
+                self._request_token(tag, grads, extra)
+            except ServerUnreachable as exc:  # from a gradient hook: raised by step()
+                self.lost, self._token_sent = exc, True
 
     def push_rest(self, rest: dict[int, Grads], tag: int, extra: dict[str, Any]) -> None:
         """Overlap, in ``step()``: the shards backward did not complete (``rest``) go now."""
@@ -77,10 +87,18 @@ class PlainLinks:
     def _request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
         """Send the token request (with shard 0's gradients, if any); its answer is read by
         :meth:`token_and_reads`."""
-        version = self.clients.versions[0]
-        fields: dict[str, Any] = {"worker": self.clients.worker, "tag": tag, "version": version}
+        clients = self.clients
+        fields: dict[str, Any] = {
+            "worker": clients.worker, "tag": tag, "version": clients.versions[0],
+            "number": clients.number,
+        }  # fmt: skip
         if grads is not None:
-            fields.update(self.clients.push_data(0, tag, list(grads)))
+            data = clients.push_data(0, tag, list(grads))
+            if "grads" in data:  # at the chief's standby first, where there is one
+                sent = clients.send_standby(data)
+                if sent is not None:
+                    fields["standby"] = sent
+            fields.update(data)
             fields.update(extra)
         self.clients.chief.request("step", **fields)
         self._token_sent = True
@@ -107,6 +125,10 @@ class PlainLinks:
         another.  ``load(k, values)`` runs on shard k's values (views of the link's buffer,
         or of ``targets(k)`` where they were received in place) once they are in."""
         clients = self.clients
+        if self.lost is not None:  # in overlap's early push
+            lost, self.lost = self.lost, None
+            self._token_sent = False
+            raise lost
         if not self._token_sent:
             self._request_token(tag, None, {})
         self._token_sent = False
@@ -125,6 +147,10 @@ class PlainLinks:
             done = min([int(reply["version"]), *self.shard_steps])
             reply["global_step"] = max(int(reply["global_step"]), done)
         return FinishedStep(reply)
+
+    def reset(self) -> None:
+        """Forget the step in flight (its server was lost): it is sent again whole."""
+        self._pending, self._token_sent, self.lost = [], False, None
 
     @property
     def busy(self) -> bool:

@@ -5,6 +5,11 @@ versions the worker holds, what a push carries (:func:`push_data`), the order pu
 
 Shard 0 is the chief's (it also keeps ``global_step`` and the tokens); shards 1.. are the
 other server ranks' (a rank may host several).
+
+A replicated chief (:mod:`...hosting.standby`): its hello names the standby; the worker
+sends each step's gradients there itself, on a link of its own, before the step request goes
+to the chief (:meth:`ShardClients.send_standby`), and numbers its step requests.  When the
+chief is lost, :meth:`ShardClients.fail_over` moves the chief's link to the standby, once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ...transport import MailboxClient
+from ...hosting.standby import DATA
+from ...transport import MailboxClient, ServerUnreachable
 from ..common.finite import all_finite
 from ..layout.pieces import rank_places
 
@@ -83,19 +89,31 @@ def busy_error(op: str) -> RuntimeError:
 
 class ShardClients:
     """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them) for worker
-    ``worker``; a reply may take ``timeout`` seconds (plus a margin for the server's own)."""
+    ``worker``; a reply may take ``timeout`` seconds (plus a margin for the server's own);
+    ``workers``: the job's N (ranks from N on only serve)."""
 
     def __init__(
-        self, addresses: Sequence[str], ranks: Sequence[int], worker: int, timeout: float
+        self,
+        addresses: Sequence[str],
+        ranks: Sequence[int],
+        worker: int,
+        timeout: float,
+        workers: int,
     ) -> None:
         self.addresses, self.ranks = list(addresses), list(ranks)
-        self.worker, self.timeout = worker, timeout
+        self.worker, self.timeout, self.workers = worker, timeout, workers
         self.clients = {k: self.connect(k) for k in range(len(self.addresses))}
         self.versions = dict.fromkeys(self.clients, -1)  # each shard's step the worker holds
         self._shapes: dict[int, list[tuple[int, ...]]] = {}  # each shard's, from hello
         self.withheld = 0  # pushes sent without their gradients (push_data)
         self.replicas: int | None = None  # the chief's R at hello
         self.order = push_order(self.ranks, worker)
+        # the chief's standby (address, rank), named by its hello; the link this worker sends
+        # its gradients there on; the number of its next step request; the lost chief's rank
+        self.standby: tuple[str, int] | None = None
+        self.standby_client: MailboxClient | None = None
+        self.number = 1
+        self.moved_from: int | None = None
 
     def connect(self, k: int, suffix: str = "", data: bool = True) -> MailboxClient:
         """A client of shard ``k``'s server (``suffix``: a second client of it, e.g. the
@@ -136,6 +154,8 @@ class ShardClients:
             step = int(reply["global_step"]) if k == 0 else step
             if k == 0:  # the R of the first update this worker's gradient may join
                 self.replicas = reply.get("r")
+                if reply.get("standby") is not None:
+                    self._meet_standby(str(reply["standby"]), int(reply["standby_rank"]))
         return step, out
 
     def push_data(self, k: int, tag: int, grads: Grads) -> dict[str, Any]:
@@ -146,6 +166,59 @@ class ShardClients:
             log.debug("worker rank %d: shard %d is at step %d: gradients of step %d withheld",
                       self.worker, k, self.versions[k], tag)  # fmt: skip
         return data
+
+    # ------------------------------------------------------------------ the chief's standby
+    def _meet_standby(self, address: str, rank: int) -> None:
+        self.standby = (address, rank)
+        try:
+            self.standby_client = MailboxClient(
+                address, f"w{self.worker}s", self.timeout + 10.0, f"server rank {rank} (standby)"
+            )
+        except ServerUnreachable as exc:
+            self._standby_lost(exc)
+
+    def send_standby(self, fields: dict[str, Any]) -> str | None:
+        """The chief's standby gets ``fields`` (this step's gradients) before the step request
+        leaves for the chief, so that the chief never applies a step whose gradients its
+        standby could miss: the address they went to, or None (no standby, or it is lost:
+        the chief's copy then carries them)."""
+        if self.standby_client is None or self.standby is None:
+            return None
+        try:
+            self.standby_client.call(
+                DATA, worker=self.worker, number=self.number, fields=list(fields), **fields
+            )
+        except ServerUnreachable as exc:
+            self._standby_lost(exc)
+            return None
+        return self.standby[0]
+
+    def _standby_lost(self, exc: ServerUnreachable) -> None:
+        log.warning("worker rank %d: the chief's standby %s is lost: %s",
+                    self.worker, self.standby, exc)  # fmt: skip
+        self.standby_client = None
+        if self.moved_from is None:
+            self.standby = None
+
+    def fail_over(self, exc: ServerUnreachable) -> None:
+        """The chief is lost (``exc``): the chief's link moves to its standby, which takes
+        over at this worker's first request; raises ``exc`` without a standby, or when the
+        standby itself is lost."""
+        if self.standby is None or self.moved_from is not None or len(self.clients) > 1:
+            raise exc
+        address, rank = self.standby
+        log.warning(
+            "worker rank %d: the SyncReplicas chief on server rank %d is lost (%s); moving to "
+            "its standby on rank %d", self.worker, self.ranks[0], exc, rank,
+        )  # fmt: skip
+        self.moved_from, lost = self.ranks[0], self.ranks[0]
+        self.addresses[0], self.ranks[0] = address, rank
+        self.standby_client = None
+        self.clients[0] = self.connect(0)
+        if lost != self.worker and lost < self.workers:
+            # the lost chief's host took its worker with it: the new chief must not wait for
+            # it (a worker that is still alive counts again at its next hello)
+            self.clients[0].call("done", worker=lost, forgotten=True)
 
     def read(self, shards: Sequence[int], into: dict[int, list[torch.Tensor]], load: Load) -> None:
         """Read ``shards``' values that changed since the last read, all replies' receives

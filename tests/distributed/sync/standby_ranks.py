@@ -1,0 +1,172 @@
+"""Rank functions for the tests of the SyncReplicas chief's standby (``test_chief_standby``).
+
+Every worker records each gradient it pushes (its tag) and whether it was accepted, so that
+the test can replay the updates actually made in float64 (:func:`replay`).  The chief's rank
+records its own worker's gradients in a file before each push: it may be killed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from gradfleet.distributed import ParameterServer, SyncReplicasOptimizer
+from gradfleet.distributed.testing import RankContext
+from tests.distributed.sync_ranks import _die, _joined, loss_of, make_model
+
+LR = 0.1
+
+
+def sgd(groups):
+    return torch.optim.SGD(groups, lr=LR)
+
+
+def _cut(ctx: RankContext, cut: str, lost_at: int) -> None:
+    """Make this (the chief's) rank die at worker 2's step request number ``lost_at``: once its
+    standby has handled the copy and before the answer leaves (``"applied"``), or before the
+    copy leaves, the chief having handled the request alone (``"unsent"``)."""
+    from gradfleet.distributed.hosting import standby
+
+    def lost(fields: dict) -> bool:
+        return fields.get("worker") == 2 and fields.get("number") == lost_at
+
+    if cut == "applied":  # in the forwarder, after the standby's acknowledgement
+        init = standby.Forwarder.__init__
+
+        def init_then_watch(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            call = self.client.call
+
+            def call_then_die(op, **fields):
+                out = call(op, **fields)
+                if any(c["copy_of"] == "step" and lost(c) for c in fields.get("copies", [])):
+                    _die(ctx)
+                return out
+
+            self.client.call = call_then_die
+
+        standby.Forwarder.__init__ = init_then_watch
+    elif cut == "unsent":  # handled here, never forwarded
+        from gradfleet.distributed.hosting import hosted_server
+
+        handle = hosted_server.HostedServer._handle
+
+        def handle_then_die(self, msg, reply):
+            if msg["op"] == "step" and lost(msg) and self.forwarder is not None:
+                self.machine.handle(msg, reply)  # the chief applies it; its copy never leaves
+                _die(ctx)
+            return handle(self, msg, reply)
+
+        hosted_server.HostedServer._handle = handle_then_die
+
+
+def chief_lost(
+    ctx: RankContext,
+    R: int,
+    last_step: int,
+    lost_at: int,
+    cut: str,
+    save_to: str,
+    dedicated: bool = False,
+) -> dict:
+    """R of N workers train with plain SGD to ``last_step``; the chief is on rank 0 (its
+    standby chosen: rank 1), or with ``dedicated`` on the last rank, which only serves (its
+    standby: rank 0).  ``lost_at`` > 0: the chief's rank is SIGKILLed at worker 2's step
+    request of that number (:func:`_cut`).  ``lost_at=0``: no loss; the chief's rank and its
+    standby's return their copies' state for a bit-for-bit comparison."""
+    N = ctx.world_size - 1 if dedicated else ctx.world_size
+    chief_rank = N if dedicated else 0
+    if ctx.rank == chief_rank and lost_at:
+        _cut(ctx, cut, lost_at)
+    if dedicated and ctx.rank == chief_rank:
+        server = ParameterServer(sgd)
+        _joined(ctx)
+        server.join()
+        assert server._sync is not None and server._sync.chief is not None
+        return _chief_state(server._sync.chief)
+    model = make_model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt = SyncReplicasOptimizer(
+        sgd(model.parameters()), R, N, timeout=30, last_step=last_step, transport="server",
+        server_rank=chief_rank,
+    )  # fmt: skip
+    standby = opt.exchange.standby
+    _joined(ctx)
+    records: list[tuple[int, torch.Tensor, bool | None]] = []
+    mine = Path(save_to) / f"rank{ctx.rank}.pt"
+    count = 0
+    while opt.global_step < last_step:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        tag = opt.local_step
+        if ctx.rank == chief_rank:  # it may die in this step: its record is kept first
+            torch.save(records + [(tag, grads, None)], mine)
+        opt.step()
+        records.append((tag, grads, opt.last_gradient_accepted))
+        count += 1
+        time.sleep(0.01 * ctx.rank)  # workers at different paces: different R-sets
+    out = {
+        "records": records,
+        "initial": initial,
+        "final": [p.detach().clone() for p in model.parameters()],
+        "global_step": opt.global_step,
+        "standby": standby,
+        "moved_from": opt.exchange.clients.moved_from,
+    }
+    ctx.signal("trained")  # the states are read once every live worker is done
+    for r in range(N):
+        if r != chief_rank or not lost_at:
+            ctx.wait_signal(r, "trained", timeout=60)
+    servers = opt.exchange.servers
+    if servers is not None and servers.chief is not None and not lost_at:
+        out |= _chief_state(servers.chief)
+    if servers is not None and servers.standby_chief is not None:
+        out["standby_state"] = _chief_state(servers.standby_chief)
+        assert servers.standby_server is not None and servers.standby_server.standby is not None
+        out["paired"] = servers.standby_server.standby.paired
+        out["promoted"] = servers.standby_server.standby.promoted
+    opt.close()
+    return out
+
+
+def _chief_state(chief) -> dict:
+    state = chief.state_dict()
+    return {
+        "global_step": chief.global_step,
+        "params": [p.detach().clone() for p in chief.params],
+        "slots": state["optimizer"],
+        "stats": {int(w): dict(v) for w, v in chief.aggregator.stats.items()},
+        "resent": dict(chief.resent),
+    }
+
+
+def replay(
+    initial: list[torch.Tensor],
+    records: dict[int, list[tuple[int, torch.Tensor, bool | None]]],
+    R: int,
+    last_step: int,
+) -> tuple[list[torch.Tensor], dict[int, int]]:
+    """The variables after the updates ``records`` made (float64, from the spec: update ``t``
+    averages the R gradients accepted with tag ``t`` and takes an SGD step), and each
+    worker's accepted count.  A record whose verdict is unknown (``None``: its worker died)
+    was accepted iff its update needs it to have R."""
+    flat = torch.cat([p.reshape(-1) for p in initial]).clone()
+    accepted = dict.fromkeys(records, 0)
+    for t in range(last_step):
+        known = [(w, g) for w, rs in records.items() for tag, g, ok in rs if tag == t and ok]
+        unknown = [
+            (w, g) for w, rs in records.items() for tag, g, ok in rs if tag == t and ok is None
+        ]
+        taken = known + unknown[: R - len(known)]
+        assert len(taken) == R, f"update {t + 1}: {len(taken)} gradients, want {R}"
+        for w, _ in taken:
+            accepted[w] += 1
+        mean = (taken[0][1] + taken[1][1]) / 2 if R == 2 else sum(g for _, g in taken) / R
+        flat.add_(mean, alpha=-LR)
+    out, start = [], 0
+    for p in initial:
+        out.append(flat[start : start + p.numel()].reshape(p.shape))
+        start += p.numel()
+    return out, accepted

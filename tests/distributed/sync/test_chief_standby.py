@@ -1,0 +1,83 @@
+"""The SyncReplicas chief's live standby: bit-identical to the chief, and when the chief's host
+is killed mid-update the workers move to it, every update is applied exactly once, and the
+variables are the float64 replay of the updates made (:mod:`.standby_ranks`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradfleet.distributed.testing import RankKilled, run_ranks
+from tests.distributed.sync import standby_ranks
+
+pytestmark = [pytest.mark.timeout(180)]
+
+R, LAST = 2, 12
+
+
+def _records(out: list, tmp_path, lost: int | None) -> dict:
+    records = {r: o["records"] for r, o in enumerate(out) if isinstance(o, dict) and "records" in o}
+    if lost is not None:
+        records[lost] = torch.load(tmp_path / f"rank{lost}.pt", weights_only=True)
+    return records
+
+
+def test_the_standby_is_bit_identical_to_the_chief(tmp_path):
+    """No loss: the standby (rank 1, chosen: the next rank on one host) holds the chief's
+    variables, slots and counters bit for bit, every step's gradients came to it from its
+    worker (none through the chief), and both equal the float64 replay."""
+    out = run_ranks(standby_ranks.chief_lost, 3, args=(R, LAST, 0, "", str(tmp_path)), timeout=120)
+    assert out[0]["standby"] == 1
+    chief, copy = out[0], out[1]["standby_state"]
+    assert chief["global_step"] == copy["global_step"] == LAST
+    for a, b in zip(chief["params"], copy["params"], strict=True):
+        assert torch.equal(a, b)
+    assert chief["stats"] == copy["stats"]
+    assert str(chief["slots"]) == str(copy["slots"])
+    pushes = sum(len(o["records"]) for o in out)
+    assert out[1]["paired"] >= pushes - 3 and not out[1]["promoted"]  # (withheld ones carry none)
+    want, accepted = standby_ranks.replay(out[0]["initial"], _records(out, tmp_path, None), R, LAST)
+    for g, w in zip(copy["params"], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert {w: s["accepted"] for w, s in copy["stats"].items()} == accepted
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("cut", "dedicated"), [("applied", False), ("unsent", False),
+                                                ("applied", True), ("unsent", True)])  # fmt: skip
+def test_the_chief_killed_mid_update_every_update_counts_once(tmp_path, cut, dedicated):
+    """The chief's rank (rank 0, with its worker; or a dedicated rank 3) is SIGKILLed during
+    worker 2's fourth step: after its standby handled the step and before any answer left,
+    or after the chief alone handled it.  Every live worker moves to the standby, sends the
+    step it waited on again (never applied twice), and the job reaches ``last_step``; the
+    standby's variables equal every worker's last read and the float64 replay of the updates
+    made, and its accepted counts equal the workers' own verdicts."""
+    world, chief = (4, 3) if dedicated else (3, 0)
+    standby = 0 if dedicated else 1
+    out = run_ranks(
+        standby_ranks.chief_lost, world, args=(R, LAST, 4, cut, str(tmp_path), dedicated),
+        timeout=150, kill_on={chief: "die"},
+    )  # fmt: skip
+    assert out[chief] == RankKilled(chief)
+    live = [r for r in range(world) if r != chief]
+    for r in live:
+        assert out[r]["global_step"] == LAST
+        assert out[r]["moved_from"] == chief  # every live worker moved to the standby
+    state = out[standby]["standby_state"]
+    assert out[standby]["promoted"] and state["global_step"] == LAST
+    lost_worker = None if dedicated else chief
+    want, accepted = standby_ranks.replay(
+        out[live[0]]["initial"], _records(out, tmp_path, lost_worker), R, LAST
+    )
+    for g, w in zip(state["params"], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for r in live:  # each worker's last read is the standby's variables
+        for a, b in zip(out[r]["final"], state["params"], strict=True):
+            assert torch.equal(a, b)
+    for r in live:  # each worker's own verdicts, against the standby's record
+        own = sum(1 for _, _, ok in out[r]["records"] if ok)
+        assert state["stats"][r]["accepted"] == own == accepted[r]
+    # every update R gradients, each counted once (the lost worker's too, where it had one)
+    assert sum(s["accepted"] for s in state["stats"].values()) == R * LAST
+    if cut == "applied":  # worker 2's step had reached the standby: sent again, not re-applied
+        assert state["resent"].get(2) == 1
