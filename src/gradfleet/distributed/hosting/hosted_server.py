@@ -295,12 +295,14 @@ class HostedServer:
         if self.forwarder is not None:
             if self.forwarder.failure is not None:  # a bug in forwarding: raised as itself
                 raise self.forwarder.failure
-            try:
-                number = self.forwarder.forward(msg)
-            except ServerUnreachable as exc:  # the standby took over: nothing is handled here
-                _send(error(reply, "ServerUnreachable", str(exc)))
+            if self.forwarder.deposed is not None:  # the standby took over: nothing here
+                _send(error(reply, "ServerUnreachable", self.forwarder.deposed))
                 return
+        # handled first: a request the machine refuses (bad input: it changes nothing, its
+        # worker gets the error) is not forwarded, so the standby never refuses a copy
         outputs = self.machine.handle(msg, reply)
+        if self.forwarder is not None:
+            number = self.forwarder.forward(msg)
         if number is None:
             self._emit(outputs)
         else:  # answered once the standby has it

@@ -8,7 +8,9 @@ Li et al. 2014, with a chain of two); a thread of its own sends the copies, in o
 time, so the primary's handling never waits for the standby.  The machines are deterministic
 given their requests in order, so the standby is bit-identical to its primary after every
 request the primary answered, and holds every request a worker saw answered.  A request whose
-loss is harmless (a read, redone if the primary dies) may be answered at once (``early``).
+loss is harmless (a read, redone if the primary dies) may be answered at once (``early``).  A
+request the primary's machine refuses (it raises: bad input, which changes nothing, such as a
+non-finite gradient under ``nonfinite="raise"``) is not forwarded: its worker gets the error.
 
 The large tensors of a request need not travel twice over the primary's link, the busiest of
 the job: a request's *direct* fields (the EASGD centre's: a worker's parameters) are sent by

@@ -175,6 +175,7 @@ def check_standby(
     N: int,
     chosen: bool,
     joining: bool,
+    grouped: bool,
 ) -> int | bool:
     """``standby`` checked (ValueError naming it): a live copy of the chief on another rank,
     which takes over when the chief's host is lost (:mod:`..hosting.standby`).  ``True``:
@@ -182,11 +183,12 @@ def check_standby(
     none.  None: on wherever the job has one server and already does without a host -- backup
     workers (R < N), or a server on a rank that only serves -- at a fixed R; else off.  A
     process that joins by address (``joining``) with ``True`` becomes the standby of a
-    chief that has none (its own took over)."""
+    chief that has none (its own took over).  The others place it with the process group's
+    collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
     dedicated = ranks[0] >= N
     if standby is None:
-        usable = transport == "server" and one and not chosen and not joining
+        usable = transport == "server" and one and not chosen and not joining and grouped
         return usable and (R < N or dedicated) and (N >= 2 or dedicated)
     if isinstance(standby, bool):
         pass
@@ -218,6 +220,11 @@ def check_standby(
         raise ValueError(
             f"{_OWNER}: standby={standby!r} needs a fixed replicas_to_aggregate: a chosen R "
             "depends on the chief's clock, which its standby does not share"
+        )
+    if not grouped and not joining:
+        raise ValueError(
+            f"{_OWNER}: standby={standby!r} is placed and started with the process group's "
+            "collectives: initialise torch.distributed first"
         )
     if standby is True and N < 2 and not dedicated:
         raise ValueError(

@@ -368,8 +368,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
         standby = check_standby(
-            standby, transport, ranks, R, N, policy is not None, server_address is not None
-        )
+            standby, transport, ranks, R, N, policy is not None, server_address is not None,
+            grouped=inside and dist.get_world_size() > 1,
+        )  # fmt: skip
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
