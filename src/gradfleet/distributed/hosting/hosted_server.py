@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from ..common.membership import Membership
 from ..common.replies import Answer, error
-from ..transport import MailboxServer, ServerUnreachable, store_client
+from ..transport import MailboxServer, store_client
+from ..transport.state_transfer import pack_state, unpack_state
 from .standby import ATTACH, DATA, DROPPED, REPLICA, Forwarder, StandbyRole
 
 __all__ = [
@@ -267,7 +268,10 @@ class HostedServer:
         assert state is not None
         self.forward_to(msg["address"], int(msg["rank"]), float(msg["seconds"]))
         assert self.forwarder is not None
-        number = self.forwarder.forward({"op": REPLICA, "worker": -1, **state()})
+        # packed: the wire's JSON would turn the state's int keys (an optimizer's) to strings
+        skeleton, tensors = pack_state(state())
+        replica = {"op": REPLICA, "worker": -1, "skeleton": skeleton, "tensors": tensors}
+        number = self.forwarder.forward(replica)
         log.info("%s: a standby on rank %s attached", self.name, msg["rank"])
         self._held.append((number, [Answer(reply, {})]))
         self._release()
@@ -287,6 +291,10 @@ class HostedServer:
                     _send(Answer(reply, {}))
                 ready, acks = copies
                 for request in ready:
+                    if request["op"] == REPLICA:  # the state, unpacked (kept: own copies)
+                        tensors = [t.clone() for t in request["tensors"]]
+                        state = unpack_state(request["skeleton"], tensors)
+                        request = {"op": REPLICA, "worker": -1, **state}
                     self._emit(self.machine.handle(request, DROPPED))
                 for ack in acks:
                     _send(Answer(ack, {}))

@@ -59,7 +59,6 @@ import torch
 
 from ...common.membership import Membership
 from ...common.replies import DROPPED, Answer, error
-from ...transport.state_transfer import pack_state, unpack_state
 from ..common.job import Job
 from ..common.replica_choice import ReplicaChoice
 from ..common.replicas_policy import Measurements, ReplicasPolicy
@@ -509,8 +508,8 @@ class SyncChief:
     def replica_state(self) -> dict[str, Any]:
         """Everything a new standby starts from (its ``load_replica``): the checkpoint's state,
         the workers waiting in line and who left, each worker's last step request and its
-        answer, as a packed skeleton and its tensors (the wire's JSON keeps no int keys)."""
-        state = {
+        answer."""
+        return {
             "chief": self.state_dict(),
             "waiting": [(e.worker, e.tag, e.accepted, e.version) for e in self.line],
             "contributors": sorted(self.shard.contributors),
@@ -521,11 +520,8 @@ class SyncChief:
             "resent": dict(self.resent),
             "members": (sorted(self.members.left), sorted(self.members.forgotten)),
         }
-        skeleton, tensors = pack_state(state)
-        return {"skeleton": skeleton, "tensors": tensors}
 
-    def _load_replica(self, msg: dict[str, Any]) -> None:
-        state = unpack_state(msg["skeleton"], [t.clone() for t in msg["tensors"]])
+    def _load_replica(self, state: dict[str, Any]) -> None:
         self.load_state_dict(state["chief"])
         self.line.take_all()
         for worker, tag, accepted, version in state["waiting"]:  # a copy's: never answered
