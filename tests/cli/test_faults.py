@@ -254,6 +254,60 @@ def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.faults
+def test_sync_replicas_survives_rank_0_and_its_chief(tmp_path: Path) -> None:
+    """The chief on rank 0 (``transport=server``, one backup) has its standby on rank 1 by
+    default: rank 0 is SIGKILLed, the others move to the standby and finish every step, rank
+    1 writes the run's files from then on, and the summary names the loss."""
+    steps = 300
+    strategy = "sync-replicas:replicas_to_aggregate=2,transport=server"
+    out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    assert (out / "model.pt").is_file()
+    (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
+    assert "moving to its standby on rank 1" in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path) -> None:
+    """The chief on a dedicated server rank (``--servers 1``: rank 3) has its standby on
+    worker rank 0 by default, also in lockstep (R = N, TF's shared tokens: what checkpoints
+    need): the server rank is SIGKILLed, the workers move to the standby and finish every
+    step, the summary names the loss, a checkpoint after it holds the server's file written
+    from the standby's chief, and ``--resume`` starts from it."""
+    steps = 1200  # a fast job: the kill at step 40 needs a run long enough to see it
+    out, proc = _train(
+        tmp_path, "sync-replicas:replicas_to_aggregate=3,num_tokens=0", 3, steps,
+        "--servers", "1", "--checkpoint-every", "400",
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=3, deadline=deadline)
+    assert code == 0, console
+    said = "warning: dedicated server rank 3 lost"
+    warning = [ln for ln in console.splitlines() if ln.startswith(said)]
+    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
+    summary = json.loads((out / "summary.json").read_text())
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == 3 and lost["role"] == "dedicated server"
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    server = torch.load(out / "checkpoints" / f"step-{steps:07d}" / "rank-3.pt", weights_only=True)
+    assert server["kind"] == "SyncReplicasOptimizer" and server["server"]["global_step"] == steps
+    proc = popen([*GRADFLEET, "train", "--resume", str(out), "--steps", "1500", "-q"], tmp_path)
+    try:
+        ((code, console),) = finish([proc], time.monotonic() + 200, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == 1500 and trained == sorted(trained), trained
+
+
+@pytest.mark.slow
+@pytest.mark.faults
 def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     """The centre on a dedicated server rank (``--servers 1``: rank 3) has its standby on a
     worker rank by default: the server rank is SIGKILLed, the workers move to the standby

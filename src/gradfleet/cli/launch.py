@@ -206,7 +206,7 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
         spec.strategy, spec.strategy_args, workers, spec.device
     )
     server_spare = bool(spec.servers) and server_replaceable(
-        spec.strategy, spec.strategy_args, workers
+        spec.strategy, spec.strategy_args, workers, spec.servers
     )
     # servers first: each round of polling sees a dead server before the workers it failed
     order = [*range(workers, world), *range(workers)]

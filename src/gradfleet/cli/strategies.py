@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed.hosting.dedicated import CENTRE
+from gradfleet.distributed.hosting.dedicated import CENTRE, SYNC
 from gradfleet.distributed.transport.all_reduce import mean_gradients
 from gradfleet.distributed.transport.collectives import TorchCollective
 
@@ -373,6 +373,7 @@ class SyncReplicas(Strategy):
             model=model if self.args.get("with_model", True) else None,
             max_losses=int(self.args["max_losses"]) if "max_losses" in self.args else None,
             hear_every_worker=self.args.get("hear_every_worker", True),
+            standby=self.args.get("standby"),
         )
         if self.args.get("stream_reads"):
             wrapped.stream_reads(model)
@@ -394,7 +395,20 @@ class SyncReplicas(Strategy):
         return int(self.opt.global_step)
 
     def leader(self) -> int:
-        return min(self.opt.live_workers)  # all-reduce with max_losses: rank 0 may be gone
+        # all-reduce with max_losses: rank 0 may be gone; the chief's host (rank 0) lost:
+        # its standby's rank hosts the chief now
+        moved = self.opt.chief_moved_from
+        if moved == 0:
+            return int(self.opt.chief_rank)
+        return min(self.opt.live_workers)
+
+    def server_state(self, rank: int) -> dict[str, Any] | None:
+        # the dedicated chief's rank was lost: the standby here holds the chief, saved in the
+        # server's own checkpoint format (what serve(state=) resumes from)
+        chief = self.opt.standby_chief
+        if self.opt.chief_moved_from != rank or chief is None:
+            return None
+        return {"kind": SYNC, "server": chief.state_dict(), "shards": {}}
 
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed.sync.arguments import choose_transport, default_losses, default_tokens
+from gradfleet.distributed.sync.arguments import (
+    check_standby,
+    choose_transport,
+    default_losses,
+    default_tokens,
+)
 
 from .strategies import (
     DDP,
@@ -36,6 +41,7 @@ __all__ = [
     "available",
     "rank0_replaceable",
     "server_replaceable",
+    "chief_standby",
     "serverless_losses",
     "tolerated_losses",
     "validate_strategy",
@@ -123,6 +129,10 @@ TABLE: dict[str, StrategyInfo] = {
                 "backups, workers - 1 with auto, 0 with replicas_to_aggregate = workers; 0 "
                 "turns it off); the survivors heal from each other's state, and a restarted "
                 "worker rejoins from a live one",
+                "standby": "true (chosen), false or a worker rank: a live copy of the "
+                "chief on another rank, which takes over if the chief's host is lost (one "
+                "server, fixed replicas_to_aggregate; default: on with a server and backups, or "
+                "--servers 1)",
                 "hear_every_worker": "true/false: with transport=allreduce and "
                 "replicas_to_aggregate < workers, a worker left out of many updates is "
                 "waited for briefly (default true; false: the first R always make the update)",
@@ -257,6 +267,7 @@ def validate_strategy(
                 raise ValueError(
                     f"strategy sync-replicas: {key} must be one of {shown}, got {args[key]!r}"
                 )
+        chief_standby(args, workers, servers)  # the library's own check of standby=
         if args.get("hear_every_worker") is False and not (
             (k < total or auto) and args.get("transport") == "allreduce"
         ):
@@ -273,6 +284,31 @@ def servers_asked(args: dict[str, Any]) -> bool:
     option only a server has (TF's shared token queue)?"""
     named = "shards" in args or "server_ranks" in args or "server_address" in args
     return named or args.get("tokens") == "shared" or int(args.get("num_tokens", -1)) != -1
+
+
+def chief_standby(
+    args: dict[str, Any], workers: int, servers: int = 0, device: str = "cpu"
+) -> bool:
+    """Does a sync-replicas run's chief keep a live standby?  The library's own rule
+    (:func:`gradfleet.distributed.sync.arguments.check_standby`) for the exchange it chooses
+    and the servers the run names (``servers``: ``--servers``; else ``shards`` over the
+    workers, or rank 0's one); its ``ValueError`` for a standby it refuses."""
+    total = int(args.get("total_num_replicas", workers))
+    k = args.get("replicas_to_aggregate", workers - 1)
+    chosen = k == "auto"
+    R = total if chosen else int(k)
+    backups = chosen or R < total
+    tokens = default_tokens(args.get("tokens"), R, total, args.get("num_tokens", -1))
+    server_only = backups and (args.get("overlap") is True or "shard_assignment" in args)
+    transport = choose_transport(
+        args.get("transport"), R, total, tokens, servers_asked(args) or servers > 0, chosen,
+        cpu_gloo=device == "cpu", server_only=server_only, world=workers,
+    )  # fmt: skip
+    shards = int(args.get("shards", 1))
+    ranks = [workers + i for i in range(servers)] if servers else [i % total for i in range(shards)]
+    standby = args.get("standby")
+    standby = check_standby(standby, transport, ranks, R, total, chosen, False, True)
+    return standby is not False
 
 
 def serverless_losses(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> int:
@@ -309,15 +345,19 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
         on_rank0 = int(args.get("server_rank", 0)) == 0
         standby = args.get("standby")
         return on_rank0 and workers >= 2 and standby is not None and standby is not False
+    if name == "sync-replicas" and chief_standby(args, workers, 0, device):
+        return True  # the chief on rank 0 has a standby: its rank takes over
     return serverless_losses(name, args, workers, device) > 0
 
 
-def server_replaceable(name: str, args: dict[str, Any], workers: int) -> bool:
+def server_replaceable(name: str, args: dict[str, Any], workers: int, servers: int = 1) -> bool:
     """Can the job lose its dedicated server rank (``--servers 1``)?  Where asynchronous
-    EASGD's centre has a standby on a worker rank (the default there; ``standby=false``
-    turns it off): the workers move to it and go on."""
+    EASGD's centre, or the sync-replicas chief, has a standby on a worker rank (the default
+    there; ``standby=false`` turns it off): the workers move to it and go on."""
     if name == "easgd" and args.get("mode", "sync") == "async" and workers >= 1:
         return args.get("standby") is not False
+    if name == "sync-replicas" and servers == 1:
+        return chief_standby(args, workers, servers)
     return False
 
 

@@ -91,6 +91,7 @@ from .common.replicas_policy import ReplicasPolicy
 from .exchange import Exchange
 from .layout.assignment import SPLITTING, check_server_ranks
 from .layout.shard_layout import choose_layout
+from .server.chief import SyncChief
 from .server_exchange import ServerExchange, as_addresses
 from .worker.allreduce import AllReduceExchange
 from .worker.first_arrivals import FirstArrivalsExchange
@@ -248,7 +249,9 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             the first worker rank after the chief's on another host; a rank: there;
             ``False``: none.  Default: on with one server at a fixed R where the job
             already does without a host (backups, R < N; or a server on a rank that only
-            serves); else off.  With ``server_address`` (a restarted process), ``True``
+            serves); else off.  A replicated chief holds its variables in one shard (the
+            layout for the job does not cut them into runs on its rank).  With
+            ``server_address`` (a restarted process), ``True``
             makes it the standby of a chief that has none (its own took over), from the
             chief's live state.  The costs: docs/failures.md.
 
@@ -349,11 +352,19 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             and dist.is_available()
             and dist.is_initialized()
         )
+        grouped = inside and dist.get_world_size() > 1
+        named = [server_rank] if server_ranks is None else list(server_ranks)
+        if transport == "server":  # a standby keeps one shard: asked for before the layout
+            standby = check_standby(
+                standby, transport, named, R, N, policy is not None, server_address is not None,
+                grouped,
+            )  # fmt: skip
         if shard_assignment is None and transport == "server":  # laid out for the job
-            named = [server_rank] if server_ranks is None else list(server_ranks)
             shard_assignment, server_ranks = (
-                ("bytes", named)  # one running server's address: whole, as it serves
-                if isinstance(server_address, str)
+                # one running server's address: whole, as it serves; a replicated chief
+                # keeps its variables whole (one shard, not cut into runs on its rank)
+                ("bytes", named)
+                if isinstance(server_address, str) or standby
                 else choose_layout(self.optimizer, named, model, variable_averages)
             )
         # split: a shard per piece at most, and pieces may outnumber the parameters
@@ -369,7 +380,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
         standby = check_standby(
             standby, transport, ranks, R, N, policy is not None, server_address is not None,
-            grouped=inside and dist.get_world_size() > 1,
+            grouped,
         )  # fmt: skip
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
@@ -414,6 +425,26 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         now (a lost one gone, a rejoined one back); otherwise all N."""
         group = getattr(self.exchange, "group", None)
         return list(group.members) if group is not None else list(range(self.total_num_replicas))
+
+    @property
+    def chief_rank(self) -> int | None:
+        """The rank whose chief this worker uses now: ``server_rank``, or its standby's once
+        the chief was lost (None without a server)."""
+        clients = getattr(self.exchange, "clients", None)
+        return None if clients is None else int(clients.ranks[0])
+
+    @property
+    def chief_moved_from(self) -> int | None:
+        """The lost chief's rank, once this worker moved to its standby (else None)."""
+        clients = getattr(self.exchange, "clients", None)
+        return None if clients is None else clients.moved_from
+
+    @property
+    def standby_chief(self) -> SyncChief | None:
+        """The copy of the chief this rank hosts as its standby (promoted once the chief was
+        lost), or None."""
+        servers = getattr(self.exchange, "servers", None)
+        return None if servers is None else servers.standby_chief
 
     @property
     def membership_changes(self) -> list[dict[str, Any]]:
