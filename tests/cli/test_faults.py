@@ -37,11 +37,18 @@ def test_tolerated_losses_policy() -> None:
     # rank 0 may go where every rank keeps the state: no server asked for, on the CPU
     assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3)
     assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
-    assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3, "cuda")
-    for off in ({"max_losses": 0}, {"transport": "server"}, {"shards": 2}, {"overlap": True},
-                {"tokens": "shared"}, {"num_tokens": 1}):  # fmt: skip
+    # ... or where the chief on rank 0 keeps a standby (one server, a fixed R, backups: the
+    # default there, CUDA parameters included); not with several shards or standby=false
+    assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2}, 3, "cuda")
+    for on in ({"transport": "server"}, {"overlap": True}, {"tokens": "shared"},
+               {"num_tokens": 1}, {"transport": "server", "standby": 2}):  # fmt: skip
+        assert rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **on}, 3)
+    for off in ({"max_losses": 0}, {"shards": 2}, {"transport": "server", "standby": False},
+                {"overlap": True, "standby": False}):  # fmt: skip
         assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **off}, 3)
     assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
+    auto_server = {"replicas_to_aggregate": "auto", "transport": "server"}  # a chosen R: none
+    assert not rank0_replaceable("sync-replicas", auto_server, 3)
     # asynchronous EASGD: where rank 0's centre has a standby
     assert rank0_replaceable("easgd", {"mode": "async", "standby": True}, 3)
     assert rank0_replaceable("easgd", {"mode": "async", "standby": 2}, 2)
@@ -55,7 +62,13 @@ def test_tolerated_losses_policy() -> None:
     assert server_replaceable("easgd", {"mode": "async"}, 3)
     assert server_replaceable("easgd", {"mode": "async", "standby": 1}, 3)
     assert not server_replaceable("easgd", {"mode": "async", "standby": False}, 3)
-    assert not server_replaceable("sync-replicas", {}, 3)
+    # the sync-replicas chief on its dedicated rank: its standby is on by default, also in
+    # lockstep (R = N); off with standby=false, with a chosen R, and for several servers
+    assert server_replaceable("sync-replicas", {}, 3)
+    assert server_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
+    assert not server_replaceable("sync-replicas", {"standby": False}, 3)
+    assert not server_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
+    assert not server_replaceable("sync-replicas", {}, 3, servers=2)
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
     assert tolerated_losses("sync-replicas", {}, 4) == 1  # default R = N - 1

@@ -138,7 +138,8 @@ def lost_peer(ctx: RankContext) -> str:
 def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None = None) -> dict:
     """2 workers, 4 steps with the model given, shards on ``ranks`` (default 0 and 1; 2 MiB of
     variables each), or one server (``[0]``, or ``[2]``: a dedicated rank that only serves;
-    8 MiB); ``assignment`` None: laid out for the job."""
+    8 MiB; no standby, whose chief keeps one shard); ``assignment`` None: laid out for the
+    job."""
     from torch import nn
 
     from gradfleet.distributed import serve
@@ -159,6 +160,7 @@ def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None =
         server_ranks=ranks,
         shard_assignment=assignment,
         model=model,
+        standby=False,
     )
     gen = torch.Generator().manual_seed(ctx.rank)
     for _ in range(4):
@@ -176,15 +178,15 @@ def laid_out(ctx: RankContext, assignment: str | None, ranks: list[int] | None =
     return out
 
 
-def backups_layout(ctx: RankContext, transport: str | None) -> dict:
+def backups_layout(ctx: RankContext, transport: str | None, standby: bool | None = None) -> dict:
     """R = 2 of 3, no server rank named, the model given: the exchange, the losses it goes on
-    without, and where the variables are."""
+    without, where the variables are and the chief's standby."""
     from torch import nn
 
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))
     opt = SyncReplicasOptimizer(
         gradfleet.AdamOptimizer(model.parameters(), 0.01), 2, 3, timeout=30, model=model,
-        transport=transport,
+        transport=transport, standby=standby,
     )  # fmt: skip
     exchange = opt.exchange
     out = {
@@ -192,6 +194,7 @@ def backups_layout(ctx: RankContext, transport: str | None) -> dict:
         "max_losses": getattr(exchange, "max_losses", None),
         "shards": list(opt.server_ranks),
         "streaming": opt.streaming,
+        "standby": getattr(exchange, "standby", None),
     }
     opt.close()
     return out

@@ -6,10 +6,13 @@ records its own worker's gradients in a file before each push: it may be killed.
 
 from __future__ import annotations
 
+import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from gradfleet.distributed import ParameterServer, SyncReplicasOptimizer
 from gradfleet.distributed.testing import RankContext
@@ -170,3 +173,91 @@ def replay(
         out.append(flat[start : start + p.numel()].reshape(p.shape))
         start += p.numel()
     return out, accepted
+
+
+def chief_second_loss(ctx: RankContext, last_step: int, save_to: str) -> dict:
+    """R = 2 of N = 3 workers (ranks 0-2), the chief on rank 0 and its standby on rank 1.
+    Rank 0 is SIGKILLed after 4 steps; ranks 1 and 2 move to the standby.  Rank 3, a restarted
+    worker 0, joins the new chief by address with ``standby=True``: it becomes its standby
+    from its live state.  Once worker 2 sends its gradients there too, rank 1 is killed as
+    well, and ranks 2 and 3 finish on rank 3's copy.  Every rank's records go to a file
+    before each push (two ranks die), for :func:`replay`."""
+    from tests.distributed.sync_ranks import _wait_dead
+
+    N, R = 3, 2
+    folder = Path(save_to)
+    (folder / f"pid-{ctx.rank}").write_text(str(os.getpid()))
+    model = make_model()
+    worker = 0 if ctx.rank == 3 else ctx.rank
+    if ctx.rank == 3:
+        ctx.signal("joined")
+        ctx.wait_signal(0, "die", timeout=60)
+        _wait_dead(int((folder / "pid-0").read_text()))
+        opened = []
+        load = torch.load
+
+        def watched(f, *a, **k):  # no checkpoint file read (a live peer's bytes are)
+            if isinstance(f, (str, os.PathLike)):
+                opened.append(str(f))
+            return load(f, *a, **k)
+
+        torch.load = watched
+        opt = SyncReplicasOptimizer(
+            sgd(model.parameters()), R, N, timeout=30, last_step=last_step,
+            transport="server", server_address=(folder / "chief").read_text(), worker=0,
+            server_rank=1, standby=True,
+        )  # fmt: skip
+        torch.load = load
+        joined = {"serves": opt.standby_chief is not None, "opened": opened}
+        ctx.signal("attached")
+    else:  # the job's process group: ranks 0-2 (rank 3 restarts one of them, outside it)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{ctx.workdir}/group", rank=ctx.rank, world_size=N,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        opt = SyncReplicasOptimizer(
+            sgd(model.parameters()), R, N, timeout=30, last_step=last_step, transport="server"
+        )
+        joined = {"standby": opt.exchange.standby}
+        if ctx.rank == 1:
+            assert opt.exchange.servers is not None and opt.exchange.servers.standby_server
+            (folder / "chief").write_text(opt.exchange.servers.standby_server.address)
+        _joined(ctx)
+    records: list[tuple[int, torch.Tensor, bool | None]] = []
+    count = 0
+    while opt.global_step < last_step:
+        if ctx.rank == 0 and count == 4:
+            _die(ctx)
+        met = Path(ctx.workdir, "signal-2-met").exists()
+        if ctx.rank == 1 and met and Path(ctx.workdir, "signal-3-attached").exists():
+            _wait_dead(int((folder / "pid-0").read_text()))
+            _die(ctx)
+        opt.zero_grad()
+        loss_of(model, worker, count + (100 if ctx.rank == 3 else 0)).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        tag = opt.local_step
+        torch.save(records + [(tag, grads, None)], folder / f"rank{ctx.rank}.pt")
+        opt.step()
+        records.append((tag, grads, opt.last_gradient_accepted))
+        count += 1
+        standby = opt.exchange.clients.standby
+        if ctx.rank == 2 and standby is not None and standby[1] == 0 and not met:
+            ctx.signal("met")  # rank 3's copy gets this worker's gradients now
+        time.sleep(0.02)
+    out = {
+        **joined,
+        "records": records,
+        "initial": [p.detach().clone() for p in make_model().parameters()],
+        "final": [p.detach().clone() for p in model.parameters()],
+        "global_step": opt.global_step,
+        "moved_from": opt.chief_moved_from,
+    }
+    ctx.signal("trained")
+    for r in (2, 3):
+        ctx.wait_signal(r, "trained", timeout=60)
+    if ctx.rank == 3:
+        assert opt.standby_chief is not None
+        out["state"] = _chief_state(opt.standby_chief)
+        out["promoted"] = opt.exchange.servers.standby_server.standby.promoted
+    opt.close()
+    return out

@@ -81,3 +81,35 @@ def test_the_chief_killed_mid_update_every_update_counts_once(tmp_path, cut, ded
     assert sum(s["accepted"] for s in state["stats"].values()) == R * LAST
     if cut == "applied":  # worker 2's step had reached the standby: sent again, not re-applied
         assert state["resent"].get(2) == 1
+
+
+@pytest.mark.faults
+def test_a_restarted_process_becomes_the_standby_and_a_second_loss_is_survived(tmp_path):
+    """Rank 0 (the chief and worker 0) is killed; its standby on rank 1 takes over.  A
+    restarted worker 0 (rank 3) joins by address with ``standby=True`` and becomes the new
+    chief's standby from its live state (no file opened).  Rank 1 is killed too; ranks 2 and
+    3 finish on rank 3's copy, and its variables are the float64 replay of every update
+    made, each gradient counted once."""
+    out = run_ranks(
+        standby_ranks.chief_second_loss, 4, args=(LAST + 8, str(tmp_path)), timeout=150,
+        kill_on={0: "die", 1: "die"}, init_process_group=False,
+    )  # fmt: skip
+    assert out[0] == RankKilled(0) and out[1] == RankKilled(1)
+    restarted = out[3]
+    assert restarted["serves"] and restarted["opened"] == []
+    assert out[2]["moved_from"] == 1 == restarted["moved_from"]  # the second loss: rank 1
+    state = restarted["state"]
+    assert restarted["promoted"] and state["global_step"] == LAST + 8
+    records = {r: out[r]["records"] for r in (2, 3)}
+    for r in (0, 1):
+        records[r] = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+    want, accepted = standby_ranks.replay(restarted["initial"], records, R, LAST + 8)
+    for g, w in zip(state["params"], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for r in (2, 3):
+        for a, b in zip(out[r]["final"], state["params"], strict=True):
+            assert torch.equal(a, b)
+    # worker 0's two lives (ranks 0 and 3) and worker 1 until its loss, each counted once
+    assert state["stats"][0]["accepted"] == accepted[0] + accepted[3]
+    assert state["stats"][1]["accepted"] == accepted[1]
+    assert state["stats"][2]["accepted"] == accepted[2]

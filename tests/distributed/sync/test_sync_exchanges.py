@@ -248,12 +248,17 @@ def test_backup_workers_with_no_server_named_run_without_one_and_lose_any_host()
 
 
 def test_backup_workers_on_a_server_with_no_rank_named_lay_out_rank_0():
-    """R = 2 of 3, ``transport="server"``, no server rank named, the model given: 4 shards on
-    rank 0 (no variables on the other workers), reads streamed."""
+    """R = 2 of 3, ``transport="server"``, no server rank named, the model given: the chief on
+    rank 0 keeps a standby (on rank 1) and its variables whole, one shard; without a standby,
+    4 shards on rank 0 (no variables on the other workers), reads streamed."""
     backups = run_ranks(exchange_ranks.backups_layout, 3, args=("server",))
     for b in backups:
         assert b["exchange"] == "ServerExchange", backups
+        assert b["shards"] == [0] and b["standby"] == 1 and not b["streaming"], backups
+    backups = run_ranks(exchange_ranks.backups_layout, 3, args=("server", False))
+    for b in backups:
         assert b["shards"] == [0, 0, 0, 0] and b["streaming"], backups
+        assert b["standby"] is None, backups
 
 
 @pytest.mark.slow

@@ -57,7 +57,8 @@ class SyncServers:
     """The chief and shard servers that ``placement`` gives rank ``rank`` (see module
     docstring), serving ``job``; ``hyperparameters_from_workers``: a dedicated server's copy
     follows the hyperparameters the workers' pushes carry.  ``standby``: the rank of the
-    chief's standby (this rank hosts it if it is ``rank``)."""
+    chief's standby (this rank hosts it if it is ``rank``); ``standby_only``: that copy alone
+    (a restarted process that becomes the standby of a running chief)."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class SyncServers:
         *,
         hyperparameters_from_workers: bool = False,
         standby: int | None = None,
+        standby_only: bool = False,
     ) -> None:
         ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
         follow = hyperparameters_from_workers or standby is not None
@@ -90,7 +92,7 @@ class SyncServers:
         self.standby_rank = standby
         self.standby_chief: SyncChief | None = None  # the copy, on the standby's rank
         self.standby_server: HostedServer | None = None
-        if rank == self.ranks[0]:
+        if rank == self.ranks[0] and not standby_only:
             self.chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.chief.shard.follow_workers = follow
             self._chief_server = HostedServer(
@@ -105,7 +107,7 @@ class SyncServers:
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
-            if self.ranks[k] == rank:
+            if self.ranks[k] == rank and not standby_only:
                 shard = Shard(opt, parts[k], job, pieces)
                 shard.follow_workers = hyperparameters_from_workers
                 if job.policy is not None:

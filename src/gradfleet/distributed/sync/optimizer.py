@@ -354,7 +354,7 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )
         grouped = inside and dist.get_world_size() > 1
         named = [server_rank] if server_ranks is None else list(server_ranks)
-        if transport == "server":  # a standby keeps one shard: asked for before the layout
+        if transport == "server" and named:  # a standby keeps one shard: before the layout
             standby = check_standby(
                 standby, transport, named, R, N, policy is not None, server_address is not None,
                 grouped,

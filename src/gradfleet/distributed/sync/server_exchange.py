@@ -23,13 +23,14 @@ every shard (``nonfinite="raise"``/``"drop"``: no shard applies part of a reject
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..hosting.dedicated import HyperparameterPusher, announce, sync_spec
-from ..hosting.hosted_server import gather_addresses, server_host, share_address
+from ..hosting.hosted_server import env_server_host, gather_addresses, server_host, share_address
 from ..hosting.standby import standby_rank
 from ..hosting.sync_servers import SyncServers, start_standby
 from ..transport import ServerUnreachable
@@ -107,6 +108,8 @@ class ServerExchange:
         self.start_step, values = clients.hello(shards)  # TF's local_step_init_op
         for k, shard_values in values.items():
             self.layout.load_shard(k, shard_values)
+        if given is not None and job.standby is True and clients.standby is None:
+            self._become_standby(host)
         # the last step, while its values are still coming in (streamed reads), and this
         # worker's part of its verdict
         self._pending: Step | None = None
@@ -148,6 +151,27 @@ class ServerExchange:
         self.standby = standby
         start_standby(self.servers, standby, addresses[0])
         return [addresses[k] for k in range(len(placement.ranks))]
+
+    def _become_standby(self, host: str | None) -> None:
+        """A restarted process that joined by address with ``standby=True``, whose chief has
+        no standby (its own took over after a loss): serve a copy of the chief and ask the
+        chief to take it; the chief's first copy is its whole state (a live peer's, never a
+        checkpoint file), so a second loss is survived as the first.  Refused (the chief
+        has a standby again): this process is a worker only."""
+        servers = SyncServers(
+            self.optimizer, self.job, self.layout.placement, self.worker,
+            host or env_server_host(), standby=self.worker, standby_only=True,
+        )  # fmt: skip
+        try:
+            servers.attach(self.server_addresses[0])
+        except RuntimeError as exc:  # refused, or the chief is gone (ServerUnreachable)
+            log.warning("worker rank %d: not the chief's standby: %s", self.worker, exc)
+            servers.close(time.monotonic())
+            return
+        assert servers.standby_server is not None
+        log.info("worker rank %d: the chief's standby, from its live state", self.worker)
+        self.servers = servers
+        self.clients.follow_standby(servers.standby_server.address, self.worker)
 
     # ----------------------------------------------------------------- the step
     def _open_links(self) -> PlainLinks | ReadAheadLinks:

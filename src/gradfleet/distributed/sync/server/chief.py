@@ -259,6 +259,7 @@ class SyncChief:
         self, worker: int, msg: dict[str, Any], ticket: Any
     ) -> list[Answer | Resized]:
         self.members.heard(worker)
+        self._alive(worker)
         number = msg.get("number")
         if number is not None:
             if self.numbers.get(worker) == int(number):
@@ -278,6 +279,14 @@ class SyncChief:
                 return placed
         self._wait_for_token(msg, ticket, accepted)
         return self._serve_tokens()
+
+    def _alive(self, worker: int) -> None:
+        """A worker reported dead for good that still sends steps is alive: the report was
+        about its earlier self (a worker that moved to a standby late reports the lost
+        chief's worker after its restarted process said hello here)."""
+        if self.left_at.get(worker, (0, False))[1]:
+            del self.left_at[worker]
+            self.members.hello(worker)
 
     def _again(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
         """Worker ``worker``'s step request sent again under the same number (it moved here
@@ -403,6 +412,8 @@ class SyncChief:
                 "version": self.shard.step,
                 "r": self.choice.of(token, self.global_step),
             }
+            if self.standby is not None:  # a worker follows a standby that attached since
+                answer.update(standby=self.standby, standby_rank=self.standby_rank)
             if entry.version is not None and entry.version != self.shard.step:
                 answer["params"] = self.params
             out += self._answer(entry.worker, entry.ticket, "token", answer)

@@ -140,6 +140,7 @@ class PlainLinks:
         reads = {k: c.begin_response(receive_into=into.get(k)) for k, c in clients.shards.items()}
         for k, finish in [(0, chief_values)] + [(k, f) for k, (_, f) in reads.items()]:
             clients.loaded(k, finish(), self.load)
+        clients.follow_standby(reply.get("standby"), reply.get("standby_rank"))
         reply["accepted"] = bool(reply["accepted"]) and shards_accepted
         if clients.shards:
             # the chief may answer before the shards' "applied" reports reached it; every

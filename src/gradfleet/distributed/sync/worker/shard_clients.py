@@ -9,7 +9,9 @@ other server ranks' (a rank may host several).
 A replicated chief (:mod:`...hosting.standby`): its hello names the standby; the worker
 sends each step's gradients there itself, on a link of its own, before the step request goes
 to the chief (:meth:`ShardClients.send_standby`), and numbers its step requests.  When the
-chief is lost, :meth:`ShardClients.fail_over` moves the chief's link to the standby, once.
+chief is lost, :meth:`ShardClients.fail_over` moves the chief's link to the standby; the
+chief's answers name a standby that took the place of a lost one
+(:meth:`ShardClients.follow_standby`), so a second loss is survived as the first.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class ShardClients:
         self.standby_client: MailboxClient | None = None
         self.number = 1
         self.moved_from: int | None = None
+        self._lost: set[str] = set()  # addresses of chiefs and standbys found lost
 
     def connect(self, k: int, suffix: str = "", data: bool = True) -> MailboxClient:
         """A client of shard ``k``'s server (``suffix``: a second client of it, e.g. the
@@ -177,6 +180,18 @@ class ShardClients:
         except ServerUnreachable as exc:
             self._standby_lost(exc)
 
+    def follow_standby(self, address: str | None, rank: int | None) -> None:
+        """The chief names a standby this worker does not send to (one that took the place of
+        a lost one, from the chief's live state): send there from the next step on."""
+        known = None if self.standby is None else self.standby[0]
+        if address is None or rank is None or address in (known, self.addresses[0]):
+            return
+        if address in self._lost:
+            return
+        log.info("worker rank %d: the chief's standby is now on rank %d (%s)",
+                 self.worker, rank, address)  # fmt: skip
+        self._meet_standby(address, rank)
+
     def send_standby(self, fields: dict[str, Any]) -> str | None:
         """The chief's standby gets ``fields`` (this step's gradients) before the step request
         leaves for the chief, so that the chief never applies a step whose gradients its
@@ -196,15 +211,15 @@ class ShardClients:
     def _standby_lost(self, exc: ServerUnreachable) -> None:
         log.warning("worker rank %d: the chief's standby %s is lost: %s",
                     self.worker, self.standby, exc)  # fmt: skip
-        self.standby_client = None
-        if self.moved_from is None:
-            self.standby = None
+        if self.standby is not None:
+            self._lost.add(self.standby[0])  # the chief may still name it a while
+        self.standby_client, self.standby = None, None
 
     def fail_over(self, exc: ServerUnreachable) -> None:
         """The chief is lost (``exc``): the chief's link moves to its standby, which takes
-        over at this worker's first request; raises ``exc`` without a standby, or when the
-        standby itself is lost."""
-        if self.standby is None or self.moved_from is not None or len(self.clients) > 1:
+        over at this worker's first request; raises ``exc`` without a standby (none, or it
+        was lost too)."""
+        if self.standby is None or len(self.clients) > 1:
             raise exc
         address, rank = self.standby
         log.warning(
@@ -212,8 +227,9 @@ class ShardClients:
             "its standby on rank %d", self.worker, self.ranks[0], exc, rank,
         )  # fmt: skip
         self.moved_from, lost = self.ranks[0], self.ranks[0]
+        self._lost.add(self.addresses[0])
         self.addresses[0], self.ranks[0] = address, rank
-        self.standby_client = None
+        self.standby_client, self.standby = None, None  # until the new chief names one
         self.clients[0] = self.connect(0)
         if lost != self.worker and lost < self.workers:
             # the lost chief's host took its worker with it: the new chief must not wait for
