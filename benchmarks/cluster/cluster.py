@@ -96,6 +96,8 @@ def rows(world: int) -> list[Row]:
             {"R": n, "servers": "default"}),
         Row("sr-one", f"SyncReplicas, one server, R={n}", "sync-replicas", {"R": n}),
         Row("sr-one-b", f"SyncReplicas, one server, R={r} of {n}", "sync-replicas", {"R": r}),
+        Row("sr-one-b-nostandby", f"SyncReplicas, one server without a standby, R={r} of {n}",
+            "sync-replicas", {"R": r, "standby": False}),
         Row("sr-none-b", f"SyncReplicas, no server (the first R all-reduce), R={r} of {n}",
             "sync-replicas", {"R": r, "servers": "none"}),
         Row("sr-none-b-ml", f"SyncReplicas, no server, R={r} of {n}, max_losses=1",
@@ -145,6 +147,9 @@ def rows(world: int) -> list[Row]:
             {"R": n, **shard, **order, "per_rank": 8, **overlap, **stream}),
         Row("sr-ded-one", f"SyncReplicas, one dedicated server host, R={n}", "sync-replicas",
             {"R": n, **dedicated}, server_hosts=1),
+        Row("sr-ded-one-nostandby", f"SyncReplicas, one dedicated server host without a "
+            f"standby, R={n}", "sync-replicas", {"R": n, **dedicated, "standby": False},
+            server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
             "sync-replicas", {"R": n, **dedicated}, server_hosts=n),
         Row("sr-ded-split", f"SyncReplicas, split shards on {n} dedicated server hosts, R={n}",

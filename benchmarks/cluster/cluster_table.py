@@ -56,6 +56,7 @@ ROW_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
             "stream",
             "max_losses",
             "hear",
+            "standby",
         ),
     ),
     "easgd-async": ("easgd", ("period", "rho", "centre", "standby")),
@@ -113,6 +114,8 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
                 args["hear_every_worker"] = bool(o["hear"])
         elif servers != "default":
             args["overlap"] = bool(o.get("overlap", False))
+            if "standby" in o:  # the chief's live standby (default: the library's rule)
+                args["standby"] = bool(o["standby"])
             if not o.get("auto"):  # auto: left out, laid out for the job from the model
                 args["shard_assignment"] = o.get("assignment", "bytes")
     elif name == "easgd":

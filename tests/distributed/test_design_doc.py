@@ -15,10 +15,10 @@ def blocks() -> list[str]:
 
 
 def test_the_page_has_its_examples():
-    assert len(blocks()) == 6
+    assert len(blocks()) == 7
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 def test_block_runs(index):
     exec(compile(blocks()[index], f"{DOC.name}[{index}]", "exec"), {})
 
