@@ -282,55 +282,14 @@ def test_sync_replicas_survives_rank_0_and_its_chief(tmp_path: Path) -> None:
     assert "moving to its standby on rank 1" in log.read_text()
 
 
-@pytest.mark.slow
-@pytest.mark.faults
-def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path) -> None:
-    """The chief on a dedicated server rank (``--servers 1``: rank 3) has its standby on
-    worker rank 0 by default, also in lockstep (R = N, TF's shared tokens: what checkpoints
-    need): the server rank is SIGKILLed, the workers move to the standby and finish every
-    step, the summary names the loss, a checkpoint after it holds the server's file written
-    from the standby's chief, and ``--resume`` starts from it."""
-    steps = 1200  # a fast job: the kill at step 40 needs a run long enough to see it
+def _survive_server_kill(tmp_path: Path, strategy: str, steps: int, every: int) -> tuple:
+    """Train 3 workers and a dedicated server (rank 3) checkpointing every ``every`` steps,
+    SIGKILL the server at step 40: the run ends with exit 0, one console warning and one
+    ``lost_workers`` entry naming it, every step trained.  Returns the run's folder, its
+    summary and the last checkpoint's server file."""
     out, proc = _train(
-        tmp_path, "sync-replicas:replicas_to_aggregate=3,num_tokens=0", 3, steps,
-        "--servers", "1", "--checkpoint-every", "400",
-    )  # fmt: skip
-    deadline = time.monotonic() + 200
-    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=3, deadline=deadline)
-    assert code == 0, console
-    said = "warning: dedicated server rank 3 lost"
-    warning = [ln for ln in console.splitlines() if ln.startswith(said)]
-    assert len(warning) == 1 and "killed by signal 9" in warning[0], console
-    summary = json.loads((out / "summary.json").read_text())
-    (lost,) = summary["lost_workers"]
-    assert lost["rank"] == 3 and lost["role"] == "dedicated server"
-    trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained[-1] == steps and trained == sorted(trained), trained
-    assert summary["test_accuracy"] >= summary["target_accuracy"]
-    server = torch.load(out / "checkpoints" / f"step-{steps:07d}" / "rank-3.pt", weights_only=True)
-    assert server["kind"] == "SyncReplicasOptimizer" and server["server"]["global_step"] == steps
-    proc = popen([*GRADFLEET, "train", "--resume", str(out), "--steps", "1500", "-q"], tmp_path)
-    try:
-        ((code, console),) = finish([proc], time.monotonic() + 200, out)
-    finally:
-        stop([proc], out)
-    assert code == 0, console
-    trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained[-1] == 1500 and trained == sorted(trained), trained
-
-
-@pytest.mark.slow
-@pytest.mark.faults
-def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
-    """The centre on a dedicated server rank (``--servers 1``: rank 3) has its standby on a
-    worker rank by default: the server rank is SIGKILLed, the workers move to the standby
-    and finish every step, the summary names the loss, and a checkpoint after it holds the
-    server's file, written from the standby's centre."""
-    steps = 300
-    out, proc = _train(
-        tmp_path, "easgd:mode=async,period=4", 3, steps,
-        "--servers", "1", "--checkpoint-every", "100",
-    )  # fmt: skip
+        tmp_path, strategy, 3, steps, "--servers", "1", "--checkpoint-every", str(every)
+    )
     deadline = time.monotonic() + 200
     _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=3, deadline=deadline)
     assert code == 0, console
@@ -345,7 +304,44 @@ def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     assert trained[-1] == steps and trained == sorted(trained), trained
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     last = out / "checkpoints" / f"step-{steps:07d}"
-    server = torch.load(last / "rank-3.pt", weights_only=True)
+    return out, summary, torch.load(last / "rank-3.pt", weights_only=True)
+
+
+def _resume(tmp_path: Path, out: Path, steps: int) -> None:
+    """``--resume`` the run to ``steps``: exit 0, every step trained in order."""
+    proc = popen([*GRADFLEET, "train", "--resume", str(out), "--steps", str(steps), "-q"], tmp_path)
+    try:
+        ((code, console),) = finish([proc], time.monotonic() + 200, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path) -> None:
+    """The chief on a dedicated server rank (``--servers 1``: rank 3) has its standby on
+    worker rank 0 by default, also in lockstep (R = N, TF's shared tokens: what checkpoints
+    need): the server rank is SIGKILLed, the workers move to the standby and finish every
+    step, the summary names the loss, a checkpoint after it holds the server's file written
+    from the standby's chief, and ``--resume`` starts from it."""
+    steps = 1200  # a fast job: the kill at step 40 needs a run long enough to see it
+    strategy = "sync-replicas:replicas_to_aggregate=3,num_tokens=0"
+    out, _, server = _survive_server_kill(tmp_path, strategy, steps, 400)
+    assert server["kind"] == "SyncReplicasOptimizer" and server["server"]["global_step"] == steps
+    _resume(tmp_path, out, 1500)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
+    """The centre on a dedicated server rank (``--servers 1``: rank 3) has its standby on a
+    worker rank by default: the server rank is SIGKILLed, the workers move to the standby
+    and finish every step, the summary names the loss, and a checkpoint after it holds the
+    server's file, written from the standby's centre."""
+    out, _, server = _survive_server_kill(tmp_path, "easgd:mode=async,period=4", 300, 100)
     assert server["kind"] == "AsyncCentre"
     # the last checkpoint comes after every worker's last exchange: its centre is the one
     # the run exported (model.pt holds the centre's values: TF's swapping saver)
@@ -354,12 +350,5 @@ def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
         assert torch.equal(a, b)
     # --resume: the server rank starts again from the file the standby's centre gave (it
     # loads its own rank-3.pt, weights_only: without it the server rank fails)
-    proc = popen([*GRADFLEET, "train", "--resume", str(out), "--steps", "400", "-q"], tmp_path)
-    try:
-        ((code, console),) = finish([proc], time.monotonic() + 200, out)
-    finally:
-        stop([proc], out)
-    assert code == 0, console
-    trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained[-1] == 400 and trained == sorted(trained), trained
+    _resume(tmp_path, out, 400)
     assert json.loads((out / "summary.json").read_text())["lost_workers"] == []

@@ -286,13 +286,23 @@ def servers_asked(args: dict[str, Any]) -> bool:
     return named or args.get("tokens") == "shared" or int(args.get("num_tokens", -1)) != -1
 
 
-def chief_standby(
+@dataclass(frozen=True)
+class SyncExchange:
+    """A sync-replicas run's exchange as the library chooses it for one process per worker
+    (:func:`gradfleet.distributed.sync.arguments.choose_transport`): ``transport``, R of
+    ``total`` workers, whether R is ``chosen`` per update, and whether there are ``backups``."""
+
+    transport: str
+    R: int
+    total: int
+    chosen: bool
+    backups: bool
+
+
+def sync_exchange(
     args: dict[str, Any], workers: int, servers: int = 0, device: str = "cpu"
-) -> bool:
-    """Does a sync-replicas run's chief keep a live standby?  The library's own rule
-    (:func:`gradfleet.distributed.sync.arguments.check_standby`) for the exchange it chooses
-    and the servers the run names (``servers``: ``--servers``; else ``shards`` over the
-    workers, or rank 0's one); its ``ValueError`` for a standby it refuses."""
+) -> SyncExchange:
+    """The exchange of a sync-replicas run (``servers``: ``--servers``, which asks for one)."""
     total = int(args.get("total_num_replicas", workers))
     k = args.get("replicas_to_aggregate", workers - 1)
     chosen = k == "auto"
@@ -304,10 +314,23 @@ def chief_standby(
         args.get("transport"), R, total, tokens, servers_asked(args) or servers > 0, chosen,
         cpu_gloo=device == "cpu", server_only=server_only, world=workers,
     )  # fmt: skip
+    return SyncExchange(transport, R, total, chosen, backups)
+
+
+def chief_standby(
+    args: dict[str, Any], workers: int, servers: int = 0, device: str = "cpu"
+) -> bool:
+    """Does a sync-replicas run's chief keep a live standby?  The library's own rule
+    (:func:`gradfleet.distributed.sync.arguments.check_standby`) for the exchange it chooses
+    and the servers the run names (``servers``: ``--servers``; else ``shards`` over the
+    workers, or rank 0's one); its ``ValueError`` for a standby it refuses."""
+    x = sync_exchange(args, workers, servers, device)
     shards = int(args.get("shards", 1))
-    ranks = [workers + i for i in range(servers)] if servers else [i % total for i in range(shards)]
-    standby = args.get("standby")
-    standby = check_standby(standby, transport, ranks, R, total, chosen, False, True)
+    ranks = (
+        [workers + i for i in range(servers)] if servers else [i % x.total for i in range(shards)]
+    )
+    standby = check_standby(args.get("standby"), x.transport, ranks, x.R, x.total, x.chosen,
+                            False, True)  # fmt: skip
     return standby is not False
 
 
@@ -319,20 +342,10 @@ def serverless_losses(name: str, args: dict[str, Any], workers: int, device: str
     state alone."""
     if name != "sync-replicas":
         return 0
-    total = int(args.get("total_num_replicas", workers))
-    k = args.get("replicas_to_aggregate", workers - 1)
-    chosen = k == "auto"
-    R = total if chosen else int(k)
-    backups = chosen or R < total
-    tokens = default_tokens(args.get("tokens"), R, total, args.get("num_tokens", -1))
-    server_only = backups and (args.get("overlap") is True or "shard_assignment" in args)
-    transport = choose_transport(
-        args.get("transport"), R, total, tokens, servers_asked(args), chosen,
-        cpu_gloo=device == "cpu", server_only=server_only, world=workers,
-    )  # fmt: skip
-    if transport != "allreduce":
+    x = sync_exchange(args, workers, 0, device)
+    if x.transport != "allreduce":
         return 0
-    return default_losses(args.get("max_losses"), transport, backups, R, total, chosen)
+    return default_losses(args.get("max_losses"), x.transport, x.backups, x.R, x.total, x.chosen)
 
 
 def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> bool:

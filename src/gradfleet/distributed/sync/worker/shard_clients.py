@@ -257,7 +257,14 @@ class ShardClients:
         self.versions = dict.fromkeys(self.versions, -1)
 
     def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
-        return self.clients[shard].call(op, worker=self.worker, **fields)
+        """Shard ``shard``'s answer to ``op``; the chief's, from its standby if it is lost."""
+        try:
+            return self.clients[shard].call(op, worker=self.worker, **fields)
+        except ServerUnreachable as exc:
+            if shard != 0:
+                raise
+            self.fail_over(exc)
+            return self.clients[0].call(op, worker=self.worker, **fields)
 
     def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
         return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
@@ -272,9 +279,15 @@ class ShardClients:
         """Say ``done`` to every server; a server that is already gone is logged and skipped.
         ``unreachable``: this worker leaves because a server is gone (its error's message)."""
         cause = {} if unreachable is None else {"unreachable": unreachable}
-        for k, client in self.clients.items():
+        for k in list(self.clients):
             try:
-                client.call("done", worker=self.worker, timeout=5.0, **cause)
+                try:
+                    self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
+                except ServerUnreachable as exc:  # the chief lost at the end: its standby
+                    if k != 0 or self.standby is None:
+                        raise
+                    self.fail_over(exc)
+                    self.clients[0].call("done", worker=self.worker, timeout=5.0, **cause)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
 
