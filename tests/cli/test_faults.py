@@ -250,29 +250,17 @@ def test_allreduce_with_a_loss_allowed_survives_rank_0(
 
 @pytest.mark.slow
 @pytest.mark.faults
-def test_async_easgd_survives_rank_0_and_its_centre(tmp_path: Path) -> None:
-    """Rank 0 hosts the asynchronous EASGD centre; its standby on rank 1 takes over when rank 0
-    is SIGKILLed: the others finish every step, rank 1 writes the run's files from then on,
-    and the summary names the loss."""
+@pytest.mark.parametrize(
+    "strategy",
+    ["easgd:mode=async,period=4,standby=true",
+     "sync-replicas:replicas_to_aggregate=2,transport=server"],  # its standby: the default
+    ids=["easgd-centre", "sync-replicas-chief"],
+)  # fmt: skip
+def test_survives_rank_0_and_the_server_on_it(tmp_path: Path, strategy: str) -> None:
+    """Rank 0 hosts the asynchronous EASGD centre, or the sync-replicas chief; its standby on
+    rank 1 takes over when rank 0 is SIGKILLed: the others finish every step, rank 1 writes
+    the run's files from then on, and the summary names the loss."""
     steps = 300
-    strategy = "easgd:mode=async,period=4,standby=true"
-    out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
-    trained = [r["step"] for r in metrics(out) if "loss" in r]
-    assert trained[-1] == steps and trained == sorted(trained), trained
-    assert summary["test_accuracy"] >= summary["target_accuracy"]
-    assert (out / "model.pt").is_file()
-    (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
-    assert "moving to its standby on rank 1" in log.read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.faults
-def test_sync_replicas_survives_rank_0_and_its_chief(tmp_path: Path) -> None:
-    """The chief on rank 0 (``transport=server``, one backup) has its standby on rank 1 by
-    default: rank 0 is SIGKILLed, the others move to the standby and finish every step, rank
-    1 writes the run's files from then on, and the summary names the loss."""
-    steps = 300
-    strategy = "sync-replicas:replicas_to_aggregate=2,transport=server"
     out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
     trained = [r["step"] for r in metrics(out) if "loss" in r]
     assert trained[-1] == steps and trained == sorted(trained), trained
