@@ -117,6 +117,7 @@ def chief_lost(
         "global_step": opt.global_step,
         "standby": standby,
         "moved_from": opt.exchange.clients.moved_from,
+        "withheld": opt.exchange.clients.withheld,  # pushes without gradients
     }
     ctx.signal("trained")  # the states are read once every live worker is done
     for r in range(N):

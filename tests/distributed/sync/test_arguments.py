@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradfleet.distributed.sync.arguments import choose_transport, default_losses
+from gradfleet.distributed.sync.arguments import check_standby, choose_transport, default_losses
 
 
 @pytest.mark.parametrize(
@@ -73,3 +73,47 @@ def test_a_servers_checkpoint_is_refused_by_the_default_exchange_naming_the_way_
         with pytest.raises(ValueError, match="pass transport='server' to resume it as it ran"):
             default.load_state_dict(saved)
         assert default.global_step == 0 and torch.equal(y.detach(), torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("given", "transport", "ranks", "R", "N", "chosen", "joining", "grouped", "expected"),
+    [
+        # default: on with one server at a fixed R where the job does without a host
+        (None, "server", [0], 2, 3, False, False, True, True),  # backups
+        (None, "server", [3], 3, 3, False, False, True, True),  # a dedicated chief, R = N
+        (None, "server", [0], 3, 3, False, False, True, False),  # lockstep on a worker
+        (None, "server", [0, 1], 2, 3, False, False, True, False),  # several shards
+        (None, "server", [0], 3, 3, True, False, True, False),  # a chosen R
+        (None, "server", [0], 2, 3, False, True, True, False),  # a process joining
+        (None, "server", [0], 2, 3, False, False, False, False),  # no process group
+        (None, "allreduce", [0], 2, 3, False, False, True, False),  # no server
+        # asked for: kept
+        (True, "server", [0], 3, 3, False, False, True, True),
+        (2, "server", [0], 2, 3, False, False, True, 2),
+        (False, "server", [0], 2, 3, False, False, True, False),
+        (True, "server", [0], 2, 3, False, True, False, True),  # joining: become the standby
+    ],
+)
+def test_standby_default_and_kept(given, transport, ranks, R, N, chosen, joining, grouped,
+                                  expected):  # fmt: skip
+    got = check_standby(given, transport, ranks, R, N, chosen, joining, grouped)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("given", "transport", "ranks", "chosen", "grouped", "words"),
+    [
+        ("yes", "server", [0], False, True, "True (chosen), False (none) or a worker rank"),
+        (3, "server", [0], False, True, "a worker rank in [0, 3)"),
+        (0, "server", [0], False, True, "other than the chief's"),
+        (True, "allreduce", [0], False, True, "transport='allreduce' has none"),
+        (True, "server", [0, 1], False, True, "needs one server"),
+        (True, "server", [0], True, True, "needs a fixed replicas_to_aggregate"),
+        (True, "server", [0], False, False, "initialise torch.distributed first"),
+    ],
+)
+def test_a_standby_that_cannot_be_kept_is_refused_naming_it(given, transport, ranks, chosen,
+                                                            grouped, words):  # fmt: skip
+    with pytest.raises(ValueError, match="standby") as err:
+        check_standby(given, transport, ranks, 2, 3, chosen, False, grouped)
+    assert words in str(err.value)

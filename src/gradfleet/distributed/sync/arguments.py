@@ -186,22 +186,19 @@ def check_standby(
     chief that has none (its own took over).  The others place it with the process group's
     collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
-    dedicated = ranks[0] >= N
+    dedicated = one and ranks[0] >= N  # (no ranks: check_server_ranks names the error)
     if standby is None:
         usable = transport == "server" and one and not chosen and not joining and grouped
         return usable and (R < N or dedicated) and (N >= 2 or dedicated)
-    if isinstance(standby, bool):
-        pass
-    elif isinstance(standby, int):
-        if not 0 <= standby < N or standby == ranks[0]:
-            raise ValueError(
-                f"{_OWNER}: standby must be a worker rank in [0, {N}) other than the chief's "
-                f"({ranks[0]}), True (chosen) or False (none), got {standby}"
-            )
-    else:
+    if not isinstance(standby, (bool, int)):
         raise ValueError(
             f"{_OWNER}: standby must be True (chosen), False (none) or a worker rank, got "
             f"{standby!r}"
+        )
+    if not isinstance(standby, bool) and (not 0 <= standby < N or standby in ranks[:1]):
+        raise ValueError(
+            f"{_OWNER}: standby must be a worker rank in [0, {N}) other than the chief's "
+            f"(server_ranks={ranks}), True (chosen) or False (none), got {standby}"
         )
     if standby is False:
         return False

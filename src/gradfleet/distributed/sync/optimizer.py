@@ -354,11 +354,11 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )
         grouped = inside and dist.get_world_size() > 1
         named = [server_rank] if server_ranks is None else list(server_ranks)
-        if transport == "server" and named:  # a standby keeps one shard: before the layout
-            standby = check_standby(
-                standby, transport, named, R, N, policy is not None, server_address is not None,
-                grouped,
-            )  # fmt: skip
+        # before the layout: a replicated chief keeps one shard
+        standby = check_standby(
+            standby, transport, named, R, N, policy is not None, server_address is not None,
+            grouped,
+        )  # fmt: skip
         if shard_assignment is None and transport == "server":  # laid out for the job
             shard_assignment, server_ranks = (
                 # one running server's address: whole, as it serves; a replicated chief
@@ -378,10 +378,6 @@ class SyncReplicasOptimizer(WrapperOptimizer):
         )  # fmt: skip
         self.server_ranks, self.server_rank = ranks, ranks[0]
         self.overlap = check_overlap(overlap, transport, len(ranks), nonfinite, backups)
-        standby = check_standby(
-            standby, transport, ranks, R, N, policy is not None, server_address is not None,
-            grouped,
-        )  # fmt: skip
         # the job, described once, and the exchange, chosen once: complete in itself
         job = Job(
             R=R, N=N, tokens=rule, initial_tokens=initial, timeout=float(timeout),
