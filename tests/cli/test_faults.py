@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradfleet.cli.run_files import latest_checkpoint
 from gradfleet.cli.strategy_table import tolerated_losses
 
 from .launching import (
@@ -86,11 +87,13 @@ def _train(tmp_path: Path, strategy: str, workers: int, steps: int, *extra: str)
     return out, popen([*GRADFLEET, *args, "--out", str(out), "-q"], tmp_path)
 
 
-def _survive_kill(tmp_path: Path, strategy: str, steps: int, rank: int) -> tuple[Path, dict, dict]:
-    """Train 3 workers, SIGKILL ``rank`` at step 40: the run ends with exit 0, one console
-    warning and one ``lost_workers`` entry naming it.  Returns the run's folder, its summary
-    and that entry."""
-    out, proc = _train(tmp_path, strategy, 3, steps)
+def _survive_kill(
+    tmp_path: Path, strategy: str, steps: int, rank: int, *extra: str
+) -> tuple[Path, dict, dict]:
+    """Train 3 workers (``extra``: more arguments), SIGKILL ``rank`` at step 40: the run ends
+    with exit 0, one console warning and one ``lost_workers`` entry naming it.  Returns the
+    run's folder, its summary and that entry."""
+    out, proc = _train(tmp_path, strategy, 3, steps, *extra)
     deadline = time.monotonic() + 200
     _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=rank, deadline=deadline)
     assert code == 0, console
@@ -259,40 +262,52 @@ def test_allreduce_with_a_loss_allowed_survives_rank_0(
 def test_survives_rank_0_and_the_server_on_it(tmp_path: Path, strategy: str) -> None:
     """Rank 0 hosts the asynchronous EASGD centre, or the sync-replicas chief; its standby on
     rank 1 takes over when rank 0 is SIGKILLed: the others finish every step, rank 1 writes
-    the run's files from then on, and the summary names the loss."""
+    the run's files from then on, and the summary names the loss.  The checkpoints after the
+    loss hold rank 0's file too (written by rank 1: the centre's or the chief's state from the
+    standby), and ``--resume`` starts every rank from the last one, rank 0's server too."""
     steps = 300
-    out, summary, _ = _survive_kill(tmp_path, strategy, steps, rank=0)
+    out, summary, _ = _survive_kill(tmp_path, strategy, steps, 0, "--checkpoint-every", "100")
+    last = out / "checkpoints" / f"step-{latest_checkpoint(out):07d}"
+    assert latest_checkpoint(out) >= 100 and (last / "rank-0.pt").is_file()
+    if strategy.startswith("sync-replicas"):  # the chief's state, from the standby
+        rank0 = torch.load(last / "rank-0.pt", weights_only=True)
+        server = rank0["optimizer"]["wrapper_state"]["server"]
+        assert server is not None and server["global_step"] > 40  # made after the loss
     trained = [r["step"] for r in metrics(out) if "loss" in r]
     assert trained[-1] == steps and trained == sorted(trained), trained
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     assert (out / "model.pt").is_file()
     (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
     assert "moving to its standby on rank 1" in log.read_text()
+    _resume(tmp_path, out, 400)
 
 
-def _survive_server_kill(tmp_path: Path, strategy: str, steps: int, every: int) -> tuple:
-    """Train 3 workers and a dedicated server (rank 3) checkpointing every ``every`` steps,
-    SIGKILL the server at step 40: the run ends with exit 0, one console warning and one
-    ``lost_workers`` entry naming it, every step trained.  Returns the run's folder, its
-    summary and the last checkpoint's server file."""
+def _survive_server_kill(
+    tmp_path: Path, strategy: str, steps: int, every: int, servers: int = 1
+) -> tuple:
+    """Train 3 workers and ``servers`` dedicated server ranks (3, 4, ...) checkpointing every
+    ``every`` steps, SIGKILL the last server rank at step 40: the run ends with exit 0, one
+    console warning and one ``lost_workers`` entry naming it, every step trained.  Returns the
+    run's folder, its summary and the last checkpoint's file of that server."""
+    rank = 3 + servers - 1
     out, proc = _train(
-        tmp_path, strategy, 3, steps, "--servers", "1", "--checkpoint-every", str(every)
+        tmp_path, strategy, 3, steps, "--servers", str(servers), "--checkpoint-every", str(every)
     )
     deadline = time.monotonic() + 200
-    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=3, deadline=deadline)
+    _, ((code, console),) = kill_midway([proc], out, at_step=40, rank=rank, deadline=deadline)
     assert code == 0, console
-    said = "warning: dedicated server rank 3 lost"
+    said = f"warning: dedicated server rank {rank} lost"
     warning = [ln for ln in console.splitlines() if ln.startswith(said)]
     assert len(warning) == 1 and "killed by signal 9" in warning[0], console
     summary = json.loads((out / "summary.json").read_text())
     (lost,) = summary["lost_workers"]
-    assert lost["rank"] == 3 and lost["role"] == "dedicated server"
+    assert lost["rank"] == rank and lost["role"] == "dedicated server"
     assert lost["cause"] == "killed by signal 9"
     trained = [r["step"] for r in metrics(out) if "loss" in r]
     assert trained[-1] == steps and trained == sorted(trained), trained
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     last = out / "checkpoints" / f"step-{steps:07d}"
-    return out, summary, torch.load(last / "rank-3.pt", weights_only=True)
+    return out, summary, torch.load(last / f"rank-{rank}.pt", weights_only=True)
 
 
 def _resume(tmp_path: Path, out: Path, steps: int) -> None:
@@ -309,16 +324,25 @@ def _resume(tmp_path: Path, out: Path, steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.faults
-def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("servers", [1, 2], ids=["the-chief", "a-shard"])
+def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path, servers: int) -> None:
     """The chief on a dedicated server rank (``--servers 1``: rank 3) has its standby on
     worker rank 0 by default, also in lockstep (R = N, TF's shared tokens: what checkpoints
-    need): the server rank is SIGKILLed, the workers move to the standby and finish every
-    step, the summary names the loss, a checkpoint after it holds the server's file written
-    from the standby's chief, and ``--resume`` starts from it."""
+    need); with ``--servers 2`` and ``standby=true`` shard 1's server (rank 4) has one on
+    worker rank 1.  The server rank is SIGKILLed, the workers move to the standby and finish
+    every step, the summary names the loss, a checkpoint after it holds the server's file
+    written from the standby (by the worker that holds it), and ``--resume`` starts from it."""
     steps = 1200  # a fast job: the kill at step 40 needs a run long enough to see it
     strategy = "sync-replicas:replicas_to_aggregate=3,num_tokens=0"
-    out, _, server = _survive_server_kill(tmp_path, strategy, steps, 400)
-    assert server["kind"] == "SyncReplicasOptimizer" and server["server"]["global_step"] == steps
+    if servers > 1:
+        strategy += ",standby=true"
+    out, _, server = _survive_server_kill(tmp_path, strategy, steps, 400, servers)
+    assert server["kind"] == "SyncReplicasOptimizer"
+    if servers == 1:
+        assert server["server"]["global_step"] == steps
+    else:  # shard 1's variables, as its standby holds them
+        assert server["server"] is None and list(server["shards"]) == [1]
+        assert server["shards"][1]["aggregator"]["global_step"] == steps
     _resume(tmp_path, out, 1500)
 
 

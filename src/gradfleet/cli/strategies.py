@@ -112,6 +112,13 @@ class Strategy:
         now (what that server's ``state_dict()`` would have been); None where none does."""
         return None
 
+    def stand_in(self, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint file of worker ``rank``, lost, written by the leader from its own
+        ``state`` so that ``--resume`` starts every rank again: the state a restarted worker
+        rejoins with, a live peer's (its traffic counted from 0).  Only strategies that go on
+        without a worker are asked."""
+        return {**state, "bytes_sent": 0}
+
     def finish(self) -> None:
         """Collective end-of-training hook (every rank calls it)."""
         return None
@@ -403,12 +410,30 @@ class SyncReplicas(Strategy):
         return min(self.opt.live_workers)
 
     def server_state(self, rank: int) -> dict[str, Any] | None:
-        # the dedicated chief's rank was lost: the standby here holds the chief, saved in the
-        # server's own checkpoint format (what serve(state=) resumes from)
+        # a dedicated server's rank was lost: the standby here holds its chief or shard, saved
+        # in the server's own checkpoint format (what serve(state=) resumes from)
         chief = self.opt.standby_chief
-        if self.opt.chief_moved_from != rank or chief is None:
-            return None
-        return {"kind": SYNC, "server": chief.state_dict(), "shards": {}}
+        if self.opt.chief_moved_from == rank and chief is not None:
+            return {"kind": SYNC, "server": chief.state_dict(), "shards": {}}
+        servers = getattr(self.opt.exchange, "servers", None)
+        shards = {} if servers is None else servers.standby_shards
+        held = {
+            k: server.shard.state_dict()
+            for k, (server, hosted) in shards.items()
+            if hosted.took_over and servers.ranks[k] == rank
+        }
+        return {"kind": SYNC, "server": None, "shards": held} if held else None
+
+    def stand_in(self, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+        # the chief's part belongs to its host: the lost rank's own, where it hosted the chief
+        # that the standby here holds now; its books start again, as a restarted worker's
+        mine = super().stand_in(rank, state)
+        wrapper = dict(mine["optimizer"]["wrapper_state"])
+        chief = self.opt.standby_chief
+        moved = chief is not None and self.opt.chief_moved_from == rank
+        wrapper["server"] = chief.state_dict() if moved else None
+        wrapper["counters"] = dict.fromkeys(wrapper["counters"], 0)
+        return {**mine, "optimizer": {**mine["optimizer"], "wrapper_state": wrapper}}
 
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)

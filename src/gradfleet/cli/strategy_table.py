@@ -130,9 +130,9 @@ TABLE: dict[str, StrategyInfo] = {
                 "turns it off); the survivors heal from each other's state, and a restarted "
                 "worker rejoins from a live one",
                 "standby": "true (chosen), false or a worker rank: a live copy of the "
-                "chief on another rank, which takes over if the chief's host is lost (one "
-                "server, fixed replicas_to_aggregate; default: on with a server and backups, or "
-                "--servers 1)",
+                "chief (with shards, true: of every server) on another rank, which takes over "
+                "if the server's host is lost (fixed replicas_to_aggregate; default: on with "
+                "one server and backups, or --servers 1)",
                 "hear_every_worker": "true/false: with transport=allreduce and "
                 "replicas_to_aggregate < workers, a worker left out of many updates is "
                 "waited for briefly (default true; false: the first R always make the update)",
@@ -364,12 +364,13 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
 
 
 def server_replaceable(name: str, args: dict[str, Any], workers: int, servers: int = 1) -> bool:
-    """Can the job lose its dedicated server rank (``--servers 1``)?  Where asynchronous
-    EASGD's centre, or the sync-replicas chief, has a standby on a worker rank (the default
-    there; ``standby=false`` turns it off): the workers move to it and go on."""
+    """Can the job lose a dedicated server rank (``--servers K``)?  Where asynchronous EASGD's
+    centre, or each sync-replicas server, has a standby on a worker rank (the default with
+    one server; ``standby=true`` with several; ``standby=false`` turns it off): the workers
+    move to it and go on."""
     if name == "easgd" and args.get("mode", "sync") == "async" and workers >= 1:
         return args.get("standby") is not False
-    if name == "sync-replicas" and servers == 1:
+    if name == "sync-replicas" and servers >= 1:
         return chief_standby(args, workers, servers)
     return False
 

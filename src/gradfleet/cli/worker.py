@@ -77,18 +77,19 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
         if writer:
             job.control.wait_checkpoint(step, job.timeout)
         if job.servers:
-            if rank == 0:  # a lost server's state, where a standby holds it now
-                servers = server_ranks(job.workers, job.servers)
-                for r, lost in job.control.lost_workers(servers).items():
-                    server_state = strategy.server_state(r)
-                    if server_state is None:
-                        raise RuntimeError(
-                            f"checkpoint {step}: dedicated server rank {r} was lost "
-                            f"({lost.get('cause')}) and no rank holds its state"
-                        )
+            # a lost server's state, written by the rank whose standby holds it now (rank 0
+            # then waits for every server rank's file: one that no rank holds is named)
+            servers = server_ranks(job.workers, job.servers)
+            for r in job.control.lost_workers(servers):
+                server_state = strategy.server_state(r)
+                if server_state is not None:
                     atomic_save(server_state, ckpt_dir / f"rank-{r}.pt")
                     job.control.server_checkpoint_saved(step, r)
             checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
+        if writer:  # a lost worker's file, so that --resume starts every rank again
+            for r in job.control.lost_workers(range(job.workers)):
+                if r != rank:
+                    atomic_save(strategy.stand_in(r, state), ckpt_dir / f"rank-{r}.pt")
     if writer:
         pointer = out / "checkpoints" / "latest"
         previous = latest_checkpoint(out)

@@ -25,10 +25,11 @@ def sgd(groups):
     return torch.optim.SGD(groups, lr=LR)
 
 
-def _cut(ctx: RankContext, cut: str, lost_at: int) -> None:
-    """Make this (the chief's) rank die at worker 2's step request number ``lost_at``: once its
-    standby has handled the copy and before the answer leaves (``"applied"``), or before the
-    copy leaves, the chief having handled the request alone (``"unsent"``)."""
+def _cut(ctx: RankContext, cut: str, lost_at: int, op: str = "step") -> None:
+    """Make this (a server's) rank die at worker 2's request ``op`` (the chief's step request,
+    a shard's push) number ``lost_at``: once its standby has handled the copy and before the
+    answer leaves (``"applied"``), or before the copy leaves, the server having handled the
+    request alone (``"unsent"``)."""
     from gradfleet.distributed.hosting import standby
 
     def lost(fields: dict) -> bool:
@@ -41,9 +42,9 @@ def _cut(ctx: RankContext, cut: str, lost_at: int) -> None:
             init(self, *args, **kwargs)
             call = self.client.call
 
-            def call_then_die(op, **fields):
-                out = call(op, **fields)
-                if any(c["copy_of"] == "step" and lost(c) for c in fields.get("copies", [])):
+            def call_then_die(what, **fields):
+                out = call(what, **fields)
+                if any(c["copy_of"] == op and lost(c) for c in fields.get("copies", [])):
                     _die(ctx)
                 return out
 
@@ -56,7 +57,7 @@ def _cut(ctx: RankContext, cut: str, lost_at: int) -> None:
         handle = hosted_server.HostedServer._handle
 
         def handle_then_die(self, msg, reply):
-            if msg["op"] == "step" and lost(msg) and self.forwarder is not None:
+            if msg["op"] == op and lost(msg) and self.forwarder is not None:
                 self.machine.handle(msg, reply)  # the chief applies it; its copy never leaves
                 _die(ctx)
             return handle(self, msg, reply)
@@ -131,6 +132,71 @@ def chief_lost(
         assert servers.standby_server is not None and servers.standby_server.standby is not None
         out["paired"] = servers.standby_server.standby.paired
         out["promoted"] = servers.standby_server.standby.promoted
+    opt.close()
+    return out
+
+
+def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: str,
+               save_to: str) -> dict:  # fmt: skip
+    """N = 3 workers in lockstep (R = N: every gradient joins its update on every shard) with
+    plain SGD, the variables in two shards on dedicated ranks (3: the chief, 4: shard 1), each
+    with a standby chosen for the job (the chief's on rank 0, shard 1's on rank 1).  Server
+    rank ``lost`` is SIGKILLed at worker 2's request number ``lost_at`` to it (the chief's
+    step request, shard 1's push; :func:`_cut`), or with ``lost_at=0`` nothing is lost."""
+    N = 3
+    if ctx.rank == lost and lost_at:
+        _cut(ctx, cut, lost_at, "step" if lost == N else "push")
+    if ctx.rank >= N:
+        server = ParameterServer(sgd)
+        _joined(ctx)
+        server.join()
+        return {"served": True}
+    model = make_model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt = SyncReplicasOptimizer(
+        sgd(model.parameters()), N, N, timeout=30, last_step=last_step, transport="server",
+        server_ranks=[3, 4], standby=True,
+    )  # fmt: skip
+    standbys = {k: v[1] for k, v in opt.exchange.clients.standbys.items()}
+    _joined(ctx)
+    records: list[tuple[int, torch.Tensor, bool | None]] = []
+    count = 0
+    while opt.global_step < last_step:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        tag = opt.local_step
+        opt.step()
+        records.append((tag, grads, opt.last_gradient_accepted))
+        count += 1
+        time.sleep(0.01 * ctx.rank)
+    out = {
+        "records": records,
+        "initial": initial,
+        "final": [p.detach().clone() for p in model.parameters()],
+        "global_step": opt.global_step,
+        "standbys": standbys,
+        "moved": dict(opt.exchange.clients.moved),
+    }
+    ctx.signal("trained")
+    for r in range(N):
+        ctx.wait_signal(r, "trained", timeout=60)
+    servers = opt.exchange.servers
+    if servers is not None:
+        for k, (server, hosted) in servers.standby_shards.items():
+            assert hosted.standby is not None
+            out[f"shard{k}"] = {
+                "indices": list(server.shard.indices),
+                "params": [p.detach().clone() for p in server.shard.params],
+                "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
+                "step": server.shard.step,
+                "promoted": hosted.standby.promoted,
+                "paired": hosted.standby.paired,
+            }
+        if servers.standby_chief is not None:
+            out["chief"] = _chief_state(servers.standby_chief)
+            assert servers.standby_server is not None and servers.standby_server.standby
+            out["chief"]["promoted"] = servers.standby_server.standby.promoted
     opt.close()
     return out
 

@@ -92,6 +92,8 @@ def test_a_servers_checkpoint_is_refused_by_the_default_exchange_naming_the_way_
         (2, "server", [0], 2, 3, False, False, True, 2),
         (False, "server", [0], 2, 3, False, False, True, False),
         (True, "server", [0], 2, 3, False, True, False, True),  # joining: become the standby
+        (True, "server", [0, 1], 2, 3, False, False, True, True),  # a standby per shard
+        (True, "server", [3, 4], 3, 3, False, False, True, True),  # per dedicated server
     ],
 )
 def test_standby_default_and_kept(given, transport, ranks, R, N, chosen, joining, grouped,
@@ -107,7 +109,7 @@ def test_standby_default_and_kept(given, transport, ranks, R, N, chosen, joining
         (3, "server", [0], False, True, "a worker rank in [0, 3)"),
         (0, "server", [0], False, True, "other than the chief's"),
         (True, "allreduce", [0], False, True, "transport='allreduce' has none"),
-        (True, "server", [0, 1], False, True, "needs one server"),
+        (2, "server", [0, 1], False, True, "pass standby=True (a standby per shard"),
         (True, "server", [0], True, True, "needs a fixed replicas_to_aggregate"),
         (True, "server", [0], False, False, "initialise torch.distributed first"),
     ],

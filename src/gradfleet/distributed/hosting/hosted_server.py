@@ -251,6 +251,11 @@ class HostedServer:
     def address(self) -> str:
         return self.mailbox.address
 
+    @property
+    def took_over(self) -> bool:
+        """A standby's server that took its primary's place (a worker came to it)."""
+        return self.standby is not None and self.standby.promoted
+
     def _attach(self, msg: dict[str, Any], reply: Any) -> None:
         """A restarted process asks to be this primary's standby (:mod:`.standby`): its first
         copy is the machine's whole state, and the answer waits until it has it."""

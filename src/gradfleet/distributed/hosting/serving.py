@@ -45,7 +45,7 @@ from ..easgd.server.centre_server import CentreServer
 from ..sync.layout.pieces import view, whole
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .hosted_server import HostedServer, gather_addresses, server_host, share_address
-from .standby import standby_rank
+from .standby import standby_rank, standby_ranks
 from .sync_servers import SyncServers, start_standby
 
 __all__ = ["ParameterServer", "serve"]
@@ -177,10 +177,10 @@ class ParameterServer:
                 dist.barrier()  # no worker's hello before this server forwards
             return
         ranks, job = spec["placement"].ranks, spec["job"]
-        standby = standby_rank(job.standby, ranks[0], range(job.N))  # as on the workers
+        standbys = standby_ranks(job.standby, ranks, range(job.N))  # as on the workers
         self._sync = SyncServers(
             self._opt, job, spec["placement"], self.rank, host,
-            hyperparameters_from_workers=True, standby=standby,
+            hyperparameters_from_workers=True, standbys=standbys,
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:
@@ -191,7 +191,7 @@ class ParameterServer:
         else:
             addresses = gather_addresses(mine)
         self._sync.connect(addresses)
-        start_standby(self._sync, standby, addresses[0])
+        start_standby(self._sync, standbys, addresses)
 
     def _load_sync(self, state: dict[str, Any]) -> None:
         assert self._sync is not None

@@ -45,7 +45,8 @@ standby, so its workers move too.  A standby that is lost leaves the primary ser
 (logged).
 
 * :func:`choose_standby` -- which rank hosts the standby: the first rank after the primary's on
-  another host, else the next rank (pure).
+  another host, else the next rank (pure); :func:`choose_standbys` the same for several
+  servers (a sharded job's), spread over the ranks.
 * :class:`Forwarder` -- the primary's side: its client of the standby.
 * :class:`StandbyRole` -- the standby's side: copies applied with their answers dropped, and
   the promotion.
@@ -59,7 +60,7 @@ import logging
 import queue
 import socket
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,8 +80,10 @@ __all__ = [
     "Forwarder",
     "StandbyRole",
     "choose_standby",
+    "choose_standbys",
     "gather_hosts",
     "standby_rank",
+    "standby_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,28 @@ def choose_standby(hosts: Sequence[str], primary: int, candidates: Sequence[int]
     return (elsewhere or after)[0]
 
 
+def choose_standbys(
+    hosts: Sequence[str], primaries: Sequence[int], candidates: Sequence[int]
+) -> list[int | None]:
+    """The ranks of the standbys of servers on ranks ``primaries`` (one per shard, in shard
+    order), given each rank's host name: for each, among ``candidates`` other than its primary,
+    one on another host than the primary's if there is one, then the rank that hosts the
+    fewest servers and standbys so far, then the first after the primary (in rank order,
+    wrapping).  One server: :func:`choose_standby`'s choice.  None where no candidate is left."""
+    load = Counter(primaries)
+    out: list[int | None] = []
+    for primary in primaries:
+        ordered = sorted(r for r in candidates if r != primary)
+        after = [r for r in ordered if r > primary] + [r for r in ordered if r < primary]
+        if not after:
+            out.append(None)
+            continue
+        best = min(after, key=lambda r: (hosts[r] == hosts[primary], load[r], after.index(r)))
+        load[best] += 1
+        out.append(best)
+    return out
+
+
 def gather_hosts(group: Any = None) -> list[str]:
     """Every rank's host name, in the group's rank order (every rank of ``group`` calls it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
@@ -127,6 +152,20 @@ def standby_rank(
     if standby is True:
         return choose_standby(hosts, primary, candidates)
     return int(standby)
+
+
+def standby_ranks(
+    standby: int | bool | None, primaries: Sequence[int], candidates: Sequence[int]
+) -> list[int | None]:
+    """The rank of each shard's standby (the servers on ranks ``primaries``, in shard order):
+    ``standby`` itself for one server (a rank), or with ``True`` :func:`choose_standbys`
+    among ``candidates``; Nones for ``None``/``False``.  Collective where one is asked for:
+    every rank of the job (a dedicated server's too) gathers the host names."""
+    if standby is None or standby is False:
+        return [None] * len(primaries)
+    if standby is not True:
+        return [int(standby)]
+    return choose_standbys(gather_hosts(), primaries, candidates)
 
 
 class Forwarder:

@@ -13,11 +13,17 @@ is a round trip, and over links whose queues are full of gradients it takes tens
 milliseconds, which on the chief's own thread held up tokens, pushes and reports (one probe
 per server rank, not per shard: the shards of one rank live and die with its process).
 
-A replicated chief (``job.standby``): the standby's rank hosts a second :class:`SyncChief`,
-served as a standby (:mod:`.standby`), which asks the chief to take it (``standby_attach``)
-and starts from the chief's whole state; :func:`start_standby` is the collective every rank of
-the job takes part in for it.  Both copies then follow the hyperparameters the workers' pushes
-carry.
+A replicated job (``job.standby``): each server -- the chief, and every other shard -- has a
+standby on another rank, which hosts a second :class:`SyncChief` or
+:class:`~..sync.server.shards.ShardServer`, served as a standby (:mod:`.standby`); it asks its
+primary to take it (``standby_attach``) and starts from the primary's whole state.
+:func:`start_standby` is the collective every rank of the job takes part in for them.  Both
+copies then follow the hyperparameters the workers' pushes carry.  A standby shard reports its
+updates to the chief only once it took over (the first then says how far it is: its primary's
+last report may have been lost with it); with a replicated chief the shards wait for the
+chief's answer to each report, and send it to the chief's standby when the chief is lost, so
+no update a shard made is lost with the chief.  The chief probes only the server ranks
+whose shards have no standby.
 
 The probing thread hands its first failure to the chief's tick (:meth:`SyncServers._watch`),
 which decides once, through the chief (:meth:`~..sync.server.chief.SyncChief.fail`): a probe
@@ -31,7 +37,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,9 +63,10 @@ PROBE_S = 0.5
 class SyncServers:
     """The chief and shard servers that ``placement`` gives rank ``rank`` (see module
     docstring), serving ``job``; ``hyperparameters_from_workers``: a dedicated server's copy
-    follows the hyperparameters the workers' pushes carry.  ``standby``: the rank of the
-    chief's standby (this rank hosts it if it is ``rank``); ``standby_only``: that copy alone
-    (a restarted process that becomes the standby of a running chief)."""
+    follows the hyperparameters the workers' pushes carry.  ``standbys``: per shard, the rank
+    of its standby or None (this rank hosts the copies of the shards whose standby it is);
+    ``standby_only``: the chief's copy alone (a restarted process that becomes the standby of
+    a running chief)."""
 
     def __init__(
         self,
@@ -69,11 +77,13 @@ class SyncServers:
         host: str,
         *,
         hyperparameters_from_workers: bool = False,
-        standby: int | None = None,
+        standbys: Sequence[int | None] = (),
         standby_only: bool = False,
     ) -> None:
         ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
-        follow = hyperparameters_from_workers or standby is not None
+        self.standbys = list(standbys) or [None] * len(ranks)
+        replicated = any(r is not None for r in self.standbys)
+        follow = hyperparameters_from_workers or replicated
         self.ranks, self.timeout = list(ranks), job.timeout
         self.chief: SyncChief | None = None
         self._chief_server: HostedServer | None = None
@@ -89,9 +99,14 @@ class SyncServers:
         self._stop_probing = threading.Event()
         self._prober: threading.Thread | None = None
         self._probe_s = min(self.timeout, 5.0)  # how long one probe may wait for its answer
-        self.standby_rank = standby
-        self.standby_chief: SyncChief | None = None  # the copy, on the standby's rank
+        self.standby_rank = self.standbys[0]  # the chief's standby's rank
+        self.standby_chief: SyncChief | None = None  # the chief's copy, on its standby's rank
         self.standby_server: HostedServer | None = None
+        # the copies of shards 1.. whose standby this rank is; what each reported once it
+        # took over; where the chief's standby is (set by start_standby)
+        self.standby_shards: dict[int, tuple[ShardServer, HostedServer]] = {}
+        self._took_over: set[int] = set()
+        self.chief_standby: str | None = None
         if rank == self.ranks[0] and not standby_only:
             self.chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.chief.shard.follow_workers = follow
@@ -99,7 +114,7 @@ class SyncServers:
                 self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch,
                 perform=self._resize,
             )  # fmt: skip
-        if rank == standby:
+        if rank == self.standbys[0]:
             self.standby_chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.standby_chief.shard.follow_workers = True
             self.standby_server = HostedServer(
@@ -107,16 +122,20 @@ class SyncServers:
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
-            if self.ranks[k] == rank and not standby_only:
-                shard = Shard(opt, parts[k], job, pieces)
-                shard.follow_workers = hyperparameters_from_workers
-                if job.policy is not None:
-                    shard.measure()
-                server = ShardServer(k, shard, job)
-                hosted = HostedServer(
-                    server, server.members, host, f"SyncReplicas shard {k}", perform=self._report
-                )
-                self.shards[k] = (server, hosted)
+            if standby_only or rank not in (self.ranks[k], self.standbys[k]):
+                continue
+            copy = rank == self.standbys[k]
+            shard = Shard(opt, parts[k], job, pieces)
+            shard.follow_workers = follow
+            if job.policy is not None:
+                shard.measure()
+            server = ShardServer(k, shard, job)
+            name = f"SyncReplicas shard {k}" + (f" (standby on rank {rank})" if copy else "")
+            hosted = HostedServer(
+                server, server.members, host, name, perform=self._report, standby=copy,
+                watch=partial(self._took_over_report, k) if copy else None,
+            )  # fmt: skip
+            (self.standby_shards if copy else self.shards)[k] = (server, hosted)
 
     def addresses(self) -> dict[int, str]:
         """``{shard: address}`` of the servers hosted here (the chief is shard 0)."""
@@ -128,14 +147,8 @@ class SyncServers:
     def connect(self, addresses: dict[int, str]) -> None:
         """Every server's address is known: link the shards to the chief, let the chief
         probe the shard servers."""
-        for k in self.shards:
-            self._reports[k] = MailboxClient(
-                addresses[0],
-                f"shard{k}",
-                self.timeout + 10.0,
-                f"server rank {self.ranks[0]} (chief)",
-                data=False,  # "applied" reports carry no tensors
-            )
+        for k in [*self.shards, *self.standby_shards]:
+            self._reports[k] = self._chief_link(k, addresses[0])
         if self.chief is not None and self.chief.policy is not None:
             for k in range(1, len(self.ranks)):
                 self._resizes[k] = MailboxClient(
@@ -147,7 +160,8 @@ class SyncServers:
             return
         hosted: dict[int, list[int]] = {}  # other server ranks -> their shards
         for k in range(1, len(self.ranks)):
-            if self.ranks[k] != self.ranks[0]:
+            # a shard with a standby is not probed: its workers move to the standby
+            if self.ranks[k] != self.ranks[0] and self.standbys[k] is None:
                 hosted.setdefault(self.ranks[k], []).append(k)
         for r, ks in hosted.items():
             shards = f"shard {ks[0]}" if len(ks) == 1 else f"shards {', '.join(map(str, ks))}"
@@ -162,40 +176,81 @@ class SyncServers:
             self._prober = threading.Thread(target=self._probe, name="gradfleet-probe", daemon=True)
             self._prober.start()
 
-    def attach(self, chief_address: str) -> None:
-        """The standby's rank: ask the chief at ``chief_address`` to take this copy as its
-        standby; it answers once the copy holds its whole state."""
-        assert self.standby_server is not None
+    def _chief_link(self, k: int, address: str) -> MailboxClient:
+        """Shard ``k``'s link to the chief at ``address`` ("applied" reports: no tensors)."""
+        return MailboxClient(
+            address, f"shard{k}", self.timeout + 10.0, f"server rank {self.ranks[0]} (chief)",
+            data=False,
+        )  # fmt: skip
+
+    def attach(self, primary: str, k: int = 0) -> None:
+        """This rank hosts shard ``k``'s standby (the chief's: 0): ask its primary at
+        ``primary`` to take the copy; it answers once the copy holds its whole state."""
+        server = self.standby_server if k == 0 else self.standby_shards[k][1]
+        assert server is not None
+        rank = self.standbys[k] if k else self.standby_rank
         client = MailboxClient(
-            chief_address, f"standby{self.standby_rank}", self.timeout + 10.0,
-            f"server rank {self.ranks[0]} (chief)", data=False,
+            primary, f"standby{rank}-{k}", self.timeout + 10.0,
+            f"server rank {self.ranks[k]} ({'chief' if k == 0 else f'shard {k}'})", data=False,
         )  # fmt: skip
-        client.call(
-            ATTACH, worker=-1, address=self.standby_server.address, rank=self.standby_rank,
-            seconds=self.timeout,
-        )  # fmt: skip
+        client.call(ATTACH, worker=-1, address=server.address, rank=rank, seconds=self.timeout)
+
+    def standby_addresses(self) -> dict[int, str]:
+        """``{shard: address}`` of the standbys hosted here (the chief's is shard 0)."""
+        mine = {k: hosted.address for k, (_, hosted) in self.standby_shards.items()}
+        if self.standby_server is not None:
+            mine[0] = self.standby_server.address
+        return mine
 
     # ------------------------------------------------------------------ effects
     def _report(self, effect: Any) -> None:
         """A shard's :class:`Applied`: tell the chief (in the shard's handler call, before the
-        answer to the push that caused it).
+        answer to the push that caused it).  A standby's copy reports nothing until it took
+        over.
 
         The answer is read at the next report, not waited for: a worker's token request
         that reaches the chief first simply waits for its token until the report is in, so
         waiting here would only hold the shard's thread for a round trip every update.  A
         chief that died is reported to the pushing workers then (and by the workers' own
-        token requests at once)."""
+        token requests at once).  With a replicated chief the answer is waited for: a report
+        the chief took with it is sent again to its standby, which the chief answered only
+        once its standby had it."""
         if not isinstance(effect, Applied):
             raise TypeError(f"SyncReplicas shard: unknown effect {effect!r}")
+        copy = self.standby_shards.get(effect.shard)
+        if copy is not None and not copy[1].took_over:
+            return
         if not self._linked.wait(self.timeout) or effect.shard not in self._reports:
             raise ServerUnreachable(f"shard {effect.shard}: no link to the chief")
-        client = self._reports[effect.shard]
-        if effect.shard in self._unread:
-            self._unread.discard(effect.shard)
-            client.response()
+        k = effect.shard
         noise = {} if effect.noise is None else {"noise": list(effect.noise)}
-        client.request("applied", worker=-1, shard=effect.shard, step=effect.step, **noise)
-        self._unread.add(effect.shard)
+        report = {"worker": -1, "shard": k, "step": effect.step, **noise}
+        if self.chief_standby is not None:
+            try:
+                self._reports[k].call("applied", **report)
+            except ServerUnreachable as exc:
+                if self._reports[k].address == self.chief_standby:
+                    raise
+                log.warning("shard %d: the chief is lost (%s); reporting to its standby at %s",
+                            k, exc, self.chief_standby)  # fmt: skip
+                self._reports[k] = self._chief_link(k, self.chief_standby)
+                self._reports[k].call("applied", **report)
+            return
+        client = self._reports[k]
+        if k in self._unread:
+            self._unread.discard(k)
+            client.response()
+        client.request("applied", **report)
+        self._unread.add(k)
+
+    def _took_over_report(self, k: int) -> list[Any]:
+        """Shard ``k``'s standby's tick: once it took over, its first report says how far it
+        is (its primary's last report may have been lost with it)."""
+        server, hosted = self.standby_shards[k]
+        if k in self._took_over or not hosted.took_over:
+            return []
+        self._took_over.add(k)
+        return [Applied(k, server.shard.step)]
 
     def _resize(self, effect: Any) -> None:
         """The chief's :class:`Resized`: tell every other shard (answers read at the next one,
@@ -256,7 +311,10 @@ class SyncServers:
         if self._chief_server is not None:
             self._chief_server.close(end)
             self._chief_server = None
-        if self.standby_server is not None:  # (a promoted one serves until its workers left)
+        for _, hosted in self.standby_shards.values():  # (a promoted one serves until its
+            hosted.close(end)  # workers left)
+        self.standby_shards = {}
+        if self.standby_server is not None:
             self.standby_server.close(end)
             self.standby_server = None
         self._stop_probing.set()
@@ -268,18 +326,24 @@ class SyncServers:
 
 
 def start_standby(
-    servers: SyncServers | None, standby: int | None, chief_address: str, group: Any = None
-) -> str | None:
-    """The chief's standby joins it (collective: every rank of the job, a dedicated server's
-    too): its rank tells every rank its address, asks the chief to take it and starts from
-    its whole state; then no worker says hello before the chief forwards.  The standby's
-    address (None without one)."""
-    if standby is None:
-        return None
-    mine = servers.standby_server if servers is not None else None
-    address = share_address(mine.address if mine is not None else None, standby, group)
-    if mine is not None:
-        assert servers is not None
-        servers.attach(chief_address)
+    servers: SyncServers | None,
+    standbys: Sequence[int | None],
+    addresses: dict[int, str],
+    group: Any = None,
+) -> list[str | None]:
+    """Each shard's standby joins its primary (collective: every rank of the job, a dedicated
+    server's too): the standby's rank tells every rank its address, asks the primary at
+    ``addresses[k]`` to take it and starts from its whole state; then no worker says hello
+    before the primaries forward.  Each shard's standby address (None without one)."""
+    if all(r is None for r in standbys):
+        return [None] * len(standbys)
+    mine = servers.standby_addresses() if servers is not None else {}
+    out: list[str | None] = []
+    for k, rank in enumerate(standbys):
+        out.append(None if rank is None else share_address(mine.get(k), rank, group))
+    if servers is not None:
+        servers.chief_standby = out[0]
+        for k in mine:
+            servers.attach(addresses[k], k)
     dist.barrier(group=group)
-    return address
+    return out

@@ -177,14 +177,17 @@ def check_standby(
     joining: bool,
     grouped: bool,
 ) -> int | bool:
-    """``standby`` checked (ValueError naming it): a live copy of the chief on another rank,
-    which takes over when the chief's host is lost (:mod:`..hosting.standby`).  ``True``:
-    on the first worker rank after the chief's on another host; a rank: there; ``False``:
+    """``standby`` checked (ValueError naming it): a live copy of each server (the chief,
+    and every other shard) on another rank, which takes over when the server's host is lost
+    (:mod:`..hosting.standby`).  ``True``: chosen for the job (one server: on the first
+    worker rank after the chief's on another host; several: spread over the worker ranks,
+    each on another host than its server's); a rank: there (one server only); ``False``:
     none.  None: on wherever the job has one server and already does without a host -- backup
-    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off.  A
-    process that joins by address (``joining``) with ``True`` becomes the standby of a
-    chief that has none (its own took over).  The others place it with the process group's
-    collectives (``grouped``: there is one)."""
+    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off (several
+    shards: their pushes then take TF's protocol, not read-ahead, so they are replicated only
+    when asked for).  A process that joins by address (``joining``) with ``True`` becomes the
+    standby of a chief that has none (its own took over).  The others place it with the
+    process group's collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
     dedicated = one and ranks[0] >= N  # (no ranks: check_server_ranks names the error)
     if standby is None:
@@ -208,10 +211,11 @@ def check_standby(
             f"transport={transport!r} has none: every rank keeps the state already "
             "(max_losses= lets it go on without a lost one)"
         )
-    if not one:
+    if not one and standby is not True:
         raise ValueError(
-            f"{_OWNER}: standby={standby!r} needs one server (server_ranks={ranks} shards "
-            "the variables: a standby per shard is not built yet)"
+            f"{_OWNER}: standby={standby!r} names one rank, and server_ranks={ranks} shards "
+            "the variables over several servers: pass standby=True (a standby per shard, "
+            "placed for the job)"
         )
     if chosen:
         raise ValueError(

@@ -31,7 +31,7 @@ import torch
 
 from ..hosting.dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting.hosted_server import env_server_host, gather_addresses, server_host, share_address
-from ..hosting.standby import standby_rank
+from ..hosting.standby import standby_ranks
 from ..hosting.sync_servers import SyncServers, start_standby
 from ..transport import ServerUnreachable
 from .common.finite import all_finite_list
@@ -99,7 +99,9 @@ class ServerExchange:
         targets, load = self.layout.shard_params, self.layout.load_shard
         self.links: PlainLinks | ReadAheadLinks | None
         take_answers = None
-        if len(clients) > 1:  # several shards: each answers its push with its new values
+        # several shards: each answers its push with its new values (read-ahead), unless they
+        # are replicated: TF's protocol then, whose every step a worker can send again whole
+        if len(clients) > 1 and not job.standby:
             ahead = ReadAheadLinks(clients, targets, load, self.latch)
             self.links, take_answers = ahead, ahead.start_taking
         else:
@@ -135,11 +137,11 @@ class ServerExchange:
                 spec, self.layout.views(self.params), placement.ranks, placement.parts, self.job.N
             )
         host = server_host(host, _OWNER)  # collective: every rank of the group calls it
-        # the chief's standby (collective where one is asked for: the ranks' hosts)
-        standby = standby_rank(self.job.standby, placement.ranks[0], range(self.job.N))
-        if self.worker in placement.ranks or self.worker == standby:
+        # each server's standby (collective where one is asked for: the ranks' hosts)
+        standbys = standby_ranks(self.job.standby, placement.ranks, range(self.job.N))
+        if self.worker in placement.ranks or self.worker in standbys:
             self.servers = SyncServers(
-                self.optimizer, self.job, placement, self.worker, host, standby=standby
+                self.optimizer, self.job, placement, self.worker, host, standbys=standbys
             )
         mine = self.servers.addresses() if self.servers is not None else {}
         if len(placement.ranks) == 1:  # one server: its rank tells the others
@@ -148,8 +150,8 @@ class ServerExchange:
             addresses = gather_addresses(mine)
         if self.servers is not None:
             self.servers.connect(addresses)
-        self.standby = standby
-        start_standby(self.servers, standby, addresses[0])
+        self.standby = standbys[0]
+        start_standby(self.servers, standbys, addresses)
         return [addresses[k] for k in range(len(placement.ranks))]
 
     def _become_standby(self, host: str | None) -> None:
@@ -160,7 +162,7 @@ class ServerExchange:
         has a standby again): this process is a worker only."""
         servers = SyncServers(
             self.optimizer, self.job, self.layout.placement, self.worker,
-            host or env_server_host(), standby=self.worker, standby_only=True,
+            host or env_server_host(), standbys=[self.worker], standby_only=True,
         )  # fmt: skip
         try:
             servers.attach(self.server_addresses[0])

@@ -98,3 +98,25 @@ def test_a_new_standby_from_the_replica_state_stays_bit_identical():
     # every worker's last step and its answer are recorded alike: one sent again to the copy
     # gets that answer, not a second update
     assert copy.answered == chief.answered and copy.answered[0][:2] == (2, "token")
+
+
+def test_a_late_report_of_a_lost_chiefs_worker_spares_its_restarted_self():
+    """Worker 0 lived on the chief's host at A0, which was lost; its restarted process says
+    hello to the chief now at A1 and its step waits in line.  A survivor's late failover then
+    reports worker 0 gone with the chief at A0: the report is about the earlier self, so the
+    step keeps its place (sent again, it rebinds; before, it was dropped and the step sent
+    again was refused).  A report about a worker whose hello went to A0 still removes it."""
+    chief = _chief()
+    hello = {"op": "hello", "shapes": [[3]], "dtypes": ["torch.float64"]}
+    _send(chief, {**hello, "worker": 0, "to": "A1"})
+    _send(chief, {**hello, "worker": 2, "to": "A0"})
+    assert _send(chief, _step(0, 1, 0, 1.0)).payloads == []
+    late = {"op": "done", "forgotten": True, "lost_server": "A0"}
+    _send(chief, {**late, "worker": 0})
+    assert [e.worker for e in chief.line] == [0] and 0 not in chief.left_at
+    assert _send(chief, _step(0, 1, 0, 1.0)).payloads == []  # its place, with this ticket
+    _send(chief, {**late, "worker": 2})  # worker 2 did go with the chief at A0
+    assert chief.left_at[2] == (0, True)
+    made = _send(chief, _step(1, 1, 0, 3.0))  # R = 2: the update, worker 1 answered
+    assert chief.global_step == 1 and made.payloads[0]["accepted"]
+    assert chief.replica_state()["hello_to"] == {0: "A1", 2: "A0"}

@@ -127,6 +127,7 @@ class SyncChief:
         self.numbers: dict[int, int] = {}
         self.answered: dict[int, tuple[int | None, str, Any]] = {}
         self.resent: dict[int, int] = {}
+        self.hello_to: dict[int, str] = {}  # the chief address each worker's hello went to
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -190,6 +191,8 @@ class SyncChief:
             self._advance()
             return [*self._serve_tokens(), Answer(ticket, {})]
         worker = int(msg["worker"])
+        if op == "done" and self._stale(worker, msg):
+            return [Answer(ticket, {"global_step": self.global_step})]
         if op == "done":
             if msg.get("unreachable"):  # it left because a server is gone (its view)
                 self.left_for[worker] = str(msg["unreachable"])
@@ -229,7 +232,21 @@ class SyncChief:
             return self._token_request(worker, msg, ticket)
         raise ValueError(f"unknown request {op!r}")
 
+    def _stale(self, worker: int, msg: dict[str, Any]) -> bool:
+        """A report that ``worker`` went with a lost chief's host (``lost_server``: that
+        chief's address) about a worker whose latest hello went to another chief: a restarted
+        worker that joined since, not the lost one, whose steps must keep their place."""
+        lost, said = msg.get("lost_server"), self.hello_to.get(worker)
+        if not msg.get("forgotten") or lost is None or said is None or said == lost:
+            return False
+        log.info("SyncReplicas chief: worker rank %d said hello to %s since the chief at %s "
+                 "was lost: the report of its loss is about its earlier self", worker, said,
+                 lost)  # fmt: skip
+        return True
+
     def _hello(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
+        if msg.get("to") is not None:  # the chief it joined: a loss reported later is older
+            self.hello_to[worker] = str(msg["to"])
         (answer,) = self._own(self.server.handle(msg, ticket))
         self.left_at.pop(worker, None)
         self.left_for.pop(worker, None)
@@ -529,6 +546,7 @@ class SyncChief:
             "numbers": dict(self.numbers),
             "answered": dict(self.answered),
             "resent": dict(self.resent),
+            "hello_to": dict(self.hello_to),
             "members": (sorted(self.members.left), sorted(self.members.forgotten)),
         }
 
@@ -541,6 +559,7 @@ class SyncChief:
         self.left_at, self.left_for = dict(state["left_at"]), dict(state["left_for"])
         self.numbers, self.answered = dict(state["numbers"]), dict(state["answered"])
         self.resent = dict(state["resent"])
+        self.hello_to = dict(state.get("hello_to", {}))
         left, forgotten = state["members"]
         self.members.left, self.members.forgotten = set(left), set(forgotten)
 

@@ -44,7 +44,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -293,7 +293,17 @@ class ShardServer:
     """State machine of one shard: ``hello``, ``push``, ``release``, ``read``, ``done``,
     ``stats``, ``ema`` and the chief's ``replicas``; ``handle`` returns answers and, after an
     update, the :class:`Applied` effect (before the answers it releases).  Shard 0's is the
-    chief's (:class:`~.chief.SyncChief` adds ``global_step`` and the token line to it)."""
+    chief's (:class:`~.chief.SyncChief` adds ``global_step`` and the token line to it).
+
+    A replicated shard (:mod:`...hosting.standby`): its workers number their pushes
+    (``number``) and send the gradients to the standby themselves (``standby_direct``); a push
+    sent again under the same number -- its worker moved here after the primary's loss -- gets
+    the answer it was given and is not offered again.  A new standby starts from
+    :meth:`replica_state`; hellos and push answers name the standby."""
+
+    # what a replicated shard's workers send its standby themselves, and no early answers
+    standby_direct = {"push": ("grads",)}
+    standby_early: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -308,9 +318,19 @@ class ShardServer:
         self.members = Membership(job.N, job.timeout, f"SyncReplicas {self.name}", clock)
         self.held = HeldPushes()
         self.lowered: tuple[int, int] | None = None  # (step, R) the chief lowered it to
+        # replication: where the standby is (told in hellos and push answers); each worker's
+        # last push number and the answer it was given
+        self.standby: str | None = None
+        self.standby_rank: int | None = None
+        self.numbers: dict[int, int] = {}
+        self.answered: dict[int, dict[str, Any]] = {}
 
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
-        worker, op = int(msg["worker"]), msg["op"]
+        op = msg["op"]
+        if op == "load_replica":  # a new standby starts from its primary's whole state
+            self._load_replica(msg)
+            return [Answer(ticket, {})]
+        worker = int(msg["worker"])
         if op == "done":
             self.members.leave(worker, forgotten=bool(msg.get("forgotten", False)))
             left = self.held.drop(worker)  # a forgotten worker's held push: answer it
@@ -328,11 +348,21 @@ class ShardServer:
         if op == "hello":
             self.shard.check_layout(worker, msg["shapes"], msg["dtypes"], self.name)
             self.members.hello(worker)
-            values = {"version": self.shard.step, "params": self.shard.params}
+            self.numbers.pop(worker, None)  # a restarted worker's numbers start again
+            self.answered.pop(worker, None)
+            values = {"version": self.shard.step, "params": self.shard.params, **self._named()}
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
+            number = msg.get("number")
+            if number is not None and self.numbers.get(worker) == int(number):
+                return [self._again(worker, int(number), ticket)]
             accepted, updated = self.offer(msg)
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
+            if number is not None:  # a plain push's answer, kept for the same push again
+                self.numbers[worker] = int(number)
+                answers = [replace(a, payload={**a.payload, **self._named()}) for a in answers]
+                if "ahead" not in msg:
+                    self.answered[worker] = dict(answers[0].payload)
             return [self._applied(), *answers] if updated else list(answers)
         if op == "read":
             return [read_answer(self.shard, ticket, int(msg["version"]))]
@@ -341,6 +371,42 @@ class ShardServer:
         if op == "ema":
             return [Answer(ticket, {"shadows": self.shard.shadows()})]
         raise ValueError(f"unknown request {op!r}")
+
+    def _named(self) -> dict[str, Any]:
+        """Where the standby is, for the workers (nothing without one)."""
+        if self.standby is None:
+            return {}
+        return {"standby": self.standby, "standby_rank": self.standby_rank}
+
+    def _again(self, worker: int, number: int, ticket: Any) -> Answer:
+        """Worker ``worker``'s push ``number`` sent again (it moved here from a lost primary):
+        the answer it was given, with where the standby is now.  Nothing is offered again."""
+        given = self.answered.get(worker)
+        if given is None:
+            raise RuntimeError(
+                f"SyncReplicas {self.name}: worker rank {worker} sent push {number} again, "
+                "but it was never answered"
+            )
+        return Answer(ticket, {**given, **self._named()})
+
+    def replica_state(self) -> dict[str, Any]:
+        """Everything a new standby starts from (its ``load_replica``): the shard's checkpoint
+        state, the workers in its pending update, who left, each worker's last push number
+        and its answer."""
+        return {
+            "shard": self.shard.state_dict(),
+            "contributors": sorted(self.shard.contributors),
+            "numbers": dict(self.numbers),
+            "answered": dict(self.answered),
+            "members": (sorted(self.members.left), sorted(self.members.forgotten)),
+        }
+
+    def _load_replica(self, state: dict[str, Any]) -> None:
+        self.shard.load_state_dict(state["shard"])
+        self.shard.contributors = set(state["contributors"])
+        self.numbers, self.answered = dict(state["numbers"]), dict(state["answered"])
+        left, forgotten = state["members"]
+        self.members.left, self.members.forgotten = set(left), set(forgotten)
 
     def offer(self, msg: dict[str, Any]) -> tuple[bool, bool]:
         """A worker's push (its hyperparameters, its update's R, its gradients or their

@@ -11,10 +11,12 @@ not).  Per step, TF's worker train op:
   chief works on the token; then every other shard's values that changed since the last read,
   all shards' replies received at once.  Returns a :class:`~.pending_step.FinishedStep`.
 
-A replicated chief: the token request carries the step's ``number``, and shard 0's gradients
-go to the chief's standby first (:meth:`~.shard_clients.ShardClients.send_standby`).  A chief
-lost during overlap's early push is raised at ``token_and_reads``, on the worker's thread,
-where the exchange moves to the standby and sends the step again (:meth:`PlainLinks.reset`).
+Replicated servers: the token request and every push carry the step's ``number``, and each
+shard's gradients go to its standby first (:meth:`~.shard_clients.ShardClients.send_standby`).
+A server lost during overlap's early push is raised at ``token_and_reads``, on the worker's
+thread, where the exchange moves to the standby and sends the step again
+(:meth:`PlainLinks.reset`); a lost shard is raised as :class:`~.shard_clients.ShardLost` once
+the other shards' answers are read, so that every link is in step for the step sent again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from ...transport import ServerUnreachable
 from .answer_taker import Load
 from .pending_step import FinishedStep
-from .shard_clients import Grads, ShardClients, busy_error
+from .shard_clients import Grads, ShardClients, ShardLost, busy_error
 
 __all__ = ["PlainLinks"]
 
@@ -65,13 +67,14 @@ class PlainLinks:
         """Overlap: the gradients of the shards in ``jobs`` are complete: out at once, shard
         0's with the token request."""
         for k, grads in jobs.items():
-            if k != 0:
-                self._push_shard(k, tag, grads, extra)
-                continue
             try:
-                self._request_token(tag, grads, extra)
+                if k != 0:
+                    self._push_shard(k, tag, grads, extra)
+                else:
+                    self._request_token(tag, grads, extra)
             except ServerUnreachable as exc:  # from a gradient hook: raised by step()
-                self.lost, self._token_sent = exc, True
+                self.lost, self._token_sent = exc if k == 0 else ShardLost(k, str(exc)), True
+                return
 
     def push_rest(self, rest: dict[int, Grads], tag: int, extra: dict[str, Any]) -> None:
         """Overlap, in ``step()``: the shards backward did not complete (``rest``) go now."""
@@ -79,9 +82,18 @@ class PlainLinks:
 
     def _push_shard(self, k: int, tag: int, grads: Grads, extra: dict[str, Any]) -> None:
         """Send shard ``k >= 1`` its gradients now; the answer is read with the token."""
-        data = self.clients.push_data(k, tag, grads)
-        client = self.clients.clients[k]
-        client.request("push", worker=self.clients.worker, tag=tag, **data, **extra)
+        clients = self.clients
+        data = clients.push_data(k, tag, grads)
+        fields: dict[str, Any] = {"number": clients.number}
+        if "grads" in data:  # at the shard's standby first, where there is one
+            sent = clients.send_standby(data, k)
+            if sent is not None:
+                fields["standby"] = sent
+        try:
+            clients.clients[k].request("push", worker=clients.worker, tag=tag, **data, **extra,
+                                       **fields)  # fmt: skip
+        except ServerUnreachable as exc:
+            raise ShardLost(k, str(exc)) from None
         self._pending.append(k)
 
     def _request_token(self, tag: int, grads: Grads | None, extra: dict[str, Any]) -> None:
@@ -108,9 +120,18 @@ class PlainLinks:
         pending, self._pending = self._pending, []
         if not pending:  # already read (a bad-input push): keep their steps
             return True
-        replies = [self.clients.clients[k].response() for k in pending]
-        self.shard_steps = [int(r.get("step", -1)) for r in replies]
-        return all(bool(r["accepted"]) for r in replies)
+        replies, lost = {}, None
+        for k in pending:
+            try:
+                replies[k] = self.clients.clients[k].response()
+            except ServerUnreachable as exc:  # the others' answers are read all the same
+                lost = lost or ShardLost(k, str(exc))
+        if lost is not None:
+            raise lost
+        for k, reply in replies.items():
+            self.clients.follow_standby(reply.get("standby"), reply.get("standby_rank"), k)
+        self.shard_steps = [int(r.get("step", -1)) for r in replies.values()]
+        return all(bool(r["accepted"]) for r in replies.values())
 
     def token_and_reads(self, tag: int) -> FinishedStep:
         """Wait for a token, then read every shard's values that changed since the last read;
@@ -135,11 +156,28 @@ class PlainLinks:
         shards_accepted = self._pushed()  # collected while the chief works on the token
         into = {k: self.targets(k) for k in clients.clients}
         reply, chief_values = clients.chief.begin_response(receive_into=into.get(0))
-        for k, client in clients.shards.items():
-            client.request("read", worker=clients.worker, version=clients.versions[k])
-        reads = {k: c.begin_response(receive_into=into.get(k)) for k, c in clients.shards.items()}
-        for k, finish in [(0, chief_values)] + [(k, f) for k, (_, f) in reads.items()]:
-            clients.loaded(k, finish(), self.load)
+        finishes, lost = [(0, chief_values)], None
+        asked = []
+        for k, client in clients.shards.items():  # every read asked for before any answer
+            try:
+                client.request("read", worker=clients.worker, version=clients.versions[k])
+                asked.append(k)
+            except ServerUnreachable as exc:  # the others' reads are finished all the same
+                lost = lost or ShardLost(k, str(exc))
+        for k in asked:
+            try:
+                finishes.append((k, clients.clients[k].begin_response(receive_into=into.get(k))[1]))
+            except ServerUnreachable as exc:
+                lost = lost or ShardLost(k, str(exc))
+        for k, finish in finishes:
+            try:
+                clients.loaded(k, finish(), self.load)
+            except ServerUnreachable as exc:
+                if k == 0:
+                    raise
+                lost = lost or ShardLost(k, str(exc))
+        if lost is not None:
+            raise lost
         clients.follow_standby(reply.get("standby"), reply.get("standby_rank"))
         reply["accepted"] = bool(reply["accepted"]) and shards_accepted
         if clients.shards:

@@ -6,12 +6,14 @@ versions the worker holds, what a push carries (:func:`push_data`), the order pu
 Shard 0 is the chief's (it also keeps ``global_step`` and the tokens); shards 1.. are the
 other server ranks' (a rank may host several).
 
-A replicated chief (:mod:`...hosting.standby`): its hello names the standby; the worker
-sends each step's gradients there itself, on a link of its own, before the step request goes
-to the chief (:meth:`ShardClients.send_standby`), and numbers its step requests.  When the
-chief is lost, :meth:`ShardClients.fail_over` moves the chief's link to the standby; the
-chief's answers name a standby that took the place of a lost one
-(:meth:`ShardClients.follow_standby`), so a second loss is survived as the first.
+Replicated servers (:mod:`...hosting.standby`): each server's hello names its standby; the
+worker sends each step's gradients of a shard there itself, on a link of its own, before the
+push (the chief's: the step request) goes to the shard's server
+(:meth:`ShardClients.send_standby`), and numbers its step requests and pushes with the step's
+``number``.  When a server is lost, :meth:`ShardClients.fail_over` moves that shard's link to
+its standby (:class:`ShardLost` names the shard; any other loss is the chief's); the answers
+name a standby that took the place of a lost one (:meth:`ShardClients.follow_standby`), so a
+second loss is survived as the first.
 """
 
 from __future__ import annotations
@@ -27,12 +29,20 @@ from ...transport import MailboxClient, ServerUnreachable
 from ..common.finite import all_finite
 from ..layout.pieces import rank_places
 
-__all__ = ["ShardClients", "busy_error", "push_data", "push_order"]
+__all__ = ["ShardClients", "ShardLost", "busy_error", "push_data", "push_order"]
 
 log = logging.getLogger(__name__)
 
 Grads = list[torch.Tensor | None]
 Load = Callable[[int, list[torch.Tensor]], None]
+
+
+class ShardLost(ServerUnreachable):
+    """The server of shard ``shard`` is lost (the error its link raised, named)."""
+
+    def __init__(self, shard: int, message: str) -> None:
+        super().__init__(message)
+        self.shard = shard
 
 
 def push_order(ranks: Sequence[int], turn: int) -> list[int]:
@@ -110,13 +120,23 @@ class ShardClients:
         self.withheld = 0  # pushes sent without their gradients (push_data)
         self.replicas: int | None = None  # the chief's R at hello
         self.order = push_order(self.ranks, worker)
-        # the chief's standby (address, rank), named by its hello; the link this worker sends
-        # its gradients there on; the number of its next step request; the lost chief's rank
-        self.standby: tuple[str, int] | None = None
-        self.standby_client: MailboxClient | None = None
+        # each shard's standby (address, rank), named by its server; the links this worker
+        # sends its gradients there on; the number of its next step; each lost server's rank
+        self.standbys: dict[int, tuple[str, int]] = {}
+        self.standby_clients: dict[int, MailboxClient] = {}
         self.number = 1
-        self.moved_from: int | None = None
-        self._lost: set[str] = set()  # addresses of chiefs and standbys found lost
+        self.moved: dict[int, int] = {}
+        self._lost: set[str] = set()  # addresses of servers and standbys found lost
+
+    @property
+    def standby(self) -> tuple[str, int] | None:
+        """The chief's standby (address, rank), or None."""
+        return self.standbys.get(0)
+
+    @property
+    def moved_from(self) -> int | None:
+        """The lost chief's rank, once this worker moved to its standby (else None)."""
+        return self.moved.get(0)
 
     def connect(self, k: int, suffix: str = "", data: bool = True) -> MailboxClient:
         """A client of shard ``k``'s server (``suffix``: a second client of it, e.g. the
@@ -148,6 +168,7 @@ class ShardClients:
             reply = client.call(
                 "hello",
                 worker=self.worker,
+                to=self.addresses[k],  # a loss reported later about an earlier self: stale
                 shapes=[list(p.shape) for p in parts[k]],
                 dtypes=[str(p.dtype) for p in parts[k]],
             )
@@ -157,8 +178,8 @@ class ShardClients:
             step = int(reply["global_step"]) if k == 0 else step
             if k == 0:  # the R of the first update this worker's gradient may join
                 self.replicas = reply.get("r")
-                if reply.get("standby") is not None:
-                    self._meet_standby(str(reply["standby"]), int(reply["standby_rank"]))
+            if reply.get("standby") is not None:
+                self._meet_standby(k, str(reply["standby"]), int(reply["standby_rank"]))
         return step, out
 
     def push_data(self, k: int, tag: int, grads: Grads) -> dict[str, Any]:
@@ -170,71 +191,81 @@ class ShardClients:
                       self.worker, k, self.versions[k], tag)  # fmt: skip
         return data
 
-    # ------------------------------------------------------------------ the chief's standby
-    def _meet_standby(self, address: str, rank: int) -> None:
-        self.standby = (address, rank)
-        try:
-            self.standby_client = MailboxClient(
-                address, f"w{self.worker}s", self.timeout + 10.0, f"server rank {rank} (standby)"
-            )
-        except ServerUnreachable as exc:
-            self._standby_lost(exc)
+    # ------------------------------------------------------------------ standbys
+    def _name(self, k: int) -> str:
+        return "the chief" if k == 0 else f"shard {k}"
 
-    def follow_standby(self, address: str | None, rank: int | None) -> None:
-        """The chief names a standby this worker does not send to (one that took the place of
-        a lost one, from the chief's live state): send there from the next step on."""
-        known = None if self.standby is None else self.standby[0]
-        if address is None or rank is None or address in (known, self.addresses[0]):
+    def _meet_standby(self, k: int, address: str, rank: int) -> None:
+        self.standbys[k] = (address, rank)
+        try:
+            self.standby_clients[k] = MailboxClient(
+                address, f"w{self.worker}s{k or ''}", self.timeout + 10.0,
+                f"server rank {rank} (standby of {self._name(k)})",
+            )  # fmt: skip
+        except ServerUnreachable as exc:
+            self._standby_lost(k, exc)
+
+    def follow_standby(self, address: str | None, rank: int | None, k: int = 0) -> None:
+        """Shard ``k``'s server names a standby this worker does not send to (one that took
+        the place of a lost one, from the server's live state): send there from the next
+        step on."""
+        known = self.standbys.get(k, (None, None))[0]
+        if address is None or rank is None or address in (known, self.addresses[k]):
             return
         if address in self._lost:
             return
-        log.info("worker rank %d: the chief's standby is now on rank %d (%s)",
-                 self.worker, rank, address)  # fmt: skip
-        self._meet_standby(address, rank)
+        log.info("worker rank %d: the standby of %s is now on rank %d (%s)",
+                 self.worker, self._name(k), rank, address)  # fmt: skip
+        self._meet_standby(k, address, rank)
 
-    def send_standby(self, fields: dict[str, Any]) -> str | None:
-        """The chief's standby gets ``fields`` (this step's gradients) before the step request
-        leaves for the chief, so that the chief never applies a step whose gradients its
-        standby could miss: the address they went to, or None (no standby, or it is lost:
-        the chief's copy then carries them)."""
-        if self.standby_client is None or self.standby is None:
+    def send_standby(self, fields: dict[str, Any], k: int = 0) -> str | None:
+        """Shard ``k``'s standby gets ``fields`` (this step's gradients of the shard) before
+        the push (the chief's: the step request) leaves for its server, so that the server
+        never applies a push whose gradients its standby could miss: the address they went
+        to, or None (no standby, or it is lost: the server's copy then carries them)."""
+        client, standby = self.standby_clients.get(k), self.standbys.get(k)
+        if client is None or standby is None:
             return None
         try:
-            self.standby_client.call(
-                DATA, worker=self.worker, number=self.number, fields=list(fields), **fields
-            )
+            client.call(DATA, worker=self.worker, number=self.number, fields=list(fields),
+                        **fields)  # fmt: skip
         except ServerUnreachable as exc:
-            self._standby_lost(exc)
+            self._standby_lost(k, exc)
             return None
-        return self.standby[0]
+        return standby[0]
 
-    def _standby_lost(self, exc: ServerUnreachable) -> None:
-        log.warning("worker rank %d: the chief's standby %s is lost: %s",
-                    self.worker, self.standby, exc)  # fmt: skip
-        if self.standby is not None:
-            self._lost.add(self.standby[0])  # the chief may still name it a while
-        self.standby_client, self.standby = None, None
+    def _standby_lost(self, k: int, exc: ServerUnreachable) -> None:
+        log.warning("worker rank %d: the standby %s of %s is lost: %s",
+                    self.worker, self.standbys.get(k), self._name(k), exc)  # fmt: skip
+        if k in self.standbys:
+            self._lost.add(self.standbys[k][0])  # its server may still name it a while
+        self.standby_clients.pop(k, None)
+        self.standbys.pop(k, None)
 
     def fail_over(self, exc: ServerUnreachable) -> None:
-        """The chief is lost (``exc``): the chief's link moves to its standby, which takes
-        over at this worker's first request; raises ``exc`` without a standby (none, or it
-        was lost too)."""
-        if self.standby is None or len(self.clients) > 1:
+        """A server is lost (``exc``: a :class:`ShardLost` names the shard; any other loss is
+        the chief's): that shard's link moves to its standby, which takes over at this
+        worker's first request; raises ``exc`` without a standby (none, or it was lost too)."""
+        k = exc.shard if isinstance(exc, ShardLost) else 0
+        if k not in self.standbys:
             raise exc
-        address, rank = self.standby
+        address, rank = self.standbys.pop(k)
+        self.standby_clients.pop(k, None)  # until the new server names one
         log.warning(
-            "worker rank %d: the SyncReplicas chief on server rank %d is lost (%s); moving to "
-            "its standby on rank %d", self.worker, self.ranks[0], exc, rank,
+            "worker rank %d: the SyncReplicas %s on server rank %d is lost (%s); moving to "
+            "its standby on rank %d", self.worker, self._name(k), self.ranks[k], exc, rank,
         )  # fmt: skip
-        self.moved_from, lost = self.ranks[0], self.ranks[0]
-        self._lost.add(self.addresses[0])
-        self.addresses[0], self.ranks[0] = address, rank
-        self.standby_client, self.standby = None, None  # until the new chief names one
-        self.clients[0] = self.connect(0)
+        lost = self.ranks[k]
+        self.moved[k] = lost
+        lost_address = self.addresses[k]
+        self._lost.add(lost_address)
+        self.addresses[k], self.ranks[k] = address, rank
+        self.clients[k] = self.connect(k)
         if lost != self.worker and lost < self.workers:
-            # the lost chief's host took its worker with it: the new chief must not wait for
-            # it (a worker that is still alive counts again at its next hello)
-            self.clients[0].call("done", worker=lost, forgotten=True)
+            # the lost server's host took its worker with it: the new server must not wait
+            # for it (a worker that is still alive counts again at its next hello)
+            self.clients[k].call("done", worker=lost, forgotten=True,
+                                 lost_server=lost_address)  # fmt: skip
 
     def read(self, shards: Sequence[int], into: dict[int, list[torch.Tensor]], load: Load) -> None:
         """Read ``shards``' values that changed since the last read, all replies' receives
@@ -257,14 +288,12 @@ class ShardClients:
         self.versions = dict.fromkeys(self.versions, -1)
 
     def call(self, shard: int, op: str, **fields: Any) -> dict[str, Any]:
-        """Shard ``shard``'s answer to ``op``; the chief's, from its standby if it is lost."""
+        """Shard ``shard``'s answer to ``op``; from its standby if its server is lost."""
         try:
             return self.clients[shard].call(op, worker=self.worker, **fields)
         except ServerUnreachable as exc:
-            if shard != 0:
-                raise
-            self.fail_over(exc)
-            return self.clients[0].call(op, worker=self.worker, **fields)
+            self.fail_over(ShardLost(shard, str(exc)))
+            return self.clients[shard].call(op, worker=self.worker, **fields)
 
     def call_all(self, op: str, **fields: Any) -> dict[int, dict[str, Any]]:
         return {k: c.call(op, worker=self.worker, **fields) for k, c in self.clients.items()}
@@ -283,11 +312,11 @@ class ShardClients:
             try:
                 try:
                     self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
-                except ServerUnreachable as exc:  # the chief lost at the end: its standby
-                    if k != 0 or self.standby is None:
+                except ServerUnreachable as exc:  # a server lost at the end: its standby
+                    if k not in self.standbys:
                         raise
-                    self.fail_over(exc)
-                    self.clients[0].call("done", worker=self.worker, timeout=5.0, **cause)
+                    self.fail_over(ShardLost(k, str(exc)))
+                    self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
 

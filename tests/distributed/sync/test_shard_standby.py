@@ -1,0 +1,84 @@
+"""A standby per shard: with the variables in two shards on dedicated ranks, each server (the
+chief, shard 1) keeps a live copy on a worker rank; when either server's rank is killed
+mid-update the workers move to its copy, every update is applied exactly once, and the
+variables are the float64 replay of the updates made (:func:`.standby_ranks.shard_lost`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradfleet.distributed.testing import RankKilled, run_ranks
+from tests.distributed.sync import standby_ranks
+
+pytestmark = [pytest.mark.timeout(180)]
+
+N, LAST = 3, 10
+
+
+def _check_trajectory(out: list) -> list[torch.Tensor]:
+    """Every worker reached ``LAST`` with the float64 replay's variables (R = N: each update
+    the mean of every worker's gradient of its step), and each accepted every push."""
+    records = {r: out[r]["records"] for r in range(N)}
+    want, accepted = standby_ranks.replay(out[0]["initial"], records, N, LAST)
+    assert accepted == dict.fromkeys(range(N), LAST)
+    for r in range(N):
+        assert out[r]["global_step"] == LAST
+        for got, w in zip(out[r]["final"], want, strict=True):
+            torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+        for a, b in zip(out[r]["final"], out[0]["final"], strict=True):
+            assert torch.equal(a, b)
+    return out[0]["final"]
+
+
+def test_each_shard_has_a_bit_identical_standby(tmp_path):
+    """No loss: the standbys are spread over the workers (the chief's on rank 0, shard 1's on
+    rank 1), each holds its server's variables and counters bit for bit, and every push's
+    gradients came to shard 1's copy from the workers themselves (none through its server)."""
+    out = run_ranks(standby_ranks.shard_lost, N + 2, args=(LAST, 4, 0, "", str(tmp_path)),
+                    timeout=150)  # fmt: skip
+    assert all(out[r]["standbys"] == {0: 0, 1: 1} for r in range(N))
+    final = _check_trajectory(out)
+    copy = out[1]["shard1"]
+    assert not copy["promoted"] and copy["step"] == LAST
+    assert copy["paired"] == N * LAST  # every push's gradients, from its worker
+    for i, p in zip(copy["indices"], copy["params"], strict=True):
+        assert torch.equal(p, final[i])
+    assert {w: s["accepted"] for w, s in copy["stats"].items()} == dict.fromkeys(range(N), LAST)
+    chief = out[0]["chief"]
+    assert not chief["promoted"] and chief["global_step"] == LAST
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("lost", "cut"), [(4, "applied"), (4, "unsent"), (3, "applied")],
+    ids=["shard-after-its-standby", "shard-alone", "chief-after-its-standby"],
+)  # fmt: skip
+def test_a_server_killed_mid_update_every_update_counts_once(tmp_path, lost, cut):
+    """Shard 1's rank (4), or the chief's (3), is SIGKILLed during worker 2's fourth push to
+    it: after its standby handled the push and before any answer left, or after the server
+    alone handled it.  Every worker moves to the copy and sends the step again (never applied
+    twice); the job reaches ``last_step`` on the replay's trajectory, and the copy that took
+    over counts each worker's every push once.  The chief lost: shard 1 reports its updates
+    to the chief's copy."""
+    out = run_ranks(
+        standby_ranks.shard_lost, N + 2, args=(LAST, lost, 4, cut, str(tmp_path)),
+        timeout=150, kill_on={lost: "die"},
+    )  # fmt: skip
+    assert out[lost] == RankKilled(lost)
+    shard = 1 if lost == 4 else 0
+    assert all(out[r]["moved"] == {shard: lost} for r in range(N))
+    final = _check_trajectory(out)
+    if shard == 1:
+        copy = out[1]["shard1"]
+        assert copy["promoted"] and copy["step"] == LAST
+        for i, p in zip(copy["indices"], copy["params"], strict=True):
+            assert torch.equal(p, final[i])
+        stats = copy["stats"]
+    else:
+        copy = out[0]["chief"]
+        assert copy["promoted"] and copy["global_step"] == LAST
+        stats = copy["stats"]
+    # each push counted once: none added twice, none dropped as stale when sent again
+    every = {"accepted": LAST, "dropped": 0, "nonfinite": 0}
+    assert stats == {w: every for w in range(N)}
