@@ -424,17 +424,6 @@ class SyncReplicas(Strategy):
         }
         return {"kind": SYNC, "server": None, "shards": held} if held else None
 
-    def stand_in(self, rank: int, state: dict[str, Any]) -> dict[str, Any]:
-        # the chief's part belongs to its host: the lost rank's own, where it hosted the chief
-        # that the standby here holds now; its books start again, as a restarted worker's
-        mine = super().stand_in(rank, state)
-        wrapper = dict(mine["optimizer"]["wrapper_state"])
-        chief = self.opt.standby_chief
-        moved = chief is not None and self.opt.chief_moved_from == rank
-        wrapper["server"] = chief.state_dict() if moved else None
-        wrapper["counters"] = dict.fromkeys(wrapper["counters"], 0)
-        return {**mine, "optimizer": {**mine["optimizer"], "wrapper_state": wrapper}}
-
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)
         self.replicas_history = self.opt.replicas_history()

@@ -360,8 +360,10 @@ def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
         dist.barrier()
         return
     if job.rank != strategy.leader():
-        strategy.finish()
+        # finished first: a rank that hosts a server (a standby that took over a shard) ends
+        # it once every worker said done, the leader's too, which waits for this mark
         control.finished(job.rank)
+        strategy.finish()
         return
     control.finished(job.rank)
     missing = control.wait_finished(job.timeout)
