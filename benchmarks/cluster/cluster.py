@@ -112,6 +112,8 @@ def rows(world: int) -> list[Row]:
             {"R": n, "servers": "sharded"}),
         Row("sr-shard-b", f"SyncReplicas, sharded over workers, R={r} of {n}", "sync-replicas",
             {"R": r, "servers": "sharded"}),
+        Row("sr-shard-b-standby", f"SyncReplicas, sharded over workers, a standby per shard, "
+            f"R={r} of {n}", "sync-replicas", {"R": r, "servers": "sharded", "standby": True}),
         Row("sr-shard-ov", f"SyncReplicas, sharded over workers, overlap, R={n}",
             "sync-replicas", {"R": n, **shard, **overlap}),
         Row("sr-shard-ovs", f"SyncReplicas, sharded over workers, overlap, streamed reads, "
@@ -152,6 +154,9 @@ def rows(world: int) -> list[Row]:
             server_hosts=1),
         Row("sr-ded", f"SyncReplicas, sharded on {n} dedicated server hosts, R={n}",
             "sync-replicas", {"R": n, **dedicated}, server_hosts=n),
+        Row("sr-ded-standby", f"SyncReplicas, sharded on {n} dedicated server hosts, a standby "
+            f"per shard on the workers, R={n}", "sync-replicas",
+            {"R": n, **dedicated, "standby": True}, server_hosts=n),
         Row("sr-ded-split", f"SyncReplicas, split shards on {n} dedicated server hosts, R={n}",
             "sync-replicas", {"R": n, **dedicated, **split}, server_hosts=n),
         Row("sr-ded-split-w2", f"SyncReplicas, split shards on {n} dedicated server hosts, "
