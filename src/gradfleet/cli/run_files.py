@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """Write ``obj`` aside and rename it over ``path``: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Write ``obj`` aside and rename it over ``path``: a reader never sees half a file (the
+    file aside is this process's: two writers of one path never write into each other's)."""
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 

@@ -290,10 +290,12 @@ class Easgd(Strategy):
 
     def server_state(self, rank: int) -> dict[str, Any] | None:
         # the dedicated centre's rank was lost: its standby holds the centre, saved in the
-        # server's own checkpoint format (what serve(state=) resumes from)
-        if self.centre is None or self.centre.moved_from != rank:
+        # server's own checkpoint format (what serve(state=) resumes from); written by the
+        # rank that hosts it now (every worker moved, only one holds it)
+        centre = self.centre
+        if centre is None or centre.moved_from != rank or centre.server_rank != self.rank:
             return None
-        return {"kind": CENTRE, "centre": self.centre.state_dict()["centre"]}
+        return {"kind": CENTRE, "centre": centre.state_dict()["centre"]}
 
     def leader(self) -> int:
         # rank 0's host was lost with the centre: the standby's rank hosts the centre now
