@@ -116,6 +116,8 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
             args["overlap"] = bool(o.get("overlap", False))
             if "standby" in o:  # the chief's live standby (default: the library's rule)
                 args["standby"] = bool(o["standby"])
+                if o["standby"]:  # a copy of a server: the exchange with servers, named
+                    args["transport"] = "server"
             if not o.get("auto"):  # auto: left out, laid out for the job from the model
                 args["shard_assignment"] = o.get("assignment", "bytes")
     elif name == "easgd":
