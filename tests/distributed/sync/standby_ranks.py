@@ -65,6 +65,32 @@ def _cut(ctx: RankContext, cut: str, lost_at: int, op: str = "step") -> None:
         hosted_server.HostedServer._handle = handle_then_die
 
 
+def _train(
+    ctx: RankContext,
+    model: torch.nn.Module,
+    opt: SyncReplicasOptimizer,
+    last_step: int,
+    keep: Path | None = None,
+) -> list[tuple[int, torch.Tensor, bool | None]]:
+    """Train until ``last_step``: each step's tag, gradient and verdict, for :func:`replay`.
+    ``keep``: where the records go before each step (a rank that may die in it; its last
+    verdict is then unknown)."""
+    records: list[tuple[int, torch.Tensor, bool | None]] = []
+    count = 0
+    while opt.global_step < last_step:
+        opt.zero_grad()
+        loss_of(model, ctx.rank, count).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        tag = opt.local_step
+        if keep is not None:
+            torch.save(records + [(tag, grads, None)], keep)
+        opt.step()
+        records.append((tag, grads, opt.last_gradient_accepted))
+        count += 1
+        time.sleep(0.01 * ctx.rank)  # workers at different paces: different R-sets
+    return records
+
+
 def chief_lost(
     ctx: RankContext,
     R: int,
@@ -97,20 +123,8 @@ def chief_lost(
     )  # fmt: skip
     standby = opt.exchange.standby
     _joined(ctx)
-    records: list[tuple[int, torch.Tensor, bool | None]] = []
-    mine = Path(save_to) / f"rank{ctx.rank}.pt"
-    count = 0
-    while opt.global_step < last_step:
-        opt.zero_grad()
-        loss_of(model, ctx.rank, count).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
-        tag = opt.local_step
-        if ctx.rank == chief_rank:  # it may die in this step: its record is kept first
-            torch.save(records + [(tag, grads, None)], mine)
-        opt.step()
-        records.append((tag, grads, opt.last_gradient_accepted))
-        count += 1
-        time.sleep(0.01 * ctx.rank)  # workers at different paces: different R-sets
+    mine = Path(save_to) / f"rank{ctx.rank}.pt"  # it may die in a step: its records first
+    records = _train(ctx, model, opt, last_step, mine if ctx.rank == chief_rank else None)
     out = {
         "records": records,
         "initial": initial,
@@ -159,17 +173,7 @@ def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: s
     )  # fmt: skip
     standbys = {k: v[1] for k, v in opt.exchange.clients.standbys.items()}
     _joined(ctx)
-    records: list[tuple[int, torch.Tensor, bool | None]] = []
-    count = 0
-    while opt.global_step < last_step:
-        opt.zero_grad()
-        loss_of(model, ctx.rank, count).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
-        tag = opt.local_step
-        opt.step()
-        records.append((tag, grads, opt.last_gradient_accepted))
-        count += 1
-        time.sleep(0.01 * ctx.rank)
+    records = _train(ctx, model, opt, last_step)
     out = {
         "records": records,
         "initial": initial,
