@@ -358,11 +358,13 @@ class ShardServer:
                 return [self._again(worker, int(number), ticket)]
             accepted, updated = self.offer(msg)
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
-            if number is not None:  # a plain push's answer, kept for the same push again
+            if number is not None and "ahead" not in msg:  # kept for the same push again
                 self.numbers[worker] = int(number)
-                answers = [replace(a, payload={**a.payload, **self._named()}) for a in answers]
-                if "ahead" not in msg:
-                    self.answered[worker] = dict(answers[0].payload)
+                self.answered[worker] = dict(answers[0].payload)
+                if self.standby is not None:
+                    answers[0] = replace(
+                        answers[0], payload={**answers[0].payload, **self._named()}
+                    )
             return [self._applied(), *answers] if updated else list(answers)
         if op == "read":
             return [read_answer(self.shard, ticket, int(msg["version"]))]
