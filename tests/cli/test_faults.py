@@ -327,23 +327,25 @@ def _resume(tmp_path: Path, out: Path, steps: int) -> None:
 @pytest.mark.parametrize("servers", [1, 2], ids=["the-chief", "a-shard"])
 def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path, servers: int) -> None:
     """The chief on a dedicated server rank (``--servers 1``: rank 3) has its standby on
-    worker rank 0 by default, also in lockstep (R = N, TF's shared tokens: what checkpoints
+    worker rank 0 by default, also in lockstep (R = N, one gradient per worker: what checkpoints
     need); with ``--servers 2`` and ``standby=true`` shard 1's server (rank 4) has one on
     worker rank 1.  The server rank is SIGKILLed, the workers move to the standby and finish
     every step, the summary names the loss, a checkpoint after it holds the server's file
     written from the standby (by the worker that holds it), and ``--resume`` starts from it."""
-    steps = 1200  # a fast job: the kill at step 40 needs a run long enough to see it
-    strategy = "sync-replicas:replicas_to_aggregate=3,num_tokens=0"
+    # a fast job: the kill at step 40 needs a run long enough to see it; with a standby per
+    # shard each step is slower (every push goes to two servers), and half as many do
+    steps = 1200 if servers == 1 else 600
+    strategy = "sync-replicas:replicas_to_aggregate=3"
     if servers > 1:
         strategy += ",standby=true"
-    out, _, server = _survive_server_kill(tmp_path, strategy, steps, 400, servers)
+    out, _, server = _survive_server_kill(tmp_path, strategy, steps, steps // 3, servers)
     assert server["kind"] == "SyncReplicasOptimizer"
     if servers == 1:
         assert server["server"]["global_step"] == steps
     else:  # shard 1's variables, as its standby holds them
         assert server["server"] is None and list(server["shards"]) == [1]
         assert server["shards"][1]["aggregator"]["global_step"] == steps
-    _resume(tmp_path, out, 1500)
+    _resume(tmp_path, out, steps + 300)
 
 
 @pytest.mark.slow

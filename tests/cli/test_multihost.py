@@ -235,7 +235,7 @@ def test_dedicated_servers_on_the_second_host(hosts: list[Host], tmp_path: Path)
     rank 0."""
     from .launching import GRADFLEET
 
-    lockstep = ["-s", "sync-replicas:replicas_to_aggregate=2,num_tokens=0", "-n", "2"]
+    lockstep = ["-s", "sync-replicas:replicas_to_aggregate=2", "-n", "2"]
     lockstep += ["--steps", "12", "--seed", "2"]
     out, ref = tmp_path / "run", tmp_path / "ref"
     train = ["-m", "gradfleet", "train", *lockstep, "--servers", "2", "--out", str(out)]

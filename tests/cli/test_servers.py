@@ -3,7 +3,8 @@ ranks that only serve, launched as users launch them.
 
 References: the same run with the servers inside the workers (the library's tests check that
 one against a float64 simulation, and dedicated against colocated servers bit for bit where
-the run is deterministic: sync-replicas in lockstep, R = N with no initial tokens, and EASGD
+the run is deterministic: sync-replicas in lockstep, R = N with one gradient per worker per
+update (the default token rule), and EASGD
 with one worker), and the uninterrupted run for ``--resume``. Failures: a killed server ends
 the run with one ``error:`` line naming it, every worker's own error names it too; a lost
 worker with a backup left does not end it. Bad ``--servers`` values: one ``error:`` line,
@@ -36,7 +37,7 @@ from .launching import (
     wait_for_step,
 )
 
-LOCKSTEP = "sync-replicas:replicas_to_aggregate=2,num_tokens=0"
+LOCKSTEP = "sync-replicas:replicas_to_aggregate=2"
 EASGD = "easgd:mode=async,period=2"
 
 
@@ -291,6 +292,16 @@ def test_lost_worker_with_a_backup_goes_on_with_a_dedicated_server(tmp_path: Pat
             ["-s", "sync-replicas", "-n", "2", "--servers", "1", "--checkpoint-every", "5"],
             "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
             "lockstep",
+        ),
+        (
+            # TF's shared queue: a fast worker may give two gradients to one update and run
+            # a local step ahead of the others, so there is no common step to stop at
+            [
+                "-s", "sync-replicas:replicas_to_aggregate=2,num_tokens=0", "-n", "2",
+                "--servers", "1", "--checkpoint-every", "5",
+            ],
+            "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
+            "lockstep (replicas_to_aggregate = --workers, without num_tokens or tokens=shared",
         ),
         (
             ["-s", "sync-replicas:num_tokens=-2", "-n", "2", "--servers", "1"],

@@ -106,9 +106,14 @@ def validate_servers(
 
 def lockstep(args: dict[str, Any], workers: int) -> bool:
     """Sync-replicas where every worker's local step is the global step: R = N = workers and
-    no initial tokens (each update waits for every worker's gradient of that step)."""
+    the one-gradient-per-worker token rule (``tokens=distinct``, the default without
+    ``num_tokens``), so each update takes one gradient from every worker, of that step.  TF's
+    shared queue (``tokens=shared``, or any ``num_tokens``, 0 included) hands tokens to whoever
+    asks first: a fast worker may give two gradients to one update, its local step runs
+    ahead, and a checkpoint at a local step then waits for ranks that are steps behind."""
     R = args.get("replicas_to_aggregate", workers - 1)
-    return R == workers and args.get("num_tokens", -1) == 0
+    shared = args.get("tokens") == "shared" or args.get("num_tokens", -1) != -1
+    return R == workers and not shared
 
 
 # ----------------------------------------------------------------------------- the job

@@ -299,8 +299,9 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
         raise ConfigError(
             "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
-            "lockstep (replicas_to_aggregate = --workers and num_tokens=0): otherwise its ranks "
-            "run different numbers of local steps, so there is no common point to checkpoint"
+            "lockstep (replicas_to_aggregate = --workers, without num_tokens or tokens=shared: "
+            "one gradient per worker per update): otherwise its ranks run different numbers of "
+            "local steps, so there is no common point to checkpoint"
         )
     device = parse_device(merged.get("device", RunSpec.device))
     check_run_device(device, name, workers)
