@@ -297,8 +297,14 @@ def test_lost_worker_with_a_backup_goes_on_with_a_dedicated_server(tmp_path: Pat
             # TF's shared queue: a fast worker may give two gradients to one update and run
             # a local step ahead of the others, so there is no common step to stop at
             [
-                "-s", "sync-replicas:replicas_to_aggregate=2,num_tokens=0", "-n", "2",
-                "--servers", "1", "--checkpoint-every", "5",
+                "-s",
+                "sync-replicas:replicas_to_aggregate=2,num_tokens=0",
+                "-n",
+                "2",
+                "--servers",
+                "1",
+                "--checkpoint-every",
+                "5",
             ],
             "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
             "lockstep (replicas_to_aggregate = --workers, without num_tokens or tokens=shared",
