@@ -69,6 +69,10 @@ def test_tolerated_losses_policy() -> None:
     assert server_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
     assert not server_replaceable("sync-replicas", {"standby": False}, 3)
     assert not server_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
+    # with auto, when asked for (one server): its standby takes each R from the chief
+    auto_standby = {"replicas_to_aggregate": "auto", "standby": True}
+    assert server_replaceable("sync-replicas", auto_standby, 3)
+    assert rank0_replaceable("sync-replicas", {**auto_standby, "transport": "server"}, 3)
     assert not server_replaceable("sync-replicas", {}, 3, servers=2)
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2

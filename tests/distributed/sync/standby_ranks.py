@@ -99,11 +99,14 @@ def chief_lost(
     cut: str,
     save_to: str,
     dedicated: bool = False,
+    auto: bool = False,
 ) -> dict:
     """R of N workers train with plain SGD to ``last_step``; the chief is on rank 0 (its
     standby chosen: rank 1), or with ``dedicated`` on the last rank, which only serves (its
-    standby: rank 0).  ``lost_at`` > 0: the chief's rank is SIGKILLed at worker 2's step
-    request of that number (:func:`_cut`).  ``lost_at=0``: no loss; the chief's rank and its
+    standby: rank 0).  ``auto``: ``replicas_to_aggregate="auto"`` with ``standby=True``
+    instead of a fixed R (the chief chooses each R from its clock; the standby takes them).
+    ``lost_at`` > 0: the chief's rank is SIGKILLed at worker 2's step request of that number
+    (:func:`_cut`).  ``lost_at=0``: no loss; the chief's rank and its
     standby's return their copies' state for a bit-for-bit comparison."""
     N = ctx.world_size - 1 if dedicated else ctx.world_size
     chief_rank = N if dedicated else 0
@@ -118,8 +121,8 @@ def chief_lost(
     model = make_model()
     initial = [p.detach().clone() for p in model.parameters()]
     opt = SyncReplicasOptimizer(
-        sgd(model.parameters()), R, N, timeout=30, last_step=last_step, transport="server",
-        server_rank=chief_rank,
+        sgd(model.parameters()), "auto" if auto else R, N, timeout=30, last_step=last_step,
+        transport="server", server_rank=chief_rank, standby=True if auto else None,
     )  # fmt: skip
     standby = opt.exchange.standby
     _joined(ctx)
@@ -213,31 +216,35 @@ def _chief_state(chief) -> dict:
         "slots": state["optimizer"],
         "stats": {int(w): dict(v) for w, v in chief.aggregator.stats.items()},
         "resent": dict(chief.resent),
+        "history": list(chief.history),  # each update's R
+        "choice": chief.choice.live_state(),
     }
 
 
 def replay(
     initial: list[torch.Tensor],
     records: dict[int, list[tuple[int, torch.Tensor, bool | None]]],
-    R: int,
+    R: int | list[int],
     last_step: int,
 ) -> tuple[list[torch.Tensor], dict[int, int]]:
     """The variables after the updates ``records`` made (float64, from the spec: update ``t``
-    averages the R gradients accepted with tag ``t`` and takes an SGD step), and each
-    worker's accepted count.  A record whose verdict is unknown (``None``: its worker died)
-    was accepted iff its update needs it to have R."""
+    averages the R gradients accepted with tag ``t`` and takes an SGD step; ``R``: each
+    update's, or one for all), and each worker's accepted count.  A record whose verdict is
+    unknown (``None``: its worker died) was accepted iff its update needs it to have R."""
     flat = torch.cat([p.reshape(-1) for p in initial]).clone()
     accepted = dict.fromkeys(records, 0)
-    for t in range(last_step):
+    each = [R] * last_step if isinstance(R, int) else list(R)
+    assert len(each) == last_step, f"{len(each)} R for {last_step} updates"
+    for t, r in enumerate(each):
         known = [(w, g) for w, rs in records.items() for tag, g, ok in rs if tag == t and ok]
         unknown = [
             (w, g) for w, rs in records.items() for tag, g, ok in rs if tag == t and ok is None
         ]
-        taken = known + unknown[: R - len(known)]
-        assert len(taken) == R, f"update {t + 1}: {len(taken)} gradients, want {R}"
+        taken = known + unknown[: r - len(known)]
+        assert len(taken) == r, f"update {t + 1}: {len(taken)} gradients, want {r}"
         for w, _ in taken:
             accepted[w] += 1
-        mean = (taken[0][1] + taken[1][1]) / 2 if R == 2 else sum(g for _, g in taken) / R
+        mean = (taken[0][1] + taken[1][1]) / 2 if r == 2 else sum(g for _, g in taken) / r
         flat.add_(mean, alpha=-LR)
     out, start = [], 0
     for p in initial:

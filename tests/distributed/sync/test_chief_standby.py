@@ -22,21 +22,28 @@ def _records(out: list, tmp_path, lost: int | None) -> dict:
     return records
 
 
-def test_the_standby_is_bit_identical_to_the_chief(tmp_path):
+@pytest.mark.parametrize("auto", [False, True], ids=["fixed-R", "auto"])
+def test_the_standby_is_bit_identical_to_the_chief(tmp_path, auto):
     """No loss: the standby (rank 1, chosen: the next rank on one host) holds the chief's
     variables, hyperparameters and counters bit for bit, every step's gradients came to it
-    from its worker (none through the chief), and both equal the float64 replay."""
-    out = run_ranks(standby_ranks.chief_lost, 3, args=(R, LAST, 0, "", str(tmp_path)), timeout=120)
+    from its worker (none through the chief), and both equal the float64 replay.  Under
+    ``"auto"`` its R of every update is the chief's, chosen on the chief's clock."""
+    out = run_ranks(
+        standby_ranks.chief_lost, 3, args=(R, LAST, 0, "", str(tmp_path), False, auto),
+        timeout=120,
+    )  # fmt: skip
     assert out[0]["standby"] == 1
     chief, copy = out[0], out[1]["standby_state"]
     assert chief["global_step"] == copy["global_step"] == LAST
+    assert chief["history"] == copy["history"] and len(copy["history"]) == LAST
     for a, b in zip(chief["params"], copy["params"], strict=True):
         assert torch.equal(a, b)
     assert chief["stats"] == copy["stats"]
     assert str(chief["slots"]) == str(copy["slots"])
     pushes = sum(len(o["records"]) - o["withheld"] for o in out)  # with their gradients
     assert out[1]["paired"] == pushes and not out[1]["promoted"]
-    want, accepted = standby_ranks.replay(out[0]["initial"], _records(out, tmp_path, None), R, LAST)
+    records = _records(out, tmp_path, None)
+    want, accepted = standby_ranks.replay(out[0]["initial"], records, copy["history"], LAST)
     for g, w in zip(copy["params"], want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     assert {w: s["accepted"] for w, s in copy["stats"].items()} == accepted
@@ -81,6 +88,36 @@ def test_the_chief_killed_mid_update_every_update_counts_once(tmp_path, cut, ded
     assert sum(s["accepted"] for s in state["stats"].values()) == R * LAST
     if cut == "applied":  # worker 2's step had reached the standby: sent again, not re-applied
         assert state["resent"].get(2) == 1
+
+
+@pytest.mark.faults
+def test_under_auto_the_standby_takes_the_chiefs_choices_and_survives_its_loss(tmp_path):
+    """``replicas_to_aggregate="auto"`` with ``standby=True``: the chief chooses each update's R
+    from its own clock, and its standby (rank 1) takes each R from the chief's copies.  The
+    chief's rank is SIGKILLed during worker 2's fourth step, after its standby handled it; the
+    workers move to the standby, which chooses from then on, and the job reaches
+    ``last_step``.  The standby's variables equal the float64 replay of the updates made with
+    the R it records for each, and every worker's last read."""
+    out = run_ranks(
+        standby_ranks.chief_lost, 3, args=(R, LAST, 4, "applied", str(tmp_path), False, True),
+        timeout=150, kill_on={0: "die"},
+    )  # fmt: skip
+    assert out[0] == RankKilled(0)
+    state = out[1]["standby_state"]
+    assert out[1]["promoted"] and state["global_step"] == LAST
+    assert len(state["history"]) == LAST and all(1 <= r <= 3 for r in state["history"])
+    for r in (1, 2):
+        assert out[r]["global_step"] == LAST and out[r]["moved_from"] == 0
+    records = _records(out, tmp_path, 0)
+    want, accepted = standby_ranks.replay(out[1]["initial"], records, state["history"], LAST)
+    for g, w in zip(state["params"], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for r in (1, 2):
+        for a, b in zip(out[r]["final"], state["params"], strict=True):
+            assert torch.equal(a, b)
+        assert state["stats"][r]["accepted"] == accepted[r]
+    assert sum(s["accepted"] for s in state["stats"].values()) == sum(state["history"])
+    assert state["resent"].get(2) == 1  # sent again, not applied again
 
 
 @pytest.mark.faults

@@ -243,6 +243,7 @@ class HostedServer:
             address, name, timeout, wake=self.mailbox.wake,
             direct=getattr(self.machine, "standby_direct", None),
             early=tuple(getattr(self.machine, "standby_early", ())),
+            extra=getattr(self.machine, "copy_fields", None),
         )  # fmt: skip
         if hasattr(self.machine, "standby"):
             self.machine.standby, self.machine.standby_rank = address, rank
@@ -349,7 +350,25 @@ class HostedServer:
             self._release()
         if self._watch is not None:
             self._emit(self._watch())
-        self._emit(self.machine.tick())
+        outputs = self.machine.tick()
+        # a tick that changed the state (a chosen R lowered) hands the standby requests that
+        # make the same change; its answers wait for them as a request's would
+        ticked = getattr(self.machine, "tick_requests", None)
+        requests = [] if ticked is None else ticked()
+        if self.forwarder is None or not requests:
+            self._emit(outputs)
+            return
+        if self.forwarder.deposed is not None:  # the standby took over: nothing from here
+            for out in outputs:
+                if isinstance(out, Answer):
+                    _send(error(out.ticket, "ServerUnreachable", self.forwarder.deposed))
+            return
+        numbers = [n for n in map(self.forwarder.forward, requests) if n is not None]
+        if not numbers:  # (no standby left)
+            self._emit(outputs)
+            return
+        self._held.append((max(numbers), outputs))
+        self._release()
 
     def _emit(self, outputs: list[Any]) -> None:
         for i, out in enumerate(outputs):

@@ -176,7 +176,9 @@ class Forwarder:
 
     ``direct``: per op, the fields the workers send to the standby themselves (left out of the
     copy); ``early``: ops whose answers need not wait (a request that, lost with the primary,
-    is simply redone); ``wake``: called from the thread when a copy was handled.
+    is simply redone); ``wake``: called from the thread when a copy was handled; ``extra``:
+    the fields each copy carries besides its request's, asked for as it is queued (what the
+    primary decided in handling it from what the standby cannot see, such as its clock).
     """
 
     def __init__(
@@ -187,8 +189,10 @@ class Forwarder:
         direct: dict[str, tuple[str, ...]] | None = None,
         early: tuple[str, ...] = (),
         wake: Callable[[], None] = lambda: None,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.name, self.direct, self.early, self._wake = name, dict(direct or {}), early, wake
+        self._extra = extra
         self.address = address
         self.client: MailboxClient | None = MailboxClient(address, "primary", timeout, name)
         self.deposed: str | None = None  # set once the standby took over: every answer fails
@@ -218,6 +222,8 @@ class Forwarder:
         }
         if direct:
             fields["direct"] = list(direct)
+        if self._extra is not None:
+            fields.update(self._extra())
         self._queued += 1
         self._copies.put((self._queued, msg["op"], fields))
         return None if msg["op"] in self.early else self._queued

@@ -117,6 +117,8 @@ class SyncServers:
         if rank == self.standbys[0]:
             self.standby_chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.standby_chief.shard.follow_workers = True
+            # a chosen R comes with each copy from the primary, never from this rank's clock
+            self.standby_chief.choice.follow(self.standby_chief.choice.live_state())
             self.standby_server = HostedServer(
                 self.standby_chief, self.standby_chief.members, host,
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,

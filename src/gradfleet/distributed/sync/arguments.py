@@ -183,9 +183,10 @@ def check_standby(
     worker rank after the chief's on another host; several: spread over the worker ranks,
     each on another host than its server's); a rank: there (one server only); ``False``:
     none.  None: on wherever the job has one server and already does without a host -- backup
-    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off (several
-    shards: their pushes then take TF's protocol, not read-ahead, so they are replicated only
-    when asked for).  A process that joins by address (``joining``) with ``True`` becomes the
+    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off: several
+    shards (their pushes then take TF's protocol, not read-ahead, so they are replicated only
+    when asked for), and a chosen R (one server only: its standby takes each R from the
+    chief's copies).  A process that joins by address (``joining``) with ``True`` becomes the
     standby of a chief that has none (its own took over).  The others place it with the
     process group's collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
@@ -217,10 +218,11 @@ def check_standby(
             "the variables over several servers: pass standby=True (a standby per shard, "
             "placed for the job)"
         )
-    if chosen:
+    if chosen and not one:
         raise ValueError(
-            f"{_OWNER}: standby={standby!r} needs a fixed replicas_to_aggregate: a chosen R "
-            "depends on the chief's clock, which its standby does not share"
+            f"{_OWNER}: standby={standby!r} with a chosen replicas_to_aggregate keeps a standby "
+            f"of one server, the chief, which takes each R from it; server_ranks={ranks} "
+            "shards the variables: use one server, or a fixed replicas_to_aggregate"
         )
     if not grouped and not joining:
         raise ValueError(

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import gradfleet
-from gradfleet.distributed.common.replies import Answer
+from gradfleet.distributed.common.replies import DROPPED, Answer
 from gradfleet.distributed.sync.common.job import Job
 from gradfleet.distributed.sync.common.replicas_policy import (
     LAG_HALF_LIFE,
@@ -439,6 +439,60 @@ def test_a_worker_that_dies_mid_update_is_left_out_after_twice_its_round():
     assert history[:5] == [3] * 5 and max(history[5:]) <= 2, history  # at most the live two
     chief = server.chief
     assert chief.measured.overdue(chief.clock(), [0, 1, 2]) == [2]
+
+
+class ReplicatedChiefServer(ChiefServer):
+    """A ``ChiefServer`` whose chief has a live standby, fed as the hosting code feeds one
+    (:mod:`gradfleet.distributed.hosting.standby`): a copy of every request the chief
+    handled, with the chief's ``copy_fields``, and every request a tick hands out.  The
+    standby's clock is another host's: offset, and at an uneven pace."""
+
+    def __init__(self, N: int, clock) -> None:
+        super().__init__(N, clock)
+        self.chief.standby = "standby's address"  # the chief now keeps its ticks for it
+        x = torch.tensor(np.zeros(DIM), dtype=F64)
+        self.copy = SyncChief(
+            gradfleet.GradientDescentOptimizer([x], LR),
+            Job(R=N, N=N, timeout=1e9, policy=AutoReplicas()),
+            clock=lambda: 1000.0 + clock() + 0.4 * math.sin(clock()) ** 2,
+        )  # fmt: skip
+        self.copy.choice.follow(self.copy.choice.live_state())  # as SyncServers starts it
+
+    def _replicate(self, msg):
+        self.copy.handle({**msg, **self.chief.copy_fields()}, DROPPED)
+
+    def _send(self, msg):
+        out = super()._send(msg)
+        self._replicate(msg)
+        return out
+
+    def tick(self):
+        served = super().tick()
+        for request in self.chief.tick_requests():
+            self._replicate(request)
+        self.copy.tick()  # its own ticks change nothing while it follows
+        return served
+
+
+def _same_chiefs(chief: SyncChief, copy: SyncChief) -> None:
+    assert copy.history == chief.history and copy.global_step == chief.global_step
+    assert torch.equal(copy.params[0], chief.params[0])
+    assert copy.choice.live_state() == chief.choice.live_state()
+
+
+def test_a_standby_takes_each_r_from_its_chief_and_stays_bit_identical():
+    server = simulate(ReplicatedChiefServer, updates=40)
+    _same_chiefs(server.chief, server.copy)
+    assert 3 in server.history and server.history[0] == 4  # the choices did change
+    # a worker's own request (the standby took over): it chooses from then on
+    server.copy.handle({"op": "stats", "worker": 0}, Reply())
+    assert not server.copy.choice.following
+
+
+def test_an_r_lowered_on_a_tick_is_lowered_on_the_standby_too():
+    server = simulate(ReplicatedChiefServer, N=3, updates=12, schedule=dies_at_round_5, tick=0.1)
+    assert len(server.history) == 12 and max(server.history[5:]) <= 2, server.history
+    _same_chiefs(server.chief, server.copy)
 
 
 def test_a_shard_lowers_its_update_when_the_chief_says_so():

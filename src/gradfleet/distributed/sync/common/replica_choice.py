@@ -6,6 +6,13 @@ made, and, with a policy (``replicas_to_aggregate="auto"``), the :class:`~.repli
 Measurements` the policy decides from.  The chief tells it what happened (a token served, a
 gradient arrived, an update made, a worker left) and asks it what R an update takes; it logs
 each decision at DEBUG.  Pure bookkeeping: times are passed in, no I/O.
+
+A live standby of the chief (:mod:`...hosting.standby`) does not choose: a policy's choice
+depends on the clock of the host that measured the rounds.  Each copy of a request carries its
+primary's choices and measurements (:meth:`ReplicaChoice.live_state`); the standby
+:meth:`~ReplicaChoice.follow` s them while it handles the copy, and loads them after it, so
+its R of every update, its policy's state and its measurements are its primary's.  A standby
+that took over (its first request comes from a worker, with no choices) chooses from then on.
 """
 
 from __future__ import annotations
@@ -33,16 +40,33 @@ class ReplicaChoice:
         self.replicas: dict[int, int] = {}  # step -> the R of its update
         self._last_made: float | None = None  # when the last update was made (made's now)
         self._expected: dict[int, float] = {}  # step -> T(R) when its R was chosen
+        self._given: dict[int, int] | None = None  # a standby's: its primary's R per step
 
     def of(self, step: int, current: int) -> int:
         """The R of the update at ``step`` (a token's), else of the update at ``current``."""
         return self.replicas.get(step, self.replicas[current])
 
     # ------------------------------------------------------------------ decisions
+    @property
+    def following(self) -> bool:
+        """A standby's: the R of each update is its primary's, not chosen here."""
+        return self._given is not None
+
+    def follow(self, primary: dict[str, Any] | None) -> None:
+        """Take each update's R from ``primary`` (its :meth:`live_state` after the request
+        being replayed) instead of choosing; None: choose (a primary, or a standby that took
+        over)."""
+        self._given = (
+            None if primary is None else {int(k): int(v) for k, v in primary["pending"].items()}
+        )
+
     def decide(self, step: int, live: Sequence[int], now: float) -> int:
-        """The R of the update at ``step``: fixed, or the policy's choice (logged)."""
+        """The R of the update at ``step``: fixed, its primary's (a standby's), or the policy's
+        choice (logged)."""
         if self.policy is None:
             r = self.fixed
+        elif self._given is not None and step in self._given:
+            r = self._given[step]
         else:
             view = self._view(step, live, now)
             r = self.policy.choose(view)
@@ -77,8 +101,8 @@ class ReplicaChoice:
         taken over twice its usual round (dead, or slowed down since the choice), choose again
         with what is known now; the lower R, if the policy would take fewer.  Never a higher
         one: the workers' pushes to other shards carry the R they were told."""
-        if self.policy is None or step not in self.replicas:
-            return None
+        if self.policy is None or self._given is not None or step not in self.replicas:
+            return None  # (a standby: its primary's tick lowers it, and says so in a copy)
         late = self.measured.overdue(now, live)
         if not late:
             return None
@@ -86,6 +110,10 @@ class ReplicaChoice:
         if not isinstance(r, int) or not 1 <= r < self.replicas[step]:
             return None
         return self._lower(step, r, f"worker(s) {late} overdue")
+
+    def lowered(self, step: int, r: int) -> int:
+        """A standby: its primary lowered the pending update's R to ``r`` on a tick."""
+        return self._lower(step, r, "its primary lowered it")
 
     def _lower(self, step: int, r: int, why: str) -> int:
         log.debug("SyncReplicas chief: update %d now waits for R=%d (%s)", step, r, why)
@@ -134,13 +162,7 @@ class ReplicaChoice:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "history": list(self.history),
-            "pending": {int(k): int(v) for k, v in self.replicas.items()},
-            "policy": None if self.policy is None else self.policy.state_dict(),
-            "measured": None if self.policy is None else self.measured.state_dict(),
-            "expected": {int(k): float(v) for k, v in self._expected.items()},
-        }
+        return {"history": list(self.history), **self.live_state()}
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """The history, the pending update's R and the policy's state, so a resumed job goes
@@ -149,6 +171,22 @@ class ReplicaChoice:
             self.history, self.replicas = [], {}
             return
         self.history = [int(r) for r in saved["history"]]
+        self.load_live(saved)
+
+    def live_state(self) -> dict[str, Any]:
+        """What a standby's copy of a request carries (module docstring): the state without
+        the history, which each copy keeps itself; bounded, and the keys survive the wire's
+        JSON (they are read back with ``int()``)."""
+        return {
+            "pending": {int(k): int(v) for k, v in self.replicas.items()},
+            "policy": None if self.policy is None else self.policy.state_dict(),
+            "measured": None if self.policy is None else self.measured.state_dict(),
+            "expected": {int(k): float(v) for k, v in self._expected.items()},
+        }
+
+    def load_live(self, saved: dict[str, Any]) -> None:
+        """A :meth:`live_state` (or a checkpoint's): the pending R, the policy's state, the
+        measurements."""
         self.replicas = {int(k): int(v) for k, v in saved["pending"].items()}
         # absent: a checkpoint from before lags were measured
         self._expected = {int(k): float(v) for k, v in saved.get("expected", {}).items()}

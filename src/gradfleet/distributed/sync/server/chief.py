@@ -44,7 +44,11 @@ gets the answer it was given (the token, its verdict; the values as they are now
 workers send their gradients to the standby themselves (``standby_direct``), and a new standby
 starts from :meth:`SyncChief.replica_state` (``load_replica``).  Hyperparameters then come with
 the workers' pushes on both copies (as on a dedicated server), never from one host's own
-optimizer, whose LR schedule may be at another point.
+optimizer, whose LR schedule may be at another point.  Under a chosen R
+(``replicas_to_aggregate="auto"``) the choice depends on the primary's clock: each copy
+carries its primary's choices (:meth:`SyncChief.copy_fields`, read by the standby's
+:class:`~..common.replica_choice.ReplicaChoice`), and an R the primary lowers on a tick
+reaches the standby as a request of its own (``lower``, :meth:`SyncChief.tick_requests`).
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class SyncChief:
         self.answered: dict[int, tuple[int | None, str, Any]] = {}
         self.resent: dict[int, int] = {}
         self.hello_to: dict[int, str] = {}  # the chief address each worker's hello went to
+        self._ticked: list[dict[str, Any]] = []  # what ticks changed, for the standby
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -183,6 +188,32 @@ class SyncChief:
         if op == "load_replica":  # a new standby starts from its primary's whole state
             self._load_replica(msg)
             return [Answer(ticket, {})]
+        # a standby's copy carries its primary's choices of R; a worker's request does not
+        # (a primary, or a standby that took over: it chooses)
+        given = msg.get("choice")
+        self.choice.follow(given)
+        out = self._handle(msg, ticket)
+        if given is not None:  # its policy's state and measurements, as the primary's
+            self.choice.load_live(given)
+        return out
+
+    def copy_fields(self) -> dict[str, Any]:
+        """What the standby's copy of the request just handled carries besides it: under a
+        chosen R, the choices and measurements they were made from (module docstring)."""
+        return {} if self.policy is None else {"choice": self.choice.live_state()}
+
+    def tick_requests(self) -> list[dict[str, Any]]:
+        """The requests that make on the standby what the ticks since the last call changed
+        here (an R lowered: ``lower``), in order; each call hands them out once."""
+        out, self._ticked = self._ticked, []
+        return out
+
+    def _handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
+        op = msg["op"]
+        if op == "lower":  # a copy: the primary's tick lowered the pending update's R
+            before = self.global_step
+            out = self._lowered(self.choice.lowered(int(msg["step"]), int(msg["r"])))
+            return [*out, *(self._serve_tokens() if self.global_step != before else [])]
         if op == "applied":
             k = int(msg["shard"])
             if "noise" in msg:
@@ -493,6 +524,8 @@ class SyncChief:
             r = self.choice.reconsider(self.global_step, self._live(), now)
             if r is not None:
                 before = self.global_step
+                if self.standby is not None:  # the standby lowers it too, in this order
+                    self._ticked.append({"op": "lower", "worker": -1, "step": before, "r": r})
                 out += self._lowered(r)
                 out += self._serve_tokens() if self.global_step != before else []
         return out
