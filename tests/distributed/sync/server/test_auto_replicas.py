@@ -412,6 +412,41 @@ def test_a_worker_leaving_lowers_the_pending_update_and_makes_it():
     assert replies[0].payload["token"] == 1 and replies[1].payload["r"] == 2
 
 
+class Scripted:
+    """A policy that answers from a script and keeps its last answer, as AutoReplicas does."""
+
+    def __init__(self, answers: list[int]) -> None:
+        self.answers, self.current = list(answers), None
+
+    def choose(self, view: Decision) -> int:
+        self.current = self.answers.pop(0)
+        return self.current
+
+    def state_dict(self) -> dict:
+        return {"current": self.current}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.current = state["current"]
+
+
+def test_a_choice_reconsidered_but_not_taken_leaves_the_policy_as_it_was():
+    from gradfleet.distributed.sync.common.replica_choice import ReplicaChoice
+
+    choice = ReplicaChoice(3, Scripted([2, 3]))
+    measured = choice.measured
+    for t in range(3):  # three rounds of 1 s from each worker
+        for w in range(3):
+            measured.served(w, t, 10.0 * t)
+            measured.arrived(w, t, 10.0 * t + 1.0)
+    assert choice.decide(3, [0, 1, 2], 30.0) == 2
+    for w in range(3):
+        measured.served(w, 3, 30.0)
+    measured.arrived(0, 3, 31.0)
+    assert measured.overdue(33.0, [0, 1, 2])  # workers 1 and 2: the policy is asked again
+    assert choice.reconsider(3, [0, 1, 2], 33.0) is None  # it says 3: not lower, not taken
+    assert choice.replicas[3] == 2 and choice.policy.current == 2
+
+
 def test_state_dict_carries_the_choices():
     chief = simulate(ChiefServer, updates=14).chief
     state = chief.state_dict()

@@ -17,6 +17,7 @@ that took over (its first request comes from a worker, with no choices) chooses 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -106,8 +107,12 @@ class ReplicaChoice:
         late = self.measured.overdue(now, live)
         if not late:
             return None
+        before = copy.deepcopy(self.policy.state_dict())
         r = self.policy.choose(self._view(step, live, now))
         if not isinstance(r, int) or not 1 <= r < self.replicas[step]:
+            # a choice not taken leaves the policy as it was (AutoReplicas would otherwise
+            # keep it as "the R chosen last", which its margin then holds on to)
+            self.policy.load_state_dict(before)
             return None
         return self._lower(step, r, f"worker(s) {late} overdue")
 
