@@ -443,6 +443,62 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
     assert (_summary(out)["workers"], _summary(out)["servers"]) == (workers, servers)
 
 
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_recipe_a_restarted_worker_becomes_the_chiefs_standby_and_a_second_loss_is_survived(
+    tmp_path: Path,
+) -> None:
+    """The recipe, the chief on a dedicated rank (3) with its standby on worker rank 1
+    (``standby=1``).  Rank 1 is SIGKILLed: the chief serves alone.  Its agent restarts it; it
+    rejoins and, as the job keeps a standby of its chief, becomes the chief's standby again
+    from the chief's live state.  Then the chief's rank is SIGKILLed too (its agent has no
+    restart): the workers move to the standby on rank 1.  Last, rank 2 is SIGKILLed and
+    restarted: it rejoins the chief where it is now (rank 0 published its address once it
+    moved), and every step is trained."""
+    from gradfleet.distributed.testing import free_port
+
+    from .launching import hold_until_replaced
+    from .test_torchrun import AGENT, recipe_env
+
+    workers, steps, port = 3, 900, free_port()
+    out = tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2,standby=1"]
+    train += ["-n", str(workers), "--servers", "1", "--steps", str(steps)]
+    train += ["--out", str(out), "--log-level", "info", "-q"]
+    world = workers + 1
+    procs = [
+        popen(
+            [*AGENT, f"--max-restarts={0 if r == 3 else 1}", *train],
+            tmp_path,
+            recipe_env(r, world, "127.0.0.1", port),
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 30, procs, deadline)
+        first = kill_rank(out, 1)
+        hold_until_replaced(out, [0, 2], procs[1], first, deadline)
+        wait_for_step(out, 200, procs, deadline)  # the replacement trains: it joined
+        kill_rank(out, 3)
+        wait_for_step(out, 400, procs[:3], deadline)  # on rank 1's copy
+        again = kill_rank(out, 2)
+        hold_until_replaced(out, [0, 1], procs[2], again, deadline)
+        results = finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+    for rank in range(workers):
+        assert results[rank][0] == 0, (rank, results[rank][1])
+    assert results[3][0] != 0  # the chief's rank, killed for good
+    restarted = results[1][1]
+    assert "worker rank 1 rejoined the running job" in restarted
+    assert "worker rank 1: the chief's standby, from its live state" in restarted
+    assert "worker rank 2 rejoined the running job" in results[2][1]
+    for rank in (0, 2):  # the second loss: every worker moved to the new standby
+        assert "moving to its standby on rank 1" in results[rank][1], results[rank][1]
+    assert _trained(out)[-1][0] == steps
+
+
 def test_compare_refuses_servers_for_a_strategy_without_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -135,6 +135,11 @@ class Strategy:
     #: (None: it cannot rejoin).
     server_address: str | list[str] | None = None
 
+    def live_server_address(self) -> str | list[str] | None:
+        """Where a restarted worker finds the servers now: :attr:`server_address`, or where
+        a lost server's standby took over."""
+        return self.server_address
+
     def forget(self, ranks: list[int]) -> None:
         """Rank 0: these workers are gone; the server stops waiting for them at the end."""
         return None
@@ -402,6 +407,13 @@ class SyncReplicas(Strategy):
 
     def updates(self, local_step: int) -> int:
         return int(self.opt.global_step)
+
+    def live_server_address(self) -> str | list[str] | None:
+        clients = getattr(self.opt.exchange, "clients", None)
+        if clients is None:
+            return self.server_address
+        addresses = list(clients.addresses)  # a lost server's standby's, once it took over
+        return addresses if len(addresses) > 1 else addresses[0]
 
     def leader(self) -> int:
         # all-reduce with max_losses: rank 0 may be gone; the chief's host (rank 0) lost:

@@ -30,7 +30,7 @@ from .run_files import Metrics, atomic_save, last_logged_step, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import Strategy
-from .strategy_table import STRATEGIES, serverless_losses, tolerated_losses
+from .strategy_table import STRATEGIES, chief_standby, serverless_losses, tolerated_losses
 from .torchrun import env_rank
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
@@ -232,6 +232,12 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
             if address is None:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
+            if name == "sync-replicas" and chief_standby(
+                spec.strategy_args, job.workers, job.servers, spec.device
+            ):
+                # the job keeps a standby of its chief: a restarted process becomes it where
+                # the chief has none (its own was lost with this rank, or took over)
+                args["standby"] = True
     # Towers run as threads of this one process: the "world" is the tower count.
     info = STRATEGIES[name]
     strategy = info.adapter(args, rank, job.workers if info.spawns else spec.workers)
@@ -299,6 +305,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
     t0 = time.perf_counter() - wall_before
     loss = float("nan")
     step = start
+    published = strategy.server_address  # (rank 0's, at set-up)
     # ``steps`` counts model updates: local steps for most strategies, server updates for
     # sync-replicas (where ranks run different numbers of local steps); the cap stops a
     # wrapper that never reports progress.
@@ -325,6 +332,12 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         if not writer:
             recent.append(record)
         job.poll(metrics, done, leader=strategy.leader())
+        if job.control is not None and rank == strategy.leader():
+            # a lost server's standby took over: a restarted worker must join it there
+            live = strategy.live_server_address()
+            if live is not None and live != published:
+                job.control.publish_server(live)
+                published = live
         if writer and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
         if ckpt_every and step % ckpt_every == 0:
