@@ -499,6 +499,48 @@ def test_recipe_a_restarted_worker_becomes_the_chiefs_standby_and_a_second_loss_
     assert _trained(out)[-1][0] == steps
 
 
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_recipe_a_worker_restarted_after_the_centre_moved_joins_it_there(tmp_path: Path) -> None:
+    """The recipe, the asynchronous EASGD centre on a dedicated rank (3) with its default
+    standby on worker rank 0.  The centre's rank is SIGKILLed for good: the workers move to
+    the standby.  Then rank 2 is SIGKILLed and restarted: it joins the centre where it is now
+    (rank 0 published the standby's address once it moved), and every step is trained."""
+    from gradfleet.distributed.testing import free_port
+
+    from .launching import hold_until_replaced
+    from .test_torchrun import AGENT, recipe_env
+
+    workers, steps, port = 3, 600, free_port()
+    out = tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "easgd:mode=async,period=4", "-n", str(workers)]
+    train += ["--servers", "1", "--steps", str(steps), "--out", str(out), "-q"]
+    world = workers + 1
+    procs = [
+        popen(
+            [*AGENT, f"--max-restarts={0 if r == 3 else 1}", *train],
+            tmp_path,
+            recipe_env(r, world, "127.0.0.1", port),
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 30, procs, deadline)
+        kill_rank(out, 3)
+        wait_for_step(out, 150, procs[:3], deadline)  # on rank 0's copy
+        again = kill_rank(out, 2)
+        hold_until_replaced(out, [0, 1], procs[2], again, deadline)
+        results = finish(procs, deadline, out)
+    finally:
+        stop(procs, out)
+    for rank in range(workers):
+        assert results[rank][0] == 0, (rank, results[rank][1])
+    assert results[3][0] != 0  # the centre's rank, killed for good
+    assert "worker rank 2 rejoined the running job" in results[2][1]
+    assert _trained(out)[-1][0] == steps
+
+
 def test_compare_refuses_servers_for_a_strategy_without_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -302,6 +302,10 @@ class Easgd(Strategy):
             return None
         return {"kind": CENTRE, "centre": centre.state_dict()["centre"]}
 
+    def live_server_address(self) -> str | list[str] | None:
+        # the centre's standby's address once it took over (None in sync mode)
+        return getattr(self.centre, "address", None)
+
     def leader(self) -> int:
         # rank 0's host was lost with the centre: the standby's rank hosts the centre now
         if self.centre is not None and self.centre.moved_from == 0:
