@@ -443,6 +443,45 @@ def test_recipe_worker_rejoins_a_job_with_sharded_servers(tmp_path: Path) -> Non
     assert (_summary(out)["workers"], _summary(out)["servers"]) == (workers, servers)
 
 
+def _recipe_with_a_server(tmp_path: Path, strategy: str, steps: int, *more: str):
+    """The torchrun recipe for 3 workers (an agent each, one restart) and one dedicated server
+    rank, 3 (an agent with no restart: a server cannot rejoin).  Returns the run's folder and
+    the agents."""
+    from gradfleet.distributed.testing import free_port
+
+    from .test_torchrun import AGENT, recipe_env
+
+    workers, port, out = 3, free_port(), tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", strategy, "-n", str(workers), "--servers", "1"]
+    train += ["--steps", str(steps), "--out", str(out), "-q", *more]
+    procs = [
+        popen(
+            [*AGENT, f"--max-restarts={0 if r == workers else 1}", *train],
+            tmp_path,
+            recipe_env(r, workers + 1, "127.0.0.1", port),
+        )  # fmt: skip
+        for r in range(workers + 1)
+    ]
+    return out, procs
+
+
+def _rank_2_restarted_to_the_end(out: Path, procs: list, deadline: float) -> list:
+    """SIGKILL worker rank 2 and let its agent restart it (the other workers held until the
+    new process waits), then wait for every agent: each worker's exits 0, the server rank's
+    (killed for good before) does not, and rank 2 rejoined.  Returns each agent's (code,
+    console)."""
+    from .launching import hold_until_replaced
+
+    again = kill_rank(out, 2)
+    hold_until_replaced(out, [0, 1], procs[2], again, deadline)
+    results = finish(procs, deadline, out)
+    for rank in range(3):
+        assert results[rank][0] == 0, (rank, results[rank][1])
+    assert results[3][0] != 0  # the server's rank
+    assert "worker rank 2 rejoined the running job" in results[2][1]
+    return results
+
+
 @pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_recipe_a_restarted_worker_becomes_the_chiefs_standby_and_a_second_loss_is_survived(
@@ -455,25 +494,12 @@ def test_recipe_a_restarted_worker_becomes_the_chiefs_standby_and_a_second_loss_
     restart): the workers move to the standby on rank 1.  Last, rank 2 is SIGKILLed and
     restarted: it rejoins the chief where it is now (rank 0 published its address once it
     moved), and every step is trained."""
-    from gradfleet.distributed.testing import free_port
-
     from .launching import hold_until_replaced
-    from .test_torchrun import AGENT, recipe_env
 
-    workers, steps, port = 3, 900, free_port()
-    out = tmp_path / "run"
-    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2,standby=1"]
-    train += ["-n", str(workers), "--servers", "1", "--steps", str(steps)]
-    train += ["--out", str(out), "--log-level", "info", "-q"]
-    world = workers + 1
-    procs = [
-        popen(
-            [*AGENT, f"--max-restarts={0 if r == 3 else 1}", *train],
-            tmp_path,
-            recipe_env(r, world, "127.0.0.1", port),
-        )  # fmt: skip
-        for r in range(world)
-    ]
+    steps = 900
+    out, procs = _recipe_with_a_server(
+        tmp_path, "sync-replicas:replicas_to_aggregate=2,standby=1", steps, "--log-level", "info"
+    )
     deadline = time.monotonic() + 270
     try:
         wait_for_step(out, 30, procs, deadline)
@@ -482,18 +508,12 @@ def test_recipe_a_restarted_worker_becomes_the_chiefs_standby_and_a_second_loss_
         wait_for_step(out, 200, procs, deadline)  # the replacement trains: it joined
         kill_rank(out, 3)
         wait_for_step(out, 400, procs[:3], deadline)  # on rank 1's copy
-        again = kill_rank(out, 2)
-        hold_until_replaced(out, [0, 1], procs[2], again, deadline)
-        results = finish(procs, deadline, out)
+        results = _rank_2_restarted_to_the_end(out, procs, deadline)
     finally:
         stop(procs, out)
-    for rank in range(workers):
-        assert results[rank][0] == 0, (rank, results[rank][1])
-    assert results[3][0] != 0  # the chief's rank, killed for good
     restarted = results[1][1]
     assert "worker rank 1 rejoined the running job" in restarted
     assert "worker rank 1: the chief's standby, from its live state" in restarted
-    assert "worker rank 2 rejoined the running job" in results[2][1]
     for rank in (0, 2):  # the second loss: every worker moved to the new standby
         assert "moving to its standby on rank 1" in results[rank][1], results[rank][1]
     assert _trained(out)[-1][0] == steps
@@ -506,38 +526,16 @@ def test_recipe_a_worker_restarted_after_the_centre_moved_joins_it_there(tmp_pat
     standby on worker rank 0.  The centre's rank is SIGKILLed for good: the workers move to
     the standby.  Then rank 2 is SIGKILLed and restarted: it joins the centre where it is now
     (rank 0 published the standby's address once it moved), and every step is trained."""
-    from gradfleet.distributed.testing import free_port
-
-    from .launching import hold_until_replaced
-    from .test_torchrun import AGENT, recipe_env
-
-    workers, steps, port = 3, 600, free_port()
-    out = tmp_path / "run"
-    train = ["-m", "gradfleet", "train", "-s", "easgd:mode=async,period=4", "-n", str(workers)]
-    train += ["--servers", "1", "--steps", str(steps), "--out", str(out), "-q"]
-    world = workers + 1
-    procs = [
-        popen(
-            [*AGENT, f"--max-restarts={0 if r == 3 else 1}", *train],
-            tmp_path,
-            recipe_env(r, world, "127.0.0.1", port),
-        )  # fmt: skip
-        for r in range(world)
-    ]
+    steps = 600
+    out, procs = _recipe_with_a_server(tmp_path, "easgd:mode=async,period=4", steps)
     deadline = time.monotonic() + 270
     try:
         wait_for_step(out, 30, procs, deadline)
         kill_rank(out, 3)
         wait_for_step(out, 150, procs[:3], deadline)  # on rank 0's copy
-        again = kill_rank(out, 2)
-        hold_until_replaced(out, [0, 1], procs[2], again, deadline)
-        results = finish(procs, deadline, out)
+        _rank_2_restarted_to_the_end(out, procs, deadline)
     finally:
         stop(procs, out)
-    for rank in range(workers):
-        assert results[rank][0] == 0, (rank, results[rank][1])
-    assert results[3][0] != 0  # the centre's rank, killed for good
-    assert "worker rank 2 rejoined the running job" in results[2][1]
     assert _trained(out)[-1][0] == steps
 
 
