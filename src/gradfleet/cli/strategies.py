@@ -395,10 +395,9 @@ class SyncReplicas(Strategy):
         )
         if self.args.get("stream_reads"):
             wrapped.stream_reads(model)
-        # sharded (--servers K > 1): a rejoining worker needs every shard's address
-        addresses = wrapped.server_addresses
-        self.server_address = addresses if len(addresses) > 1 else wrapped.server_address
-        return super().setup(model, wrapped)
+        out = super().setup(model, wrapped)
+        self.server_address = self.live_server_address()
+        return out
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> float:
         loss = super().train_step(x, y, loss_fn)
@@ -413,11 +412,10 @@ class SyncReplicas(Strategy):
         return int(self.opt.global_step)
 
     def live_server_address(self) -> str | list[str] | None:
-        clients = getattr(self.opt.exchange, "clients", None)
-        if clients is None:
-            return self.server_address
-        addresses = list(clients.addresses)  # a lost server's standby's, once it took over
-        return addresses if len(addresses) > 1 else addresses[0]
+        # the exchange's (a lost server's standby's once it took over); sharded (--servers
+        # K > 1): a rejoining worker needs every shard's address; none without a server
+        addresses = list(self.opt.exchange.server_addresses)
+        return addresses if len(addresses) > 1 else (addresses or [None])[0]
 
     def leader(self) -> int:
         # all-reduce with max_losses: rank 0 may be gone; the chief's host (rank 0) lost:

@@ -331,8 +331,9 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         metrics.write(**record)
         if not writer:
             recent.append(record)
-        job.poll(metrics, done, leader=strategy.leader())
-        if job.control is not None and rank == strategy.leader():
+        leader = strategy.leader()
+        job.poll(metrics, done, leader=leader)
+        if job.control is not None and rank == leader:
             # a lost server's standby took over: a restarted worker must join it there
             live = strategy.live_server_address()
             if live is not None and live != published:

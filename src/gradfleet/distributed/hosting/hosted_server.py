@@ -341,9 +341,7 @@ class HostedServer:
                 ("ServerUnreachable", str(self.forwarder.deposed)) if state == "deposed"
                 else (type(failure).__name__, str(failure))
             )  # fmt: skip
-            for out in outputs:
-                if isinstance(out, Answer):
-                    _send(error(out.ticket, kind, message))
+            _refuse(outputs, kind, message)
 
     def _tick(self) -> None:
         if self._held:
@@ -359,9 +357,7 @@ class HostedServer:
             self._emit(outputs)
             return
         if self.forwarder.deposed is not None:  # the standby took over: nothing from here
-            for out in outputs:
-                if isinstance(out, Answer):
-                    _send(error(out.ticket, "ServerUnreachable", self.forwarder.deposed))
+            _refuse(outputs, "ServerUnreachable", self.forwarder.deposed)
             return
         numbers = [n for n in map(self.forwarder.forward, requests) if n is not None]
         if not numbers:  # (no standby left)
@@ -399,6 +395,14 @@ class HostedServer:
         if self.forwarder is not None:
             self.forwarder.close()
         self.mailbox.close()
+
+
+def _refuse(outputs: list[Any], kind: str, message: str) -> None:
+    """Answer every request among ``outputs`` with the error ``kind`` (its effects are not
+    performed: the state they came from is not the standby's)."""
+    for out in outputs:
+        if isinstance(out, Answer):
+            _send(error(out.ticket, kind, message))
 
 
 def _send(answer: Answer) -> None:
