@@ -49,6 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+LOCAL_READS = frozenset({"read"})  # what a standby answers its own rank's worker itself
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -242,6 +243,7 @@ class HostedServer:
         self.forwarder = Forwarder(
             address, name, timeout, wake=self.mailbox.wake,
             direct=getattr(self.machine, "standby_direct", None),
+            replaced=getattr(self.machine, "standby_replaced", None),
             early=tuple(getattr(self.machine, "standby_early", ())),
             extra=getattr(self.machine, "copy_fields", None),
         )  # fmt: skip
@@ -286,7 +288,13 @@ class HostedServer:
         if msg["op"] == ATTACH:
             self._attach(msg, reply)
             return
+        if self.standby is not None and not self.standby.promoted and msg["op"] in LOCAL_READS:
+            # a worker on this rank reads its values here (they are the primary's as of every
+            # answer it has had), not over the primary's link; no takeover
+            self._emit(self.machine.handle(msg, reply))
+            return
         if self.standby is not None:
+            promoted = self.standby.promoted
             try:
                 copies = self.standby.admit(msg, reply)
             except RuntimeError as exc:  # the primary's copy after the promotion
@@ -305,6 +313,9 @@ class HostedServer:
                 for ack in acks:
                     _send(Answer(ack, {}))
                 return
+            take_over = getattr(self.machine, "take_over", None)
+            if not promoted and take_over is not None:  # this request promoted it
+                take_over()
         number = None
         if self.forwarder is not None:
             if self.forwarder.failure is not None:  # a bug in forwarding: raised as itself

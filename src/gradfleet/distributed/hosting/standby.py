@@ -24,7 +24,13 @@ while one message is on its way go in the next message, together: one round trip
 Requests that carry these fields name their ``worker`` and its ``number`` for the request,
 which pair copy and data, and ``standby``, the address the worker sent them to: a copy
 leaves them out only where that is the standby's (a worker that has not met a new standby
-yet sent them to the primary alone, and the copy carries them).
+yet sent them to the primary alone, and the copy carries them).  A machine that can say what
+it made of a request's large fields needs neither: its copies leave them out (*replaced*
+fields) and carry that instead (the SyncReplicas chief: the verdict on a step's gradients,
+and the averages of the update it made; :mod:`..sync.server.chief`).  A machine with a
+``take_over`` method is told when its standby takes over.  A worker on the standby's own rank
+reads its values from the standby (``read``, answered without a takeover), not over the
+primary's link: the standby has every request a worker saw answered.
 
 A primary that has no standby (its own was lost, or it is a promoted standby) takes a new
 one: a restarted process serves an empty copy and asks, with a ``standby_attach`` request,
@@ -178,7 +184,10 @@ class Forwarder:
     copy); ``early``: ops whose answers need not wait (a request that, lost with the primary,
     is simply redone); ``wake``: called from the thread when a copy was handled; ``extra``:
     the fields each copy carries besides its request's, asked for as it is queued (what the
-    primary decided in handling it from what the standby cannot see, such as its clock).
+    primary decided in handling it from what the standby cannot see, such as its clock);
+    ``replaced``: per op, the fields no copy carries, because ``extra`` carries what the
+    primary made of them (the SyncReplicas chief: a step's verdict and averages, not its
+    gradients).
     """
 
     def __init__(
@@ -190,8 +199,10 @@ class Forwarder:
         early: tuple[str, ...] = (),
         wake: Callable[[], None] = lambda: None,
         extra: Callable[[], dict[str, Any]] | None = None,
+        replaced: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         self.name, self.direct, self.early, self._wake = name, dict(direct or {}), early, wake
+        self.replaced = dict(replaced or {})
         self._extra = extra
         self.address = address
         self.client: MailboxClient | None = MailboxClient(address, "primary", timeout, name)
@@ -215,10 +226,11 @@ class Forwarder:
         # (``standby``: the address it sent them to; a worker that has not met this standby
         # yet, or lost its link to it, sent them to the primary alone: the copy carries them)
         direct = self.direct.get(msg["op"], ()) if msg.get("standby") == self.address else ()
+        left_out = (*direct, *self.replaced.get(msg["op"], ()))
         fields = {
             k: _copied(v)  # the request's tensors live until its client's next message only
             for k, v in msg.items()
-            if k not in _MAILBOX_FIELDS and k not in direct
+            if k not in _MAILBOX_FIELDS and k not in left_out
         }
         if direct:
             fields["direct"] = list(direct)

@@ -120,3 +120,103 @@ def test_a_late_report_of_a_lost_chiefs_worker_spares_its_restarted_self():
     made = _send(chief, _step(1, 1, 0, 3.0))  # R = 2: the update, worker 1 answered
     assert chief.global_step == 1 and made.payloads[0]["accepted"]
     assert chief.replica_state()["hello_to"] == {0: "A1", 2: "A0"}
+
+
+# ---------------------------------------------------------------- copies without the gradients
+def _primary_and_copy(
+    optimizer=gradfleet.AdamOptimizer, nonfinite: str = "raise"
+) -> tuple[SyncChief, SyncChief]:
+    """A chief with a standby (as :meth:`HostedServer.forward_to` makes it) and its copy, the
+    same ``optimizer`` over the same float64 variable."""
+
+    def make() -> SyncChief:
+        x = torch.tensor([1.0, -2.0, 0.5], dtype=F64, requires_grad=True)
+        job = Job(2, 3, timeout=10, nonfinite=nonfinite)
+        return SyncChief(optimizer([x], LR), job)
+
+    primary, copy = make(), make()
+    primary.standby, primary.standby_rank = "standby:1", 1
+    return primary, copy
+
+
+def _forwarded(primary: SyncChief, msg: dict) -> dict:
+    """The copy the forwarder queues for ``msg`` just handled: its fields less the replaced
+    ones, plus what the primary decided (:meth:`SyncChief.copy_fields`)."""
+    left_out = primary.standby_replaced.get(msg["op"], ())
+    return {**{k: v for k, v in msg.items() if k not in left_out}, **primary.copy_fields()}
+
+
+def _tensors(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, dict):
+        return sum(_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensors(v) for v in value)
+    return 0
+
+
+def test_a_copy_given_the_primarys_verdicts_and_averages_stays_bit_identical():
+    """The step copies carry no gradients: a verdict each, and the copy of the step that made
+    an update carries its averages (one tensor set per update).  The copy counts the verdicts
+    (accepted, stale, non-finite under ``nonfinite="drop"``) and applies the averages: equal
+    Adam variables and slots, stats, step and line after every request."""
+    primary, copy = _primary_and_copy(nonfinite="drop")
+    hello = {"op": "hello", "shapes": [[3]], "dtypes": ["torch.float64"]}
+    for w in range(3):
+        msg = {**hello, "worker": w}
+        _send(primary, msg)
+        copy.handle(_forwarded(primary, msg), DROPPED)
+    numbers = dict.fromkeys(range(3), 0)
+    carried = 0
+    # (worker, tag, gradient): R = 2, so the third of each round is stale; one is non-finite
+    plan = [(0, 0, 1.0), (1, 0, 3.0), (2, 0, -1.0), (2, 1, float("nan")), (0, 1, 2.0),
+            (1, 1, 0.5), (2, 2, 4.0), (0, 2, -3.0)]  # fmt: skip
+    for worker, tag, g in plan:
+        numbers[worker] += 1
+        msg = {**_step(worker, numbers[worker], tag, g), "version": -1}
+        _send(primary, msg)
+        forwarded = _forwarded(primary, msg)
+        assert "grads" not in forwarded and "verdict" in forwarded
+        carried += _tensors(forwarded)
+        copy.handle(forwarded, DROPPED)
+        assert torch.equal(primary.params[0], copy.params[0])
+        assert primary.global_step == copy.global_step
+        assert str(primary.opt.state_dict()) == str(copy.opt.state_dict())
+        assert primary.aggregator.stats == copy.aggregator.stats
+        assert [e.worker for e in primary.line] == [e.worker for e in copy.line]
+    assert primary.global_step == 3 and carried == 3  # one average per update, nothing else
+    assert primary.aggregator.stats[2] == {"accepted": 1, "dropped": 1, "nonfinite": 1}
+
+
+def test_a_standby_that_takes_over_counts_each_pending_gradient_once():
+    """Worker 0's gradient is pending (R = 2) on the primary and counted on the copy; worker 1's
+    then makes the update on the primary, whose copy never leaves (the primary's host is
+    lost).  The copy takes over: worker 0's counted gradient is withdrawn, and the steps both
+    send again are offered once each -- the update equals the float64 SGD step of their mean,
+    each worker counted accepted once, and a step sent once more is not offered again."""
+    primary, copy = _primary_and_copy(gradfleet.GradientDescentOptimizer)
+    hello = {"op": "hello", "shapes": [[3]], "dtypes": ["torch.float64"]}
+    for w in range(3):
+        msg = {**hello, "worker": w}
+        _send(primary, msg)
+        copy.handle(_forwarded(primary, msg), DROPPED)
+    first, second = _step(0, 1, 0, 1.0), _step(1, 1, 0, 3.0)
+    _send(primary, first)
+    copy.handle(_forwarded(primary, first), DROPPED)
+    _send(primary, second)  # the update, on the primary only
+    assert primary.global_step == 1 and copy.global_step == 0 and copy.aggregator.counter == 1
+
+    copy.take_over()
+    assert copy.aggregator.counter == 0 and copy.withdrawn == {0}
+    assert copy.aggregator.stats[0]["accepted"] == 0
+    waiting = _send(copy, first)  # sent again: its place in line, its gradient offered again
+    assert waiting.payloads == [] and copy.aggregator.counter == 1
+    assert _send(copy, first).payloads == [] and copy.aggregator.counter == 1  # once only
+    made = _send(copy, second)
+    assert copy.global_step == 1 and made.payloads[0]["accepted"] is True
+
+    want = torch.tensor([1.0, -2.0, 0.5], dtype=F64) - LR * 2.0  # the mean of 1 and 3
+    assert torch.equal(copy.params[0], want)  # exact: every value is a dyadic fraction
+    assert torch.equal(copy.params[0], primary.params[0])  # the same gradients, the same update
+    assert {w: s["accepted"] for w, s in copy.aggregator.stats.items()} == {0: 1, 1: 1}

@@ -74,6 +74,7 @@ class GradientAggregator:
         self.measure_noise = False
         self._sum_sq: torch.Tensor | None = None  # sum over accepted pushes of |g_i|^2
         self.last_noise: tuple[float, float, int] | None = None  # of the last update
+        self.last_verdict = ""  # of the last push: "accepted", "dropped" or "nonfinite"
         # the preconditioner the noise is weighted by (``Shard.measure``), read once per update
         self.noise_weights: Callable[[], list[torch.Tensor | None]] | None = None
         self._weights: list[torch.Tensor | None] | None = None
@@ -125,6 +126,7 @@ class GradientAggregator:
         self.check(worker, grads)
         bad = self._finite(grads) if self.nonfinite != "apply" else None
         if bad is not None:  # checked first: bad input is reported even when also stale
+            self.last_verdict = "nonfinite"
             self._count(worker, "nonfinite")
             log.warning(
                 "worker rank %d: non-finite gradient for variable %d %s %s (nonfinite=%r)",
@@ -138,6 +140,7 @@ class GradientAggregator:
                 )
             return False
         if step_tag < self.global_step:
+            self.last_verdict = "dropped"
             self._count(worker, "dropped")
             log.debug(
                 "worker rank %d: stale gradient dropped (computed at step %d, accumulators at %d)",
@@ -171,6 +174,7 @@ class GradientAggregator:
             if self.measure_noise:
                 self._add_sum_sq(added)
         self.counter += 1
+        self.last_verdict = "accepted"
         self._count(worker, "accepted")
         return True
 
@@ -182,6 +186,35 @@ class GradientAggregator:
             self._weights = self.noise_weights()  # the optimizer's state is the update's own
         total = weighted_sum_sq(added, self._weights)
         self._sum_sq = total if self._sum_sq is None else self._sum_sq + total
+
+    def count(self, worker: int, step_tag: int, verdict: str) -> bool:
+        """A replicated server's copy of a push whose gradients stayed with its primary
+        (:mod:`...hosting.standby`): counted as the primary's :meth:`push` decided
+        (``verdict``: :attr:`last_verdict` there), nothing summed; True iff accepted.  The
+        average it joins comes from the primary (:meth:`take_given`).  Raises RuntimeError
+        where this copy's own staleness rule disagrees (the two have diverged: a bug)."""
+        stale = step_tag < self.global_step
+        if verdict not in ("accepted", "dropped", "nonfinite") or (
+            verdict != "nonfinite" and stale != (verdict == "dropped")
+        ):
+            raise RuntimeError(
+                f"worker {worker}: the primary's verdict {verdict!r} on a gradient of step "
+                f"{step_tag} does not fit this copy's accumulators at step {self.global_step}"
+            )
+        self.last_verdict = verdict
+        self._count(worker, verdict)
+        if verdict != "accepted":
+            return False
+        self.counter += 1
+        return True
+
+    def withdraw(self, workers: Sequence[int]) -> None:
+        """Forget the pending update's gradients (those of ``workers``, counted accepted):
+        a standby that takes over holds their counts but not their sums (:meth:`count`), so
+        their workers offer them again."""
+        for worker in workers:
+            self.stats[worker]["accepted"] -= 1
+        self._reset()
 
     def drop_withheld(self, worker: int, step_tag: int) -> None:
         """A push whose gradients the worker withheld, having seen these accumulators past
@@ -228,6 +261,19 @@ class GradientAggregator:
         self.global_step += 1
         self._reset()
         return out
+
+    def take_given(self, noise: tuple[float, float, int] | None) -> None:
+        """A replicated server's update whose averages came from its primary (:meth:`count`):
+        advances ``global_step`` and resets as :meth:`take_average`; ``noise``: the
+        primary's terms of that update."""
+        if not self.ready():
+            raise RuntimeError(
+                f"take_given: {self.counter} of {self.replicas_to_aggregate} gradients present"
+            )
+        self.last_noise = None if noise is None else (float(noise[0]), float(noise[1]),
+                                                      int(noise[2]))  # fmt: skip
+        self.global_step += 1
+        self._reset()
 
     def _noise_terms(self) -> tuple[float, float, int]:
         """``(sum_i |g_i|^2, |mean_i g_i|^2, k)`` of the update being taken."""

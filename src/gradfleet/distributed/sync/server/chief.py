@@ -41,8 +41,18 @@ bit-identical to it.  For that a worker numbers its step requests (``number``), 
 request sent again under the same number -- its worker moved here after the primary's loss --
 is never applied twice: it takes over its place in the token line if it still waits there, or
 gets the answer it was given (the token, its verdict; the values as they are now).  The
-workers send their gradients to the standby themselves (``standby_direct``), and a new standby
-starts from :meth:`SyncChief.replica_state` (``load_replica``).  Hyperparameters then come with
+gradients never travel twice: a step's copy leaves them out (``standby_replaced``) and carries
+what the primary decided from them instead (:meth:`SyncChief.copy_fields`): the verdict on
+them (accepted, stale, non-finite), and with the copy of the request that made an update, that
+update's averages, which the standby applies as they are.  So the primary's link carries one
+average per update to the standby, not every worker's gradients.  The standby only counts the
+pending update's gradients; when it takes over (:meth:`SyncChief.take_over`) it withdraws
+them, and each of their workers, which waits for that update under the one-gradient-per-worker
+rule, offers its gradient again with the step it sends again (an update the primary made but
+answered no one for is made again, from the gradients that come).  Under TF's shared token
+queue a worker may go on before the update its gradient joined, so there the workers send
+their gradients to the standby themselves (``standby_direct``).  A new standby starts from
+:meth:`SyncChief.replica_state` (``load_replica``).  Hyperparameters then come with
 the workers' pushes on both copies (as on a dedicated server), never from one host's own
 optimizer, whose LR schedule may be at another point.  Under a chosen R
 (``replicas_to_aggregate="auto"``) the choice depends on the primary's clock: each copy
@@ -91,8 +101,7 @@ class SyncChief:
     ``pieces`` (``shard_assignment="split"``): ``indices`` are of these pieces.
     """
 
-    # what a replicated chief's workers send its standby themselves, and no early answers
-    standby_direct = {"step": ("grads",)}
+    # no early answers for a replicated chief (what its copies leave out: ``__init__``)
     standby_early: tuple[str, ...] = ()
 
     def __init__(
@@ -133,6 +142,14 @@ class SyncChief:
         self.resent: dict[int, int] = {}
         self.hello_to: dict[int, str] = {}  # the chief address each worker's hello went to
         self._ticked: list[dict[str, Any]] = []  # what ticks changed, for the standby
+        # what a step's copy leaves out (module docstring): under the one-gradient-per-worker
+        # rule the gradients stay here and the copy carries the verdict and the averages
+        # (a worker whose gradient is pending still waits, so it sends the step again after
+        # a loss); under TF's shared queue a worker may go on first: it sends them itself
+        replicated = job.tokens == "distinct"
+        self.standby_replaced = {"step": ("grads",)} if replicated else {}
+        self.standby_direct = {} if replicated else {"step": ("grads",)}
+        self.withdrawn: set[int] = set()  # (a standby that took over) steps to offer again
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -192,15 +209,59 @@ class SyncChief:
         # (a primary, or a standby that took over: it chooses)
         given = msg.get("choice")
         self.choice.follow(given)
+        self._keep()
+        self.shard.given.extend(msg.get("updates", ()))
         out = self._handle(msg, ticket)
+        if self.shard.given:
+            raise RuntimeError(
+                f"SyncReplicas chief's standby: its primary made {len(self.shard.given)} "
+                f"update(s) in handling a {msg.get('op')!r} that this copy did not make"
+            )
         if given is not None:  # its policy's state and measurements, as the primary's
             self.choice.load_live(given)
         return out
 
+    def _keep(self) -> None:
+        """A primary with a standby keeps what the next request decides, for its copy."""
+        self.shard.keep = self.standby is not None and bool(self.standby_replaced)
+        self.shard.offered.clear()
+        self.shard.made.clear()
+
+    def _decided(self) -> dict[str, Any]:
+        """What the last request or tick decided that its copy cannot: the verdict on the
+        gradients it kept here, and the averages of the updates it made."""
+        out: dict[str, Any] = {}
+        if self.shard.offered:
+            out["verdict"] = self.shard.offered[-1]
+        if self.shard.made:
+            out["updates"] = list(self.shard.made)
+        self.shard.offered.clear()
+        self.shard.made.clear()
+        return out
+
     def copy_fields(self) -> dict[str, Any]:
-        """What the standby's copy of the request just handled carries besides it: under a
-        chosen R, the choices and measurements they were made from (module docstring)."""
-        return {} if self.policy is None else {"choice": self.choice.live_state()}
+        """What the standby's copy of the request just handled carries besides it: the
+        verdict and averages that replace its gradients (:meth:`_decided`), and under a
+        chosen R the choices and measurements they were made from (module docstring)."""
+        out = self._decided()
+        if self.policy is not None:
+            out["choice"] = self.choice.live_state()
+        return out
+
+    def take_over(self) -> None:
+        """This standby takes its lost primary's place: the pending update's gradients it
+        only counted (their sums stayed with the primary) are withdrawn, and each of their
+        workers, which still waits for that update, offers its gradient again when it sends
+        its step again (:meth:`_again`)."""
+        pending = sorted(self.shard.contributors)
+        if not self.standby_replaced or not pending:
+            return
+        self.aggregator.withdraw(pending)
+        self.shard.contributors.clear()
+        self.withdrawn = set(pending)
+        log.warning("SyncReplicas chief (the standby, taking over): the gradients of worker "
+                    "rank(s) %s for step %d are offered again as their steps come", pending,
+                    self.global_step)  # fmt: skip
 
     def tick_requests(self) -> list[dict[str, Any]]:
         """The requests that make on the standby what the ticks since the last call changed
@@ -231,6 +292,7 @@ class SyncChief:
             if forgotten:  # dead for good: its place in line too (a copy's, whose ticket
                 # was a standby's, is never answered)
                 self.line.remove(lambda e: e.worker != worker)
+                self.withdrawn.discard(worker)
             self.left_at[worker] = (self.global_step, forgotten)
             self.measured.forget(worker)
             self._forget_placeholder(worker)
@@ -285,6 +347,8 @@ class SyncChief:
         self.answered.pop(worker, None)
         self.measured.served(worker, self.global_step, self.clock())
         extra = {"global_step": self.global_step, "r": self.replicas[self.global_step]}
+        # whether the worker sends its gradients to a standby too (now or once one attaches)
+        extra["standby_data"] = bool(self.standby_direct)
         if self.standby is not None:
             extra.update(standby=self.standby, standby_rank=self.standby_rank)
         return [replace(answer, payload={**answer.payload, **extra})]
@@ -317,7 +381,8 @@ class SyncChief:
             self.requests.park(msg, ticket)  # its push to shard 0 is still on its way
             return []
         accepted = True
-        if "grads" in msg or "withheld" in msg:  # one server: the push travels with it
+        if {"grads", "withheld", "verdict"} & msg.keys():  # one server: the push travels with it
+            # (a standby's copy: the verdict, the gradients stayed with its primary)
             accepted, updated = self.server.offer(msg)
             if updated:
                 self._shard0_updated()
@@ -345,7 +410,13 @@ class SyncChief:
         for entry in self.line:
             if entry.worker == worker:
                 entry.ticket, entry.version = ticket, version
-                return []
+                if worker not in self.withdrawn:
+                    return []
+                self.withdrawn.discard(worker)  # its gradient, withdrawn at the takeover
+                entry.accepted, updated = self.server.offer(msg)
+                if updated:
+                    self._shard0_updated()
+                return self._serve_tokens()
         number, kind, payload = self.answered.get(worker, (None, "", None))
         if number != int(msg["number"]):
             raise RuntimeError(
@@ -524,9 +595,11 @@ class SyncChief:
             r = self.choice.reconsider(self.global_step, self._live(), now)
             if r is not None:
                 before = self.global_step
-                if self.standby is not None:  # the standby lowers it too, in this order
-                    self._ticked.append({"op": "lower", "worker": -1, "step": before, "r": r})
+                self._keep()
                 out += self._lowered(r)
+                if self.standby is not None:  # the standby lowers it too, in this order
+                    lower = {"op": "lower", "worker": -1, "step": before, "r": r}
+                    self._ticked.append({**lower, **self._decided()})
                 out += self._serve_tokens() if self.global_step != before else []
         return out
 
@@ -581,6 +654,7 @@ class SyncChief:
             "resent": dict(self.resent),
             "hello_to": dict(self.hello_to),
             "members": (sorted(self.members.left), sorted(self.members.forgotten)),
+            "withdrawn": sorted(self.withdrawn),
         }
 
     def _load_replica(self, state: dict[str, Any]) -> None:
@@ -593,6 +667,7 @@ class SyncChief:
         self.numbers, self.answered = dict(state["numbers"]), dict(state["answered"])
         self.resent = dict(state["resent"])
         self.hello_to = dict(state.get("hello_to", {}))
+        self.withdrawn = set(state.get("withdrawn", ()))
         left, forgotten = state["members"]
         self.members.left, self.members.forgotten = set(left), set(forgotten)
 

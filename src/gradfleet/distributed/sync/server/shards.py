@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -133,6 +134,13 @@ class Shard:
         # a dedicated server's, or a replicated chief's: the workers' pushes carry the
         # hyperparameters (LR schedules run on the workers), ``source`` is not read
         self.follow_workers = False
+        # a replicated chief (:mod:`...hosting.standby`): the primary keeps what each request
+        # decided here (``keep``) for its standby's copy -- each offer's verdict and each
+        # update's averages; the standby is ``given`` the averages instead of summing
+        self.keep = False
+        self.offered: list[str] = []
+        self.made: list[dict[str, Any]] = []
+        self.given: deque[dict[str, Any]] = deque()
 
     @property
     def adaptive(self) -> bool:
@@ -195,18 +203,30 @@ class Shard:
             group.update(values)
 
     def push(
-        self, worker: int, tag: int, grads: list[torch.Tensor | None] | None
+        self,
+        worker: int,
+        tag: int,
+        grads: list[torch.Tensor | None] | None,
+        verdict: str | None = None,
     ) -> tuple[bool, bool]:
         """Offer this shard's gradients: ``(accepted, updated)``; updates once R are in.
         ``grads`` None: the worker withheld them, knowing them stale (``withheld`` pushes,
-        see :func:`.shard_clients.push_data`): counted as dropped."""
+        see :func:`.shard_clients.push_data`): counted as dropped.  ``verdict``: a standby's
+        copy of a push whose gradients stayed with the primary, counted as it decided
+        (:meth:`~.aggregator.GradientAggregator.count`)."""
         if self.last_step is not None and self.step >= self.last_step:
             log.debug("worker rank %d: gradient after last_step=%d ignored", worker, self.last_step)
+            self._offered("ignored")
             return False, False
-        if grads is None:
+        if grads is None and verdict is None:
             self.aggregator.drop_withheld(worker, tag)
+            self._offered("withheld")
             return False, False
-        accepted = self.aggregator.push(worker, tag, grads)
+        if verdict is not None:
+            accepted = self.aggregator.count(worker, tag, verdict)
+        else:
+            accepted = self.aggregator.push(worker, tag, grads or [])
+        self._offered(self.aggregator.last_verdict)
         if accepted:
             self.contributors.add(worker)
         if not self.aggregator.ready():
@@ -214,9 +234,26 @@ class Shard:
         self.update()
         return accepted, True
 
+    def _offered(self, verdict: str) -> None:
+        if self.keep:
+            self.offered.append(verdict)
+
     def update(self) -> None:
-        """TF's sync op for these variables: take the averages, apply them, moving averages."""
-        averages = self.aggregator.take_average()
+        """TF's sync op for these variables: take the averages (a standby: its primary's),
+        apply them, moving averages."""
+        if self.given:
+            made = self.given.popleft()
+            self.aggregator.take_given(made["noise"])
+            averages = [
+                None if g is None else g.to(p.device)
+                for g, p in zip(made["averages"], self.params, strict=True)
+            ]
+        else:
+            averages = self.aggregator.take_average()
+        if self.keep:  # copies: the optimizer may change what it is given
+            noise = self.aggregator.last_noise
+            kept = [None if g is None else g.clone() for g in averages]
+            self.made.append({"averages": kept, "noise": None if noise is None else list(noise)})
         self.contributors.clear()
         if not self.follow_workers:  # this rank's own optimizer (its LR schedule)
             for mine, theirs in zip(self.opt.param_groups, self.source.param_groups, strict=True):
@@ -420,7 +457,10 @@ class ShardServer:
             lowered = self.lowered[1] if self.lowered and self.lowered[0] == tag else None
             r = min(int(msg["r"]), self._live(), lowered or int(msg["r"]))
             self.shard.aggregator.set_replicas(r)
-        return self.shard.push(int(msg["worker"]), tag, pushed_gradients(msg))
+        worker = int(msg["worker"])
+        if "verdict" in msg and not msg.get("withheld"):  # a standby's copy, without the data
+            return self.shard.push(worker, tag, None, str(msg["verdict"]))
+        return self.shard.push(worker, tag, pushed_gradients(msg))
 
     def resize(self, step: int, replicas: int) -> list[Answer | Applied]:
         """The update at ``step`` waits for at most ``replicas`` gradients, and for no more

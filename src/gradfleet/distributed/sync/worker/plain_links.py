@@ -12,7 +12,10 @@ not).  Per step, TF's worker train op:
   all shards' replies received at once.  Returns a :class:`~.pending_step.FinishedStep`.
 
 Replicated servers: the token request and every push carry the step's ``number``, and each
-shard's gradients go to its standby first (:meth:`~.shard_clients.ShardClients.send_standby`).
+shard's gradients go to its standby first (:meth:`~.shard_clients.ShardClients.send_standby`;
+not the chief's, whose copies carry what it made of them).  A shard whose standby is on this
+worker's own rank is read there, not over its server's link (the chief's: its token answer
+then brings no values, ``values=False``), and at the server if that standby is gone.
 A server lost during overlap's early push is raised at ``token_and_reads``, on the worker's
 thread, where the exchange moves to the standby and sends the step again
 (:meth:`PlainLinks.reset`); a lost shard is raised as :class:`~.shard_clients.ShardLost` once
@@ -46,6 +49,7 @@ class PlainLinks:
         self._token_sent = False  # the token request went out (the step's last push)
         self.shard_steps: list[int] = []  # each shard's step in its last push answer
         self.lost: ServerUnreachable | None = None  # the chief, lost in an early push
+        self._values_apart = False  # the token answer brings no values: read at the standby
 
     def push(self, tag: int, parts: Sequence[Grads], extra: dict[str, Any]) -> bool:
         """Offer shard k's gradients to shard k, tagged ``tag`` (< 0: bad input, stale
@@ -104,6 +108,10 @@ class PlainLinks:
             "worker": clients.worker, "tag": tag, "version": clients.versions[0],
             "number": clients.number,
         }  # fmt: skip
+        # the chief's standby on this rank: its values are read there after the token
+        self._values_apart = clients.local_standby(0) is not None
+        if self._values_apart:
+            fields["values"] = False
         if grads is not None:
             data = clients.push_data(0, tag, list(grads))
             if "grads" in data:  # at the chief's standby first, where there is one
@@ -155,29 +163,48 @@ class PlainLinks:
         self._token_sent = False
         shards_accepted = self._pushed()  # collected while the chief works on the token
         into = {k: self.targets(k) for k in clients.clients}
-        reply, chief_values = clients.chief.begin_response(receive_into=into.get(0))
-        finishes, lost = [(0, chief_values)], None
-        asked = []
-        for k, client in clients.shards.items():  # every read asked for before any answer
+        apart = self._values_apart
+        reply, chief_values = clients.chief.begin_response(
+            receive_into=None if apart else into.get(0)
+        )
+        finishes, lost = ([] if apart else [(0, chief_values)]), None
+        # every read asked for before any answer; a shard whose standby is on this rank
+        # (the chief's, when the token came without values) is read there
+        readers = {k: clients.local_standby(k) or c for k, c in clients.shards.items()}
+        if apart:
+            readers = {0: clients.local_standby(0) or clients.chief, **readers}
+        asked, again = [], []
+
+        def failed(k: int, exc: ServerUnreachable) -> None:
+            nonlocal lost
+            if readers[k] is not clients.clients[k]:  # the standby here is gone, not the server
+                clients.standby_lost(k, exc)
+                again.append(k)
+            elif k == 0:
+                raise exc
+            else:
+                lost = lost or ShardLost(k, str(exc))
+
+        for k, client in readers.items():
             try:
                 client.request("read", worker=clients.worker, version=clients.versions[k])
                 asked.append(k)
             except ServerUnreachable as exc:  # the others' reads are finished all the same
-                lost = lost or ShardLost(k, str(exc))
+                failed(k, exc)
         for k in asked:
             try:
-                finishes.append((k, clients.clients[k].begin_response(receive_into=into.get(k))[1]))
+                finishes.append((k, readers[k].begin_response(receive_into=into.get(k))[1]))
             except ServerUnreachable as exc:
-                lost = lost or ShardLost(k, str(exc))
+                failed(k, exc)
         for k, finish in finishes:
             try:
                 clients.loaded(k, finish(), self.load)
             except ServerUnreachable as exc:
-                if k == 0:
-                    raise
-                lost = lost or ShardLost(k, str(exc))
+                failed(k, exc)
         if lost is not None:
             raise lost
+        if again:  # read at their servers instead
+            clients.read(again, into, self.load)
         clients.follow_standby(reply.get("standby"), reply.get("standby_rank"))
         reply["accepted"] = bool(reply["accepted"]) and shards_accepted
         if clients.shards:

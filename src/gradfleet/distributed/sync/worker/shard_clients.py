@@ -124,6 +124,9 @@ class ShardClients:
         # sends its gradients there on; the number of its next step; each lost server's rank
         self.standbys: dict[int, tuple[str, int]] = {}
         self.standby_clients: dict[int, MailboxClient] = {}
+        # shards whose standby gets no gradients from the workers (the chief's, which is
+        # sent what its primary made of them), as their hellos say
+        self.no_standby_data: set[int] = set()
         self.number = 1
         self.moved: dict[int, int] = {}
         self._lost: set[str] = set()  # addresses of servers and standbys found lost
@@ -178,6 +181,8 @@ class ShardClients:
             step = int(reply["global_step"]) if k == 0 else step
             if k == 0:  # the R of the first update this worker's gradient may join
                 self.replicas = reply.get("r")
+            if not reply.get("standby_data", True):
+                self.no_standby_data.add(k)
             if reply.get("standby") is not None:
                 self._meet_standby(k, str(reply["standby"]), int(reply["standby_rank"]))
         return step, out
@@ -203,7 +208,7 @@ class ShardClients:
                 f"server rank {rank} (standby of {self._name(k)})",
             )  # fmt: skip
         except ServerUnreachable as exc:
-            self._standby_lost(k, exc)
+            self.standby_lost(k, exc)
 
     def follow_standby(self, address: str | None, rank: int | None, k: int = 0) -> None:
         """Shard ``k``'s server names a standby this worker does not send to (one that took
@@ -224,17 +229,26 @@ class ShardClients:
         never applies a push whose gradients its standby could miss: the address they went
         to, or None (no standby, or it is lost: the server's copy then carries them)."""
         client, standby = self.standby_clients.get(k), self.standbys.get(k)
-        if client is None or standby is None:
+        if client is None or standby is None or k in self.no_standby_data:
             return None
         try:
             client.call(DATA, worker=self.worker, number=self.number, fields=list(fields),
                         **fields)  # fmt: skip
         except ServerUnreachable as exc:
-            self._standby_lost(k, exc)
+            self.standby_lost(k, exc)
             return None
         return standby[0]
 
-    def _standby_lost(self, k: int, exc: ServerUnreachable) -> None:
+    def local_standby(self, k: int) -> MailboxClient | None:
+        """The client of shard ``k``'s standby where it is on this worker's own rank: it
+        reads that shard's values there, not over the server's link (None elsewhere)."""
+        standby = self.standbys.get(k)
+        if standby is None or standby[1] != self.worker:
+            return None
+        return self.standby_clients.get(k)
+
+    def standby_lost(self, k: int, exc: ServerUnreachable) -> None:
+        """Shard ``k``'s standby did not answer: it is lost (its server goes on alone)."""
         log.warning("worker rank %d: the standby %s of %s is lost: %s",
                     self.worker, self.standbys.get(k), self._name(k), exc)  # fmt: skip
         if k in self.standbys:
