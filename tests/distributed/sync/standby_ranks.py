@@ -149,6 +149,8 @@ def chief_lost(
         assert servers.standby_server is not None and servers.standby_server.standby is not None
         out["paired"] = servers.standby_server.standby.paired
         out["promoted"] = servers.standby_server.standby.promoted
+        out["given"] = servers.standby_chief.shard.given_updates
+        out["local_reads"] = servers.standby_server.local_reads
     opt.close()
     return out
 

@@ -231,6 +231,7 @@ class HostedServer:
         self.forwarder: Forwarder | None = None
         self._held: deque[tuple[int, list[Any]]] = deque()  # answers waiting for the standby
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
+        self.local_reads = 0  # reads a standby answered its own rank's worker
         self.mailbox = MailboxServer(self._handle, host=host, tick=self._tick)
 
     def forward_to(self, address: str, rank: int, timeout: float) -> None:
@@ -291,6 +292,7 @@ class HostedServer:
         if self.standby is not None and not self.standby.promoted and msg["op"] in LOCAL_READS:
             # a worker on this rank reads its values here (they are the primary's as of every
             # answer it has had), not over the primary's link; no takeover
+            self.local_reads += 1
             self._emit(self.machine.handle(msg, reply))
             return
         if self.standby is not None:

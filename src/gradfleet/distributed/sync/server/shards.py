@@ -141,6 +141,7 @@ class Shard:
         self.offered: list[str] = []
         self.made: list[dict[str, Any]] = []
         self.given: deque[dict[str, Any]] = deque()
+        self.given_updates = 0  # updates applied from the primary's averages
 
     @property
     def adaptive(self) -> bool:
@@ -244,6 +245,7 @@ class Shard:
         if self.given:
             made = self.given.popleft()
             self.aggregator.take_given(made["noise"])
+            self.given_updates += 1
             averages = [
                 None if g is None else g.to(p.device)
                 for g, p in zip(made["averages"], self.params, strict=True)
