@@ -131,9 +131,8 @@ TABLE: dict[str, StrategyInfo] = {
                 "worker rejoins from a live one",
                 "standby": "true (chosen), false or a worker rank: a live copy of the "
                 "chief (with shards, true: of every server) on another rank, which takes over "
-                "if the server's host is lost (default: on with one server, a fixed "
-                "replicas_to_aggregate and backups, or --servers 1; with auto, one server, "
-                "when asked for)",
+                "if the server's host is lost (default: on with one server and backups "
+                "(auto included), or --servers 1)",
                 "hear_every_worker": "true/false: with transport=allreduce and "
                 "replicas_to_aggregate < workers, a worker left out of many updates is "
                 "waited for briefly (default true; false: the first R always make the update)",

@@ -78,12 +78,13 @@ def test_a_servers_checkpoint_is_refused_by_the_default_exchange_naming_the_way_
 @pytest.mark.parametrize(
     ("given", "transport", "ranks", "R", "N", "chosen", "joining", "grouped", "expected"),
     [
-        # default: on with one server at a fixed R where the job does without a host
+        # default: on with one server where the job does without a host
         (None, "server", [0], 2, 3, False, False, True, True),  # backups
         (None, "server", [3], 3, 3, False, False, True, True),  # a dedicated chief, R = N
         (None, "server", [0], 3, 3, False, False, True, False),  # lockstep on a worker
         (None, "server", [0, 1], 2, 3, False, False, True, False),  # several shards
-        (None, "server", [0], 3, 3, True, False, True, False),  # a chosen R
+        (None, "server", [0], 3, 3, True, False, True, True),  # a chosen R: backups
+        (None, "server", [0, 1], 3, 3, True, False, True, False),  # ... over several shards
         (None, "server", [0], 2, 3, False, True, True, False),  # a process joining
         (None, "server", [0], 2, 3, False, False, False, False),  # no process group
         (None, "allreduce", [0], 2, 3, False, False, True, False),  # no server
@@ -94,9 +95,8 @@ def test_a_servers_checkpoint_is_refused_by_the_default_exchange_naming_the_way_
         (True, "server", [0], 2, 3, False, True, False, True),  # joining: become the standby
         (True, "server", [0, 1], 2, 3, False, False, True, True),  # a standby per shard
         (True, "server", [3, 4], 3, 3, False, False, True, True),  # per dedicated server
-        # a chosen R: its standby takes each R from the chief; on when asked for
+        # a chosen R: its standby takes each R from the chief
         (True, "server", [0], 3, 3, True, False, True, True),
-        (None, "server", [0], 3, 3, True, False, True, False),
         (1, "server", [3], 3, 3, True, False, True, 1),  # the chief on a dedicated rank
     ],
 )

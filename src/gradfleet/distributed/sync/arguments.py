@@ -183,17 +183,17 @@ def check_standby(
     worker rank after the chief's on another host; several: spread over the worker ranks,
     each on another host than its server's); a rank: there (one server only); ``False``:
     none.  None: on wherever the job has one server and already does without a host -- backup
-    workers (R < N), or a server on a rank that only serves -- at a fixed R; else off: several
-    shards (their pushes then take TF's protocol, not read-ahead, so they are replicated only
-    when asked for), and a chosen R (one server only: its standby takes each R from the
-    chief's copies).  A process that joins by address (``joining``) with ``True`` becomes the
-    standby of a chief that has none (its own took over).  The others place it with the
-    process group's collectives (``grouped``: there is one)."""
+    workers (R < N, or an R chosen per update), or a server on a rank that only serves; else
+    off: several shards (their pushes then take TF's protocol, not read-ahead, so they are
+    replicated only when asked for; a chosen R then refuses one, since its standby takes each
+    R from the chief's copies).  A process that joins by address (``joining``) with ``True``
+    becomes the standby of a chief that has none (its own took over).  The others place it
+    with the process group's collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
     dedicated = one and ranks[0] >= N  # (no ranks: check_server_ranks names the error)
     if standby is None:
-        usable = transport == "server" and one and not chosen and not joining and grouped
-        return usable and (R < N or dedicated) and (N >= 2 or dedicated)
+        usable = transport == "server" and one and not joining and grouped
+        return usable and (R < N or chosen or dedicated) and (N >= 2 or dedicated)
     if not isinstance(standby, (bool, int)):
         raise ValueError(
             f"{_OWNER}: standby must be True (chosen), False (none) or a worker rank, got "

@@ -242,14 +242,15 @@ class SyncReplicasOptimizer(WrapperOptimizer):
             (:mod:`.worker.deference`, docs/distributed.md).  ``False``: the first R to
             count in always make the update, the fastest choice.
         standby: a live copy of the chief on another worker rank, which takes over when
-            the chief's host is lost (one server, a fixed R): every request that changes
-            the chief is handled there too before it is answered, each worker sends its
-            gradients there itself, and a worker whose chief is lost moves to the copy and
-            sends its step again, applied once (:mod:`...hosting.standby`).  ``True``: on
-            the first worker rank after the chief's on another host; a rank: there;
-            ``False``: none.  Default: on with one server at a fixed R where the job
-            already does without a host (backups, R < N; or a server on a rank that only
-            serves); else off.  A replicated chief holds its variables in one shard (the
+            the chief's host is lost: every request that changes the chief is handled there
+            too before it is answered (a step's copy carries the chief's verdict on its
+            gradients and each update's averages, not the gradients), and a worker whose
+            chief is lost moves to the copy and sends its step again, applied once
+            (:mod:`...hosting.standby`); several shards: one per server (``True``).
+            ``True``: on the first worker rank after the chief's on another host; a rank:
+            there; ``False``: none.  Default: on with one server where the job already
+            does without a host (backups: R < N or a chosen R; or a server on a rank that
+            only serves); else off.  A replicated chief holds its variables in one shard (the
             layout for the job does not cut them into runs on its rank).  With
             ``server_address`` (a restarted process), ``True``
             makes it the standby of a chief that has none (its own took over), from the
