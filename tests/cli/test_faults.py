@@ -48,8 +48,9 @@ def test_tolerated_losses_policy() -> None:
                 {"overlap": True, "standby": False}):  # fmt: skip
         assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 2, **off}, 3)
     assert not rank0_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
-    auto_server = {"replicas_to_aggregate": "auto", "transport": "server"}  # a chosen R: none
-    assert not rank0_replaceable("sync-replicas", auto_server, 3)
+    auto_server = {"replicas_to_aggregate": "auto", "transport": "server"}  # its standby
+    assert rank0_replaceable("sync-replicas", auto_server, 3)
+    assert not rank0_replaceable("sync-replicas", {**auto_server, "standby": False}, 3)
     # asynchronous EASGD: where rank 0's centre has a standby
     assert rank0_replaceable("easgd", {"mode": "async", "standby": True}, 3)
     assert rank0_replaceable("easgd", {"mode": "async", "standby": 2}, 2)
@@ -64,15 +65,14 @@ def test_tolerated_losses_policy() -> None:
     assert server_replaceable("easgd", {"mode": "async", "standby": 1}, 3)
     assert not server_replaceable("easgd", {"mode": "async", "standby": False}, 3)
     # the sync-replicas chief on its dedicated rank: its standby is on by default, also in
-    # lockstep (R = N); off with standby=false, with a chosen R, and for several servers
+    # lockstep (R = N) and under a chosen R (it takes each R from the chief); off with
+    # standby=false, and for several servers
     assert server_replaceable("sync-replicas", {}, 3)
     assert server_replaceable("sync-replicas", {"replicas_to_aggregate": 3}, 3)
     assert not server_replaceable("sync-replicas", {"standby": False}, 3)
-    assert not server_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
-    # with auto, when asked for (one server): its standby takes each R from the chief
-    auto_standby = {"replicas_to_aggregate": "auto", "standby": True}
-    assert server_replaceable("sync-replicas", auto_standby, 3)
-    assert rank0_replaceable("sync-replicas", {**auto_standby, "transport": "server"}, 3)
+    assert server_replaceable("sync-replicas", {"replicas_to_aggregate": "auto"}, 3)
+    auto_off = {"replicas_to_aggregate": "auto", "standby": False}
+    assert not server_replaceable("sync-replicas", auto_off, 3)
     assert not server_replaceable("sync-replicas", {}, 3, servers=2)
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 2}, 3) == 1
     assert tolerated_losses("sync-replicas", {"replicas_to_aggregate": 1}, 3) == 2
