@@ -479,8 +479,10 @@ def test_a_worker_that_dies_mid_update_is_left_out_after_twice_its_round():
 class ReplicatedChiefServer(ChiefServer):
     """A ``ChiefServer`` whose chief has a live standby, fed as the hosting code feeds one
     (:mod:`gradfleet.distributed.hosting.standby`): a copy of every request the chief
-    handled, with the chief's ``copy_fields``, and every request a tick hands out.  The
-    standby's clock is another host's: offset, and at an uneven pace."""
+    handled, less the fields the chief replaces (its gradients), with the chief's
+    ``copy_fields``, and every request a tick hands out; and the worker on the standby's rank
+    (worker 1) reads its values there after every request, as it does.  The standby's clock is
+    another host's: offset, and at an uneven pace."""
 
     def __init__(self, N: int, clock) -> None:
         super().__init__(N, clock)
@@ -494,7 +496,10 @@ class ReplicatedChiefServer(ChiefServer):
         self.copy.choice.follow(self.copy.choice.live_state())  # as SyncServers starts it
 
     def _replicate(self, msg):
-        self.copy.handle({**msg, **self.chief.copy_fields()}, DROPPED)
+        left_out = self.chief.standby_replaced.get(msg["op"], ())
+        fields = {k: v for k, v in msg.items() if k not in left_out}
+        self.copy.handle({**fields, **self.chief.copy_fields()}, DROPPED)
+        self.copy.handle({"op": "read", "worker": 1, "version": -1}, Reply())  # no takeover
 
     def _send(self, msg):
         out = super()._send(msg)
@@ -519,6 +524,9 @@ def test_a_standby_takes_each_r_from_its_chief_and_stays_bit_identical():
     server = simulate(ReplicatedChiefServer, updates=40)
     _same_chiefs(server.chief, server.copy)
     assert 3 in server.history and server.history[0] == 4  # the choices did change
+    # its own rank's worker reads there: it still follows (its ticks choose nothing)
+    server.copy.handle({"op": "read", "worker": 1, "version": -1}, Reply())
+    assert server.copy.choice.following
     # a worker's own request (the standby took over): it chooses from then on
     server.copy.handle({"op": "stats", "worker": 0}, Reply())
     assert not server.copy.choice.following

@@ -205,6 +205,8 @@ class SyncChief:
         if op == "load_replica":  # a new standby starts from its primary's whole state
             self._load_replica(msg)
             return [Answer(ticket, {})]
+        if msg["op"] == "read":  # changes nothing (a standby's own rank reads it, following)
+            return self._own(self.server.handle(msg, ticket))
         # a standby's copy carries its primary's choices of R; a worker's request does not
         # (a primary, or a standby that took over: it chooses)
         given = msg.get("choice")
