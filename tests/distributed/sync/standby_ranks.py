@@ -152,6 +152,9 @@ def chief_lost(
         out["given"] = servers.standby_chief.shard.given_updates
         out["local_reads"] = servers.standby_server.local_reads
     opt.close()
+    # a worker that had made its last step before the loss (a slow worker 2 is killed at a
+    # step the others are already past) moves to the standby when it leaves
+    out["moved_from"] = opt.exchange.clients.moved_from
     return out
 
 

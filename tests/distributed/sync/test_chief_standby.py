@@ -70,7 +70,7 @@ def test_the_chief_killed_mid_update_every_update_counts_once(tmp_path, cut, ded
     live = [r for r in range(world) if r != chief]
     for r in live:
         assert out[r]["global_step"] == LAST
-        assert out[r]["moved_from"] == chief  # every live worker moved to the standby
+        assert out[r]["moved_from"] == chief  # every live worker moved (at the latest, leaving)
     state = out[standby]["standby_state"]
     assert out[standby]["promoted"] and state["global_step"] == LAST
     lost_worker = None if dedicated else chief
