@@ -226,19 +226,18 @@ class SyncChief:
     def _keep(self) -> None:
         """A primary with a standby keeps what the next request decides, for its copy."""
         self.shard.keep = self.standby is not None and bool(self.standby_replaced)
-        self.shard.offered.clear()
+        self.shard.offered = None
         self.shard.made.clear()
 
     def _decided(self) -> dict[str, Any]:
         """What the last request or tick decided that its copy cannot: the verdict on the
         gradients it kept here, and the averages of the updates it made."""
         out: dict[str, Any] = {}
-        if self.shard.offered:
-            out["verdict"] = self.shard.offered[-1]
+        if self.shard.offered is not None:
+            out["verdict"] = self.shard.offered
         if self.shard.made:
             out["updates"] = list(self.shard.made)
-        self.shard.offered.clear()
-        self.shard.made.clear()
+        self._keep()
         return out
 
     def copy_fields(self) -> dict[str, Any]:

@@ -135,10 +135,10 @@ class Shard:
         # hyperparameters (LR schedules run on the workers), ``source`` is not read
         self.follow_workers = False
         # a replicated chief (:mod:`...hosting.standby`): the primary keeps what each request
-        # decided here (``keep``) for its standby's copy -- each offer's verdict and each
+        # decided here (``keep``) for its standby's copy -- its offer's verdict and each
         # update's averages; the standby is ``given`` the averages instead of summing
         self.keep = False
-        self.offered: list[str] = []
+        self.offered: str | None = None
         self.made: list[dict[str, Any]] = []
         self.given: deque[dict[str, Any]] = deque()
         self.given_updates = 0  # updates applied from the primary's averages
@@ -226,7 +226,8 @@ class Shard:
         if verdict is not None:
             accepted = self.aggregator.count(worker, tag, verdict)
         else:
-            accepted = self.aggregator.push(worker, tag, grads or [])
+            assert grads is not None
+            accepted = self.aggregator.push(worker, tag, grads)
         self._offered(self.aggregator.last_verdict)
         if accepted:
             self.contributors.add(worker)
@@ -237,7 +238,7 @@ class Shard:
 
     def _offered(self, verdict: str) -> None:
         if self.keep:
-            self.offered.append(verdict)
+            self.offered = verdict
 
     def update(self) -> None:
         """TF's sync op for these variables: take the averages (a standby: its primary's),
