@@ -179,6 +179,10 @@ class Cluster:
             _run("ip", "netns", "del", name, check=False)
         self._made = []
 
+    def kill_host(self, host: int) -> None:
+        """Lose host ``host``: SIGKILL every process inside its namespace (a machine gone)."""
+        _kill_inside(self.hosts[host].netns)
+
     # ------------------------------------------------------------------ links
     def shape(self, host: int, rate: str, *, add: bool = False) -> None:
         """Set host ``host``'s link to ``rate`` both ways (tbf on both veth ends)."""

@@ -39,7 +39,7 @@ def test_command_table_lists_every_command() -> None:
 
     commands = [c.name or c.callback.__name__ for c in app.registered_commands]
     commands += [g.name for g in app.registered_groups]
-    assert sorted(commands) == ["compare", "convert", "list", "train"]
+    assert sorted(commands) == ["compare", "convert", "list", "store", "train"]
     text = DOC.read_text()
     table = text[text.index("| command | what it does |") :].split("\n\n")[0]
     listed = re.findall(r"^\| `gradfleet (\w+)` \|", table, re.M)

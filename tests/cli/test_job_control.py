@@ -32,6 +32,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
     monkeypatch.setenv("LOCAL_RANK", "unset")
     monkeypatch.delenv("GRADFLEET_SERVER_HOST", raising=False)
+    monkeypatch.delenv("GRADFLEET_STORE", raising=False)
     return monkeypatch
 
 
@@ -60,6 +61,7 @@ def test_recipe_env_overrides_the_agents_one_process_job(env) -> None:
         ("GRADFLEET_RANK", "x", "GRADFLEET_RANK must be an integer >= 0, got 'x'"),
         ("GRADFLEET_WORLD_SIZE", "0", "GRADFLEET_WORLD_SIZE must be an integer >= 1, got 0"),
         ("GRADFLEET_MASTER_ADDR", None, "GRADFLEET_MASTER_ADDR is not"),
+        ("GRADFLEET_STORE", "rank1", "GRADFLEET_STORE must be one of rank0, own .*'rank1'"),
     ],
 )
 def test_recipe_env_errors_name_the_variable(env, key, value, message) -> None:
@@ -72,6 +74,38 @@ def test_recipe_env_errors_name_the_variable(env, key, value, message) -> None:
     with pytest.raises(ValueError, match=message):
         elastic.apply_job_env()
     assert "RANK" not in os.environ  # nothing was exported
+
+
+def test_store_of_its_own_makes_every_rank_a_client(env) -> None:
+    """GRADFLEET_STORE=own: torch's env:// rendezvous joins the store at the master address as
+    a client on every rank, rank 0 too (nothing is hosted in a worker): a real rank 0 reads a
+    key set by the store's own process."""
+    for k, v in {**RECIPE, "GRADFLEET_RANK": "0", "GRADFLEET_WORLD_SIZE": "1"}.items():
+        env.setenv(k, v)
+    served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env.setenv("GRADFLEET_MASTER_PORT", str(served.port))
+    env.setenv("GRADFLEET_STORE", "own")
+    assert elastic.apply_job_env() == elastic.JobPlace(0, 1, rejoining=False)
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timedelta(seconds=10)))
+    served.set("from-the-store-process", "here")
+    assert (rank, world) == (0, 1)
+    assert store.get("from-the-store-process") == b"here"  # a client of the served store
+    env.setenv("GRADFLEET_STORE", "rank0")
+    elastic.apply_job_env()
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts it
+
+
+def test_server_address_and_ranks_published_together() -> None:
+    control = JobControl(dist.HashStore(), 3)
+    assert (control.server_address(), control.server_ranks()) == (None, None)
+    control.publish_server("10.0.0.2:4100")
+    assert (control.server_address(), control.server_ranks()) == ("10.0.0.2:4100", None)
+    control.publish_server("10.0.0.3:4200", [1])  # the chief's standby on rank 1 took over
+    assert (control.server_address(), control.server_ranks()) == ("10.0.0.3:4200", [1])
 
 
 def test_server_host_explicit_loopback_never_wildcard(env) -> None:

@@ -6,7 +6,9 @@ others never stop."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from gradfleet.distributed.testing import free_port
 
 from .launching import (
+    GRADFLEET,
     TORCHRUN,
     finish,
     kill_midway,
@@ -29,8 +32,11 @@ from .launching import (
 pytestmark = pytest.mark.timeout(300)
 
 
-def recipe_env(rank: int, world: int, master: str, port: int) -> dict[str, str]:
+def recipe_env(
+    rank: int, world: int, master: str, port: int, store: str = "rank0"
+) -> dict[str, str]:
     return {
+        "GRADFLEET_STORE": store,
         "GRADFLEET_RANK": str(rank),
         "GRADFLEET_WORLD_SIZE": str(world),
         "GRADFLEET_MASTER_ADDR": master,
@@ -75,6 +81,64 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     assert summary["lost_workers"] == []  # it came back
     assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
     assert summary["test_accuracy"] >= summary["target_accuracy"]
+
+
+@pytest.mark.faults
+def test_recipe_store_of_its_own_rank0_lost_rejoins_as_standby_then_second_loss(
+    tmp_path: Path,
+) -> None:
+    """``GRADFLEET_STORE=own``: the job's store runs in ``gradfleet store``, so rank 0, which
+    holds the chief (a server, one backup, its standby on rank 1), may be lost. Killed, its
+    standby takes over and rank 1 writes the run's files; restarted by its agent, rank 0
+    rejoins as the new chief's standby, from its live state; then rank 1, the new chief, is
+    killed for good too, and rank 0's copy takes over: the run still makes every update."""
+    world, steps, port, out = 3, 3000, free_port(), tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2,"
+             "transport=server", "-n", str(world), "--steps", str(steps), "--out", str(out),
+             "-q"]  # fmt: skip
+    store = popen([*GRADFLEET, "store", "--port", str(port)], tmp_path)
+    restarts = {0: 1, 1: 0, 2: 0}
+    procs = [
+        popen(
+            [*AGENT, f"--max-restarts={restarts[r]}", *train],
+            tmp_path,
+            recipe_env(r, world, "127.0.0.1", port, store="own"),
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 270
+    try:
+        wait_for_step(out, 40, procs, deadline)
+        # rank 2 waits (stopped) for the restarted rank 0: rank 1 alone makes no update, so
+        # the job cannot finish before it is back, however slowly it starts; rank 1 keeps
+        # serving it
+        held = int((out / "pids" / "rank-2.pid").read_text())
+        os.kill(held, signal.SIGSTOP)
+        try:
+            first = kill_rank(out, 0)
+            while not [r for r in metrics(out) if r.get("event") == "worker_rejoined"]:
+                assert time.monotonic() < deadline, "rank 0 never rejoined"
+                time.sleep(0.1)
+        finally:
+            os.kill(held, signal.SIGCONT)
+        (joined,) = [r for r in metrics(out) if r.get("event") == "worker_rejoined"]
+        wait_for_step(out, joined["at_step"] + 100, procs, deadline)  # its copy is current
+        kill_rank(out, 1)
+        results = finish(procs, deadline, out)
+    finally:
+        stop([*procs, store], out)
+    assert [code for code, _ in results] == [0, results[1][0], 0], results
+    assert results[1][0] != 0  # rank 1's agent had no restart left
+    assert joined["rank"] == 0 and joined["at_step"] >= 40
+    summary = json.loads((out / "summary.json").read_text())
+    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary["lost_workers"]
+    made = [r["step"] for r in metrics(out) if "loss" in r]
+    assert made[-1] == steps and sorted(set(made)) == list(range(1, steps + 1))
+    # the chief's counts came through both takeovers: each update took R = 2 of them
+    accepted = [c["accepted"] for c in summary["gradients_per_worker"].values()]
+    assert sum(accepted) == sum(summary["replicas"]) == 2 * steps, summary["gradients_per_worker"]
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    assert int((out / "pids" / "rank-0.pid").read_text()) != first  # a new process
 
 
 @pytest.mark.faults

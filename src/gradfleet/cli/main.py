@@ -1,4 +1,4 @@
-"""``gradfleet`` console command: ``train``, ``compare`` and ``list``.
+"""``gradfleet`` console command: ``train``, ``compare``, ``list`` and ``store``.
 
 Every bad input (unknown optimizer or strategy, invalid hyperparameters, a broken config file,
 too few workers) is checked here, before any directory is created or process started, and
@@ -384,6 +384,42 @@ def list_(
         wl.add_row(name, WORKLOADS[name].__doc__ or _workload_doc(name))
     wl.add_row("FILE.py[:fn]", "your own: fn(seed) -> gradfleet.cli.workloads.Workload")
     out_console.print(wl)
+
+
+@app.command("store", cls=Command)
+def store(
+    port: Opt[
+        int,
+        _option("--port", "-p", metavar="PORT", meaning="the port to serve on", default="29500"),
+    ] = 29500,
+    timeout: Opt[
+        float,
+        _option("--timeout", metavar="SECONDS", meaning="the store's own timeout", default="300"),
+    ] = 300.0,
+) -> None:
+    """Host a job's store in a process of its own, for the torchrun recipe with
+    GRADFLEET_STORE=own: no worker rank then hosts it, so rank 0 may be lost too.
+    Serves until it is ended (Ctrl-C or SIGTERM)."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not 1 <= port <= 65535:
+        raise _fail(f"--port must be in 1..65535, got {port}")
+    if not timeout > 0:
+        raise _fail(f"--timeout must be > 0 seconds, got {timeout}")
+    served = dist.TCPStore(
+        "0.0.0.0", port, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )  # fmt: skip
+    # torch's TCPStore listens on every interface, as torchrun's rendezvous store does
+    out_console.print(f"job store serving on port {served.port} (every interface)", highlight=False)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
 
 
 def _workload_doc(name: str) -> str:

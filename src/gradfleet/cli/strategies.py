@@ -140,6 +140,10 @@ class Strategy:
         a lost server's standby took over."""
         return self.server_address
 
+    def live_server_ranks(self) -> list[int] | None:
+        """The ranks hosting :meth:`live_server_address` now (None where not known)."""
+        return None
+
     def forget(self, ranks: list[int]) -> None:
         """Rank 0: these workers are gone; the server stops waiting for them at the end."""
         return None
@@ -417,12 +421,17 @@ class SyncReplicas(Strategy):
         addresses = list(self.opt.exchange.server_addresses)
         return addresses if len(addresses) > 1 else (addresses or [None])[0]
 
+    def live_server_ranks(self) -> list[int] | None:
+        clients = getattr(self.opt.exchange, "clients", None)
+        return None if clients is None else [int(r) for r in clients.ranks]
+
     def leader(self) -> int:
-        # all-reduce with max_losses: rank 0 may be gone; the chief's host (rank 0) lost:
-        # its standby's rank hosts the chief now
-        moved = self.opt.chief_moved_from
-        if moved == 0:
-            return int(self.opt.chief_rank)
+        # the chief was on rank 0 and lives on another rank now (rank 0's host was lost, and
+        # its standby took over; a rank 0 restarted since knows it from the ranks it joined):
+        # that rank writes; all-reduce with max_losses: rank 0 may be gone
+        chief = self.opt.chief_rank
+        if chief is not None and chief != 0 and int(self.args.get("server_rank", 0)) == 0:
+            return int(chief)
         return min(self.opt.live_workers)
 
     def server_state(self, rank: int) -> dict[str, Any] | None:
@@ -443,6 +452,9 @@ class SyncReplicas(Strategy):
     def finish(self) -> None:
         # the R of every update, for the summary (the chief's record: ask before leaving)
         self.replicas_history = self.opt.replicas_history()
+        # who was heard: each worker's gradients the chief took into updates, and dropped
+        counts = self.opt.worker_counters()
+        self.gradients_per_worker = {int(r): dict(c) for r, c in sorted(counts.items())}
         self.membership_changes = self.opt.membership_changes  # max_losses: the group's record
         self.opt.close()
 

@@ -232,6 +232,9 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
             if address is None:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
+            live_ranks = job.control.server_ranks()
+            if name == "sync-replicas" and live_ranks is not None:
+                args["server_ranks"] = live_ranks  # where they are now (a standby took over)
             if name == "sync-replicas" and chief_standby(
                 spec.strategy_args, job.workers, job.servers, spec.device
             ):
@@ -243,7 +246,7 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
     strategy = info.adapter(args, rank, job.workers if info.spawns else spec.workers)
     strategy.setup(workload.model, opt)
     if job.control is not None and rank == 0 and strategy.server_address is not None:
-        job.control.publish_server(strategy.server_address)
+        job.control.publish_server(strategy.server_address, strategy.live_server_ranks())
     if spec.straggler:
         slow_rank, delay_ms = spec.straggler
         strategy.straggle_s = delay_ms / 1000 if slow_rank == rank or name == "towers" else 0.0
@@ -289,8 +292,10 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         state = _load_checkpoint(out, job, strategy)
         start, wall_before, samples = state["step"], state["wall"], state["samples"]
         log.info("resumed from the checkpoint of step %d", start)
-    metrics = Metrics(out / "metrics.jsonl" if rank == 0 else None, start if spec.resume else None)
-    writer = rank == 0
+    # rank 0 writes the run's files; a rank 0 restarted into the running job does not (the rank
+    # that took over from it does) until it is the leader again
+    writer = rank == 0 and not job.rejoining
+    metrics = Metrics(out / "metrics.jsonl" if writer else None, start if spec.resume else None)
     recent: deque[dict[str, Any]] = deque(maxlen=32)  # a non-writer's records, for a takeover
     x_train, y_train = workload.train
     batch = spec.batch_size or workload.batch_size
@@ -319,6 +324,10 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         done = strategy.updates(step)
         record = {"step": done, "loss": loss, "wall": wall, "samples": samples,
                   "bytes": strategy.bytes_sent, "step_ms": clock.last_ms}  # fmt: skip
+        if writer and rank != strategy.leader():  # a leader is back or took over: it writes
+            metrics.close()
+            metrics, writer = Metrics(None, None), False
+            log.info("rank %d hands the run's files to rank %d", rank, strategy.leader())
         if not writer and rank == strategy.leader():  # the writer was lost: this rank takes over
             writer = True
             logged = last_logged_step(out / "metrics.jsonl")
@@ -337,7 +346,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
             # a lost server's standby took over: a restarted worker must join it there
             live = strategy.live_server_address()
             if live is not None and live != published:
-                job.control.publish_server(live)
+                job.control.publish_server(live, strategy.live_server_ranks())
                 published = live
         if writer and eval_every and step % eval_every == 0 and done < steps:
             metrics.write(step=done, wall=wall, **evaluate(workload, strategy.export()))
@@ -418,6 +427,8 @@ def _summary(
         "bytes_sent": strategy.bytes_sent,
         # sync-replicas: the gradients each update took (replicas_to_aggregate=auto: chosen)
         "replicas": getattr(strategy, "replicas_history", None),
+        # sync-replicas: each worker's gradients the chief accepted into updates and dropped
+        "gradients_per_worker": getattr(strategy, "gradients_per_worker", None),
         # sync-replicas with max_losses: each loss and join the group saw (step, members after)
         "membership_changes": getattr(strategy, "membership_changes", None),
         "target_accuracy": workload.target,

@@ -12,8 +12,9 @@ own group: one launcher agent per worker, with gradfleet's rank and world size g
     torchrun --standalone --nnodes=1 --nproc-per-node=1 --max-restarts=3 train.py
 
 :func:`apply_job_env` maps these onto the ``env://`` variables torch reads (rank 0 hosts the
-job's TCPStore at the master address), so ``gradfleet.distributed.init()`` joins gradfleet's job
-instead of the agent's one-process job. When the agent restarts a worker
+job's TCPStore at the master address; with ``GRADFLEET_STORE=own`` a process of its own does,
+``gradfleet store``, and rank 0 may be lost too), so ``gradfleet.distributed.init()`` joins
+gradfleet's job instead of the agent's one-process job. When the agent restarts a worker
 (``TORCHELASTIC_RESTART_COUNT > 0``) the others have moved on: the process must not rejoin the
 process group; :attr:`JobPlace.rejoining` says so, and :class:`JobControl` gives it what the
 running job published (the server address, the step), so it reconnects as TF's restarted
@@ -72,9 +73,16 @@ def _int_env(name: str, minimum: int) -> int:
     return value
 
 
+STORE_HOSTS: Final = ("rank0", "own")
+"""``GRADFLEET_STORE``: who hosts the job's store. ``rank0`` (default): rank 0's process, so
+the job cannot lose rank 0; ``own``: a process of its own (``gradfleet store``), so any rank
+may be lost where the strategy has a spare for what it held."""
+
+
 def apply_job_env() -> JobPlace | None:
     """Read ``GRADFLEET_RANK`` etc. (module doc) and export them as ``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT`` (rank 0 hosts the store). None when not set."""
+    ``MASTER_ADDR``, ``MASTER_PORT`` (rank 0 hosts the store, or with ``GRADFLEET_STORE=own``
+    a process of its own: :data:`STORE_HOSTS`). None when not set."""
     if "GRADFLEET_RANK" not in os.environ:
         return None
     missing = [f"GRADFLEET_{k}" for k in _ENV if f"GRADFLEET_{k}" not in os.environ]
@@ -85,11 +93,21 @@ def apply_job_env() -> JobPlace | None:
     if rank >= world:
         raise ValueError(f"GRADFLEET_RANK={rank} must be < GRADFLEET_WORLD_SIZE={world}")
     _int_env("GRADFLEET_MASTER_PORT", 1)
+    hosted_by = os.environ.get("GRADFLEET_STORE", "rank0")
+    if hosted_by not in STORE_HOSTS:
+        raise ValueError(
+            f"GRADFLEET_STORE must be one of {', '.join(STORE_HOSTS)} (who hosts the job's "
+            f"store at GRADFLEET_MASTER_ADDR), got {hosted_by!r}"
+        )
     for key in _ENV:
         os.environ[key] = os.environ[f"GRADFLEET_{key}"]
     os.environ["LOCAL_RANK"] = "0"
-    # The agent's own store serves its one-process job; gradfleet's job store is rank 0's.
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    # The agent's own store serves its one-process job; gradfleet's job store is rank 0's, or
+    # a process of its own (``gradfleet store``), which every rank then joins as a client:
+    # torch's env:// rendezvous reads this flag so (some torch releases also read the attempt).
+    own = hosted_by == "own"
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(own)
+    os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     left = max(int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restarts, 0)
     return JobPlace(rank, world, restarts > 0, left)
@@ -127,10 +145,10 @@ class JobControl:
     """The control keys of one job on its store, and every read and write of them.
 
     Keys (all under ``gradfleet/``): ``started`` (rank 0 began training: from then on a lost
-    worker is tolerated), ``progress`` (rank 0's step), ``server`` (the wrapper server's
-    address, for a rejoining worker), ``lost/R`` (the launcher saw rank R die), ``rejoined/R``
-    (R was restarted and rejoined at a step), ``alive/R`` (R's heartbeat counter),
-    ``restarts/R`` (how often R's agent will still restart it),
+    worker is tolerated), ``progress`` (rank 0's step), ``server`` and ``server_ranks`` (the
+    wrapper servers' address and ranks now, for a rejoining worker), ``lost/R`` (the launcher
+    saw rank R die), ``rejoined/R`` (R was restarted and rejoined at a step), ``alive/R``
+    (R's heartbeat counter), ``restarts/R`` (how often R's agent will still restart it),
     ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
     server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
     ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
@@ -182,12 +200,21 @@ class JobControl:
     def progress(self) -> int:
         return int(self._get("progress", 0))
 
-    def publish_server(self, address: Any) -> None:
-        self._set("server", address)
+    def publish_server(self, address: Any, ranks: list[int] | None = None) -> None:
+        """The servers' address(es) now and, where known, the ranks hosting them (a lost
+        server's standby's rank once it took over): a restarted worker joins them there."""
+        if ranks is not None:
+            self._set("server_ranks", [int(r) for r in ranks])
+        self._set("server", address)  # last: a reader that sees it sees the ranks too
 
     def server_address(self) -> Any:
         """The wrapper server's address rank 0 published, or None."""
         return self._get("server")
+
+    def server_ranks(self) -> list[int] | None:
+        """The ranks hosting the servers at :meth:`server_address`, or None if not published."""
+        ranks = self._get("server_ranks")
+        return None if ranks is None else [int(r) for r in ranks]
 
     # ------------------------------------------------------------------ lost and rejoined
     def mark_lost(self, rank: int, **info: Any) -> None:

@@ -266,7 +266,7 @@ class ShardClients:
         address, rank = self.standbys.pop(k)
         self.standby_clients.pop(k, None)  # until the new server names one
         log.warning(
-            "worker rank %d: the SyncReplicas %s on server rank %d is lost (%s); moving to "
+            "worker rank %d: SyncReplicas' %s on server rank %d is lost (%s); moving to "
             "its standby on rank %d", self.worker, self._name(k), self.ranks[k], exc, rank,
         )  # fmt: skip
         lost = self.ranks[k]
