@@ -178,10 +178,15 @@ def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -
         records = metrics(out)
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        result["logs"] = {h: (tmp_path / f"host{h}.log").read_text()[-3000:]
-                          for h in range(world)}  # fmt: skip
+        result["logs"] = {h: _tail(tmp_path / f"host{h}.log") for h in range(world)}
     result.update(judge(records, summary, case, args, victim))
     return result
+
+
+def _tail(log: Path, chars: int = 6000) -> str:
+    """The end of a host's console, without torch's C++ stack frames."""
+    lines = log.read_text(errors="replace").splitlines()
+    return "\n".join(x for x in lines if not x.startswith("frame #"))[-chars:]
 
 
 def judge(records: list[dict], summary: dict, case: Case, args: argparse.Namespace,

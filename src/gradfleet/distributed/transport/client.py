@@ -36,6 +36,10 @@ __all__ = ["MailboxClient", "store_client"]
 
 log = logging.getLogger(__name__)
 
+PROBE_S = 10.0
+"""How long a check that the server lives waits for its store's answer before the server
+counts as silent (the store answers from a thread of its own, in milliseconds when alive)."""
+
 
 def store_client(host: str, port: int, timeout: float) -> dist.TCPStore:
     """A store client of the server at ``host:port``; a refused connection raises at once.
@@ -83,6 +87,7 @@ class MailboxClient:
         self.inc = uuid.uuid4().hex
         self.link: PairLink | LocalLink | None = None
         self._notes: dist.Store | None = None  # a second connection: notify(), receipts
+        self._probe: dist.Store | None = None  # a third: is the server alive (_alive)
         self._outbox, self._inbox = Packer(), Packer()
         # a server in this process: control skips the store (``MailboxServer.submit``)
         self._local: MailboxServer | None = None
@@ -254,7 +259,13 @@ class MailboxClient:
             receiving = None
             if layout is not None:
                 assert self.link is not None
-                receiving = self.link.begin_receive(layout, self._inbox, receive_into)
+                alive = None
+                if self._local is None:
+                    if self._probe is None:  # opened now: the server just answered
+                        self._probe = self.store.clone()
+                        self._probe.set_timeout(timedelta(seconds=min(self.timeout, PROBE_S)))
+                    alive = self._alive
+                receiving = self.link.begin_receive(layout, self._inbox, receive_into, alive)
         except LINK_ERRORS as exc:
             self._fail(exc)
         self._pending = None
@@ -272,6 +283,16 @@ class MailboxClient:
                 raise  # unreachable: _fail raises
 
         return dict(reply), finish
+
+    def _alive(self) -> None:
+        """Raise one of ``LINK_ERRORS`` if the server is gone: a round trip to its control
+        store, answered by the store's own thread however busy the server is. A dead server's
+        connection is closed (raised at once); a silent one answers nothing (raised after
+        ``PROBE_S`` s). Why: gloo does not wake a receive whose sender died mid-message
+        (``pairs`` module docstring)."""
+        assert self._probe is not None
+        if self._probe.check([CLOSED]):
+            raise ConnectionError("it has stopped serving")
 
     def call(
         self,

@@ -18,6 +18,8 @@ SIGKILLed, or silent, or its store's host killed):
   death, all raise ``"[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
   [127.0.0.1]:55945. ..."`` (gloo's other I/O errors -- ``Read error``, ``writev``, ``Socket
   closed`` -- carry the same ``[file:line]`` prefix of a file under ``gloo/transport/``);
+  except a receive whose message was on the wire when its sender died: it waits for the
+  timeout, as for a silent peer (``pairs``: a client checks its server's store meanwhile);
 * the peer is alive but silent: ``"[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out
   waiting 3000ms for recv operation to complete"``, then ``"Application timeout caused pair
   closure"`` (no prefix) from every later call on that pair;
