@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gradfleet.distributed.sync.worker import shard_clients
+from gradfleet.distributed.transport.errors import ServerUnreachable
 from gradfleet.distributed.sync.worker.ahead_links import ReadAheadLinks
 from gradfleet.distributed.sync.worker.pacing import IN_FLIGHT, PACED_BYTES, Pacing
 from gradfleet.distributed.sync.worker.pending_step import FinishedStep, PendingStep
@@ -134,6 +135,24 @@ def test_plain_links_push_then_ask_for_the_token_with_shard_0s_gradients(monkeyp
     assert loaded == {0: new} and links.clients.versions[0] == 3
     assert len(_Client.log) == 1  # nothing more on the wire
     links.check_idle("stats")  # every answer read
+
+
+def test_plain_links_chief_lost_while_its_values_travel_is_the_chiefs_loss(monkeypatch):
+    """The token's control part came, and the chief was lost while the values it sent with it
+    were on the wire: the step raises the chief's ``ServerUnreachable`` (the exchange then
+    moves to its standby and sends the step again), not an error of its own bookkeeping."""
+    lost = ServerUnreachable("server rank 0 at h:0 closed the connection during 'step'")
+
+    def cut():
+        raise lost
+
+    links, loaded = _plain(monkeypatch, 1, {0: []})
+    links.push(2, [[torch.ones(2)]], {})
+    control = {"token": 3, "accepted": True, "global_step": 3, "version": 3}
+    monkeypatch.setattr(_Client, "begin_response", lambda self, receive_into=None: (control, cut))
+    with pytest.raises(ServerUnreachable) as raised:
+        links.token_and_reads(2)
+    assert raised.value is lost and loaded == {}
 
 
 def test_plain_links_bad_input_goes_to_every_shard_then_the_token_without_gradients(monkeypatch):

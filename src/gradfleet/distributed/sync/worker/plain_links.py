@@ -177,7 +177,9 @@ class PlainLinks:
 
         def failed(k: int, exc: ServerUnreachable) -> None:
             nonlocal lost
-            if readers[k] is not clients.clients[k]:  # the standby here is gone, not the server
+            # (the chief's values that came with its token have no reader: the chief is lost)
+            reader = readers.get(k, clients.clients[k])
+            if reader is not clients.clients[k]:  # the standby here is gone, not the server
                 clients.standby_lost(k, exc)
                 again.append(k)
             elif k == 0:
