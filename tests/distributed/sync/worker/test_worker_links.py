@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gradfleet.distributed.sync.worker import shard_clients
-from gradfleet.distributed.transport.errors import ServerUnreachable
 from gradfleet.distributed.sync.worker.ahead_links import ReadAheadLinks
 from gradfleet.distributed.sync.worker.pacing import IN_FLIGHT, PACED_BYTES, Pacing
 from gradfleet.distributed.sync.worker.pending_step import FinishedStep, PendingStep
 from gradfleet.distributed.sync.worker.plain_links import PlainLinks
+from gradfleet.distributed.transport.errors import ServerUnreachable
 
 from .test_sync_overlap import _equal, _loss, _model, _sync
 
