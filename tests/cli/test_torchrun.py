@@ -131,7 +131,11 @@ def test_recipe_store_of_its_own_rank0_lost_rejoins_as_standby_then_second_loss(
     assert results[1][0] != 0  # rank 1's agent had no restart left
     assert joined["rank"] == 0 and joined["at_step"] >= 40
     summary = json.loads((out / "summary.json").read_text())
-    assert [w["rank"] for w in summary["lost_workers"]] == [1], summary["lost_workers"]
+    # rank 1, the chief's host then, named once its standby took over (rank 0 came back)
+    (lost,) = summary["lost_workers"]
+    assert lost["rank"] == 1 and lost["cause"] == "its standby took over", lost
+    named = [r for r in metrics(out) if r.get("event") == "worker_lost"]
+    assert [r["rank"] for r in named] == [0, 1], named  # each loss named once, as it came
     made = [r["step"] for r in metrics(out) if "loss" in r]
     assert made[-1] == steps and sorted(set(made)) == list(range(1, steps + 1))
     # the chief's counts came through both takeovers: each update took R = 2 of them

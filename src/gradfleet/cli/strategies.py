@@ -144,6 +144,10 @@ class Strategy:
         """The ranks hosting :meth:`live_server_address` now (None where not known)."""
         return None
 
+    def lost_servers(self) -> list[int]:
+        """The ranks of servers this worker found lost and moved off, to their standbys."""
+        return []
+
     def forget(self, ranks: list[int]) -> None:
         """Rank 0: these workers are gone; the server stops waiting for them at the end."""
         return None
@@ -310,6 +314,10 @@ class Easgd(Strategy):
         # the centre's standby's address once it took over (None in sync mode)
         return getattr(self.centre, "address", None)
 
+    def lost_servers(self) -> list[int]:
+        moved = None if self.centre is None else self.centre.moved_from
+        return [] if moved is None else [int(moved)]
+
     def leader(self) -> int:
         # rank 0's host was lost with the centre: the standby's rank hosts the centre now
         if self.centre is not None and self.centre.moved_from == 0:
@@ -424,6 +432,10 @@ class SyncReplicas(Strategy):
     def live_server_ranks(self) -> list[int] | None:
         clients = getattr(self.opt.exchange, "clients", None)
         return None if clients is None else [int(r) for r in clients.ranks]
+
+    def lost_servers(self) -> list[int]:
+        clients = getattr(self.opt.exchange, "clients", None)
+        return [] if clients is None else sorted({int(r) for r in clients.moved.values()})
 
     def leader(self) -> int:
         # the chief was on rank 0 and lives on another rank now (rank 0's host was lost, and

@@ -131,6 +131,7 @@ class _Job:
                 "launch it with torchrun --nproc-per-node N, or one agent per host"
             )
         self.rejoining = place is not None and place.rejoining
+        self.recipe = place is not None  # no launcher of ours reports a lost rank
         self.servers = spec.servers
         self.is_server = is_server_rank(self.servers)
         if self.rejoining and self.is_server:
@@ -174,10 +175,20 @@ class _Job:
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}
+        self._servers_named: set[int] = set()
 
-    def poll(self, metrics: Metrics, step: int, now: bool = False, leader: int = 0) -> None:
+    def poll(
+        self,
+        metrics: Metrics,
+        step: int,
+        now: bool = False,
+        leader: int = 0,
+        lost_servers: list[int] | None = None,
+    ) -> None:
         """The writing rank (``leader``: rank 0, or the lowest live one where every rank holds
-        the state), about twice a second: publish progress, log newly lost / rejoined workers."""
+        the state), about twice a second: publish progress, log newly lost / rejoined workers.
+        ``lost_servers``: the servers the strategy moved off to their standbys, named here
+        under the torchrun recipe (no launcher of ours saw them die)."""
         self.step = step
         control = self.control
         if control is None or self.rank != leader:
@@ -186,6 +197,12 @@ class _Job:
             return
         self._next_poll = time.monotonic() + 0.5
         control.publish_progress(step)
+        for r in (lost_servers or []) if self.recipe else []:
+            if r not in self.lost and r not in self._servers_named:  # once: it may rejoin
+                self._servers_named.add(r)
+                self.lost[r] = {"rank": r, "step": step, "cause": "its standby took over"}
+                log.info("server rank %d lost at step %s, its standby took over", r, step)
+                metrics.write(event="worker_lost", **self.lost[r])
         # the dedicated server ranks too: one whose standby took over is named
         for r, info in control.lost_workers(range(self.workers + self.servers)).items():
             if r not in self.lost:
@@ -341,7 +358,7 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         if not writer:
             recent.append(record)
         leader = strategy.leader()
-        job.poll(metrics, done, leader=leader)
+        job.poll(metrics, done, leader=leader, lost_servers=strategy.lost_servers())
         if job.control is not None and rank == leader:
             # a lost server's standby took over: a restarted worker must join it there
             live = strategy.live_server_address()
@@ -390,7 +407,7 @@ def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
         return
     control.finished(job.rank)
     missing = control.wait_finished(job.timeout)
-    job.poll(metrics, job.step, now=True, leader=job.rank)
+    job.poll(metrics, job.step, now=True, leader=job.rank, lost_servers=strategy.lost_servers())
     for r, cause in missing.items():  # dead without a launcher that saw it (torchrun), or stuck
         job.lost.setdefault(r, {"rank": r, "step": None, "cause": cause})
     workers = sorted(r for r in job.lost if r < job.workers)  # not a lost server's rank
