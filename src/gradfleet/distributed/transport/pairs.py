@@ -150,23 +150,32 @@ class _Watcher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        done, failed = threading.Event(), []
-        self._jobs.put((works, done, failed))
-        while not done.wait(WATCH_S):
+        batch = _Batch(works)
+        self._jobs.put(batch)
+        while not batch.done.wait(WATCH_S):
             alive()
-        if failed:
-            raise failed[0]
+        if batch.error is not None:
+            raise batch.error
 
     def _run(self) -> None:
         while True:
-            works, done, failed = self._jobs.get()
+            batch = self._jobs.get()
             try:
-                for work in works:
+                for work in batch.works:
                     work.wait()
             except BaseException as exc:  # handed to the caller, raised there as itself
-                failed.append(exc)
+                batch.error = exc
             finally:
-                done.set()
+                batch.done.set()
+
+
+class _Batch:
+    """Works one :meth:`_Watcher.wait` waits for: done once all completed, or one raised."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = works
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 class PairLink:
