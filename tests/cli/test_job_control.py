@@ -24,15 +24,17 @@ RECIPE = {
 
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    # set, then deleted: the monkeypatch records each one's state before the test and restores
+    # it after, also for what apply_job_env() exports (a leak would make every later launch
+    # in this process a rank of this test's job)
+    for key in (*RECIPE, "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GRADFLEET_STORE",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):  # fmt: skip
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
     # set here so that the monkeypatch restores what apply_job_env() exports
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
     monkeypatch.setenv("LOCAL_RANK", "unset")
     monkeypatch.delenv("GRADFLEET_SERVER_HOST", raising=False)
-    monkeypatch.delenv("GRADFLEET_STORE", raising=False)
     return monkeypatch
 
 

@@ -258,7 +258,8 @@ class Easgd(Strategy):
         self.centre = None
         if mode != "allreduce":  # the centre server: its interface, or the running job's
             self.centre = CENTRE_MODES[mode](
-                server_rank=int(self.args.get("server_rank", 0)),  # rank N: --servers 1
+                # rank N: --servers 1; a restarted process: where the centre is now
+                server_rank=int(self.args.get("live_server_rank", self.args.get("server_rank", 0))),
                 timeout=float(self.args.get("timeout", 60.0)),
                 host=self.args.get("host", "127.0.0.1"),
                 address=self.args.get("server_address"),
@@ -314,14 +315,20 @@ class Easgd(Strategy):
         # the centre's standby's address once it took over (None in sync mode)
         return getattr(self.centre, "address", None)
 
+    def live_server_ranks(self) -> list[int] | None:
+        return None if self.centre is None else [int(self.centre.server_rank)]
+
     def lost_servers(self) -> list[int]:
         moved = None if self.centre is None else self.centre.moved_from
         return [] if moved is None else [int(moved)]
 
     def leader(self) -> int:
-        # rank 0's host was lost with the centre: the standby's rank hosts the centre now
-        if self.centre is not None and self.centre.moved_from == 0:
-            return int(self.centre.server_rank)
+        # the centre was on rank 0 and lives on another rank now (rank 0's host was lost, and
+        # its standby took over; a rank 0 restarted since knows it from the rank it joined)
+        if self.centre is not None and int(self.args.get("server_rank", 0)) == 0:
+            now = int(self.centre.server_rank)
+            if now != 0:
+                return now
         return 0
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "available",
     "rank0_replaceable",
     "server_replaceable",
+    "centre_standby",
     "chief_standby",
     "serverless_losses",
     "tolerated_losses",
@@ -348,6 +349,18 @@ def serverless_losses(name: str, args: dict[str, Any], workers: int, device: str
     return default_losses(args.get("max_losses"), x.transport, x.backups, x.R, x.total, x.chosen)
 
 
+def centre_standby(args: dict[str, Any], workers: int, servers: int = 0) -> bool:
+    """Does an asynchronous EASGD run's centre keep a live standby?  On a dedicated server
+    rank (``--servers``), by default (``standby=false`` turns it off); on a worker rank, when
+    asked (``standby=true`` or a rank) with two or more workers."""
+    if args.get("mode", "sync") != "async":
+        return False
+    standby = args.get("standby")
+    if servers:
+        return workers >= 1 and standby is not False
+    return workers >= 2 and standby is not None and standby is not False
+
+
 def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str = "cpu") -> bool:
     """Can the job lose rank 0 (under a launcher that hosts the job's store)?  Where every
     rank holds the whole state -- sync-replicas without a server, losses allowed -- the lowest
@@ -355,9 +368,7 @@ def rank0_replaceable(name: str, args: dict[str, Any], workers: int, device: str
     standby (``standby=true`` or a rank, with two or more workers), the standby's rank does;
     elsewhere rank 0 hosts the servers."""
     if name == "easgd" and args.get("mode", "sync") == "async":
-        on_rank0 = int(args.get("server_rank", 0)) == 0
-        standby = args.get("standby")
-        return on_rank0 and workers >= 2 and standby is not None and standby is not False
+        return int(args.get("server_rank", 0)) == 0 and centre_standby(args, workers)
     if name == "sync-replicas" and chief_standby(args, workers, 0, device):
         return True  # the chief on rank 0 has a standby: its rank takes over
     return serverless_losses(name, args, workers, device) > 0
@@ -368,8 +379,8 @@ def server_replaceable(name: str, args: dict[str, Any], workers: int, servers: i
     centre, or each sync-replicas server, has a standby on a worker rank (the default with
     one server; ``standby=true`` with several; ``standby=false`` turns it off): the workers
     move to it and go on."""
-    if name == "easgd" and args.get("mode", "sync") == "async" and workers >= 1:
-        return args.get("standby") is not False
+    if name == "easgd" and args.get("mode", "sync") == "async":
+        return centre_standby(args, workers, max(servers, 1))
     if name == "sync-replicas" and servers >= 1:
         return chief_standby(args, workers, servers)
     return False

@@ -30,7 +30,13 @@ from .run_files import Metrics, atomic_save, last_logged_step, latest_checkpoint
 from .servers import check_job_size, checkpoint_servers, is_server_rank, run_server, server_ranks
 from .spec import RunSpec
 from .strategies import Strategy
-from .strategy_table import STRATEGIES, chief_standby, serverless_losses, tolerated_losses
+from .strategy_table import (
+    STRATEGIES,
+    centre_standby,
+    chief_standby,
+    serverless_losses,
+    tolerated_losses,
+)
 from .torchrun import env_rank
 from .workloads import Workload, batch_indices, load_workload, workload_to
 
@@ -245,19 +251,23 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
             args.update(worker=rank, max_losses=every_rank)
         elif job.rejoining:
             assert job.control is not None
-            address = job.control.server_address()
+            address = _reachable_server_address(job.control, spec.timeout)
             if address is None:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
-            live_ranks = job.control.server_ranks()
+            live_ranks = job.control.server_ranks()  # where they are now (a standby took over)
             if name == "sync-replicas" and live_ranks is not None:
-                args["server_ranks"] = live_ranks  # where they are now (a standby took over)
+                args["server_ranks"] = live_ranks
+            if name == "easgd" and live_ranks is not None:
+                args["live_server_rank"] = live_ranks[0]
             if name == "sync-replicas" and chief_standby(
                 spec.strategy_args, job.workers, job.servers, spec.device
             ):
                 # the job keeps a standby of its chief: a restarted process becomes it where
                 # the chief has none (its own was lost with this rank, or took over)
                 args["standby"] = True
+            if name == "easgd" and centre_standby(spec.strategy_args, job.workers, job.servers):
+                args["standby"] = True  # the same for the asynchronous EASGD centre
     # Towers run as threads of this one process: the "world" is the tower count.
     info = STRATEGIES[name]
     strategy = info.adapter(args, rank, job.workers if info.spawns else spec.workers)
@@ -269,6 +279,31 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
         strategy.straggle_s = delay_ms / 1000 if slow_rank == rank or name == "towers" else 0.0
         strategy.straggler_tower = slow_rank  # type: ignore[attr-defined]
     return workload, strategy
+
+
+def _reachable_server_address(control: JobControl, timeout: float) -> Any:
+    """The servers' published address, once each accepts a connection. The writing rank
+    publishes a standby that took over after its next update, so a process restarted sooner
+    reads the lost server's address: it reads again, for up to ``timeout`` seconds (then the
+    optimizer names the unreachable server)."""
+    from gradfleet.distributed.transport.client import store_client
+    from gradfleet.distributed.transport.errors import LINK_ERRORS
+
+    end = time.monotonic() + timeout
+    while True:
+        address = control.server_address()
+        if address is None:
+            return None
+        try:
+            for one in [address] if isinstance(address, str) else address:
+                host, port = str(one).rsplit(":", 1)
+                store_client(host, int(port), 5.0)
+            return address
+        except LINK_ERRORS as exc:
+            if time.monotonic() > end:
+                return address
+            log.info("the published server %s is unreachable (%s): reading it again", address, exc)
+            time.sleep(0.5)
 
 
 def _loss_fn(workload: Workload):
