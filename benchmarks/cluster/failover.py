@@ -3,7 +3,7 @@
     python benchmarks/cluster/failover.py [--hosts 4] [--link 200mbit] [--params 1e6]
                                           [--steps 40] [--kill-at 15]
                                           [--only chief,shard,dedicated,allreduce,easgd]
-                                          [--name cluster-failover]
+                                          [--name failover]
 
 Each case is one ``gradfleet train`` job under the torchrun recipe of docs/failures.md: one
 ``torchrun --standalone`` agent per host (worker hosts first, then dedicated server hosts), the
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="the job's --timeout")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds per case")
     p.add_argument("--only", default=",".join(cases(4)))
-    p.add_argument("--name", default="cluster-failover")
+    p.add_argument("--name", default="failover")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     known = cases(args.hosts)
