@@ -6,6 +6,7 @@ peer (``transport.errors``)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -209,7 +210,9 @@ def test_a_killed_peer_is_a_lost_link_naming_it():
         kind, message = got[op]
         assert kind == "LinkLost", (op, got[op])
         assert message.startswith(f"{peer}: {name} failed: "), (op, message)
-    assert "Connection closed by peer" in got["posted receive"][1]
+    # the peer's death as gloo words it: a FIN (closed), or a RST where the dying process left
+    # bytes unread (reset): which one is the kernel's timing (seen both with torch 2.14.1)
+    assert re.search(r"Connection (closed|reset) by peer", got["posted receive"][1]), got
     for op in ("store get", "store set", "store wait"):
         assert got[op][0] == "DistNetworkError", (op, got[op])
     assert got["store connect"][0] == "ConnectionRefusedError", got["store connect"]
