@@ -32,6 +32,35 @@ def test_ranks_come_in_the_order_their_processes_exited() -> None:
             p.wait(10)
 
 
+def test_a_restarted_rank_is_timed_by_its_new_process() -> None:
+    """The launcher restarts rank 1: its first process's exit is forgotten, and the new one's
+    exit, after rank 0's, orders it after rank 0."""
+    first, zero = _sleeper(), _sleeper()
+    exits = ExitTimes({0: zero.pid, 1: first.pid})
+    again = None
+    try:
+        first.kill()
+        first.wait(10)
+        deadline = time.monotonic() + 10
+        while 1 not in exits.exited() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        again = _sleeper()
+        exits.watch(1, again.pid)
+        assert exits.exited() == set()  # the restarted rank runs again
+        for p in (zero, again):
+            p.kill()
+            deadline = time.monotonic() + 10
+            while len(exits.exited()) < (1 if p is zero else 2) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert exits.in_exit_order([1, 0]) == [0, 1]
+    finally:
+        exits.close()
+        for p in (first, zero, again):
+            if p is not None:
+                p.kill()
+                p.wait(10)
+
+
 def test_a_rank_without_an_exit_time_comes_last_in_the_order_given() -> None:
     gone = _sleeper()
     gone.kill()

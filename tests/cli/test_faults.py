@@ -370,3 +370,89 @@ def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     # loads its own rank-3.pt, weights_only: without it the server rank fails)
     _resume(tmp_path, out, 400)
     assert json.loads((out / "summary.json").read_text())["lost_workers"] == []
+
+
+def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -> None:
+    """Block until ``metrics.jsonl`` holds ``count`` records of ``event`` (fails if the
+    launcher ends first or time runs out)."""
+    while time.monotonic() < deadline:
+        if sum(r.get("event") == event for r in metrics(out)) >= count:
+            return
+        assert proc.poll() is None, f"the launcher ended before {count} {event} event(s)"
+        time.sleep(0.1)
+    raise AssertionError(f"{count} {event} event(s) not logged in time")
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("strategy", "ranks", "straggler"),
+    [
+        # every rank keeps the state: rank 0 (the writer) heals from the members each time
+        ("sync-replicas:replicas_to_aggregate=2", (0, 0), "1:50"),
+        ("easgd:mode=async,period=4", (2, 2), "0:20"),  # rejoins from the live centre on rank 0
+        # the chief on rank 0, its standby on rank 1 (the default): rank 0 killed, rank 1 takes
+        # over and the restarted rank 0 becomes its standby; then rank 1 killed, and the chief
+        # moves back to the restarted process's copy
+        ("sync-replicas:replicas_to_aggregate=2,transport=server", (0, 1), "2:50"),
+    ],
+    ids=["backups-without-a-server-rank-0", "easgd-async-rank-2", "the-chief-twice"],
+)
+def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
+    tmp_path: Path, strategy: str, ranks: tuple[int, int], straggler: str
+) -> None:
+    """``gradfleet train --max-restarts 2``: a rank SIGKILLed is started again by the launcher
+    and rejoins the running job from a live peer's state (no checkpoint exists); a second rank
+    (or the same one) killed after that rejoin is restarted and rejoins too; the run finishes
+    every step with exit 0, the console names both losses and restarts, and the summary lists
+    both rejoins and no rank lost.  The straggler keeps the survivors from finishing before
+    the restarts."""
+    steps = 600
+    out, proc = _train(
+        tmp_path, strategy, 3, steps, "--max-restarts", "2", "--straggler", straggler
+    )
+    deadline = time.monotonic() + 220
+    try:
+        wait_for_step(out, 40, [proc], deadline)
+        first = kill_rank(out, ranks[0])
+        _wait_for_events(out, "worker_rejoined", 1, proc, deadline)
+        second = kill_rank(out, ranks[1])
+        assert second != first  # a live process, by its own pid file
+        _wait_for_events(out, "worker_rejoined", 2, proc, deadline)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    warnings = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank")]
+    assert len(warnings) == 2, console
+    for n, (rank, line) in enumerate(zip(ranks, warnings, strict=True)):
+        assert line.startswith(f"warning: worker rank {rank} lost"), line
+        restart = 2 if ranks[0] == ranks[1] and n else 1
+        assert "killed by signal 9" in line and f"restarting it ({restart} of 2)" in line, line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_workers"] == []  # each loss came back
+    back = summary["rejoined_workers"]
+    assert [(b["rank"], b["cause"]) for b in back] == [
+        (r, "killed by signal 9") for r in ranks
+    ], back
+    # (a loss's step is the last in metrics.jsonl when the launcher saw it; a rejoin's, the
+    # progress the writer publishes twice a second: neither orders the other)
+    assert 40 <= back[0]["step"] <= back[1]["step"], back
+    assert 40 <= back[0]["rejoined_at_step"] <= back[1]["rejoined_at_step"], back
+    assert not (out / "checkpoints").exists()  # the state came from live peers
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    if ranks == (0, 1):  # the chief moved to rank 1, then to the restarted rank 0's copy
+        (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
+        assert log.read_text().count("moving to its standby") == 2, log.read_text()
+
+
+def test_max_restarts_is_refused_where_no_worker_can_be_lost(tmp_path: Path) -> None:
+    """A restart needs a job that goes on without the rank: refused before any rank starts,
+    naming the argument."""
+    out, proc = _train(tmp_path, "allreduce", 2, 10, "--max-restarts", "1")
+    ((code, console),) = finish([proc], time.monotonic() + 60, out)
+    assert code == 2, console
+    assert "--max-restarts 1: strategy allreduce cannot lose a worker" in console, console
+    assert not (out / "logs").exists()  # nothing started

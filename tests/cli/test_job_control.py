@@ -34,6 +34,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     # set here so that the monkeypatch restores what apply_job_env() exports
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "unset")
     monkeypatch.setenv("LOCAL_RANK", "unset")
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.delenv("GRADFLEET_SERVER_HOST", raising=False)
     return monkeypatch
 
@@ -51,9 +52,13 @@ def test_recipe_env_overrides_the_agents_one_process_job(env) -> None:
         "29511",
     )
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
+    assert os.environ["LOCAL_RANK"] == "0"  # the agent's one process
     env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     env.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    env.setenv("LOCAL_RANK", "2")  # gradfleet's launcher restarting rank 2 keeps its GPU
     assert elastic.apply_job_env() == elastic.JobPlace(2, 3, rejoining=True, restarts_left=2)
+    assert os.environ["LOCAL_RANK"] == "2"
+    assert elastic.restarts_left() == 2
 
 
 @pytest.mark.parametrize(
@@ -139,6 +144,12 @@ def test_lost_rank_does_not_block_the_barrier() -> None:
     job.mark_rejoined(1, 40, 1234)
     assert job.rejoined(1) == (40, 1234)
     assert job.lost_workers() == {}  # it came back
+    assert job.rejoins() == [
+        {"rank": 1, "step": 17, "cause": "killed by signal 9", "rejoined_at_step": 40}
+    ]
+    job.mark_lost(1, step=50, cause="killed by signal 9")  # lost again, after its restart
+    assert job.rejoined(1) is None
+    assert job.lost_workers() == {1: {"rank": 1, "step": 50, "cause": "killed by signal 9"}}
 
 
 def _job(store: dist.TCPStore) -> JobControl:

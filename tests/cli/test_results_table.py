@@ -169,3 +169,22 @@ def test_the_legend_names_the_workers_a_run_lost() -> None:
     said = [line.rstrip() for line in buffer.getvalue().splitlines() if "lost:" in line]
     assert len(said) == 1 and "max_losses=1" in said[0], said  # that run only
     assert said[0].endswith("; lost: rank 2 at step 61"), said
+
+
+def test_the_legend_names_the_workers_restarted_into_a_run() -> None:
+    back = _run(
+        "sync-replicas:replicas_to_aggregate=2",
+        "sync-replicas",
+        {"replicas_to_aggregate": 2},
+        rejoined_workers=[
+            {"rank": 0, "step": 43, "cause": "killed by signal 9", "rejoined_at_step": 45},
+            {"rank": 0, "step": 90, "cause": "killed by signal 9", "rejoined_at_step": 93},
+        ],
+    )
+    buffer = io.StringIO()
+    Console(file=buffer, width=200).print(summary_table([back], "t"))
+    said = [line.rstrip() for line in buffer.getvalue().splitlines() if "restarted:" in line]
+    assert len(said) == 1, buffer.getvalue()
+    assert said[0].endswith(
+        "; restarted: rank 0 (lost at step 43, back at 45), rank 0 (lost at step 90, back at 93)"
+    ), said

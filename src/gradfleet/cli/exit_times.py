@@ -28,33 +28,54 @@ log = logging.getLogger(__name__)
 
 
 class ExitTimes:
-    """The moment (``time.monotonic()``) each of ``pids`` (rank -> process id) exited."""
+    """The moment (``time.monotonic()``) each of ``pids`` (rank -> process id) exited;
+    :meth:`watch` adds a rank's new process (restarted by the launcher)."""
 
     def __init__(self, pids: dict[int, int]) -> None:
         self._times: dict[int, float] = {}
         self._ranks: dict[int, int] = {}  # pidfd -> rank
         self._noted = threading.Condition()
         self._poll = select.poll()
+        self._closed = False
+        self._thread: threading.Thread | None = None
         for rank, pid in pids.items():
-            try:
-                fd = os.pidfd_open(pid)
-            except (AttributeError, OSError) as err:  # no pidfds here, or the process is gone
-                log.debug("no exit time for rank %d (pid %d): %s", rank, pid, err)
-                continue
+            self.watch(rank, pid)
+
+    def watch(self, rank: int, pid: int) -> None:
+        """Note when ``pid``, now ``rank``'s process, exits (a time noted for the rank's
+        earlier process is forgotten)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as err:  # no pidfds here, or the process is gone
+            log.debug("no exit time for rank %d (pid %d): %s", rank, pid, err)
+            return
+        with self._noted:
+            self._times.pop(rank, None)
             self._ranks[fd] = rank
-            self._poll.register(fd, select.POLLIN)
-        if self._ranks:
-            threading.Thread(target=self._watch, name="gradfleet-exits", daemon=True).start()
+        self._poll.register(fd, select.POLLIN)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="gradfleet-exits", daemon=True)
+            self._thread.start()
 
     def _watch(self) -> None:
-        while self._ranks:
-            for fd, _ in self._poll.poll():
+        # a timeout, so that a process registered meanwhile and close() are seen
+        while not self._closed:
+            for fd, _ in self._poll.poll(200):
                 now = time.monotonic()
                 with self._noted:
                     self._times[self._ranks.pop(fd)] = now
                     self._noted.notify_all()
                 self._poll.unregister(fd)
                 os.close(fd)
+
+    def close(self) -> None:
+        """Stop watching (the launch is over)."""
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join(1.0)
+        for fd in list(self._ranks):
+            os.close(fd)
+        self._ranks.clear()
 
     def exited(self) -> set[int]:
         """The ranks whose exit has been noted so far."""

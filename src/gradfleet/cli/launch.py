@@ -14,7 +14,9 @@ store, as torchrun's agent does); their stdout/stderr go to ``<run>/logs/rank-R`
 strategy's (``tolerated_losses``): a worker lost while the wrapper can do without it
 (sync-replicas with a backup left, asynchronous EASGD) is reported -- console, then rank 0's
 ``metrics.jsonl`` and ``summary.json`` through the job store -- and the survivors finish the
-run; any other failure (rank 0, a loss during start-up, lockstep strategies, no backup left, a
+run (with ``--max-restarts K`` the launcher starts the lost rank again, up to K times each, and
+it rejoins the running job from a live peer's state, as under the torchrun recipe); any other
+failure (rank 0, a loss during start-up, lockstep strategies, no backup left, a
 dedicated server rank of ``--servers``) ends every survivor at once and raises
 :class:`WorkerFailed` (a lost server: after the workers had a few seconds to fail on their
 own, naming it).
@@ -60,8 +62,9 @@ def _last_line(text: str) -> str:
 
 
 def _rank_log(log_dir: Path, rank: int) -> Path | None:
-    logs = sorted((log_dir / f"rank-{rank}").glob("**/stderr.log"))
-    return logs[-1] if logs else None
+    """The stderr log of ``rank``'s latest process (a restarted one's is newest)."""
+    logs = (log_dir / f"rank-{rank}").glob("**/stderr.log")
+    return max(logs, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 
 def _error_text(message: Any) -> str | None:
@@ -83,7 +86,12 @@ RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradfleet.cli.wo
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path):
+def _start(
+    spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir: Path, restart: int = 0
+):
+    """Start ``rank``'s process; ``restart`` > 0: the rank's restart number ``restart``, which
+    joins the running job as the torchrun recipe's restarted process does (``GRADFLEET_*``:
+    :func:`~gradfleet.distributed.job_control.apply_job_env`), not its process group."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     env = {
@@ -94,15 +102,26 @@ def _start(spec: RunSpec, rank: int, world: int, port: int, run_id: str, log_dir
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store below, hosted here
-        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
     }
+    logs = log_dir / f"rank-{rank}"
+    if restart:
+        logs = logs / f"restart-{restart}"
+        env.update(
+            GRADFLEET_RANK=str(rank),
+            GRADFLEET_WORLD_SIZE=str(world),
+            GRADFLEET_MASTER_ADDR="127.0.0.1",
+            GRADFLEET_MASTER_PORT=str(port),
+            GRADFLEET_STORE="own",  # this process's store: every rank is its client
+        )
     return start_processes(
         name=f"gradfleet-rank{rank}",
         entrypoint=run_worker,
         args={0: (spec,)},
         envs={0: env},
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / f"rank-{rank}"), redirects=Std.ALL),
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
         start_method=START_METHOD,
     )
 
@@ -219,6 +238,7 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     )  # fmt: skip
     exits = ExitTimes(pids)
     lost: dict[int, str] = {}
+    restarts: dict[int, int] = {}  # rank -> how often it was restarted
     summary = None
     try:
         while running:
@@ -257,7 +277,10 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     seen = _let_workers_fail(running, workers, log_dir)
                     raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
-                if (rank == 0 and not any_rank) or not started or len(lost) >= tolerated:
+                _forget_the_rejoined(lost, job, running)
+                if (rank == 0 and not any_rank) or not started or (
+                    rank not in lost and len(lost) >= tolerated
+                ):
                     why = (
                         "rank 0" if rank == 0 and not any_rank
                         else "the strategy cannot lose a worker" if not tolerated
@@ -269,10 +292,20 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 step = last_logged_step(out / "metrics.jsonl")
                 lost[rank] = cause
                 job.mark_lost(rank, step=step, cause=cause, log=str(rank_log))
+                then = ""
+                if restarts.get(rank, 0) < spec.max_restarts:
+                    # it rejoins the running job from a live peer's state (a server's, or the
+                    # members'), as under the torchrun recipe's --max-restarts
+                    restarts[rank] = restarts.get(rank, 0) + 1
+                    running[rank] = _start(
+                        spec, rank, world, store.port, run_id, log_dir, restarts[rank]
+                    )
+                    exits.watch(rank, running[rank].pids()[0])
+                    then = f"; restarting it ({restarts[rank]} of {spec.max_restarts})"
                 print(
                     f"warning: worker rank {rank} lost at step {step}: {cause}; {where}; "
                     f"training goes on with {workers - len(lost)} of {workers} workers "
-                    f"({tolerated - len(lost)} more loss(es) tolerated)",
+                    f"({tolerated - len(lost)} more loss(es) tolerated){then}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -280,4 +313,14 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     finally:
         for pc in running.values():  # a fatal failure (or Ctrl-C): end every survivor now
             pc.close(timeout=5)
+        exits.close()
     return summary
+
+
+def _forget_the_rejoined(lost: dict[int, str], job: JobControl, running: dict[int, Any]) -> None:
+    """A restarted rank whose process rejoined the job is no longer lost: the job may lose
+    as many again."""
+    for rank in list(lost):
+        at = job.rejoined(rank)
+        if rank in running and at is not None and at[1] == running[rank].pids()[0]:
+            del lost[rank]

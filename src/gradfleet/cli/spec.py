@@ -117,6 +117,14 @@ class RunSpec:
     checkpoint_every: int = field(
         default=0, metadata=_key("checkpoint every K steps (0: never)", "--checkpoint-every")
     )
+    max_restarts: int = field(
+        default=0,
+        metadata=_key(
+            "times the launcher restarts a lost worker rank into the running job, from a live "
+            "peer's state (strategies that go on without a worker)",
+            "--max-restarts",
+        ),
+    )
     timeout: float = field(
         default=120.0,
         metadata=_key("seconds to wait for a silent worker or server before failing", "--timeout"),
@@ -248,6 +256,17 @@ def check_run_device(device: str, strategy: str, workers: int) -> None:
     check_device(device, processes, workers if strategy == "towers" else 1)
 
 
+def _check_restarts(max_restarts: int, name: str, args: dict[str, Any], workers: int) -> None:
+    """A rank is restarted into the running job only where the job goes on without it."""
+    if max_restarts and not strat.tolerated_losses(name, args, workers):
+        raise ConfigError(
+            f"--max-restarts {max_restarts}: strategy {name} cannot lose a worker (its ranks run "
+            "collectives in lockstep, or no backup is left), so none can be restarted into the "
+            "running job; use 0, or a strategy with backups (sync-replicas with "
+            "replicas_to_aggregate < workers, easgd:mode=async)"
+        )
+
+
 # ----------------------------------------------------------------------------- resolving
 def resolve(flags: dict[str, Any]) -> RunSpec:
     """Merge a config file (``flags["config"]``) and the flags (``None``: not given) into a
@@ -277,6 +296,9 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         "--checkpoint-every", merged.get("checkpoint_every", RunSpec.checkpoint_every), 0
     )
     timeout = _seconds("--timeout", merged.get("timeout", RunSpec.timeout))
+    max_restarts = _integer(
+        "--max-restarts", merged.get("max_restarts", RunSpec.max_restarts), 0
+    )
     straggler = merged.get("straggler")
     if straggler is not None:
         straggler = parse_straggler(straggler)
@@ -296,6 +318,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
     strategy = merged.get("strategy", RunSpec.strategy)
     name, args = strategy if isinstance(strategy, tuple) else parse_spec(strategy, "strategy")
     strat.validate_strategy(name, args, workers, servers=servers)
+    _check_restarts(max_restarts, name, args, workers)
     if name == "sync-replicas" and checkpoint_every and not (servers and lockstep(args, workers)):
         raise ConfigError(
             "--checkpoint-every with sync-replicas needs dedicated servers (--servers K) in "
@@ -332,14 +355,18 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         straggler=straggler,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
+        max_restarts=max_restarts,
         timeout=timeout,
         log_level=log_level,
         target_accuracy=workload.target,
     )
 
 
-def resume_spec(run: Path, steps: int | None, log_level: str | None) -> RunSpec:
-    """The spec saved in run directory ``run``, to continue from its last checkpoint."""
+def resume_spec(
+    run: Path, steps: int | None, log_level: str | None, max_restarts: int | None = None
+) -> RunSpec:
+    """The spec saved in run directory ``run``, to continue from its last checkpoint
+    (``steps``, ``log_level`` and ``max_restarts`` may be given anew)."""
     cfg = run / "config.json"
     if not cfg.is_file():
         raise ConfigError(f"--resume {run}: not a gradfleet run directory (no config.json)")
@@ -352,4 +379,7 @@ def resume_spec(run: Path, steps: int | None, log_level: str | None) -> RunSpec:
         changes["steps"] = _integer("--steps", steps, 1)
     if log_level is not None:
         changes["log_level"] = _choice("--log-level", log_level, LOG_LEVELS)
+    if max_restarts is not None:
+        changes["max_restarts"] = _integer("--max-restarts", max_restarts, 0)
+        _check_restarts(max_restarts, spec.strategy, spec.strategy_args, spec.workers)
     return dataclasses.replace(spec, **changes)

@@ -83,6 +83,13 @@ def describe(r: dict[str, Any]) -> str:
     lost = r.get("lost_workers") or []  # the figures are those of the workers left
     if lost:
         text += "; lost: " + ", ".join(f"rank {w['rank']} at step {w['step']}" for w in lost)
+    back = r.get("rejoined_workers") or []  # restarted into the job
+    if back:
+        text += "; restarted: " + ", ".join(
+            f"rank {w['rank']} (lost at step {w.get('step', '?')}, back at "
+            f"{w['rejoined_at_step']})"
+            for w in back
+        )
     return text
 
 

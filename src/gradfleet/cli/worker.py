@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 
 import gradfleet.distributed as gfd
-from gradfleet.distributed.job_control import JobControl, apply_job_env, server_host
+from gradfleet.distributed.job_control import (
+    JobControl,
+    apply_job_env,
+    restarts_left,
+    server_host,
+)
 from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
@@ -177,7 +182,8 @@ class _Job:
         if (self.tolerated or self.servers) and self.control is None:
             self.control = JobControl.connect(self.workers, spec.timeout)
         if self.control is not None and not self.is_server:
-            self.control.start_heartbeat(self.rank, place.restarts_left if place else 0)
+            # torchrun's agent or gradfleet's launcher says how often it restarts this rank
+            self.control.start_heartbeat(self.rank, restarts_left())
         self.lost: dict[int, dict[str, Any]] = {}
         self._next_poll, self.step = 0.0, 0
         self._rejoins: dict[int, Any] = {}
@@ -414,6 +420,8 @@ def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
         result = _summary(spec, workload, strategy, loss, wall, samples, workers)
         result["median_step_ms"] = clock.median_ms()
         result["lost_workers"] = sorted(job.lost.values(), key=lambda w: w["rank"])
+        # each loss that came back (whoever led when it did)
+        result["rejoined_workers"] = job.control.rejoins() if job.control is not None else []
         result.update(evaluate(workload, final_state))
         metrics.write(step=steps, wall=wall, final=True, **evaluate(workload, final_state))
         (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")

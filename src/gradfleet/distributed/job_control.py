@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .hosting.hosted_server import env_server_host
 from .transport.errors import LINK_ERRORS
 
-__all__ = ["JobControl", "JobPlace", "apply_job_env", "job_store", "server_host"]
+__all__ = ["JobControl", "JobPlace", "apply_job_env", "job_store", "restarts_left", "server_host"]
 
 log = logging.getLogger(__name__)
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -101,7 +101,9 @@ def apply_job_env() -> JobPlace | None:
         )
     for key in _ENV:
         os.environ[key] = os.environ[f"GRADFLEET_{key}"]
-    os.environ["LOCAL_RANK"] = "0"
+    # one process per agent under the recipe; gradfleet's launcher, restarting a rank, keeps
+    # its local rank (its GPU)
+    os.environ.setdefault("LOCAL_RANK", "0")
     # The agent's own store serves its one-process job; gradfleet's job store is rank 0's, or
     # a process of its own (``gradfleet store``), which every rank then joins as a client:
     # torch's env:// rendezvous reads this flag so (some torch releases also read the attempt).
@@ -109,8 +111,15 @@ def apply_job_env() -> JobPlace | None:
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(own)
     os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    left = max(int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restarts, 0)
-    return JobPlace(rank, world, restarts > 0, left)
+    return JobPlace(rank, world, restarts > 0, restarts_left())
+
+
+def restarts_left() -> int:
+    """How many more times this process's launcher restarts it: torch elastic's
+    ``TORCHELASTIC_MAX_RESTARTS`` less ``TORCHELASTIC_RESTART_COUNT`` (torchrun's agent and
+    gradfleet's launcher both set them)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return max(int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restarts, 0)
 
 
 def job_store(timeout: float = 60.0) -> dist.TCPStore:
@@ -220,10 +229,23 @@ class JobControl:
     def mark_lost(self, rank: int, **info: Any) -> None:
         """Record that ``rank`` is gone (the launcher saw it die): rank 0 stops waiting for it."""
         log.info("rank %d reported lost: %s", rank, info)
+        # lost again after a rejoin (restarted): no longer back
+        self.store.delete_key(self.PREFIX + f"rejoined/{rank}")
         self._set(f"lost/{rank}", {"rank": rank, **info})
 
     def mark_rejoined(self, rank: int, step: int, pid: int) -> None:
+        """``rank``'s process ``pid`` rejoined the running job at ``step``; the job's record
+        of rejoins (:meth:`rejoins`) gains its loss, as the launcher reported it."""
+        loss = self._get(f"lost/{rank}", {"rank": rank})
+        n = self.store.add(self.PREFIX + "rejoins", 1)
+        self._set(f"rejoin/{n}", {**loss, "rejoined_at_step": step})
         self._set(f"rejoined/{rank}", [step, pid])
+
+    def rejoins(self) -> list[dict[str, Any]]:
+        """Every rejoin so far, in order: the loss (``rank``, and where a launcher reported
+        it ``step``, ``cause``, ...) and ``rejoined_at_step``."""
+        n = self.store.add(self.PREFIX + "rejoins", 0)
+        return [self._get(f"rejoin/{i}") for i in range(1, n + 1)]
 
     def rejoined(self, rank: int) -> tuple[int, int] | None:
         """``(step, pid)`` of ``rank``'s latest rejoin, or None."""
