@@ -432,9 +432,9 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["lost_workers"] == []  # each loss came back
     back = summary["rejoined_workers"]
-    assert [(b["rank"], b["cause"]) for b in back] == [
-        (r, "killed by signal 9") for r in ranks
-    ], back
+    assert [(b["rank"], b["cause"]) for b in back] == [(r, "killed by signal 9") for r in ranks], (
+        back
+    )
     # (a loss's step is the last in metrics.jsonl when the launcher saw it; a rejoin's, the
     # progress the writer publishes twice a second: neither orders the other)
     assert 40 <= back[0]["step"] <= back[1]["step"], back

@@ -278,8 +278,10 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     raise WorkerFailed(f"{role} rank {rank} failed: {cause}; {where}{seen}")
                 started = job.started()
                 _forget_the_rejoined(lost, job, running)
-                if (rank == 0 and not any_rank) or not started or (
-                    rank not in lost and len(lost) >= tolerated
+                if (
+                    (rank == 0 and not any_rank)
+                    or not started
+                    or (rank not in lost and len(lost) >= tolerated)
                 ):
                     why = (
                         "rank 0" if rank == 0 and not any_rank

@@ -138,9 +138,7 @@ def train(
     checkpoint_every: Opt[
         int | None, _setting("checkpoint_every", "--checkpoint-every", metavar="K")
     ] = None,
-    max_restarts: Opt[
-        int | None, _setting("max_restarts", "--max-restarts", metavar="K")
-    ] = None,
+    max_restarts: Opt[int | None, _setting("max_restarts", "--max-restarts", metavar="K")] = None,
     timeout: Opt[float | None, _setting("timeout", "--timeout", metavar="SECONDS")] = None,
     device: Opt[str | None, _setting("device", "--device", metavar="DEVICE")] = None,
     out: Opt[
@@ -181,9 +179,7 @@ def train(
     try:
         if resume and device is not None:
             raise ConfigError("--resume continues on the run's own device: leave out --device")
-        spec = (
-            resume_spec(resume, steps, log_level, max_restarts) if resume else resolve(flags)
-        )
+        spec = resume_spec(resume, steps, log_level, max_restarts) if resume else resolve(flags)
     except (ConfigError, ValueError) as err:
         raise _fail(str(err)) from None
     if not resume:

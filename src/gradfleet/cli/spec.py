@@ -296,9 +296,7 @@ def resolve(flags: dict[str, Any]) -> RunSpec:
         "--checkpoint-every", merged.get("checkpoint_every", RunSpec.checkpoint_every), 0
     )
     timeout = _seconds("--timeout", merged.get("timeout", RunSpec.timeout))
-    max_restarts = _integer(
-        "--max-restarts", merged.get("max_restarts", RunSpec.max_restarts), 0
-    )
+    max_restarts = _integer("--max-restarts", merged.get("max_restarts", RunSpec.max_restarts), 0)
     straggler = merged.get("straggler")
     if straggler is not None:
         straggler = parse_straggler(straggler)

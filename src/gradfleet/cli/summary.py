@@ -86,8 +86,7 @@ def describe(r: dict[str, Any]) -> str:
     back = r.get("rejoined_workers") or []  # restarted into the job
     if back:
         text += "; restarted: " + ", ".join(
-            f"rank {w['rank']} (lost at step {w.get('step', '?')}, back at "
-            f"{w['rejoined_at_step']})"
+            f"rank {w['rank']} (lost at step {w.get('step', '?')}, back at {w['rejoined_at_step']})"
             for w in back
         )
     return text
