@@ -456,3 +456,56 @@ def test_max_restarts_is_refused_where_no_worker_can_be_lost(tmp_path: Path) -> 
     assert code == 2, console
     assert "--max-restarts 1: strategy allreduce cannot lose a worker" in console, console
     assert not (out / "logs").exists()  # nothing started
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "strategy",
+    ["sync-replicas:replicas_to_aggregate=2,standby=1", "easgd:mode=async,period=4,standby=1"],
+    ids=["the-chief", "the-easgd-centre"],
+)
+def test_launcher_restarts_a_dedicated_server_which_becomes_the_standby(
+    tmp_path: Path, strategy: str
+) -> None:
+    """``--servers 1 --max-restarts 1``: the server rank (3) SIGKILLed, its standby on rank 1
+    takes over, and the launcher starts rank 3 again: it rejoins as the standby of the server
+    now on rank 1, from its live state (no checkpoint exists).  Then rank 1 is killed too: the
+    workers move back to rank 3's copy, and the restarted rank 1 becomes its standby.  Every
+    step is trained, exit 0, both losses came back."""
+    steps = 600
+    out, proc = _train(
+        tmp_path, strategy, 3, steps, "--servers", "1", "--max-restarts", "1",
+        "--straggler", "2:50",
+    )  # fmt: skip
+    deadline = time.monotonic() + 220
+    try:
+        wait_for_step(out, 40, [proc], deadline)
+        kill_rank(out, 3)
+        _wait_for_events(out, "worker_rejoined", 1, proc, deadline)
+        kill_rank(out, 1)
+        _wait_for_events(out, "worker_rejoined", 2, proc, deadline)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    warnings = [ln for ln in console.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 2, console
+    assert warnings[0].startswith("warning: dedicated server rank 3 lost"), warnings
+    assert "its standby took over" in warnings[0] and "restarting it (1 of 1)" in warnings[0]
+    assert warnings[1].startswith("warning: worker rank 1 lost"), warnings
+    assert "restarting it (1 of 1)" in warnings[1], warnings
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_workers"] == []
+    back = summary["rejoined_workers"]
+    assert [(b["rank"], b["cause"]) for b in back] == [
+        (3, "killed by signal 9"),
+        (1, "killed by signal 9"),
+    ]
+    assert back[0]["role"] == "dedicated server"
+    assert not (out / "checkpoints").exists()  # the state came from live peers
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+    assert summary["test_accuracy"] >= summary["target_accuracy"]
+    (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
+    assert log.read_text().count("moving to its standby") == 2, log.read_text()

@@ -239,6 +239,14 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     exits = ExitTimes(pids)
     lost: dict[int, str] = {}
     restarts: dict[int, int] = {}  # rank -> how often it was restarted
+
+    def _restart(rank: int) -> str:
+        """Start ``rank`` again, into the running job; what the warning says of it."""
+        restarts[rank] = restarts.get(rank, 0) + 1
+        running[rank] = _start(spec, rank, world, store.port, run_id, log_dir, restarts[rank])
+        exits.watch(rank, running[rank].pids()[0])
+        return f"restarting it ({restarts[rank]} of {spec.max_restarts})"
+
     summary = None
     try:
         while running:
@@ -260,14 +268,25 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     print(f"warning: {role} rank {rank} failed after the end: {cause}; {where}",
                           file=sys.stderr, flush=True)  # fmt: skip
                     continue
+                # a server rank restarted into the job is a live copy of the server again
+                server_spare = server_spare or any(
+                    _is_back(job, running, r) for r in range(workers, world)
+                )
                 if rank >= workers and server_spare and job.started():
-                    # its standby on a worker rank takes over: the workers move to it
-                    server_spare = False  # a second loss has none
+                    # its standby on a worker rank takes over: the workers move to it (or,
+                    # this rank having rejoined as that server's standby, the server goes on)
+                    server_spare = False  # a second loss has none, until a restart is back
                     step = last_logged_step(out / "metrics.jsonl")
                     job.mark_lost(rank, step=step, cause=cause, log=str(rank_log), role=role)
+                    # a restarted server rank held the live server's copy, or was promoted
+                    copy = "its live copy serves" if rank in restarts else "its standby took over"
+                    then = ""
+                    if spec.servers == 1 and restarts.get(rank, 0) < spec.max_restarts:
+                        # it rejoins as the live server's standby (ParameterServer.rejoin)
+                        then = "; " + _restart(rank)
                     print(
-                        f"warning: {role} rank {rank} lost: {cause}; {where}; its standby "
-                        "took over, training goes on",
+                        f"warning: {role} rank {rank} lost: {cause}; {where}; {copy}, "
+                        f"training goes on{then}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -298,12 +317,7 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                 if restarts.get(rank, 0) < spec.max_restarts:
                     # it rejoins the running job from a live peer's state (a server's, or the
                     # members'), as under the torchrun recipe's --max-restarts
-                    restarts[rank] = restarts.get(rank, 0) + 1
-                    running[rank] = _start(
-                        spec, rank, world, store.port, run_id, log_dir, restarts[rank]
-                    )
-                    exits.watch(rank, running[rank].pids()[0])
-                    then = f"; restarting it ({restarts[rank]} of {spec.max_restarts})"
+                    then = "; " + _restart(rank)
                 print(
                     f"warning: worker rank {rank} lost at step {step}: {cause}; {where}; "
                     f"training goes on with {workers - len(lost)} of {workers} workers "
@@ -319,10 +333,15 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     return summary
 
 
+def _is_back(job: JobControl, running: dict[int, Any], rank: int) -> bool:
+    """Whether ``rank``'s running process is one restarted into the job that rejoined it."""
+    at = job.rejoined(rank)
+    return rank in running and at is not None and at[1] == running[rank].pids()[0]
+
+
 def _forget_the_rejoined(lost: dict[int, str], job: JobControl, running: dict[int, Any]) -> None:
     """A restarted rank whose process rejoined the job is no longer lost: the job may lose
     as many again."""
     for rank in list(lost):
-        at = job.rejoined(rank)
-        if rank in running and at is not None and at[1] == running[rank].pids()[0]:
+        if _is_back(job, running, rank):
             del lost[rank]

@@ -12,9 +12,10 @@ A server rank builds no model and writes no metrics: it calls
 ``optimizer``), takes part in the workers' start barrier, saves its own state into each
 checkpoint directory when rank 0 asks (``rank-R.pt``, what ``serve(state=)`` resumes from), and
 returns once every worker left. A server that dies makes every worker's step fail naming it;
-the launcher reports it as ``dedicated server rank R failed`` -- except the EASGD centre, whose
-workers move to its standby on a worker rank and go on (its default; ``standby=false`` turns
-it off).
+the launcher reports it as ``dedicated server rank R failed`` -- except where it has a standby
+on a worker rank (the EASGD centre and the chief of one server, by default), to which its
+workers move. Restarted into the running job (the launcher's ``--max-restarts``, the torchrun
+recipe), a server rank of one server becomes that standby's own standby, from its live state.
 """
 
 from __future__ import annotations
@@ -159,22 +160,30 @@ def _optimizer_factory(config: dict[str, Any]):
     return lambda groups: create_optimizer(groups, config)
 
 
-def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> None:
+def run_server(
+    spec: Any, rank: int, control: JobControl | None, out: Path, rejoining: bool = False
+) -> None:
     """This rank only serves: set up with the workers, save checkpoints on request, return
-    once every worker left (``spec``: the run's :class:`~gradfleet.cli.spec.RunSpec`)."""
+    once every worker left (``spec``: the run's :class:`~gradfleet.cli.spec.RunSpec`).
+    ``rejoining``: restarted into the running job, it becomes the standby of the server it
+    was (:meth:`~gradfleet.distributed.ParameterServer.rejoin`)."""
     assert control is not None, "a job with dedicated servers has job control"
     (out / "pids").mkdir(exist_ok=True)
     (out / "pids" / f"rank-{rank}.pid").write_text(str(os.getpid()))
-    state = None
-    if spec.resume:
-        step = latest_checkpoint(out)
-        path = out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt"
-        state = torch.load(path, weights_only=True)
-        log.info("dedicated server rank %d: resuming from %s", rank, path)
     factory = _optimizer_factory(spec.optimizer)
-    server = gfd.ParameterServer(factory, host=server_host(), state=state)
-    log.info("dedicated server rank %d serves %s at %s", rank, server.kind, server.addresses)
-    dist.barrier()  # the workers' start barrier
+    if rejoining:
+        server = _rejoin(factory, rank, control, spec.timeout)
+    else:
+        state = None
+        if spec.resume:
+            step = latest_checkpoint(out)
+            path = out / "checkpoints" / f"step-{step:07d}" / f"rank-{rank}.pt"
+            state = torch.load(path, weights_only=True)
+            log.info("dedicated server rank %d: resuming from %s", rank, path)
+        server = gfd.ParameterServer(factory, host=server_host(), state=state)
+        control.publish_server_spec(rank, server.spec)  # for this rank restarted
+        log.info("dedicated server rank %d serves %s at %s", rank, server.kind, server.addresses)
+        dist.barrier()  # the workers' start barrier
     # join() blocks until every worker left; checkpoint requests come meanwhile, so it runs
     # on a thread and this one watches the store.
     failed: list[BaseException] = []
@@ -203,6 +212,29 @@ def run_server(spec: Any, rank: int, control: JobControl | None, out: Path) -> N
     if failed:
         raise failed[0]
     log.info("dedicated server rank %d: every worker left", rank)
+
+
+def _rejoin(factory: Any, rank: int, control: JobControl, timeout: float) -> Any:
+    """This dedicated server rank, restarted into the running job: the standby of the server
+    its standby on a worker rank took over, from that server's live state."""
+    served = control.server_spec(rank)
+    if served is None:
+        raise RuntimeError(
+            f"dedicated server rank {rank}: the running job published nothing it served, so "
+            "it cannot rejoin; resume the job from its last checkpoint"
+        )
+    address = control.reachable_server_address(timeout)  # where the server lives now
+    if address is None:
+        raise RuntimeError(f"dedicated server rank {rank}: the running job has no server")
+    live = address if isinstance(address, str) else address[0]  # one server: the chief
+    server = gfd.ParameterServer.rejoin(
+        factory, spec=served, address=live, rank=rank, host=server_host()
+    )
+    step = control.progress()
+    control.mark_rejoined(rank, step, os.getpid())
+    log.info("dedicated server rank %d rejoined at step %d: the standby of %s", rank, step, live)
+    print(f"dedicated server rank {rank} rejoined the running job at step {step}", flush=True)
+    return server
 
 
 def _save(out: Path, step: int, rank: int, server: gfd.ParameterServer) -> None:

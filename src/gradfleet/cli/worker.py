@@ -145,11 +145,6 @@ class _Job:
         self.recipe = place is not None  # no launcher of ours reports a lost rank
         self.servers = spec.servers
         self.is_server = is_server_rank(self.servers)
-        if self.rejoining and self.is_server:
-            raise RuntimeError(
-                f"rank {os.environ['RANK']} is a dedicated server: it cannot rejoin the running "
-                "job (its state died with it); resume the job from its last checkpoint"
-            )
         self.timeout = spec.timeout
         # One GPU per rank (local rank r on cuda:r); the device is current before the process
         # group exists, so that NCCL and torch.cuda calls without a device use it. Dedicated
@@ -221,7 +216,7 @@ class _Job:
                 self.lost[r] = {"step": step, **info}
                 log.info("rank %d lost at step %s, training goes on: %s", r, step, info)
                 metrics.write(event="worker_lost", **self.lost[r])
-        for r in range(self.workers):
+        for r in range(self.workers + self.servers):  # a dedicated server rank rejoins too
             at = control.rejoined(r)
             if at is not None and self._rejoins.get(r) != at:
                 self._rejoins[r] = at
@@ -257,7 +252,7 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
             args.update(worker=rank, max_losses=every_rank)
         elif job.rejoining:
             assert job.control is not None
-            address = _reachable_server_address(job.control, spec.timeout)
+            address = job.control.reachable_server_address(spec.timeout)
             if address is None:
                 raise RuntimeError("rejoining: the running job published no server address")
             args.update(server_address=address, worker=rank)
@@ -287,31 +282,6 @@ def _setup(spec: RunSpec, job: _Job) -> tuple[Workload, Strategy]:
     return workload, strategy
 
 
-def _reachable_server_address(control: JobControl, timeout: float) -> Any:
-    """The servers' published address, once each accepts a connection. The writing rank
-    publishes a standby that took over after its next update, so a process restarted sooner
-    reads the lost server's address: it reads again, for up to ``timeout`` seconds (then the
-    optimizer names the unreachable server)."""
-    from gradfleet.distributed.transport.client import store_client
-    from gradfleet.distributed.transport.errors import LINK_ERRORS
-
-    end = time.monotonic() + timeout
-    while True:
-        address = control.server_address()
-        if address is None:
-            return None
-        try:
-            for one in [address] if isinstance(address, str) else address:
-                host, port = str(one).rsplit(":", 1)
-                store_client(host, int(port), 5.0)
-            return address
-        except LINK_ERRORS as exc:
-            if time.monotonic() > end:
-                return address
-            log.info("the published server %s is unreachable (%s): reading it again", address, exc)
-            time.sleep(0.5)
-
-
 def _loss_fn(workload: Workload):
     return lambda model, x, y: workload.loss_fn(model(x), y)
 
@@ -323,7 +293,7 @@ def run_worker(spec: RunSpec) -> dict[str, Any] | None:
     job = _Job(spec)
     try:
         if job.is_server:
-            run_server(spec, job.rank, job.control, out)
+            run_server(spec, job.rank, job.control, out, rejoining=job.rejoining)
             gfd.shutdown()
             return None
         return _train(spec, job, out)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterable
@@ -219,6 +220,43 @@ class JobControl:
     def server_address(self) -> Any:
         """The wrapper server's address rank 0 published, or None."""
         return self._get("server")
+
+    def reachable_server_address(self, timeout: float) -> Any:
+        """The servers' published address, once each accepts a connection.  The writing rank
+        publishes a standby that took over after its next update, so a process restarted
+        sooner reads the lost server's address: it reads again, for up to ``timeout``
+        seconds (then the caller's client names the unreachable server)."""
+        from .transport.client import store_client
+
+        end = time.monotonic() + timeout
+        while True:
+            address = self.server_address()
+            if address is None:
+                return None
+            try:
+                for one in [address] if isinstance(address, str) else address:
+                    host, port = str(one).rsplit(":", 1)
+                    store_client(host, int(port), 5.0)
+                return address
+            except LINK_ERRORS as exc:
+                if time.monotonic() > end:
+                    return address
+                log.info("the published server %s is unreachable (%s): reading it again",
+                         address, exc)  # fmt: skip
+                time.sleep(0.5)
+
+    def publish_server_spec(self, rank: int, spec: dict[str, Any]) -> None:
+        """What dedicated server ``rank`` serves (the spec rank 0 announced to it: the job,
+        its layout, shapes and parameter groups; no tensor), for its restarted process."""
+        # pickled, as rank 0's broadcast_object_list sent it: it holds the job's dataclasses
+        self.store.set(self.PREFIX + f"server_spec/{rank}", pickle.dumps(spec))
+
+    def server_spec(self, rank: int) -> dict[str, Any] | None:
+        """:meth:`publish_server_spec`'s spec of ``rank``, or None."""
+        key = self.PREFIX + f"server_spec/{rank}"
+        if not self.store.check([key]):
+            return None
+        return pickle.loads(self.store.get(key))  # noqa: S301 - written by this job's rank
 
     def server_ranks(self) -> list[int] | None:
         """The ranks hosting the servers at :meth:`server_address`, or None if not published."""

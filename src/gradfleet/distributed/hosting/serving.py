@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,9 +44,16 @@ import torch.distributed as dist
 
 from ..easgd.server.centre_server import CentreServer
 from ..sync.layout.pieces import view, whole
+from ..transport import MailboxClient
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
-from .hosted_server import HostedServer, gather_addresses, server_host, share_address
-from .standby import standby_rank, standby_ranks
+from .hosted_server import (
+    HostedServer,
+    env_server_host,
+    gather_addresses,
+    server_host,
+    share_address,
+)
+from .standby import ATTACH, standby_rank, standby_ranks
 from .sync_servers import SyncServers, start_standby
 
 __all__ = ["ParameterServer", "serve"]
@@ -80,15 +88,9 @@ class ParameterServer:
                 "serve: a dedicated server is a rank of the job: call "
                 "gradfleet.distributed.init() (or init_process_group) first"
             )
-        self.rank = dist.get_rank()
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
-        self.spec = spec = box[0]
-        self.kind = spec.get("kind")
-        self._sync: SyncServers | None = None
-        self._centre: CentreServer | None = None
-        self._hosted: HostedServer | None = None
-        self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
+        self._fields(dist.get_rank(), box[0])
         try:
             tensors = self._prepare(optimizer, state)
             problem = None
@@ -99,6 +101,75 @@ class ParameterServer:
         check_statuses(problem)
         receive_from_first(tensors)
         self._start(host, state)
+
+    def _fields(self, rank: int, spec: dict[str, Any]) -> None:
+        self.rank, self.spec = rank, spec
+        self.kind = spec.get("kind")
+        self._sync: SyncServers | None = None
+        self._centre: CentreServer | None = None
+        self._hosted: HostedServer | None = None
+        self._shards: dict[int, Any] = {}  # SyncReplicas shards hosted here (not the chief's)
+
+    @classmethod
+    def rejoin(
+        cls,
+        optimizer: OptimizerFactory | None,
+        *,
+        spec: dict[str, Any],
+        address: str,
+        rank: int,
+        host: str | None = None,
+    ) -> ParameterServer:
+        """This dedicated server rank restarted into its running job, outside the process
+        group: the live standby of the server it was, which a standby on a worker rank took
+        over when this rank was lost.  It serves an empty copy and asks that server, at
+        ``address``, to take it as its standby; the server's first copy is its whole state (a
+        live peer's, not a checkpoint), so a later loss of that server's host moves the
+        workers here, as the first loss moved them off this rank.  ``spec``: what this rank
+        served (the spec rank 0 announced; :meth:`spec` of the first process).  Refused
+        (``RuntimeError``) where the server has a standby already or is gone.
+
+        One server only: the SyncReplicas chief of a job with one server, or the EASGD
+        centre (a shard's standby is not taken by a restarted process yet)."""
+        self = cls.__new__(cls)
+        self._fields(rank, spec)
+        host = host or env_server_host()
+        if self.kind == CENTRE:
+            values = [_empty(s, d) for s, d in spec["layout"]]
+            server = CentreServer(values, spec["num_worker"], spec["timeout"], keep_reads=True)
+            name = f"EASGD centre (standby on dedicated rank {rank})"
+            hosted = HostedServer(server, server.members, host, name, standby=True)
+            client = MailboxClient(address, f"easgd-standby{rank}", spec["timeout"] + 10.0,
+                                   "the EASGD centre", data=False)  # fmt: skip
+            try:
+                client.call(ATTACH, worker=-1, address=hosted.address, rank=rank,
+                            seconds=spec["timeout"])  # fmt: skip
+            except RuntimeError:
+                hosted.close(time.monotonic())
+                raise
+            self._centre, self._hosted = server, hosted
+            return self
+        placement, job = spec["placement"], spec["job"]
+        if len(placement.ranks) != 1:
+            raise RuntimeError(
+                f"dedicated server rank {rank} holds shards of a sharded job "
+                f"(server_ranks={placement.ranks}): a restarted process takes the standby's "
+                "place only for the one server of a job (--servers 1); resume the job from its "
+                "last checkpoint"
+            )
+        self._values = [_empty(s, d) for s, d in spec["layout"]]  # the chief holds them all
+        self._opt = _factory_optimizer(optimizer, spec["groups"], self._values)
+        servers = SyncServers(
+            self._opt, job, placement, rank, host,
+            hyperparameters_from_workers=True, standbys=[rank], standby_only=True,
+        )  # fmt: skip
+        try:
+            servers.attach(address)
+        except RuntimeError:
+            servers.close(time.monotonic())
+            raise
+        self._sync = servers
+        return self
 
     # ------------------------------------------------------------------ set-up
     def _prepare(self, factory: OptimizerFactory | None, state: Any) -> list[torch.Tensor]:
@@ -113,12 +184,6 @@ class ParameterServer:
             return self._values
         if self.kind != SYNC:
             raise ValueError(f"rank 0 announced {self.kind!r}: nothing a server runs")
-        if factory is None or not callable(factory):
-            raise ValueError(
-                "serve(optimizer=...) must be a factory of the wrapped optimizer for "
-                "SyncReplicasOptimizer, e.g. lambda groups: torch.optim.SGD(groups), got "
-                f"{factory!r}"
-            )
         placement = spec["placement"]
         ranks, parts = placement.ranks, placement.parts
         pieces = placement.pieces or whole(len(spec["layout"]))
@@ -127,18 +192,7 @@ class ParameterServer:
         self._values = [
             _empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])
         ]
-        groups, start = [], 0
-        for g in spec["groups"]:
-            groups.append({"params": self._values[start : start + g["count"]], **g["hyper"]})
-            start += g["count"]
-        self._opt = factory(groups)
-        if not isinstance(self._opt, torch.optim.Optimizer):
-            raise ValueError(f"optimizer factory returned {type(self._opt).__name__}")
-        mine = [p for g in self._opt.param_groups for p in g["params"]]
-        if len(mine) != len(self._values) or any(
-            a is not b for a, b in zip(mine, self._values, strict=False)
-        ):
-            raise ValueError("the optimizer factory must keep the groups' parameters in order")
+        self._opt = _factory_optimizer(factory, spec["groups"], self._values)
         if state is not None:
             self._check_sync_state(state)
         # in the order rank 0 sends them (dedicated.announce): shard by shard
@@ -223,12 +277,37 @@ class ParameterServer:
         if self._centre is not None:
             return {"kind": CENTRE, "centre": [c.clone() for c in self._centre.centre]}
         assert self._sync is not None
-        chief = self._sync.chief
+        # a restarted rank holds the chief as its standby (promoted, or bit-identical)
+        chief = self._sync.chief or self._sync.standby_chief
         return {
             "kind": SYNC,
             "server": chief.state_dict() if chief is not None else None,
             "shards": {k: shard.state_dict() for k, shard in self._shards.items()},
         }
+
+
+def _factory_optimizer(
+    factory: OptimizerFactory | None, groups: list[dict[str, Any]], values: list[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """The wrapped optimizer over ``values``, in the workers' parameter groups (the spec's
+    ``groups``: each group's parameter count and hyperparameters)."""
+    if factory is None or not callable(factory):
+        raise ValueError(
+            "serve(optimizer=...) must be a factory of the wrapped optimizer for "
+            "SyncReplicasOptimizer, e.g. lambda groups: torch.optim.SGD(groups), got "
+            f"{factory!r}"
+        )
+    param_groups, start = [], 0
+    for g in groups:
+        param_groups.append({"params": values[start : start + g["count"]], **g["hyper"]})
+        start += g["count"]
+    opt = factory(param_groups)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"optimizer factory returned {type(opt).__name__}")
+    mine = [p for g in opt.param_groups for p in g["params"]]
+    if len(mine) != len(values) or any(a is not b for a, b in zip(mine, values, strict=False)):
+        raise ValueError("the optimizer factory must keep the groups' parameters in order")
+    return opt
 
 
 def _empty(shape: Sequence[int], dtype: str) -> torch.Tensor:
