@@ -148,15 +148,25 @@ def finish(
             stdout, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             results.append((p.returncode, stdout))
     except subprocess.TimeoutExpired:
-        stop(procs, out)
-        raise AssertionError("hang: a launcher did not finish before its deadline") from None
+        said = stop(procs, out)
+        tails = [  # what each launcher said, its ranks' tracebacks too
+            f"--- launcher {i}, last lines:\n" + _tail(text, 40) for i, text in enumerate(said)
+        ]
+        raise AssertionError(
+            "hang: a launcher did not finish before its deadline\n" + "\n".join(tails)
+        ) from None
     return results
 
 
-def stop(procs: list[subprocess.Popen], out: Path | None = None) -> None:
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop(procs: list[subprocess.Popen], out: Path | None = None) -> list[str]:
     """End each launcher and its workers: SIGTERM to each launcher's session (torchrun stops
     its workers), then SIGKILL to the sessions and to the workers named in ``out/pids``
-    (torchrun starts workers in sessions of their own)."""
+    (torchrun starts workers in sessions of their own).  Returns what each said since the
+    last read (the launchers' consoles, their ranks' tracebacks in them)."""
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
@@ -171,9 +181,13 @@ def stop(procs: list[subprocess.Popen], out: Path | None = None) -> None:
         for pid_file in (out / "pids").glob("rank-*.pid"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    said = []
     for p in procs:
+        text = ""
         with contextlib.suppress(subprocess.TimeoutExpired, ValueError):
-            p.communicate(timeout=10)
+            text = p.communicate(timeout=10)[0] or ""
+        said.append(text)
+    return said
 
 
 def popen(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

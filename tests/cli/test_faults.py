@@ -395,8 +395,16 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
         # over and the restarted rank 0 becomes its standby; then rank 1 killed, and the chief
         # moves back to the restarted process's copy
         ("sync-replicas:replicas_to_aggregate=2,transport=server", (0, 1), "2:50"),
+        # shards over 4 workers, each with a standby (shard k on rank k, its standby on rank
+        # k + 1 mod 4): rank 2 killed, shard 2 moves to rank 3, and the restarted rank 2
+        # becomes the standby of shard 2 there and of shard 1 (whose standby it was); then
+        # rank 1 killed: shard 1 moves to the restarted rank 2's copy
+        ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (2, 1), "0:50"),
     ],
-    ids=["backups-without-a-server-rank-0", "easgd-async-rank-2", "the-chief-twice"],
+    ids=[
+        "backups-without-a-server-rank-0", "easgd-async-rank-2", "the-chief-twice",
+        "a-shard-twice",
+    ],  # fmt: skip
 )
 def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     tmp_path: Path, strategy: str, ranks: tuple[int, int], straggler: str
@@ -408,8 +416,9 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     both rejoins and no rank lost.  The straggler keeps the survivors from finishing before
     the restarts."""
     steps = 600
+    workers = 4 if "shards=4" in strategy else 3
     out, proc = _train(
-        tmp_path, strategy, 3, steps, "--max-restarts", "2", "--straggler", straggler
+        tmp_path, strategy, workers, steps, "--max-restarts", "2", "--straggler", straggler
     )
     deadline = time.monotonic() + 220
     try:
@@ -446,6 +455,11 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     if ranks == (0, 1):  # the chief moved to rank 1, then to the restarted rank 0's copy
         (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
         assert log.read_text().count("moving to its standby") == 2, log.read_text()
+    if "shards=4" in strategy:  # shard 2 to rank 3, then shard 1 to the restarted rank 2
+        (log,) = sorted((out / "logs" / "rank-0").glob("**/stderr.log"))
+        moves = re.findall(r"shard (\d) on server rank \d is lost.*moving to its standby on "
+                           r"rank (\d)", log.read_text())  # fmt: skip
+        assert moves == [("2", "3"), ("1", "2")], log.read_text()
 
 
 def test_max_restarts_is_refused_where_no_worker_can_be_lost(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ class ParameterServer:
         self._opt = _factory_optimizer(optimizer, spec["groups"], self._values)
         servers = SyncServers(
             self._opt, job, placement, rank, host,
-            hyperparameters_from_workers=True, standbys=[rank], standby_only=True,
+            hyperparameters_from_workers=True, standby_of=[0],
         )  # fmt: skip
         try:
             servers.attach(address)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -65,8 +65,9 @@ class SyncServers:
     docstring), serving ``job``; ``hyperparameters_from_workers``: a dedicated server's copy
     follows the hyperparameters the workers' pushes carry.  ``standbys``: per shard, the rank
     of its standby or None (this rank hosts the copies of the shards whose standby it is);
-    ``standby_only``: the chief's copy alone (a restarted process that becomes the standby of
-    a running chief)."""
+    ``standby_of``: only the copies of these shards (0: the chief), none of the servers (a
+    restarted process that becomes the standby of running servers that have none:
+    :meth:`rejoin`)."""
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class SyncServers:
         *,
         hyperparameters_from_workers: bool = False,
         standbys: Sequence[int | None] = (),
-        standby_only: bool = False,
+        standby_of: Collection[int] = (),
     ) -> None:
         ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
         self.standbys = list(standbys) or [None] * len(ranks)
@@ -107,7 +108,11 @@ class SyncServers:
         self.standby_shards: dict[int, tuple[ShardServer, HostedServer]] = {}
         self._took_over: set[int] = set()
         self.chief_standby: str | None = None
-        if rank == self.ranks[0] and not standby_only:
+        only = set(standby_of)
+        if only:  # this rank holds these copies (the others' standbys are not its business)
+            self.standbys = [rank if k in only else None for k in range(len(ranks))]
+            self.standby_rank = self.standbys[0]
+        if rank == self.ranks[0] and not only:
             self.chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
             self.chief.shard.follow_workers = follow
             self._chief_server = HostedServer(
@@ -124,7 +129,7 @@ class SyncServers:
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
-            if standby_only or rank not in (self.ranks[k], self.standbys[k]):
+            if rank not in (self.ranks[k], self.standbys[k]) or (only and k not in only):
                 continue
             copy = rank == self.standbys[k]
             shard = Shard(opt, parts[k], job, pieces)
@@ -196,6 +201,32 @@ class SyncServers:
             f"server rank {self.ranks[k]} ({'chief' if k == 0 else f'shard {k}'})", data=False,
         )  # fmt: skip
         client.call(ATTACH, worker=-1, address=server.address, rank=rank, seconds=self.timeout)
+
+    def rejoin(self, addresses: Sequence[str], chief_standby: str | None = None) -> list[int]:
+        """A restarted process's copies (``standby_of``) join their running primaries, shard
+        ``k``'s at ``addresses[k]``: each asks its primary to take it, which answers once the
+        copy holds its whole state (a live peer's).  A copy of a shard reports to the chief
+        at ``addresses[0]`` once it took over (to ``chief_standby`` if the chief is lost by
+        then).  Returns the shards whose primary took the copy; a primary that refuses (it
+        has a standby again, or is gone) has its copy closed here."""
+        for k in self.standby_shards:
+            self._reports[k] = self._chief_link(k, addresses[0])
+        self.chief_standby = chief_standby
+        self._linked.set()
+        taken = []
+        for k in sorted({*self.standby_shards, *([0] if self.standby_server else [])}):
+            try:
+                self.attach(addresses[k], k)
+                taken.append(k)
+            except RuntimeError as exc:  # refused, or the primary is gone (ServerUnreachable)
+                log.warning("rank %s: not the standby of shard %d: %s", self.standbys[k], k, exc)
+                if k == 0:
+                    assert self.standby_server is not None
+                    self.standby_server.close(time.monotonic())
+                    self.standby_server = self.standby_chief = None
+                else:
+                    self.standby_shards.pop(k)[1].close(time.monotonic())
+        return taken
 
     def standby_addresses(self) -> dict[int, str]:
         """``{shard: address}`` of the standbys hosted here (the chief's is shard 0)."""

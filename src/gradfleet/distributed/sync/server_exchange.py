@@ -110,7 +110,7 @@ class ServerExchange:
         self.start_step, values = clients.hello(shards)  # TF's local_step_init_op
         for k, shard_values in values.items():
             self.layout.load_shard(k, shard_values)
-        if given is not None and job.standby is True and clients.standby is None:
+        if given is not None and job.standby is True:
             self._become_standby(host)
         # the last step, while its values are still coming in (streamed reads), and this
         # worker's part of its verdict
@@ -155,25 +155,31 @@ class ServerExchange:
         return [addresses[k] for k in range(len(placement.ranks))]
 
     def _become_standby(self, host: str | None) -> None:
-        """A restarted process that joined by address with ``standby=True``, whose chief has
-        no standby (its own took over after a loss): serve a copy of the chief and ask the
-        chief to take it; the chief's first copy is its whole state (a live peer's, never a
-        checkpoint file), so a second loss is survived as the first.  Refused (the chief
-        has a standby again): this process is a worker only."""
+        """A restarted process that joined by address with ``standby=True``: for each server
+        that has no standby (its own took over after a loss, or was lost: the chief, or a
+        shard this rank held or stood by for), serve a copy and ask the server to take it;
+        its first copy is its whole state (a live peer's, never a checkpoint file), so a
+        second loss is survived as the first.  A server that refuses (it has a standby
+        again) keeps its own: for it this process is a worker only."""
+        missing = [k for k in range(len(self.server_addresses)) if k not in self.clients.standbys]
+        if not missing:
+            return
         servers = SyncServers(
             self.optimizer, self.job, self.layout.placement, self.worker,
-            host or env_server_host(), standbys=[self.worker], standby_only=True,
+            host or env_server_host(), standby_of=missing,
         )  # fmt: skip
-        try:
-            servers.attach(self.server_addresses[0])
-        except RuntimeError as exc:  # refused, or the chief is gone (ServerUnreachable)
-            log.warning("worker rank %d: not the chief's standby: %s", self.worker, exc)
+        chief_standby = self.clients.standby
+        taken = servers.rejoin(
+            self.server_addresses, chief_standby[0] if chief_standby is not None else None
+        )
+        if not taken:
             servers.close(time.monotonic())
             return
-        assert servers.standby_server is not None
-        log.info("worker rank %d: the chief's standby, from its live state", self.worker)
+        log.info("worker rank %d: the standby of shard(s) %s (0: the chief), from their live "
+                 "state", self.worker, taken)  # fmt: skip
         self.servers = servers
-        self.clients.follow_standby(servers.standby_server.address, self.worker)
+        for k, address in servers.standby_addresses().items():
+            self.clients.follow_standby(address, self.worker, k)
 
     # ----------------------------------------------------------------- the step
     def _open_links(self) -> PlainLinks | ReadAheadLinks:
@@ -193,14 +199,23 @@ class ServerExchange:
         try:
             try:
                 return self._step_once(local_step, grads, stream)
-            except ServerUnreachable as exc:  # the chief is lost: to its standby, if any
-                self.clients.fail_over(exc)
+            except ServerUnreachable as exc:  # a server is lost: to its standby, if any
+                lost = exc
+            # the same step again, under the same number (never applied twice); a host that
+            # held several servers (its shard and one it took over) is found lost once per
+            # server: each moves to its standby (fail_over raises where one has none)
+            for _ in range(len(self.clients)):
+                self.clients.fail_over(lost)
                 links.reset()
                 self.server_addresses = list(self.clients.addresses)
                 self.server_address = self.server_addresses[0]
-                tag = local_step  # the same step again, under the same number
-                accepted = links.push(tag, self.layout.grad_parts(grads), self._extras())
-                return self._finish_step(tag, accepted, stream)
+                try:
+                    accepted = links.push(local_step, self.layout.grad_parts(grads),
+                                          self._extras())  # fmt: skip
+                    return self._finish_step(local_step, accepted, stream)
+                except ServerUnreachable as again:
+                    lost = again
+            raise lost
         except ServerUnreachable as exc:
             decided = self.latch.decide(f"step {local_step}", exc)
             if decided is exc:
