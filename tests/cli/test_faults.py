@@ -402,7 +402,9 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
         ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (2, 1), "0:50"),
     ],
     ids=[
-        "backups-without-a-server-rank-0", "easgd-async-rank-2", "the-chief-twice",
+        "backups-without-a-server-rank-0",
+        "easgd-async-rank-2",
+        "the-chief-twice",
         "a-shard-twice",
     ],  # fmt: skip
 )
