@@ -222,6 +222,12 @@ BAD = [
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
     (["--log-level", "loud"], "--log-level must be one of debug, info, warning, error"),
     (["--checkpoint-every", "-2"], "--checkpoint-every must be an integer >= 0, got -2"),
+    (["--max-restarts", "-1"], "--max-restarts must be an integer >= 0, got -1"),
+    # a restart needs a job that goes on without the rank
+    (
+        ["-s", "allreduce", "-n", "2", "--max-restarts", "1"],
+        "--max-restarts 1: strategy allreduce cannot lose a worker",
+    ),
 ]
 
 

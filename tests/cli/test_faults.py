@@ -464,16 +464,6 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
         assert moves == [("2", "3"), ("1", "2")], log.read_text()
 
 
-def test_max_restarts_is_refused_where_no_worker_can_be_lost(tmp_path: Path) -> None:
-    """A restart needs a job that goes on without the rank: refused before any rank starts,
-    naming the argument."""
-    out, proc = _train(tmp_path, "allreduce", 2, 10, "--max-restarts", "1")
-    ((code, console),) = finish([proc], time.monotonic() + 60, out)
-    assert code == 2, console
-    assert "--max-restarts 1: strategy allreduce cannot lose a worker" in console, console
-    assert not (out / "logs").exists()  # nothing started
-
-
 @pytest.mark.slow
 @pytest.mark.faults
 @pytest.mark.parametrize(
