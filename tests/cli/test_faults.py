@@ -372,6 +372,26 @@ def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["lost_workers"] == []
 
 
+def _kill_twice_each_rejoining(
+    out: Path, proc, ranks: tuple[int, int], settle: float = 0.0
+) -> tuple[int, str]:
+    """Once update 40 is logged, SIGKILL ``ranks[0]``; ``settle`` seconds after it rejoined,
+    ``ranks[1]`` (a live process, by its own pid file); once that one rejoined too, wait for
+    the end: the launcher's exit code and console."""
+    deadline = time.monotonic() + 220
+    try:
+        wait_for_step(out, 40, [proc], deadline)
+        first = kill_rank(out, ranks[0])
+        _wait_for_events(out, "worker_rejoined", 1, proc, deadline)
+        time.sleep(settle)
+        assert kill_rank(out, ranks[1]) != first
+        _wait_for_events(out, "worker_rejoined", 2, proc, deadline)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    return code, console
+
+
 def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -> None:
     """Block until ``metrics.jsonl`` holds ``count`` records of ``event`` (fails if the
     launcher ends first or time runs out)."""
@@ -422,17 +442,7 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     out, proc = _train(
         tmp_path, strategy, workers, steps, "--max-restarts", "2", "--straggler", straggler
     )
-    deadline = time.monotonic() + 220
-    try:
-        wait_for_step(out, 40, [proc], deadline)
-        first = kill_rank(out, ranks[0])
-        _wait_for_events(out, "worker_rejoined", 1, proc, deadline)
-        second = kill_rank(out, ranks[1])
-        assert second != first  # a live process, by its own pid file
-        _wait_for_events(out, "worker_rejoined", 2, proc, deadline)
-        ((code, console),) = finish([proc], deadline, out)
-    finally:
-        stop([proc], out)
+    code, console = _kill_twice_each_rejoining(out, proc, ranks)
     assert code == 0, console
     warnings = [ln for ln in console.splitlines() if ln.startswith("warning: worker rank")]
     assert len(warnings) == 2, console
@@ -484,16 +494,9 @@ def test_launcher_restarts_a_dedicated_server_which_becomes_the_standby(
         tmp_path, strategy, 3, steps, "--servers", "1", "--max-restarts", "1",
         "--straggler", "2:50",
     )  # fmt: skip
-    deadline = time.monotonic() + 220
-    try:
-        wait_for_step(out, 40, [proc], deadline)
-        kill_rank(out, 3)
-        _wait_for_events(out, "worker_rejoined", 1, proc, deadline)
-        kill_rank(out, 1)
-        _wait_for_events(out, "worker_rejoined", 2, proc, deadline)
-        ((code, console),) = finish([proc], deadline, out)
-    finally:
-        stop([proc], out)
+    # a worker learns where the new standby is from its next answers (EASGD: its next
+    # exchange, every 4 steps of a 50 ms straggler): the second loss comes after that
+    code, console = _kill_twice_each_rejoining(out, proc, (3, 1), settle=2.0)
     assert code == 0, console
     warnings = [ln for ln in console.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 2, console
