@@ -120,8 +120,8 @@ class RunSpec:
     max_restarts: int = field(
         default=0,
         metadata=_key(
-            "times the launcher restarts a lost worker rank into the running job, from a live "
-            "peer's state (strategies that go on without a worker)",
+            "times the launcher restarts a lost rank (a worker, or the server of --servers 1) "
+            "into the running job, from a live peer's state (strategies that go on without it)",
             "--max-restarts",
         ),
     )
