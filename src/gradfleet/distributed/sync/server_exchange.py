@@ -175,8 +175,11 @@ class ServerExchange:
         if not taken:
             servers.close(time.monotonic())
             return
-        log.info("worker rank %d: the standby of shard(s) %s (0: the chief), from their live "
-                 "state", self.worker, taken)  # fmt: skip
+        what = (
+            "the chief's standby, from its live state" if taken == [0]
+            else f"the standby of shard(s) {taken} (0: the chief), from their live state"
+        )  # fmt: skip
+        log.info("worker rank %d: %s", self.worker, what)
         self.servers = servers
         for k, address in servers.standby_addresses().items():
             self.clients.follow_standby(address, self.worker, k)
