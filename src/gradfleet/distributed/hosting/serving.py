@@ -163,11 +163,9 @@ class ParameterServer:
             self._opt, job, placement, rank, host,
             hyperparameters_from_workers=True, standby_of=[0],
         )  # fmt: skip
-        try:
-            servers.attach(address)
-        except RuntimeError:
+        if not servers.rejoin([address]):  # refused, or gone: SyncServers.rejoin logged why
             servers.close(time.monotonic())
-            raise
+            raise RuntimeError(f"dedicated server rank {rank}: the chief did not take its standby")
         self._sync = servers
         return self
 
