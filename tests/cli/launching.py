@@ -77,14 +77,36 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def _idle_window(pid: int) -> bool:
+    """Whether ``pid`` sat waiting for one second: at most 50 ms of CPU, never in disk wait
+    (``D``: an import or a read stalled on a loaded disk is not waiting for the job), and
+    seldom runnable (``R``: on a loaded machine a busy process queues for a CPU too)."""
+    before, states = _cpu_ticks(pid), []
+    for _ in range(10):
+        time.sleep(0.1)
+        states.append(_stat(pid)[0])
+    return _cpu_ticks(pid) - before <= 5 and "D" not in states and states.count("R") <= 2
+
+
+def _waiting_for_the_job(pid: int) -> bool:
+    """Whether the replacement ``pid`` has imported torch and then sat waiting for two
+    seconds in a row (``_idle_window``): it waits for the frozen ranks, not for its start."""
+    if b"libtorch" not in Path(f"/proc/{pid}/maps").read_bytes():
+        return False
+    return _idle_window(pid) and _idle_window(pid)
+
+
 def hold_until_replaced(
     out: Path, survivors: list[int], agent: subprocess.Popen, old_pid: int, deadline: float
 ) -> int:
     """Freeze the ``survivors``' worker processes (SIGSTOP) until ``agent`` has started a
-    replacement for the killed worker ``old_pid`` and that replacement sits waiting (its CPU
-    time stalls: imports done, it waits for the frozen ranks); then let them go on.  Returns
-    the replacement's pid.  Without this a restarted worker that starts slowly (a loaded
-    machine) finds the job already finished: the survivors need no gradient of it."""
+    replacement for the killed worker ``old_pid`` and that replacement sits waiting
+    (``_waiting_for_the_job``: imports done, it waits for the frozen ranks); then let them go
+    on.  Returns the replacement's pid.  Without this a restarted worker that starts slowly
+    (a loaded machine) finds the job already finished: the survivors need no gradient of it.
+    A CPU-time stall alone was not enough: under CI's load (installs beside the tests) a
+    replacement stalled on the disk while importing was taken for waiting, the survivors
+    finished without it, and it waited for the ended job until the store went."""
     frozen = [int((out / "pids" / f"rank-{r}.pid").read_text()) for r in survivors]
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
@@ -96,9 +118,7 @@ def hold_until_replaced(
             ]  # fmt: skip
             if new:
                 with contextlib.suppress(OSError, IndexError):
-                    before = _cpu_ticks(new[0])
-                    time.sleep(1.0)
-                    if _cpu_ticks(new[0]) - before <= 5:  # at most 50 ms of CPU in 1 s
+                    if _waiting_for_the_job(new[0]):
                         return new[0]
             time.sleep(0.2)
         raise AssertionError("no replacement worker was started and waiting in time")

@@ -476,7 +476,7 @@ def _rank_2_restarted_to_the_end(out: Path, procs: list, deadline: float) -> lis
     hold_until_replaced(out, [0, 1], procs[2], again, deadline)
     results = finish(procs, deadline, out)
     for rank in range(3):
-        assert results[rank][0] == 0, (rank, results[rank][1])
+        assert results[rank][0] == 0, f"rank {rank}:\n{results[rank][1]}"  # all of it
     assert results[3][0] != 0  # the server's rank
     assert "worker rank 2 rejoined the running job" in results[2][1]
     return results
