@@ -183,6 +183,34 @@ def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
     assert rank0.wait_finished(timeout=60) == {}
 
 
+def test_the_end_does_not_wait_for_a_restarted_process_still_joining() -> None:
+    """Rank 1 was restarted and asks in while the others stopped stepping (they take no one
+    in any more): rank 0's end does not wait for it, as it would for a live rank until the
+    timeout; once rank 1 has rejoined it is waited for again.  ``ended`` tells a process
+    restarted after the last update that there is nothing to rejoin."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rank0 = _job(server)
+    rank1 = _job(dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    rank1.start_heartbeat(1, restarts_left=0)  # alive and beating
+    try:
+        assert not rank1.ended()
+        rank1.mark_joining(1, 4321)
+        rank0.mark_ended()
+        rank0.finished(0)
+        t0 = time.monotonic()
+        assert rank0.wait_finished(timeout=30) == {
+            1: "restarted, and still joining when the job ended"
+        }
+        assert time.monotonic() - t0 < 5  # not the 30 s a beating rank gets
+        assert rank1.ended()
+        rank1.mark_rejoined(1, 12, 4321)  # back in: a member again, waited for
+        t0 = time.monotonic()
+        assert rank0.wait_finished(timeout=1.0) == {1: "not finished in 1s"}
+        assert time.monotonic() - t0 >= 1.0
+    finally:
+        rank1.close()
+
+
 def test_heartbeat_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="silent_after must be >= 3 \\* heartbeat_s"):
         JobControl(dist.HashStore(), 2, heartbeat_s=1.0, silent_after=2.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -79,6 +80,46 @@ def test_recipe_worker_killed_restarted_rejoins(tmp_path: Path, strategy: str) -
     assert summary["lost_workers"] == []  # it came back
     assert [r["step"] for r in metrics(out) if "loss" in r][-1] == steps
     assert summary["test_accuracy"] >= summary["target_accuracy"]
+
+
+@pytest.mark.faults
+def test_recipe_a_process_restarted_after_the_job_ended_exits_0(tmp_path: Path) -> None:
+    """``GRADFLEET_STORE=own``: the store outlives the job.  The job trains to its end; then
+    rank 2 starts as its agent's restart would (``TORCHELASTIC_RESTART_COUNT=1``).  It finds
+    the job ended and exits 0 at once, saying so: an agent whose worker was restarted near the
+    end must not report a finished job as failed (before, it waited for the job until the
+    timeout, then failed)."""
+    world, steps, port, out = 3, 60, free_port(), tmp_path / "run"
+    train = ["-m", "gradfleet", "train", "-s", "sync-replicas:replicas_to_aggregate=2", "-n",
+             str(world), "--steps", str(steps), "--out", str(out), "-q"]  # fmt: skip
+    store = popen([*GRADFLEET, "store", "--port", str(port)], tmp_path)
+    try:
+        procs = [
+            popen(
+                [*AGENT, "--max-restarts=0", *train],
+                tmp_path,
+                recipe_env(r, world, "127.0.0.1", port, store="own"),
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        results = finish(procs, time.monotonic() + 200, out)
+        assert [code for code, _ in results] == [0, 0, 0], results
+        late = popen(
+            [sys.executable, *train], tmp_path,
+            {**recipe_env(2, world, "127.0.0.1", port, store="own"),
+             # what its agent gives the one process it restarts
+             "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port()),
+             "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "1"},
+        )  # fmt: skip
+        ((code, console),) = finish([late], time.monotonic() + 60, out)
+    finally:
+        stop([store], out)
+    assert code == 0, console
+    assert "worker rank 2: the job ended before it could rejoin (it made its last update)" in (
+        console
+    ), console
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps  # its files kept
 
 
 @pytest.mark.faults

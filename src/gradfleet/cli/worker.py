@@ -27,6 +27,7 @@ from gradfleet.distributed.job_control import (
     restarts_left,
     server_host,
 )
+from gradfleet.distributed.transport import LINK_ERRORS, JobEnded
 from gradfleet.registry import create_optimizer
 
 from .devices import StepClock, process_backend, rank_device, tower_devices
@@ -163,6 +164,8 @@ class _Job:
             assert place is not None
             # The others have moved on: no process group with them, only the store and server.
             self.control = JobControl.connect(place.world_size - spec.servers, spec.timeout)
+            if not self.is_server:  # the end does not wait for it until it is back
+                self.control.mark_joining(place.rank, os.getpid())
             for key in ("RANK", "WORLD_SIZE"):
                 os.environ.pop(key)
             gfd.init(backend=backend, set_device=False)
@@ -301,8 +304,47 @@ def run_worker(spec: RunSpec) -> dict[str, Any] | None:
         job.close()
 
 
+def _ended(exc: BaseException | None) -> JobEnded | None:
+    """The ``JobEnded`` behind ``exc`` (itself, or a cause or context of it), if any."""
+    seen = 0
+    while exc is not None and seen < 16:  # a chain, not a cycle
+        if isinstance(exc, JobEnded):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _job_over(job: _Job, exc: BaseException | None) -> str | None:
+    """Why a restarted process has nothing to rejoin, or None: the job made its last update
+    (its store says so), or joining it failed because it ended (``JobEnded``)."""
+    if not job.rejoining or job.control is None:
+        return None
+    ended = _ended(exc)
+    if ended is not None:
+        return str(ended)
+    try:
+        return "it made its last update" if job.control.ended() else None
+    except LINK_ERRORS:  # the store's host is gone too: that is not known to be the end
+        return None
+
+
 def _train(spec: RunSpec, job: _Job, out: Path) -> dict[str, Any] | None:
-    workload, strategy = _setup(spec, job)
+    why = _job_over(job, None)
+    if why is None:
+        try:
+            workload, strategy = _setup(spec, job)
+        except Exception as exc:
+            why = _job_over(job, exc)
+            if why is None:
+                raise
+    if why is not None:
+        # restarted after the others finished (its loss came near the end, or it started
+        # slowly): nothing is left to train, and the agent that restarted it must not report
+        # the job failed
+        log.warning("the job ended before this restarted process could rejoin: %s", why)
+        print(f"worker rank {job.rank}: the job ended before it could rejoin ({why})", flush=True)
+        gfd.shutdown()
+        return None
     rank, workers = job.rank, job.workers
     start, wall_before, samples = 0, 0.0, 0
     pids = out / "pids"
@@ -418,6 +460,7 @@ def _finish(job: _Job, strategy: Strategy, metrics: Metrics) -> None:
         control.finished(job.rank)
         strategy.finish()
         return
+    control.mark_ended()  # a process restarted from now on has nothing to rejoin
     control.finished(job.rank)
     missing = control.wait_finished(job.timeout)
     job.poll(metrics, job.step, now=True, leader=job.rank, lost_servers=strategy.lost_servers())

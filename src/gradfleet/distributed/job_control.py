@@ -154,14 +154,16 @@ timeout, as its agent brings it back."""
 class JobControl:
     """The control keys of one job on its store, and every read and write of them.
 
-    Keys (all under ``gradfleet/``): ``started`` (rank 0 began training: from then on a lost
-    worker is tolerated), ``progress`` (rank 0's step), ``server`` and ``server_ranks`` (the
-    wrapper servers' address and ranks now, for a rejoining worker), ``lost/R`` (the launcher
-    saw rank R die), ``rejoined/R`` (R was restarted and rejoined at a step), ``alive/R``
-    (R's heartbeat counter), ``restarts/R`` (how often R's agent will still restart it),
-    ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
-    server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
-    ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
+        Keys (all under ``gradfleet/``): ``started`` (rank 0 began training: from then on a lost
+        worker is tolerated), ``progress`` (rank 0's step), ``server`` and ``server_ranks`` (the
+        wrapper servers' address and ranks now, for a rejoining worker), ``lost/R`` (the launcher
+        saw rank R die), ``joining/R`` (R's restarted process asks in and has not rejoined yet),
+    ``rejoined/R`` (R was restarted and rejoined at a step), ``ended`` (the writing rank made the
+    last update: a process restarted from then on has nothing to rejoin), ``alive/R``
+        (R's heartbeat counter), ``restarts/R`` (how often R's agent will still restart it),
+        ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
+        server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
+        ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
 
     PREFIX: Final = "gradfleet/"
 
@@ -271,9 +273,15 @@ class JobControl:
         self.store.delete_key(self.PREFIX + f"rejoined/{rank}")
         self._set(f"lost/{rank}", {"rank": rank, **info})
 
+    def mark_joining(self, rank: int, pid: int) -> None:
+        """``rank``'s restarted process ``pid`` asks into the running job (until
+        :meth:`mark_rejoined`): the end does not wait for it (:meth:`wait_finished`)."""
+        self._set(f"joining/{rank}", pid)
+
     def mark_rejoined(self, rank: int, step: int, pid: int) -> None:
         """``rank``'s process ``pid`` rejoined the running job at ``step``; the job's record
         of rejoins (:meth:`rejoins`) gains its loss, as the launcher reported it."""
+        self.store.delete_key(self.PREFIX + f"joining/{rank}")
         loss = self._get(f"lost/{rank}", {"rank": rank})
         n = self.store.add(self.PREFIX + "rejoins", 1)
         self._set(f"rejoin/{n}", {**loss, "rejoined_at_step": step})
@@ -334,10 +342,22 @@ class JobControl:
     def finished(self, rank: int) -> None:
         self._arrive("finished", rank)
 
+    def mark_ended(self) -> None:
+        """The writing rank made the job's last update."""
+        self._set("ended", True)
+
+    def ended(self) -> bool:
+        return bool(self._get("ended"))
+
     def wait_finished(self, timeout: float) -> dict[int, str]:
         """Rank 0: wait until every rank finished, was reported lost or fell silent (at most
-        ``timeout`` s). Returns ``{rank: cause}`` for the silent and the late ranks."""
-        return self._wait_arrived("finished", timeout, late=f"not finished in {timeout:g}s")
+        ``timeout`` s), but for a restarted process still asking in (:meth:`mark_joining`):
+        the members take no one in once they stopped stepping, so it would wait for them as
+        they wait for it.  Returns ``{rank: cause}`` for the silent, the late and the joining
+        ranks."""
+        return self._wait_arrived(
+            "finished", timeout, late=f"not finished in {timeout:g}s", skip_joining=True
+        )
 
     def checkpoint_saved(self, step: int, rank: int) -> None:
         self._arrive(f"checkpoint-{step}", rank)
@@ -393,8 +413,11 @@ class JobControl:
     def _arrive(self, point: str, rank: int) -> None:
         self._set(f"{point}/{rank}", True)
 
-    def _wait_arrived(self, point: str, timeout: float, late: str) -> dict[int, str]:
-        """A barrier that a dead member cannot block."""
+    def _wait_arrived(
+        self, point: str, timeout: float, late: str, skip_joining: bool = False
+    ) -> dict[int, str]:
+        """A barrier that a dead member cannot block (nor, with ``skip_joining``, a restarted
+        process that has not rejoined)."""
         start = time.monotonic()
         beats: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         while True:
@@ -405,13 +428,17 @@ class JobControl:
                 if r not in lost and not self._get(f"{point}/{r}")
             ]  # fmt: skip
             silent = {}
+            if skip_joining:
+                joining = [r for r in missing if self._get(f"joining/{r}") is not None]
+                silent = {r: "restarted, and still joining when the job ended" for r in joining}
+                missing = [r for r in missing if r not in silent]
             for r in missing:
                 count = self.store.add(f"{self.PREFIX}alive/{r}", 0)
                 if beats.get(r, (None,))[0] != count:
                     beats[r] = (count, now)
                 if now - beats[r][1] >= self.silent_after and not self._get(f"restarts/{r}"):
                     silent[r] = f"silent for {self.silent_after:g}s (no heartbeat)"
-            if len(silent) == len(missing):
+            if all(r in silent for r in missing):
                 break
             if now - start > timeout:
                 silent.update({r: late for r in missing if r not in silent})

@@ -1,5 +1,6 @@
 """The elastic group: a rank restarted before its old process counts as gone is a member of
-the next generation again, told apart by its new incarnation."""
+the next generation again, told apart by its new incarnation; one restarted after the job
+ended is told so."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_a_member_that_dies_before_connecting_is_left_out_of_the_next():
         assert took < _FORM_S + 10, change
         assert out[rank]["sums"] == [6.0] * 3 + [3.0] * 3  # 1 + 2 + 3, then 1 + 2
         assert out[rank]["continuing"]
+
+
+@pytest.mark.faults
+def test_a_process_restarted_after_the_job_ended_is_told_at_once():
+    """Rank 1 dies; rank 0 goes on alone and ends (closes the group).  Rank 1 restarted after
+    that asks to join: it gets ``JobEnded`` within seconds, not the group's 60 s timeout, so a
+    late restart exits instead of waiting for a job that is over (and failing when its store
+    goes)."""
+    out = run_ranks(
+        egr.joins_after_the_end, 3, args=(free_port(),), timeout=150,
+        init_process_group=False, kill_on={1: "die"},
+    )  # fmt: skip
+    assert out[1] == RankKilled(1)
+    assert out[0]["sums"] == [3.0] * 3 + [1.0] * 3  # 1 + 2, then 1 alone
+    assert out[0]["members"] == [0]
+    assert out[2]["error"] is not None, "the late joiner was taken in by a closed group"
+    assert "the job ended" in out[2]["error"], out[2]["error"]
+    assert out[2]["took"] < 10, out[2]  # polled every 50 ms: not the 60 s timeout

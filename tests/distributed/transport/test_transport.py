@@ -15,11 +15,13 @@ import torch.distributed as dist
 
 from gradfleet.distributed.hosting.hosted_server import probe
 from gradfleet.distributed.transport import (
+    JobEnded,
     LocalLink,
     MailboxClient,
     MailboxServer,
     Packer,
     PairLink,
+    ServerClosed,
     ServerUnreachable,
     join,
     local_address_towards,
@@ -344,10 +346,13 @@ def test_a_dead_or_closed_server_is_unreachable_at_once():
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     start = time.monotonic()
-    with pytest.raises(ServerUnreachable, match="server rank 3 at .* stopped serving"):
+    # closed: the job ended (a process restarted too late is told so), a lost server is not
+    with pytest.raises(ServerClosed, match="server rank 3 at .* stopped serving") as ended:
         MailboxClient(closed.address, "w1", 30.0, "server rank 3", in_process=False)
-    with pytest.raises(ServerUnreachable, match=f"server rank 3 at {dead} .*refused"):
+    assert isinstance(ended.value, ServerUnreachable) and isinstance(ended.value, JobEnded)
+    with pytest.raises(ServerUnreachable, match=f"server rank 3 at {dead} .*refused") as lost:
         MailboxClient(dead, "w1", 30.0, "server rank 3")
+    assert not isinstance(lost.value, JobEnded)
     with pytest.raises(ConnectionRefusedError, match="refused"):
         probe(dead, 5.0, connect_s=30.0)
     assert time.monotonic() - start < 10  # not the 30 s of a store client's retries

@@ -49,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 from ..common.flat import copy_received
+from ..hosting.centre_standby import attach_centre_standby
 from ..hosting.dedicated import CENTRE, announce
 from ..hosting.hosted_server import HostedServer, env_server_host, server_host, share_address
-from ..hosting.standby import ATTACH, DATA, standby_rank
+from ..hosting.standby import DATA, standby_rank
 from ..transport import MailboxClient, ServerUnreachable
 from ..transport.collectives import Collective, LocalCollective, TorchCollective
 from .centre import CENTRE_MODES, CentreStrategy
@@ -261,20 +262,16 @@ class AsyncCentre(CentreStrategy):
         loss is survived as the first."""
         assert self._client is not None
         name = f"the EASGD centre's standby on rank {self.worker}"
-        server = CentreServer(params, self.num_worker, self.timeout, keep_reads=True)
-        host = self.host or env_server_host()
-        hosted = HostedServer(server, server.members, host, name, standby=True)
         try:
-            self._client.call(
-                ATTACH, worker=self.worker, address=hosted.address, rank=self.worker,
-                seconds=self.timeout,
+            self._standby_server, self._standby_hosted = attach_centre_standby(
+                self._client, params, num_worker=self.num_worker, timeout=self.timeout,
+                host=self.host or env_server_host(), name=name, worker=self.worker,
+                rank=self.worker,
             )  # fmt: skip
         except RuntimeError as exc:  # refused (the centre has a standby): a worker only
             log.warning("worker rank %s: not a standby: %s", self.worker, exc)
-            hosted.close(time.monotonic())
             return
         log.info("worker rank %s: %s, from the centre's live state", self.worker, name)
-        self._standby_server, self._standby_hosted = server, hosted
 
     def _connect(self, address: str, rank: int | bool | None) -> MailboxClient:
         return MailboxClient(

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ..easgd.server.centre_server import CentreServer
 from ..sync.layout.pieces import view, whole
 from ..transport import MailboxClient
+from .centre_standby import attach_centre_standby
 from .dedicated import CENTRE, SYNC, check_statuses, receive_from_first
 from .hosted_server import (
     HostedServer,
@@ -53,7 +54,7 @@ from .hosted_server import (
     server_host,
     share_address,
 )
-from .standby import ATTACH, standby_rank, standby_ranks
+from .standby import standby_rank, standby_ranks
 from .sync_servers import SyncServers, start_standby
 
 __all__ = ["ParameterServer", "serve"]
@@ -136,17 +137,13 @@ class ParameterServer:
         host = host or env_server_host()
         if self.kind == CENTRE:
             values = [_empty(s, d) for s, d in spec["layout"]]
-            server = CentreServer(values, spec["num_worker"], spec["timeout"], keep_reads=True)
-            name = f"EASGD centre (standby on dedicated rank {rank})"
-            hosted = HostedServer(server, server.members, host, name, standby=True)
             client = MailboxClient(address, f"easgd-standby{rank}", spec["timeout"] + 10.0,
                                    "the EASGD centre", data=False)  # fmt: skip
-            try:
-                client.call(ATTACH, worker=-1, address=hosted.address, rank=rank,
-                            seconds=spec["timeout"])  # fmt: skip
-            except RuntimeError:
-                hosted.close(time.monotonic())
-                raise
+            server, hosted = attach_centre_standby(
+                client, values, num_worker=spec["num_worker"], timeout=spec["timeout"],
+                host=host, name=f"EASGD centre (standby on dedicated rank {rank})", worker=-1,
+                rank=rank,
+            )  # fmt: skip
             self._centre, self._hosted = server, hosted
             return self
         placement, job = spec["placement"], spec["job"]

@@ -21,7 +21,15 @@ Layer: communication.
 """
 
 from .client import MailboxClient, store_client
-from .errors import LINK_ERRORS, LinkLost, ServerUnreachable, gloo_link, lost_peer
+from .errors import (
+    LINK_ERRORS,
+    JobEnded,
+    LinkLost,
+    ServerClosed,
+    ServerUnreachable,
+    gloo_link,
+    lost_peer,
+)
 from .mailbox import MailboxServer
 from .pairs import LocalLink, PairLink, local_address_towards
 from .peer import Reply
@@ -36,6 +44,8 @@ __all__ = [
     "PairLink",
     "Packer",
     "Reply",
+    "JobEnded",
+    "ServerClosed",
     "ServerUnreachable",
     "gloo_link",
     "join",

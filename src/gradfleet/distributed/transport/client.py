@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import LINK_ERRORS, ServerUnreachable, remote_error
+from .errors import LINK_ERRORS, ServerClosed, ServerUnreachable, remote_error
 from .mailbox import CLOSED, IN_PROCESS, REQUESTS, MailboxServer, pair_failure, push_control
 from .pairs import SERVER, LocalLink, PairLink, local_address_towards
 from .peer import LAYOUT
@@ -94,8 +94,8 @@ class MailboxClient:
         self._replies: queue.SimpleQueue | None = None
         try:
             self.store = store_client(host, int(port), timeout)
-            if self.store.check([CLOSED]):
-                raise ConnectionError("it has stopped serving")
+            if self.store.check([CLOSED]):  # not a link error: passes the except below
+                raise ServerClosed(f"{server_name} at {address} has stopped serving")
             # a restarted client reuses its name: forget replies meant for the previous one
             while self.store.queue_len(f"gf/rep/{client}"):
                 self.store.queue_pop(f"gf/rep/{client}", False)

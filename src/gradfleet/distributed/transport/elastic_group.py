@@ -34,15 +34,18 @@ a prefix of that generation.
   generation at the same step.
 
 Store keys (under ``gradfleet/elastic/`` on the job's store, never parameter-sized):
-``beat/R``, ``join/R``, ``gG/here/R`` (the process's incarnation: a restarted rank has a new
-one), ``gG/members`` (JSON ``[[rank, incarnation], ...]``), and ``gG/pg/...`` (generation G's
-own rendezvous).  A rank restarted so fast that the survivors find it *here* before its old
-process counts as dead is simply a member of the next generation; its new incarnation tells
-that it came back (:meth:`ElasticGroup.reform`).
+``beat/R``, ``join/R``, ``closed/R`` (R's process closed the group: a process restarted after
+every other member did is told the job ended, :class:`~.errors.JobEnded`), ``gG/here/R`` (the
+process's incarnation: a restarted rank has a new one), ``gG/members`` (JSON ``[[rank,
+incarnation], ...]``), and ``gG/pg/...`` (generation G's own rendezvous).  A rank restarted so
+fast that the survivors find it *here* before its old process counts as dead is simply a
+member of the next generation; its new incarnation tells that it came back
+(:meth:`ElasticGroup.reform`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -57,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.quorum import Quorum, Silence
-from .errors import LINK_ERRORS, LinkLost, gloo_link
+from .errors import LINK_ERRORS, JobEnded, LinkLost, gloo_link
 
 __all__ = ["ElasticGroup", "root_store"]
 
@@ -290,9 +293,15 @@ class ElasticGroup:
 
     def _wait_decided(self, generation: int) -> dict[int, str]:
         """A joining process: the members' decision on ``generation`` (they see the request
-        in their next step)."""
+        in their next step).  ``JobEnded`` once every other member of the generation before
+        has closed the group: the job ended before it could take this process in."""
         deadline = time.monotonic() + self.timeout
         while (decided := self._decided(generation)) is None:
+            if self._members_left(generation - 1):
+                raise JobEnded(
+                    f"rank {self.rank}: every member of the running job's group (generation "
+                    f"{generation - 1}) has left it: the job ended before this process could join"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {self.rank}: the running job's members formed no generation with it "
@@ -300,6 +309,16 @@ class ElasticGroup:
                 )
             time.sleep(_JOIN_POLL_S)
         return decided
+
+    def _members_left(self, generation: int) -> bool:
+        """Whether every member of ``generation`` but this rank (whose old process is gone:
+        this one restarts it) has closed the group -- as that process, not an earlier one."""
+        others = {r: i for r, i in (self._decided(generation) or {}).items() if r != self.rank}
+        for r, incarnation in others.items():
+            key = f"closed/{r}"
+            if not self.store.check([key]) or self.store.get(key).decode() != incarnation:
+                return False
+        return bool(others)
 
     def _formed(self, generation: int, members: dict[int, str]) -> bool:
         """Generation ``generation``'s group, formed (True); or False when a member decided in
@@ -363,6 +382,8 @@ class ElasticGroup:
         flight), not on a thread the interpreter's exit could cut short inside gloo's
         destructor (``terminate called without an active exception``)."""
         self._stop.set()
+        with contextlib.suppress(*LINK_ERRORS):  # a process restarted too late is told (_enter)
+            self.store.set(f"closed/{self.rank}", self.incarnation)
         self._pending.clear()
         self._retire_waiter()
         self.pg = None  # the last reference: gloo's destructor runs on this thread

@@ -48,7 +48,9 @@ import torch.distributed as dist
 
 __all__ = [
     "LINK_ERRORS",
+    "JobEnded",
     "LinkLost",
+    "ServerClosed",
     "ServerUnreachable",
     "error_reply",
     "gloo_link",
@@ -62,6 +64,16 @@ LINK_ERRORS: tuple[type[Exception], ...] = (OSError, dist.DistError)
 
 class ServerUnreachable(RuntimeError):
     """The server rank cannot be reached (dead, or no reply within the timeout)."""
+
+
+class JobEnded(RuntimeError):
+    """A restarted process came too late: the running job it would rejoin has ended (its
+    group's other members have all left the group, or its server has stopped serving).  Not a
+    lost peer and not a bug: there is nothing left to train."""
+
+
+class ServerClosed(ServerUnreachable, JobEnded):
+    """A client connecting to a server that has stopped serving (closed at the job's end)."""
 
 
 class LinkLost(ConnectionError):
