@@ -185,9 +185,10 @@ def test_a_beating_rank_is_waited_for_a_silent_one_is_not() -> None:
 
 def test_the_end_does_not_wait_for_a_restarted_process_still_joining() -> None:
     """Rank 1 was restarted and asks in while the others stopped stepping (they take no one
-    in any more): rank 0's end does not wait for it, as it would for a live rank until the
-    timeout; once rank 1 has rejoined it is waited for again.  ``ended`` tells a process
-    restarted after the last update that there is nothing to rejoin."""
+    in any more): rank 0's end, and a checkpoint's barrier, do not wait for it, as they would
+    for a live rank until the timeout; once rank 1 has rejoined it is waited for again.
+    ``ended`` tells a process restarted after the last update that there is nothing to
+    rejoin."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     rank0 = _job(server)
     rank1 = _job(dist.TCPStore("127.0.0.1", server.port, is_master=False))
@@ -198,12 +199,16 @@ def test_the_end_does_not_wait_for_a_restarted_process_still_joining() -> None:
         rank0.mark_ended()
         rank0.finished(0)
         t0 = time.monotonic()
-        assert rank0.wait_finished(timeout=30) == {
-            1: "restarted, and still joining when the job ended"
-        }
+        assert rank0.wait_finished(timeout=30) == {1: "restarted, and still joining at finished"}
         assert time.monotonic() - t0 < 5  # not the 30 s a beating rank gets
+        rank0.checkpoint_saved(40, 0)  # a checkpoint: the same (the writer writes its file)
+        assert rank0.wait_checkpoint(40, timeout=30) == {
+            1: "restarted, and still joining at checkpoint-40"
+        }
+        assert rank0.joining(range(2)) == [1]
         assert rank1.ended()
         rank1.mark_rejoined(1, 12, 4321)  # back in: a member again, waited for
+        assert rank0.joining(range(2)) == []
         t0 = time.monotonic()
         assert rank0.wait_finished(timeout=1.0) == {1: "not finished in 1s"}
         assert time.monotonic() - t0 >= 1.0

@@ -99,7 +99,9 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
                     job.control.server_checkpoint_saved(step, r)
             checkpoint_servers(job.control, job.rank, step, job.workers, job.servers, job.timeout)
         if writer:  # a lost worker's file, so that --resume starts every rank again
-            for r in job.control.lost_workers(range(job.workers)):
+            # (and a restarted one's still asking in: it holds no state yet)
+            ranks = range(job.workers)
+            for r in sorted({*job.control.lost_workers(ranks), *job.control.joining(ranks)}):
                 if r != rank:
                     atomic_save(strategy.stand_in(r, state), ckpt_dir / f"rank-{r}.pt")
     if writer:

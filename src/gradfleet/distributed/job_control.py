@@ -364,9 +364,16 @@ class JobControl:
 
     def wait_checkpoint(self, step: int, timeout: float) -> dict[int, str]:
         """Rank 0: wait for every live rank's checkpoint file of ``step`` (as
-        :meth:`wait_finished`)."""
+        :meth:`wait_finished`: a restarted process still asking in is not waited for, as the
+        members take no one in while they wait here; the writer writes its file)."""
         point = f"checkpoint-{step}"
-        return self._wait_arrived(point, timeout, late=f"no checkpoint {step} in {timeout:g}s")
+        return self._wait_arrived(
+            point, timeout, late=f"no checkpoint {step} in {timeout:g}s", skip_joining=True
+        )
+
+    def joining(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose restarted process asks in and has not rejoined yet."""
+        return [r for r in ranks if self._get(f"joining/{r}") is not None]
 
     # ------------------------------------------------------------------ dedicated servers
     # A dedicated server rank (one that only serves) checkpoints its own state while every
@@ -429,8 +436,8 @@ class JobControl:
             ]  # fmt: skip
             silent = {}
             if skip_joining:
-                joining = [r for r in missing if self._get(f"joining/{r}") is not None]
-                silent = {r: "restarted, and still joining when the job ended" for r in joining}
+                joining = self.joining(missing)
+                silent = {r: f"restarted, and still joining at {point}" for r in joining}
                 missing = [r for r in missing if r not in silent]
             for r in missing:
                 count = self.store.add(f"{self.PREFIX}alive/{r}", 0)
