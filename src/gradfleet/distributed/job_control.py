@@ -154,16 +154,16 @@ timeout, as its agent brings it back."""
 class JobControl:
     """The control keys of one job on its store, and every read and write of them.
 
-        Keys (all under ``gradfleet/``): ``started`` (rank 0 began training: from then on a lost
-        worker is tolerated), ``progress`` (rank 0's step), ``server`` and ``server_ranks`` (the
-        wrapper servers' address and ranks now, for a rejoining worker), ``lost/R`` (the launcher
-        saw rank R die), ``joining/R`` (R's restarted process asks in and has not rejoined yet),
+    Keys (all under ``gradfleet/``): ``started`` (rank 0 began training: from then on a lost
+    worker is tolerated), ``progress`` (rank 0's step), ``server`` and ``server_ranks`` (the
+    wrapper servers' address and ranks now, for a rejoining worker), ``lost/R`` (the launcher
+    saw rank R die), ``joining/R`` (R's restarted process asks in and has not rejoined yet),
     ``rejoined/R`` (R was restarted and rejoined at a step), ``ended`` (the writing rank made the
-    last update: a process restarted from then on has nothing to rejoin), ``alive/R``
-        (R's heartbeat counter), ``restarts/R`` (how often R's agent will still restart it),
-        ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
-        server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
-        ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
+    last update: a process restarted from then on has nothing to rejoin), ``alive/R`` (R's
+    heartbeat counter), ``restarts/R`` (how often R's agent will still restart it),
+    ``<point>/R`` (R arrived at ``finished`` or ``checkpoint-<step>``), and for dedicated
+    server ranks ``servers/checkpoint`` (the step rank 0 asks them to save),
+    ``servers/checkpoint-<step>/R`` (server R saved it) and ``checkpoint-<step>/complete``."""
 
     PREFIX: Final = "gradfleet/"
 
@@ -275,7 +275,8 @@ class JobControl:
 
     def mark_joining(self, rank: int, pid: int) -> None:
         """``rank``'s restarted process ``pid`` asks into the running job (until
-        :meth:`mark_rejoined`): the end does not wait for it (:meth:`wait_finished`)."""
+        :meth:`mark_rejoined`): the end and checkpoints do not wait for it
+        (:meth:`wait_finished`, :meth:`wait_checkpoint`)."""
         self._set(f"joining/{rank}", pid)
 
     def mark_rejoined(self, rank: int, step: int, pid: int) -> None:
@@ -355,9 +356,7 @@ class JobControl:
         the members take no one in once they stopped stepping, so it would wait for them as
         they wait for it.  Returns ``{rank: cause}`` for the silent, the late and the joining
         ranks."""
-        return self._wait_arrived(
-            "finished", timeout, late=f"not finished in {timeout:g}s", skip_joining=True
-        )
+        return self._wait_arrived("finished", timeout, late=f"not finished in {timeout:g}s")
 
     def checkpoint_saved(self, step: int, rank: int) -> None:
         self._arrive(f"checkpoint-{step}", rank)
@@ -367,9 +366,7 @@ class JobControl:
         :meth:`wait_finished`: a restarted process still asking in is not waited for, as the
         members take no one in while they wait here; the writer writes its file)."""
         point = f"checkpoint-{step}"
-        return self._wait_arrived(
-            point, timeout, late=f"no checkpoint {step} in {timeout:g}s", skip_joining=True
-        )
+        return self._wait_arrived(point, timeout, late=f"no checkpoint {step} in {timeout:g}s")
 
     def joining(self, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` whose restarted process asks in and has not rejoined yet."""
@@ -420,11 +417,9 @@ class JobControl:
     def _arrive(self, point: str, rank: int) -> None:
         self._set(f"{point}/{rank}", True)
 
-    def _wait_arrived(
-        self, point: str, timeout: float, late: str, skip_joining: bool = False
-    ) -> dict[int, str]:
-        """A barrier that a dead member cannot block (nor, with ``skip_joining``, a restarted
-        process that has not rejoined)."""
+    def _wait_arrived(self, point: str, timeout: float, late: str) -> dict[int, str]:
+        """A barrier that neither a dead member nor a restarted process that has not rejoined
+        (the members take no one in while they wait here) can block."""
         start = time.monotonic()
         beats: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         while True:
@@ -434,11 +429,9 @@ class JobControl:
                 r for r in range(self.world_size)
                 if r not in lost and not self._get(f"{point}/{r}")
             ]  # fmt: skip
-            silent = {}
-            if skip_joining:
-                joining = self.joining(missing)
-                silent = {r: f"restarted, and still joining at {point}" for r in joining}
-                missing = [r for r in missing if r not in silent]
+            joining = self.joining(missing)
+            silent = {r: f"restarted, and still joining at {point}" for r in joining}
+            missing = [r for r in missing if r not in silent]
             for r in missing:
                 count = self.store.add(f"{self.PREFIX}alive/{r}", 0)
                 if beats.get(r, (None,))[0] != count:
