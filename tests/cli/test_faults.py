@@ -420,12 +420,18 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
         # becomes the standby of shard 2 there and of shard 1 (whose standby it was); then
         # rank 1 killed: shard 1 moves to the restarted rank 2's copy
         ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (2, 1), "0:50"),
+        # rank 1 killed: shard 1 moves to rank 2, and the restarted rank 1 becomes its
+        # standby there; then rank 2 killed, with its own shard and shard 1: they move to rank
+        # 3 and to the restarted rank 1 (whose report link to the chief once had the same
+        # name as the copy the restarted rank 2 made: the shard waited for the timeout)
+        ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (1, 2), "0:50"),
     ],
     ids=[
         "backups-without-a-server-rank-0",
         "easgd-async-rank-2",
         "the-chief-twice",
         "a-shard-twice",
+        "a-shard-and-the-rank-that-took-it",
     ],  # fmt: skip
 )
 def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
@@ -467,52 +473,65 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     if ranks == (0, 1):  # the chief moved to rank 1, then to the restarted rank 0's copy
         (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
         assert log.read_text().count("moving to its standby") == 2, log.read_text()
-    if "shards=4" in strategy:  # shard 2 to rank 3, then shard 1 to the restarted rank 2
+    if "shards=4" in strategy:  # rank 0's moves: (shard, to rank), loss by loss
         (log,) = sorted((out / "logs" / "rank-0").glob("**/stderr.log"))
         moves = re.findall(r"shard (\d) on server rank \d is lost.*moving to its standby on "
                            r"rank (\d)", log.read_text())  # fmt: skip
-        assert moves == [("2", "3"), ("1", "2")], log.read_text()
+        if ranks == (2, 1):  # shard 2 to rank 3, then shard 1 to the restarted rank 2
+            assert moves == [("2", "3"), ("1", "2")], log.read_text()
+        else:  # shard 1 to rank 2; then it to the restarted rank 1, and shard 2 to rank 3
+            assert moves[0] == ("1", "2") and sorted(moves[1:]) == [("1", "1"), ("2", "3")], (
+                log.read_text()
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.faults
 @pytest.mark.parametrize(
-    "strategy",
-    ["sync-replicas:replicas_to_aggregate=2,standby=1", "easgd:mode=async,period=4,standby=1"],
-    ids=["the-chief", "the-easgd-centre"],
+    ("strategy", "servers", "ranks"),
+    [
+        ("sync-replicas:replicas_to_aggregate=2,standby=1", 1, (3, 1)),
+        ("easgd:mode=async,period=4,standby=1", 1, (3, 1)),
+        # two shards on ranks 3 and 4, their standbys chosen: the chief's on rank 0, shard
+        # 1's on rank 1; shard 1's server killed, then the worker that took it over
+        ("sync-replicas:replicas_to_aggregate=2,standby=true", 2, (4, 1)),
+    ],
+    ids=["the-chief", "the-easgd-centre", "a-shard"],
 )
 def test_launcher_restarts_a_dedicated_server_which_becomes_the_standby(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, servers: int, ranks: tuple[int, int]
 ) -> None:
-    """``--servers 1 --max-restarts 1``: the server rank (3) SIGKILLed, its standby on rank 1
-    takes over, and the launcher starts rank 3 again: it rejoins as the standby of the server
-    now on rank 1, from its live state (no checkpoint exists).  Then rank 1 is killed too: the
-    workers move back to rank 3's copy, and the restarted rank 1 becomes its standby.  Every
-    step is trained, exit 0, both losses came back."""
+    """``--servers K --max-restarts 1``: a server rank SIGKILLed, its standby on a worker rank
+    takes over, and the launcher starts the server rank again: it rejoins as the standby of
+    the server now on that worker rank, from its live state (no checkpoint exists).  Then
+    that worker rank is killed too: the workers move back to the server rank's copy, and the
+    restarted worker becomes its standby.  Every step is trained, exit 0, both losses came
+    back."""
     # the run must outlast both restarts: under sync-replicas the updates wait for the slow
     # worker once one is lost; EASGD's workers wait for no one, and its writing rank (0), whose
     # steps the run logs, is fast: more of them
     steps = 1500 if strategy.startswith("easgd") else 600
     out, proc = _train(
-        tmp_path, strategy, 3, steps, "--servers", "1", "--max-restarts", "1",
+        tmp_path, strategy, 3, steps, "--servers", str(servers), "--max-restarts", "1",
         "--straggler", "2:50",
     )  # fmt: skip
     # a worker learns where the new standby is from its next answers (EASGD: its next
     # exchange, every 4 steps of a 50 ms straggler): the second loss comes after that
-    code, console = _kill_twice_each_rejoining(out, proc, (3, 1), settle=2.0)
+    code, console = _kill_twice_each_rejoining(out, proc, ranks, settle=2.0)
     assert code == 0, console
+    server, worker = ranks
     warnings = [ln for ln in console.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 2, console
-    assert warnings[0].startswith("warning: dedicated server rank 3 lost"), warnings
+    assert warnings[0].startswith(f"warning: dedicated server rank {server} lost"), warnings
     assert "its standby took over" in warnings[0] and "restarting it (1 of 1)" in warnings[0]
-    assert warnings[1].startswith("warning: worker rank 1 lost"), warnings
+    assert warnings[1].startswith(f"warning: worker rank {worker} lost"), warnings
     assert "restarting it (1 of 1)" in warnings[1], warnings
     summary = json.loads((out / "summary.json").read_text())
     assert summary["lost_workers"] == []
     back = summary["rejoined_workers"]
     assert [(b["rank"], b["cause"]) for b in back] == [
-        (3, "killed by signal 9"),
-        (1, "killed by signal 9"),
+        (server, "killed by signal 9"),
+        (worker, "killed by signal 9"),
     ]
     assert back[0]["role"] == "dedicated server"
     assert not (out / "checkpoints").exists()  # the state came from live peers
@@ -521,3 +540,7 @@ def test_launcher_restarts_a_dedicated_server_which_becomes_the_standby(
     assert summary["test_accuracy"] >= summary["target_accuracy"]
     (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
     assert log.read_text().count("moving to its standby") == 2, log.read_text()
+    if servers == 2:  # shard 1 to worker rank 1, then back to the restarted server rank
+        moves = re.findall(r"shard 1 on server rank (\d) is lost.*moving to its standby on "
+                           r"rank (\d)", log.read_text())  # fmt: skip
+        assert moves == [("4", "1"), ("1", "4")], log.read_text()

@@ -281,8 +281,8 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                     # a restarted server rank held the live server's copy, or was promoted
                     copy = "its live copy serves" if rank in restarts else "its standby took over"
                     then = ""
-                    if spec.servers == 1 and restarts.get(rank, 0) < spec.max_restarts:
-                        # it rejoins as the live server's standby (ParameterServer.rejoin)
+                    if restarts.get(rank, 0) < spec.max_restarts:
+                        # it rejoins as the live servers' standby (ParameterServer.rejoin)
                         then = "; " + _restart(rank)
                     print(
                         f"warning: {role} rank {rank} lost: {cause}; {where}; {copy}, "

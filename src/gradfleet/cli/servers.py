@@ -13,9 +13,10 @@ A server rank builds no model and writes no metrics: it calls
 checkpoint directory when rank 0 asks (``rank-R.pt``, what ``serve(state=)`` resumes from), and
 returns once every worker left. A server that dies makes every worker's step fail naming it;
 the launcher reports it as ``dedicated server rank R failed`` -- except where it has a standby
-on a worker rank (the EASGD centre and the chief of one server, by default), to which its
-workers move. Restarted into the running job (the launcher's ``--max-restarts``, the torchrun
-recipe), a server rank of one server becomes that standby's own standby, from its live state.
+on a worker rank (the EASGD centre and the chief of one server, by default; every shard's
+server with ``standby=true``), to which its workers move. Restarted into the running job (the
+launcher's ``--max-restarts``, the torchrun recipe), a server rank becomes the standby of the
+server(s) that took its place, from their live state.
 """
 
 from __future__ import annotations
@@ -226,13 +227,13 @@ def _rejoin(factory: Any, rank: int, control: JobControl, timeout: float) -> Any
     address = control.reachable_server_address(timeout)  # where the server lives now
     if address is None:
         raise RuntimeError(f"dedicated server rank {rank}: the running job has no server")
-    live = address if isinstance(address, str) else address[0]  # one server: the chief
     server = gfd.ParameterServer.rejoin(
-        factory, spec=served, address=live, rank=rank, host=server_host()
+        factory, spec=served, address=address, rank=rank, host=server_host()
     )
     step = control.progress()
     control.mark_rejoined(rank, step, os.getpid())
-    log.info("dedicated server rank %d rejoined at step %d: the standby of %s", rank, step, live)
+    log.info("dedicated server rank %d rejoined at step %d: the standby of %s", rank, step,
+             address)  # fmt: skip
     print(f"dedicated server rank {rank} rejoined the running job at step {step}", flush=True)
     return server
 

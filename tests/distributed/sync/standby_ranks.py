@@ -25,15 +25,15 @@ def sgd(groups):
     return torch.optim.SGD(groups, lr=LR)
 
 
-def _cut(ctx: RankContext, cut: str, lost_at: int, op: str = "step") -> None:
-    """Make this (a server's) rank die at worker 2's request ``op`` (the chief's step request,
-    a shard's push) number ``lost_at``: once its standby has handled the copy and before the
-    answer leaves (``"applied"``), or before the copy leaves, the server having handled the
-    request alone (``"unsent"``)."""
+def _cut(ctx: RankContext, cut: str, lost_at: int, op: str = "step", worker: int = 2) -> None:
+    """Make this (a server's) rank die at worker ``worker``'s request ``op`` (the chief's step
+    request, a shard's push) number ``lost_at``: once its standby has handled the copy and
+    before the answer leaves (``"applied"``), or before the copy leaves, the server having
+    handled the request alone (``"unsent"``)."""
     from gradfleet.distributed.hosting import standby
 
     def lost(fields: dict) -> bool:
-        return fields.get("worker") == 2 and fields.get("number") == lost_at
+        return fields.get("worker") == worker and fields.get("number") == lost_at
 
     if cut == "applied":  # in the forwarder, after the standby's acknowledgement
         init = standby.Forwarder.__init__
@@ -209,6 +209,47 @@ def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: s
             out["chief"] = _chief_state(servers.standby_chief)
             assert servers.standby_server is not None and servers.standby_server.standby
             out["chief"]["promoted"] = servers.standby_server.standby.promoted
+    opt.close()
+    return out
+
+
+def worker_with_a_shard_lost(ctx: RankContext, last_step: int, lost_at: int, cut: str) -> dict:
+    """N = 3 workers, R = 2, the variables in two shards on the workers (the chief on rank 0,
+    shard 1 on rank 1), each with a standby chosen for the job (both on rank 2).  Rank 1 -- a
+    worker and shard 1's server -- is SIGKILLed at its own push number ``lost_at`` to shard 1
+    (:func:`_cut`): its gradient of that step may be in one shard's update and not the
+    other's.  The survivors must go on to ``last_step`` all the same."""
+    N = 3
+    if ctx.rank == 1:
+        _cut(ctx, cut, lost_at, "push", worker=1)
+    model = make_model()
+    opt = SyncReplicasOptimizer(
+        sgd(model.parameters()), 2, N, timeout=30, last_step=last_step, transport="server",
+        server_ranks=[0, 1], standby=True,
+    )  # fmt: skip
+    standbys = {k: v[1] for k, v in opt.exchange.clients.standbys.items()}
+    _joined(ctx)
+    _train(ctx, model, opt, last_step)
+    out = {
+        "final": [p.detach().clone() for p in model.parameters()],
+        "global_step": opt.global_step,
+        "standbys": standbys,
+        "moved": dict(opt.exchange.clients.moved),
+    }
+    ctx.signal("trained")
+    for r in (0, 2):
+        ctx.wait_signal(r, "trained", timeout=60)
+    servers = opt.exchange.servers
+    if servers is not None:
+        for k, (server, hosted) in servers.standby_shards.items():
+            assert hosted.standby is not None
+            out[f"shard{k}"] = {
+                "step": server.shard.step,
+                "promoted": hosted.standby.promoted,
+                "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
+            }
+        if servers.chief is not None:
+            out["chief"] = _chief_state(servers.chief)
     opt.close()
     return out
 

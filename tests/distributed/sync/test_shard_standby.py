@@ -82,3 +82,27 @@ def test_a_server_killed_mid_update_every_update_counts_once(tmp_path, lost, cut
     # each push counted once: none added twice, none dropped as stale when sent again
     every = {"accepted": LAST, "dropped": 0, "nonfinite": 0}
     assert stats == {w: every for w in range(N)}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("cut", ["applied", "unsent"])
+def test_a_worker_holding_a_shard_killed_mid_update_the_others_go_on(cut):
+    """Rank 1, a worker that also serves shard 1 (R = 2 of 3, shards over the workers), is
+    SIGKILLed in its own fourth push to its shard: once shard 1's standby has the push, or
+    before it does.  Its gradient of that step may then be in one shard's update and not the
+    other's; the survivors move shard 1 to its standby and reach ``last_step``, equal, each
+    shard having made every update once from R gradients."""
+    out = run_ranks(
+        standby_ranks.worker_with_a_shard_lost, N, args=(LAST, 4, cut), timeout=150,
+        kill_on={1: "die"},
+    )  # fmt: skip
+    assert out[1] == RankKilled(1)
+    for r in (0, 2):
+        assert out[r]["global_step"] == LAST
+        assert out[r]["moved"] == {1: 1}
+        for a, b in zip(out[r]["final"], out[0]["final"], strict=True):
+            assert torch.equal(a, b)
+    copy, chief = out[2]["shard1"], out[0]["chief"]
+    assert copy["promoted"] and copy["step"] == LAST and chief["global_step"] == LAST
+    for stats in (copy["stats"], chief["stats"]):
+        assert sum(s["accepted"] for s in stats.values()) == 2 * LAST, stats

@@ -117,7 +117,7 @@ class ParameterServer:
         optimizer: OptimizerFactory | None,
         *,
         spec: dict[str, Any],
-        address: str,
+        address: str | Sequence[str],
         rank: int,
         host: str | None = None,
     ) -> ParameterServer:
@@ -130,8 +130,11 @@ class ParameterServer:
         served (the spec rank 0 announced; :meth:`spec` of the first process).  Refused
         (``RuntimeError``) where the server has a standby already or is gone.
 
-        One server only: the SyncReplicas chief of a job with one server, or the EASGD
-        centre (a shard's standby is not taken by a restarted process yet)."""
+        The EASGD centre, or SyncReplicas' servers: the chief of a job with one server, or
+        with several (``--servers K``) every shard this rank served, each the standby of the
+        server that took it over (``address``: every shard's address, the chief's first).
+        A restarted shard server asks the chief where its standby is, so that its reports of
+        updates go there if the chief is lost later, as the first process's did."""
         self = cls.__new__(cls)
         self._fields(rank, spec)
         host = host or env_server_host()
@@ -147,23 +150,29 @@ class ParameterServer:
             self._centre, self._hosted = server, hosted
             return self
         placement, job = spec["placement"], spec["job"]
-        if len(placement.ranks) != 1:
+        addresses = [address] if isinstance(address, str) else list(address)
+        mine = [k for k, r in enumerate(placement.ranks) if r == rank]
+        if len(addresses) != len(placement.ranks) or not mine:
             raise RuntimeError(
-                f"dedicated server rank {rank} holds shards of a sharded job "
-                f"(server_ranks={placement.ranks}): a restarted process takes the standby's "
-                "place only for the one server of a job (--servers 1); resume the job from its "
-                "last checkpoint"
+                f"dedicated server rank {rank}: the job's servers are at {addresses}, its "
+                f"spec has server_ranks={placement.ranks}: they do not fit"
             )
-        self._values = [_empty(s, d) for s, d in spec["layout"]]  # the chief holds them all
+        self._values = _hosted_values(spec, rank)
         self._opt = _factory_optimizer(optimizer, spec["groups"], self._values)
         servers = SyncServers(
             self._opt, job, placement, rank, host,
-            hyperparameters_from_workers=True, standby_of=[0],
+            hyperparameters_from_workers=True, standby_of=mine,
         )  # fmt: skip
-        if not servers.rejoin([address]):  # refused, or gone: SyncServers.rejoin logged why
+        chief_standby = None if 0 in mine else _chief_standby(addresses[0], rank, job.timeout)
+        taken = servers.rejoin(addresses, chief_standby)
+        if sorted(taken) != mine:  # refused, or gone: SyncServers.rejoin logged why
             servers.close(time.monotonic())
-            raise RuntimeError(f"dedicated server rank {rank}: the chief did not take its standby")
+            raise RuntimeError(
+                f"dedicated server rank {rank}: the servers of shard(s) {mine} (0: the chief) "
+                f"took its standby for {sorted(taken)} only"
+            )
         self._sync = servers
+        self._shards = {k: srv.shard for k, (srv, _) in servers.standby_shards.items()}
         return self
 
     # ------------------------------------------------------------------ set-up
@@ -179,19 +188,12 @@ class ParameterServer:
             return self._values
         if self.kind != SYNC:
             raise ValueError(f"rank 0 announced {self.kind!r}: nothing a server runs")
-        placement = spec["placement"]
-        ranks, parts = placement.ranks, placement.parts
-        pieces = placement.pieces or whole(len(spec["layout"]))
-        here = [pieces[j] for k, r in enumerate(ranks) if r == self.rank for j in parts[k]]
-        hosted = {pc.index for pc in here}
-        self._values = [
-            _empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])
-        ]
+        self._values = _hosted_values(spec, self.rank)
         self._opt = _factory_optimizer(factory, spec["groups"], self._values)
         if state is not None:
             self._check_sync_state(state)
         # in the order rank 0 sends them (dedicated.announce): shard by shard
-        return [view(self._values[pc.index], pc) for pc in here]
+        return [view(self._values[pc.index], pc) for pc in _hosted_pieces(spec, self.rank)]
 
     def _check_sync_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != SYNC:
@@ -307,6 +309,29 @@ def _factory_optimizer(
 
 def _empty(shape: Sequence[int], dtype: str) -> torch.Tensor:
     return torch.zeros(list(shape), dtype=getattr(torch, dtype))
+
+
+def _hosted_pieces(spec: dict[str, Any], rank: int) -> list[Any]:
+    """The pieces of the variables that SyncReplicas server ``rank`` hosts, shard by shard."""
+    placement = spec["placement"]
+    pieces = placement.pieces or whole(len(spec["layout"]))
+    return [
+        pieces[j] for k, r in enumerate(placement.ranks) if r == rank for j in placement.parts[k]
+    ]
+
+
+def _hosted_values(spec: dict[str, Any], rank: int) -> list[torch.Tensor]:
+    """Server ``rank``'s variables: zeros of their shapes where it hosts a piece of them,
+    zero-size placeholders elsewhere."""
+    hosted = {pc.index for pc in _hosted_pieces(spec, rank)}
+    return [_empty(s if i in hosted else [0], d) for i, (s, d) in enumerate(spec["layout"])]
+
+
+def _chief_standby(address: str, rank: int, timeout: float) -> str | None:
+    """Where the standby of the SyncReplicas chief at ``address`` is (None without one): a
+    read-only question, which neither counts as a worker nor reaches the standby."""
+    client = MailboxClient(address, f"server-rank{rank}", timeout + 10.0, "the chief", data=False)
+    return client.call("where_standby", worker=-1).get("standby")
 
 
 def serve(

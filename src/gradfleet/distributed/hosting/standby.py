@@ -98,7 +98,7 @@ COPY = "standby_copy"  # the op of a forwarded request; its own op travels as "c
 DATA = "standby_data"  # a worker's direct fields of a request, sent to the standby itself
 ATTACH = "standby_attach"  # a restarted process asks a primary without a standby to be its one
 REPLICA = "load_replica"  # the first copy a new standby gets: the primary's whole state
-READ_ONLY = frozenset({"read", "members"})  # requests that change nothing: not forwarded
+READ_ONLY = frozenset({"read", "members", "where_standby"})  # change nothing: not forwarded
 _MAILBOX_FIELDS = ("op", "client", "seq", "inc")  # the mailbox's own, not the request's
 
 

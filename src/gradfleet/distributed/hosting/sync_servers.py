@@ -85,7 +85,7 @@ class SyncServers:
         self.standbys = list(standbys) or [None] * len(ranks)
         replicated = any(r is not None for r in self.standbys)
         follow = hyperparameters_from_workers or replicated
-        self.ranks, self.timeout = list(ranks), job.timeout
+        self.ranks, self.timeout, self.rank = list(ranks), job.timeout, rank
         self.chief: SyncChief | None = None
         self._chief_server: HostedServer | None = None
         self.shards: dict[int, tuple[ShardServer, HostedServer]] = {}
@@ -184,10 +184,15 @@ class SyncServers:
             self._prober.start()
 
     def _chief_link(self, k: int, address: str) -> MailboxClient:
-        """Shard ``k``'s link to the chief at ``address`` ("applied" reports: no tensors)."""
+        """Shard ``k``'s link to the chief at ``address`` ("applied" reports: no tensors).
+        Named for this rank too: a shard's server and a copy of it on another rank (a
+        restarted process that became its standby) are both linked to the chief, and a client
+        that connects under a live one's name takes its replies (it forgets those queued for
+        an earlier process of its name), which left the server waiting for a report's answer
+        until the timeout."""
         return MailboxClient(
-            address, f"shard{k}", self.timeout + 10.0, f"server rank {self.ranks[0]} (chief)",
-            data=False,
+            address, f"shard{k}-rank{self.rank}", self.timeout + 10.0,
+            f"server rank {self.ranks[0]} (chief)", data=False,
         )  # fmt: skip
 
     def attach(self, primary: str, k: int = 0) -> None:

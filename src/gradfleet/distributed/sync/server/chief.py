@@ -207,6 +207,9 @@ class SyncChief:
             return [Answer(ticket, {})]
         if msg["op"] == "read":  # changes nothing (a standby's own rank reads it, following)
             return self._own(self.server.handle(msg, ticket))
+        if op == "where_standby":  # a restarted shard server asks (changes nothing)
+            named = {} if self.standby is None else {"standby": self.standby}
+            return [Answer(ticket, {**named, "standby_rank": self.standby_rank})]
         # a standby's copy carries its primary's choices of R; a worker's request does not
         # (a primary, or a standby that took over: it chooses)
         given = msg.get("choice")
