@@ -425,6 +425,10 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
         # 3 and to the restarted rank 1 (whose report link to the chief once had the same
         # name as the copy the restarted rank 2 made: the shard waited for the timeout)
         ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (1, 2), "0:50"),
+        # shards over 4 workers: rank 1, with shard 1 and the chief's standby, killed first;
+        # restarted, it becomes both standbys again (the chief stopped naming the lost one),
+        # so the loss of the chief's rank then is survived too
+        ("sync-replicas:replicas_to_aggregate=3,shards=4,standby=true", (1, 0), "2:50"),
     ],
     ids=[
         "backups-without-a-server-rank-0",
@@ -432,6 +436,7 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
         "the-chief-twice",
         "a-shard-twice",
         "a-shard-and-the-rank-that-took-it",
+        "the-chiefs-standby-then-the-chief",
     ],  # fmt: skip
 )
 def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
@@ -473,16 +478,18 @@ def test_launcher_restarts_a_lost_rank_which_rejoins_then_a_second_loss(
     if ranks == (0, 1):  # the chief moved to rank 1, then to the restarted rank 0's copy
         (log,) = sorted((out / "logs" / "rank-2").glob("**/stderr.log"))
         assert log.read_text().count("moving to its standby") == 2, log.read_text()
-    if "shards=4" in strategy:  # rank 0's moves: (shard, to rank), loss by loss
-        (log,) = sorted((out / "logs" / "rank-0").glob("**/stderr.log"))
-        moves = re.findall(r"shard (\d) on server rank \d is lost.*moving to its standby on "
-                           r"rank (\d)", log.read_text())  # fmt: skip
+
+    if "shards=4" in strategy:  # a surviving worker's moves: (shard, to rank), loss by loss
+        (log,) = sorted((out / "logs" / "rank-3").glob("**/stderr.log"))
+        moves = re.findall(r"(shard \d|the chief) on server rank \d is lost.*moving to its "
+                           r"standby on rank (\d)", log.read_text())  # fmt: skip
         if ranks == (2, 1):  # shard 2 to rank 3, then shard 1 to the restarted rank 2
-            assert moves == [("2", "3"), ("1", "2")], log.read_text()
-        else:  # shard 1 to rank 2; then it to the restarted rank 1, and shard 2 to rank 3
-            assert moves[0] == ("1", "2") and sorted(moves[1:]) == [("1", "1"), ("2", "3")], (
-                log.read_text()
-            )
+            assert moves == [("shard 2", "3"), ("shard 1", "2")], log.read_text()
+        elif ranks == (1, 2):  # shard 1 to rank 2; then it to the restarted rank 1, shard 2 to 3
+            assert moves[0] == ("shard 1", "2"), log.read_text()
+            assert sorted(moves[1:]) == [("shard 1", "1"), ("shard 2", "3")], log.read_text()
+        else:  # shard 1 to rank 2, then the chief to the restarted rank 1's copy
+            assert moves == [("shard 1", "2"), ("the chief", "1")], log.read_text()
 
 
 @pytest.mark.slow

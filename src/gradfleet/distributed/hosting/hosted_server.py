@@ -285,7 +285,16 @@ class HostedServer:
         self._held.append((number, [Answer(reply, {})]))
         self._release()
 
+    def _forget_lost_standby(self) -> None:
+        """Once the forwarder found its standby lost, the machine stops naming it to the
+        workers (they would send it their data, and a restarted process would take it for a
+        live standby and not offer to become one)."""
+        lost = self.forwarder is not None and self.forwarder.client is None
+        if lost and self.forwarder.deposed is None and getattr(self.machine, "standby", None):
+            self.machine.standby = self.machine.standby_rank = None  # type: ignore[attr-defined]
+
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
+        self._forget_lost_standby()
         if msg["op"] == ATTACH:
             self._attach(msg, reply)
             return
@@ -357,6 +366,7 @@ class HostedServer:
             _refuse(outputs, kind, message)
 
     def _tick(self) -> None:
+        self._forget_lost_standby()
         if self._held:
             self._release()
         if self._watch is not None:

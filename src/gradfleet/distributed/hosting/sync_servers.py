@@ -108,6 +108,9 @@ class SyncServers:
         self.standby_shards: dict[int, tuple[ShardServer, HostedServer]] = {}
         self._took_over: set[int] = set()
         self.chief_standby: str | None = None
+        # per shard: where the chief's standby is, as the chief's last answer to its report
+        # said (until one did, ``chief_standby``)
+        self._chief_standbys: dict[int, str | None] = {}
         only = set(standby_of)
         if only:  # this rank holds these copies (the others' standbys are not its business)
             self.standbys = [rank if k in only else None for k in range(len(ranks))]
@@ -263,23 +266,35 @@ class SyncServers:
         k = effect.shard
         noise = {} if effect.noise is None else {"noise": list(effect.noise)}
         report = {"worker": -1, "shard": k, "step": effect.step, **noise}
-        if self.chief_standby is not None:
-            try:
-                self._reports[k].call("applied", **report)
-            except ServerUnreachable as exc:
-                if self._reports[k].address == self.chief_standby:
-                    raise
-                log.warning("shard %d: the chief is lost (%s); reporting to its standby at %s",
-                            k, exc, self.chief_standby)  # fmt: skip
-                self._reports[k] = self._chief_link(k, self.chief_standby)
-                self._reports[k].call("applied", **report)
-            return
-        client = self._reports[k]
-        if k in self._unread:
+        if k in self._unread:  # the last report's answer (sent while the chief had no standby)
             self._unread.discard(k)
-            client.response()
-        client.request("applied", **report)
-        self._unread.add(k)
+            self._follow_chief(k, self._reports[k].response())
+        standby = self._chief_standbys.get(k, self.chief_standby)
+        if standby is None:
+            self._reports[k].request("applied", **report)
+            self._unread.add(k)
+            return
+        try:
+            answer = self._reports[k].call("applied", **report)
+        except ServerUnreachable as exc:
+            if self._reports[k].address == standby:
+                raise
+            log.warning("shard %d: the chief is lost (%s); reporting to its standby at %s",
+                        k, exc, standby)  # fmt: skip
+            self._reports[k] = self._chief_link(k, standby)
+            answer = self._reports[k].call("applied", **report)
+        self._follow_chief(k, answer)
+
+    def _follow_chief(self, k: int, answer: dict[str, Any]) -> None:
+        """The chief's answer to shard ``k``'s report names its standby now (none: it has
+        lost it, or it is a standby that took over and has none yet; another: a restarted
+        process became it): that shard's next reports go there once the chief is lost.  Kept
+        per shard: each shard's server reports on a thread of its own, and its answers come
+        in the order of its reports."""
+        standby = answer.get("standby")
+        if standby != self._chief_standbys.get(k, self.chief_standby):
+            log.info("shard %d: the chief's standby is now %s", k, standby)
+        self._chief_standbys[k] = standby
 
     def _took_over_report(self, k: int) -> list[Any]:
         """Shard ``k``'s standby's tick: once it took over, its first report says how far it

@@ -161,6 +161,13 @@ class ServerExchange:
         its first copy is its whole state (a live peer's, never a checkpoint file), so a
         second loss is survived as the first.  A server that refuses (it has a standby
         again) keeps its own: for it this process is a worker only."""
+        # a standby a server names on this very rank was this process's earlier self, lost
+        # with it (the server may not have found out yet): this process takes its place
+        for k, (_, rank) in list(self.clients.standbys.items()):
+            if rank == self.worker:
+                self.clients.standby_lost(
+                    k, ServerUnreachable("lost with this rank's last process")
+                )
         missing = [k for k in range(len(self.server_addresses)) if k not in self.clients.standbys]
         if not missing:
             return

@@ -285,7 +285,9 @@ class SyncChief:
                 self.measured.noise(int(msg["step"]) - 1, *msg["noise"])
             self.applied[k] = max(self.applied[k], int(msg["step"]))
             self._advance()
-            return [*self._serve_tokens(), Answer(ticket, {})]
+            # where this chief's standby is now: the shard reports there once it is lost
+            named = {} if self.standby is None else {"standby": self.standby}
+            return [*self._serve_tokens(), Answer(ticket, named)]
         worker = int(msg["worker"])
         if op == "done" and self._stale(worker, msg):
             return [Answer(ticket, {"global_step": self.global_step})]
