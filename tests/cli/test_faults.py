@@ -354,6 +354,41 @@ def test_sync_replicas_survives_its_dedicated_server(tmp_path: Path, servers: in
 
 @pytest.mark.slow
 @pytest.mark.faults
+def test_sync_replicas_survives_each_of_its_dedicated_servers(tmp_path: Path) -> None:
+    """``--servers 2`` with ``standby=true``: each server rank has a standby on a worker rank
+    of its own, so the launcher survives the loss of each: shard 1's server (rank 4) killed,
+    then the chief's (rank 3). The workers move to each standby in turn (the shards follow the
+    chief's standby from its answers), finish every step, and the summary names both."""
+    steps = 600
+    out, proc = _train(
+        tmp_path, "sync-replicas:replicas_to_aggregate=2,standby=true", 3, steps,
+        "--servers", "2", "--straggler", "2:50",
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    try:
+        wait_for_step(out, 40, [proc], deadline)
+        kill_rank(out, 4)
+        wait_for_step(out, 80, [proc], deadline)
+        kill_rank(out, 3)
+        ((code, console),) = finish([proc], deadline, out)
+    finally:
+        stop([proc], out)
+    assert code == 0, console
+    warnings = [ln for ln in console.splitlines() if ln.startswith("warning:")]
+    assert [w.split(" lost")[0] for w in warnings] == [
+        "warning: dedicated server rank 4",
+        "warning: dedicated server rank 3",
+    ], console
+    assert all("its standby took over" in w for w in warnings), warnings
+    summary = json.loads((out / "summary.json").read_text())
+    lost = sorted((w["rank"], w["role"]) for w in summary["lost_workers"])
+    assert lost == [(3, "dedicated server"), (4, "dedicated server")], lost
+    trained = [r["step"] for r in metrics(out) if "loss" in r]
+    assert trained[-1] == steps and trained == sorted(trained), trained
+
+
+@pytest.mark.slow
+@pytest.mark.faults
 def test_async_easgd_survives_its_dedicated_centre(tmp_path: Path) -> None:
     """The centre on a dedicated server rank (``--servers 1``: rank 3) has its standby on a
     worker rank by default: the server rank is SIGKILLed, the workers move to the standby

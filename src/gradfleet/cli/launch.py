@@ -224,9 +224,12 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
     any_rank = not spec.servers and rank0_replaceable(
         spec.strategy, spec.strategy_args, workers, spec.device
     )
-    server_spare = bool(spec.servers) and server_replaceable(
+    # the server ranks whose loss a standby on a worker rank takes over: each once, until a
+    # restarted process of it is back (with --servers K, every server has a standby of its own)
+    replaceable = bool(spec.servers) and server_replaceable(
         spec.strategy, spec.strategy_args, workers, spec.servers
     )
+    server_spares = set(range(workers, world)) if replaceable else set()
     # servers first: each round of polling sees a dead server before the workers it failed
     order = [*range(workers, world), *range(workers)]
     running = {r: _start(spec, r, world, store.port, run_id, log_dir) for r in order}
@@ -269,13 +272,11 @@ def launch(spec: RunSpec) -> dict[str, Any] | None:
                           file=sys.stderr, flush=True)  # fmt: skip
                     continue
                 # a server rank restarted into the job is a live copy of the server again
-                server_spare = server_spare or any(
-                    _is_back(job, running, r) for r in range(workers, world)
-                )
-                if rank >= workers and server_spare and job.started():
+                server_spares |= {r for r in range(workers, world) if _is_back(job, running, r)}
+                if rank >= workers and rank in server_spares and job.started():
                     # its standby on a worker rank takes over: the workers move to it (or,
                     # this rank having rejoined as that server's standby, the server goes on)
-                    server_spare = False  # a second loss has none, until a restart is back
+                    server_spares.discard(rank)  # none left for it, until it is back
                     step = last_logged_step(out / "metrics.jsonl")
                     job.mark_lost(rank, step=step, cause=cause, log=str(rank_log), role=role)
                     # a restarted server rank held the live server's copy, or was promoted
