@@ -195,16 +195,7 @@ def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: s
         ctx.wait_signal(r, "trained", timeout=60)
     servers = opt.exchange.servers
     if servers is not None:
-        for k, (server, hosted) in servers.standby_shards.items():
-            assert hosted.standby is not None
-            out[f"shard{k}"] = {
-                "indices": list(server.shard.indices),
-                "params": [p.detach().clone() for p in server.shard.params],
-                "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
-                "step": server.shard.step,
-                "promoted": hosted.standby.promoted,
-                "paired": hosted.standby.paired,
-            }
+        out |= _standby_shards(servers)
         if servers.standby_chief is not None:
             out["chief"] = _chief_state(servers.standby_chief)
             assert servers.standby_server is not None and servers.standby_server.standby
@@ -241,16 +232,26 @@ def worker_with_a_shard_lost(ctx: RankContext, last_step: int, lost_at: int, cut
         ctx.wait_signal(r, "trained", timeout=60)
     servers = opt.exchange.servers
     if servers is not None:
-        for k, (server, hosted) in servers.standby_shards.items():
-            assert hosted.standby is not None
-            out[f"shard{k}"] = {
-                "step": server.shard.step,
-                "promoted": hosted.standby.promoted,
-                "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
-            }
+        out |= _standby_shards(servers)
         if servers.chief is not None:
             out["chief"] = _chief_state(servers.chief)
     opt.close()
+    return out
+
+
+def _standby_shards(servers) -> dict:
+    """``{"shard<k>": ...}``: each shard copy this rank holds, its variables and counters."""
+    out = {}
+    for k, (server, hosted) in servers.standby_shards.items():
+        assert hosted.standby is not None
+        out[f"shard{k}"] = {
+            "indices": list(server.shard.indices),
+            "params": [p.detach().clone() for p in server.shard.params],
+            "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
+            "step": server.shard.step,
+            "promoted": hosted.standby.promoted,
+            "paired": hosted.standby.paired,
+        }
     return out
 
 
