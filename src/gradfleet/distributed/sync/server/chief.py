@@ -208,8 +208,7 @@ class SyncChief:
         if msg["op"] == "read":  # changes nothing (a standby's own rank reads it, following)
             return self._own(self.server.handle(msg, ticket))
         if op == "where_standby":  # a restarted shard server asks (changes nothing)
-            named = {} if self.standby is None else {"standby": self.standby}
-            return [Answer(ticket, {**named, "standby_rank": self.standby_rank})]
+            return [Answer(ticket, self._named())]
         # a standby's copy carries its primary's choices of R; a worker's request does not
         # (a primary, or a standby that took over: it chooses)
         given = msg.get("choice")
@@ -225,6 +224,12 @@ class SyncChief:
         if given is not None:  # its policy's state and measurements, as the primary's
             self.choice.load_live(given)
         return out
+
+    def _named(self) -> dict[str, Any]:
+        """Where the standby is, for the workers and the shards (nothing without one)."""
+        if self.standby is None:
+            return {}
+        return {"standby": self.standby, "standby_rank": self.standby_rank}
 
     def _keep(self) -> None:
         """A primary with a standby keeps what the next request decides, for its copy."""
@@ -286,8 +291,7 @@ class SyncChief:
             self.applied[k] = max(self.applied[k], int(msg["step"]))
             self._advance()
             # where this chief's standby is now: the shard reports there once it is lost
-            named = {} if self.standby is None else {"standby": self.standby}
-            return [*self._serve_tokens(), Answer(ticket, named)]
+            return [*self._serve_tokens(), Answer(ticket, self._named())]
         worker = int(msg["worker"])
         if op == "done" and self._stale(worker, msg):
             return [Answer(ticket, {"global_step": self.global_step})]
@@ -355,8 +359,7 @@ class SyncChief:
         extra = {"global_step": self.global_step, "r": self.replicas[self.global_step]}
         # whether the worker sends its gradients to a standby too (now or once one attaches)
         extra["standby_data"] = bool(self.standby_direct)
-        if self.standby is not None:
-            extra.update(standby=self.standby, standby_rank=self.standby_rank)
+        extra.update(self._named())
         return [replace(answer, payload={**answer.payload, **extra})]
 
     def _push(self, worker: int, msg: dict[str, Any], ticket: Any) -> list[Answer | Resized]:
@@ -537,8 +540,7 @@ class SyncChief:
                 "version": self.shard.step,
                 "r": self.choice.of(token, self.global_step),
             }
-            if self.standby is not None:  # a worker follows a standby that attached since
-                answer.update(standby=self.standby, standby_rank=self.standby_rank)
+            answer.update(self._named())  # a worker follows a standby that attached since
             if entry.version is not None and entry.version != self.shard.step:
                 answer["params"] = self.params
             out += self._answer(entry.worker, entry.ticket, "token", answer)
