@@ -433,7 +433,13 @@ def _wait_for_events(out: Path, event: str, count: int, proc, deadline: float) -
     while time.monotonic() < deadline:
         if sum(r.get("event") == event for r in metrics(out)) >= count:
             return
-        assert proc.poll() is None, f"the launcher ended before {count} {event} event(s)"
+        if proc.poll() is not None:  # what the launcher said (its ranks' tracebacks in it)
+            said = proc.communicate(timeout=10)[0] or ""
+            tail = "\n".join(said.splitlines()[-60:])
+            raise AssertionError(
+                f"the launcher ended (exit {proc.returncode}) before {count} {event} "
+                f"event(s); its last lines:\n{tail}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"{count} {event} event(s) not logged in time")
 

@@ -100,11 +100,16 @@ class HyperparameterPusher:
 
 
 def sync_spec(
-    params: Sequence[torch.Tensor], opt: torch.optim.Optimizer, job: Any, placement: Any
+    params: Sequence[torch.Tensor],
+    opt: torch.optim.Optimizer,
+    job: Any,
+    placement: Any,
+    directory: str | None = None,
 ) -> dict[str, Any]:
     """Step 1's spec of a ``SyncReplicasOptimizer``: its ``job`` (:class:`~.sync.job.Job`)
     and ``placement`` (:class:`~.sync.layout.assignment.Placement`) whole, the variables'
-    shapes and dtypes, and the wrapped optimizer's parameter groups."""
+    shapes and dtypes, the wrapped optimizer's parameter groups, and the name of the job's
+    directory of its servers (:mod:`.server_directory`; None without standbys)."""
     groups = [
         {"count": len(g["params"]), "hyper": {k: v for k, v in g.items() if k not in _PRIVATE}}
         for g in opt.param_groups
@@ -115,4 +120,5 @@ def sync_spec(
         "groups": groups,
         "job": job,
         "placement": placement,
+        "directory": directory,
     }

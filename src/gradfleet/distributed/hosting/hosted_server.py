@@ -213,7 +213,10 @@ class HostedServer:
     machine's own ``tick`` and may return answers too (e.g. after probing other servers).
     A replicated machine (:mod:`.standby`): the primary's server is given its standby's
     address with :meth:`forward_to`, and every request that may change the state is handled
-    there first; the standby's is made with ``standby=True``.
+    there first; the standby's is made with ``standby=True``.  ``announce`` (optional) is
+    called with this server each time where it or its standby is changes (a standby attached
+    and holds the whole state, its standby found lost, this standby took over), for
+    :mod:`.server_directory`.
     """
 
     def __init__(
@@ -225,10 +228,15 @@ class HostedServer:
         perform: Callable[[Any], None] | None = None,
         watch: Callable[[], list[Any]] | None = None,
         standby: bool = False,
+        announce: Callable[[HostedServer], None] | None = None,
     ) -> None:
         self.machine, self.members, self.name = machine, members, name
-        self._perform, self._watch = perform, watch
+        self._perform, self._watch, self._announce = perform, watch, announce
         self.forwarder: Forwarder | None = None
+        # the standby this server forwards to, (address, rank), while it is live; the number
+        # of the copy that gives a newly attached one the whole state (announced once done)
+        self.named_standby: tuple[str, int] | None = None
+        self._attached_at: int | None = None
         self._held: deque[tuple[int, list[Any]]] = deque()  # answers waiting for the standby
         self.standby = StandbyRole(f"standby of the {name}") if standby else None
         self.local_reads = 0  # reads a standby answered its own rank's worker
@@ -250,6 +258,7 @@ class HostedServer:
         )  # fmt: skip
         if hasattr(self.machine, "standby"):
             self.machine.standby, self.machine.standby_rank = address, rank
+        self.named_standby = (address, rank)
 
     @property
     def address(self) -> str:
@@ -281,6 +290,7 @@ class HostedServer:
         skeleton, tensors = pack_state(state())
         replica = {"op": REPLICA, "worker": -1, "skeleton": skeleton, "tensors": tensors}
         number = self.forwarder.forward(replica)
+        self._attached_at = number
         log.info("%s: a standby on rank %s attached", self.name, msg["rank"])
         self._held.append((number, [Answer(reply, {})]))
         self._release()
@@ -290,8 +300,17 @@ class HostedServer:
         workers (they would send it their data, and a restarted process would take it for a
         live standby and not offer to become one)."""
         lost = self.forwarder is not None and self.forwarder.client is None
-        if lost and self.forwarder.deposed is None and getattr(self.machine, "standby", None):
+        if not lost or self.forwarder.deposed is not None:
+            return
+        if getattr(self.machine, "standby", None):
             self.machine.standby = self.machine.standby_rank = None  # type: ignore[attr-defined]
+        if self.named_standby is not None:
+            self.named_standby = self._attached_at = None
+            self._say_where()
+
+    def _say_where(self) -> None:
+        if self._announce is not None:
+            self._announce(self)
 
     def _handle(self, msg: dict[str, Any], reply: Any) -> None:
         self._forget_lost_standby()
@@ -327,6 +346,8 @@ class HostedServer:
             take_over = getattr(self.machine, "take_over", None)
             if not promoted and take_over is not None:  # this request promoted it
                 take_over()
+            if not promoted:
+                self._say_where()  # the server now, without a standby
         number = None
         if self.forwarder is not None:
             if self.forwarder.failure is not None:  # a bug in forwarding: raised as itself
@@ -357,6 +378,9 @@ class HostedServer:
             self._held.popleft()
             if state == "done":
                 self._emit(outputs)
+                if self._attached_at is not None and number >= self._attached_at:
+                    self._attached_at = None  # the new standby holds the whole state
+                    self._say_where()
                 continue
             failure = self.forwarder.failure
             kind, message = (

@@ -54,6 +54,7 @@ from .hosted_server import (
     server_host,
     share_address,
 )
+from .server_directory import job_directory
 from .standby import standby_rank, standby_ranks
 from .sync_servers import SyncServers, start_standby
 
@@ -162,6 +163,7 @@ class ParameterServer:
         servers = SyncServers(
             self._opt, job, placement, rank, host,
             hyperparameters_from_workers=True, standby_of=mine,
+            directory=_directory(spec, joining=True),
         )  # fmt: skip
         chief_standby = None if 0 in mine else _chief_standby(addresses[0], rank, job.timeout)
         taken = servers.rejoin(addresses, chief_standby)
@@ -232,6 +234,7 @@ class ParameterServer:
         self._sync = SyncServers(
             self._opt, job, spec["placement"], self.rank, host,
             hyperparameters_from_workers=True, standbys=standbys,
+            directory=_directory(spec, joining=False),
         )  # fmt: skip
         self._shards = {k: srv.shard for k, (srv, _) in self._sync.shards.items()}
         if state is not None:
@@ -349,3 +352,10 @@ def serve(
     server = ParameterServer(optimizer, host=host, state=state)
     server.join()
     return server.state_dict()
+
+
+def _directory(spec: dict[str, Any], joining: bool) -> Any:
+    """The job's directory of its servers that the spec names (the workers' exchange's), or
+    None (no standbys)."""
+    name = spec.get("directory")
+    return None if name is None else job_directory(name, joining)

@@ -51,6 +51,7 @@ from ..sync.server.chief import SyncChief
 from ..sync.server.shards import Applied, Resized, Shard, ShardServer
 from ..transport import LINK_ERRORS, MailboxClient, ServerUnreachable, lost_peer
 from .hosted_server import HostedServer, probe, share_address
+from .server_directory import Place, ServerDirectory
 from .standby import ATTACH
 
 __all__ = ["SyncServers", "PROBE_S", "start_standby"]
@@ -67,7 +68,8 @@ class SyncServers:
     of its standby or None (this rank hosts the copies of the shards whose standby it is);
     ``standby_of``: only the copies of these shards (0: the chief), none of the servers (a
     restarted process that becomes the standby of running servers that have none:
-    :meth:`rejoin`)."""
+    :meth:`rejoin`); ``directory``: where each server here and its standby are is said there
+    (:mod:`.server_directory`), and a shard asks it where the chief went once it is lost."""
 
     def __init__(
         self,
@@ -80,10 +82,14 @@ class SyncServers:
         hyperparameters_from_workers: bool = False,
         standbys: Sequence[int | None] = (),
         standby_of: Collection[int] = (),
+        directory: ServerDirectory | None = None,
     ) -> None:
         ranks, parts, pieces = placement.ranks, placement.parts, placement.pieces
         self.standbys = list(standbys) or [None] * len(ranks)
-        replicated = any(r is not None for r in self.standbys)
+        replicated = any(r is not None for r in self.standbys) or bool(standby_of)
+        # a replicated job's shards wait for the chief's answer to each report: one the
+        # chief took with it is sent again where the chief is now
+        self.replicated, self.directory = replicated, directory
         follow = hyperparameters_from_workers or replicated
         self.ranks, self.timeout, self.rank = list(ranks), job.timeout, rank
         self.chief: SyncChief | None = None
@@ -120,7 +126,7 @@ class SyncServers:
             self.chief.shard.follow_workers = follow
             self._chief_server = HostedServer(
                 self.chief, self.chief.members, host, "SyncReplicas chief", watch=self._watch,
-                perform=self._resize,
+                perform=self._resize, announce=partial(self._say_where, 0),
             )  # fmt: skip
         if rank == self.standbys[0]:
             self.standby_chief = SyncChief(opt, job, parts[0], len(self.ranks), pieces)
@@ -130,6 +136,7 @@ class SyncServers:
             self.standby_server = HostedServer(
                 self.standby_chief, self.standby_chief.members, host,
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,
+                announce=partial(self._say_where, 0),
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
             if rank not in (self.ranks[k], self.standbys[k]) or (only and k not in only):
@@ -144,6 +151,7 @@ class SyncServers:
             hosted = HostedServer(
                 server, server.members, host, name, perform=self._report, standby=copy,
                 watch=partial(self._took_over_report, k) if copy else None,
+                announce=partial(self._say_where, k),
             )  # fmt: skip
             (self.standby_shards if copy else self.shards)[k] = (server, hosted)
 
@@ -253,9 +261,12 @@ class SyncServers:
         that reaches the chief first simply waits for its token until the report is in, so
         waiting here would only hold the shard's thread for a round trip every update.  A
         chief that died is reported to the pushing workers then (and by the workers' own
-        token requests at once).  With a replicated chief the answer is waited for: a report
-        the chief took with it is sent again to its standby, which the chief answered only
-        once its standby had it."""
+        token requests at once).  In a replicated job the answer is waited for: a report the
+        chief took with it is sent again to where the chief is now (its standby, which the
+        chief answered only once it had the report; or a standby that took over already),
+        as the job's directory says, else as the chief's last answer said.  Were it left
+        unread, a report lost with the chief would leave the new chief one update behind
+        that shard for good."""
         if not isinstance(effect, Applied):
             raise TypeError(f"SyncReplicas shard: unknown effect {effect!r}")
         copy = self.standby_shards.get(effect.shard)
@@ -266,24 +277,52 @@ class SyncServers:
         k = effect.shard
         noise = {} if effect.noise is None else {"noise": list(effect.noise)}
         report = {"worker": -1, "shard": k, "step": effect.step, **noise}
-        if k in self._unread:  # the last report's answer (sent while the chief had no standby)
+        if k in self._unread:  # the last report's answer (an unreplicated job's)
             self._unread.discard(k)
             self._follow_chief(k, self._reports[k].response())
-        standby = self._chief_standbys.get(k, self.chief_standby)
-        if standby is None:
+        if not self.replicated:
             self._reports[k].request("applied", **report)
             self._unread.add(k)
             return
-        try:
-            answer = self._reports[k].call("applied", **report)
-        except ServerUnreachable as exc:
-            if self._reports[k].address == standby:
-                raise
-            log.warning("shard %d: the chief is lost (%s); reporting to its standby at %s",
-                        k, exc, standby)  # fmt: skip
-            self._reports[k] = self._chief_link(k, standby)
-            answer = self._reports[k].call("applied", **report)
+        for attempt in range(3):  # the chief; a standby that took over; that one's standby
+            try:
+                answer = self._reports[k].call("applied", **report)
+                break
+            except ServerUnreachable as exc:
+                if attempt == 2:
+                    raise
+                self._reports[k] = self._next_chief(k, exc)
         self._follow_chief(k, answer)
+
+    def _next_chief(self, k: int, exc: ServerUnreachable) -> MailboxClient:
+        """Shard ``k``'s link to the chief failed (``exc``): a link to where the chief is now,
+        the standby the chief's last answer named, else (none, or it is gone too) where the
+        directory says; raises ``exc`` if neither answers."""
+        lost = {self._reports[k].address}
+        named = self._chief_standbys.get(k, self.chief_standby)
+        for source in ("named", "directory"):
+            if source == "named":
+                address = named
+            else:
+                found = None if self.directory is None else self.directory.next_after(0, lost)
+                address = None if found is None else found.address
+            if address is None or address in lost:
+                continue
+            log.warning("shard %d: the chief is lost (%s); reporting to %s", k, exc, address)
+            try:
+                return self._chief_link(k, address)
+            except ServerUnreachable as gone:  # a standby lost since its chief named it
+                log.warning("shard %d: the chief is not at %s either: %s", k, address, gone)
+                lost.add(address)
+                self._chief_standbys[k] = None
+        raise exc
+
+    def _say_where(self, k: int, hosted: HostedServer) -> None:
+        """Server ``k``, served here by ``hosted``, says where it and its standby are now."""
+        if self.directory is None:
+            return
+        standby = None if hosted.named_standby is None else Place(*hosted.named_standby)
+        self.directory.publish(k, Place(hosted.address, self.rank), standby)
 
     def _follow_chief(self, k: int, answer: dict[str, Any]) -> None:
         """The chief's answer to shard ``k``'s report names its standby now (none: it has

@@ -22,6 +22,7 @@ every shard (``nonfinite="raise"``/``"drop"``: no shard applies part of a reject
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,7 @@ import torch
 
 from ..hosting.dedicated import HyperparameterPusher, announce, sync_spec
 from ..hosting.hosted_server import env_server_host, gather_addresses, server_host, share_address
+from ..hosting.server_directory import ServerDirectory, job_directory
 from ..hosting.standby import standby_ranks
 from ..hosting.sync_servers import SyncServers, start_standby
 from ..transport import ServerUnreachable
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 
 _OWNER = "SyncReplicasOptimizer"
 Grads = list[torch.Tensor | None]
+# this process's n-th exchange: the name of its servers' directory, alike on every rank (each
+# builds its optimizers in the same order, a restarted process too)
+_MADE = itertools.count(1)
 
 
 class ServerExchange:
@@ -89,12 +94,21 @@ class ServerExchange:
         self.layout = ShardLayout(optimizer, shard_assignment, job.ema, ranks)
         self.servers: SyncServers | None = None
         self.standby: int | None = None  # the chief's standby's rank
+        # where the replicated servers are now, for those that find one lost before an
+        # answer named where it went (none without standbys)
+        self.directory: ServerDirectory | None = None
+        self._directory_name: str | None = None
+        if job.standby is not False and job.standby is not None:
+            self._directory_name = f"sync/{next(_MADE)}"
+            self.directory = job_directory(self._directory_name, joining=given is not None)
         self.is_chief = given is None and worker == ranks[0]
         self.server_addresses = self._start_servers(host) if given is None else list(given)
         self.server_address = self.server_addresses[0]
         self.settle = settle
         self.latch = ErrorLatch(worker)  # its threads' errors, raised at the step boundary
-        clients = ShardClients(self.server_addresses, ranks, worker, job.timeout, job.N)
+        clients = ShardClients(
+            self.server_addresses, ranks, worker, job.timeout, job.N, self.directory
+        )
         self.clients = clients
         targets, load = self.layout.shard_params, self.layout.load_shard
         self.links: PlainLinks | ReadAheadLinks | None
@@ -132,7 +146,7 @@ class ServerExchange:
         """Start the servers this rank hosts, tell every rank their addresses (collective)."""
         placement = self.layout.placement
         if self.dedicated:  # they learn the job from rank 0 (see ..serving)
-            spec = sync_spec(self.params, self.optimizer, self.job, placement)
+            spec = sync_spec(self.params, self.optimizer, self.job, placement, self._directory_name)
             announce(
                 spec, self.layout.views(self.params), placement.ranks, placement.parts, self.job.N
             )
@@ -141,8 +155,9 @@ class ServerExchange:
         standbys = standby_ranks(self.job.standby, placement.ranks, range(self.job.N))
         if self.worker in placement.ranks or self.worker in standbys:
             self.servers = SyncServers(
-                self.optimizer, self.job, placement, self.worker, host, standbys=standbys
-            )
+                self.optimizer, self.job, placement, self.worker, host, standbys=standbys,
+                directory=self.directory,
+            )  # fmt: skip
         mine = self.servers.addresses() if self.servers is not None else {}
         if len(placement.ranks) == 1:  # one server: its rank tells the others
             addresses = {0: share_address(mine.get(0), placement.ranks[0])}
@@ -173,7 +188,7 @@ class ServerExchange:
             return
         servers = SyncServers(
             self.optimizer, self.job, self.layout.placement, self.worker,
-            host or env_server_host(), standby_of=missing,
+            host or env_server_host(), standby_of=missing, directory=self.directory,
         )  # fmt: skip
         chief_standby = self.clients.standby
         taken = servers.rejoin(

@@ -13,7 +13,10 @@ push (the chief's: the step request) goes to the shard's server
 ``number``.  When a server is lost, :meth:`ShardClients.fail_over` moves that shard's link to
 its standby (:class:`ShardLost` names the shard; any other loss is the chief's); the answers
 name a standby that took the place of a lost one (:meth:`ShardClients.follow_standby`), so a
-second loss is survived as the first.
+second loss is survived as the first.  Where the job's store keeps a directory of the servers
+(:mod:`...hosting.server_directory`), a lost server's link moves where the directory says it
+is now: a standby that attached after this worker's last answer from the server, or one that
+took over already.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ...hosting.server_directory import Place, ServerDirectory
 from ...hosting.standby import DATA
 from ...transport import MailboxClient, ServerUnreachable
 from ..common.finite import all_finite
@@ -102,7 +106,8 @@ def busy_error(op: str) -> RuntimeError:
 class ShardClients:
     """Clients of the servers at ``addresses`` (shard order; ``ranks`` host them) for worker
     ``worker``; a reply may take ``timeout`` seconds (plus a margin for the server's own);
-    ``workers``: the job's N (ranks from N on only serve)."""
+    ``workers``: the job's N (ranks from N on only serve); ``directory``: where the servers
+    and their standbys are now (module docstring)."""
 
     def __init__(
         self,
@@ -111,8 +116,10 @@ class ShardClients:
         worker: int,
         timeout: float,
         workers: int,
+        directory: ServerDirectory | None = None,
     ) -> None:
         self.addresses, self.ranks = list(addresses), list(ranks)
+        self.directory = directory
         self.worker, self.timeout, self.workers = worker, timeout, workers
         self.clients = {k: self.connect(k) for k in range(len(self.addresses))}
         self.versions = dict.fromkeys(self.clients, -1)  # each shard's step the worker holds
@@ -259,27 +266,50 @@ class ShardClients:
     def fail_over(self, exc: ServerUnreachable) -> None:
         """A server is lost (``exc``: a :class:`ShardLost` names the shard; any other loss is
         the chief's): that shard's link moves to its standby, which takes over at this
-        worker's first request; raises ``exc`` without a standby (none, or it was lost too)."""
+        worker's first request (to where the job's directory says it is, where the standby
+        is not known or gone too); raises ``exc`` where there is none."""
         k = exc.shard if isinstance(exc, ShardLost) else 0
-        if k not in self.standbys:
-            raise exc
-        address, rank = self.standbys.pop(k)
-        self.standby_clients.pop(k, None)  # until the new server names one
-        log.warning(
-            "worker rank %d: SyncReplicas' %s on server rank %d is lost (%s); moving to "
-            "its standby on rank %d", self.worker, self._name(k), self.ranks[k], exc, rank,
-        )  # fmt: skip
         lost = self.ranks[k]
-        self.moved[k] = lost
         lost_address = self.addresses[k]
-        self._lost.add(lost_address)
-        self.addresses[k], self.ranks[k] = address, rank
-        self.clients[k] = self.connect(k)
+        for _ in range(3):  # its standby; where the directory says it went; that one's
+            self._lost.add(self.addresses[k])
+            place = self._next_place(k)
+            if place is None:
+                raise exc
+            address, rank = place
+            named = place == self.standbys.pop(k, None)
+            self.standby_clients.pop(k, None)  # until the new server names one
+            log.warning(
+                "worker rank %d: SyncReplicas' %s on server rank %d is lost (%s); moving to "
+                "its standby on rank %d%s", self.worker, self._name(k), self.ranks[k], exc, rank,
+                "" if named else " (as the job's directory says)",
+            )  # fmt: skip
+            self.addresses[k], self.ranks[k] = address, rank
+            try:
+                self.clients[k] = self.connect(k)
+                break
+            except ServerUnreachable as again:  # gone too: the next place, if any
+                exc = again
+        else:
+            raise exc
+        self.moved[k] = lost
         if lost != self.worker and lost < self.workers:
             # the lost server's host took its worker with it: the new server must not wait
             # for it (a worker that is still alive counts again at its next hello)
             self.clients[k].call("done", worker=lost, forgotten=True,
                                  lost_server=lost_address)  # fmt: skip
+
+    def _next_place(self, k: int) -> tuple[str, int] | None:
+        """Where shard ``k``'s server went: the standby its answers named, else (none, or it
+        was found lost) the job's directory's place for it (a standby that attached since,
+        or one that took over already); None if neither."""
+        named = self.standbys.get(k)
+        if named is not None and named[0] not in self._lost:
+            return named
+        found: Place | None = None
+        if self.directory is not None:
+            found = self.directory.next_after(k, self._lost)
+        return None if found is None else (found.address, found.rank)
 
     def read(self, shards: Sequence[int], into: dict[int, list[torch.Tensor]], load: Load) -> None:
         """Read ``shards``' values that changed since the last read, all replies' receives
@@ -327,8 +357,6 @@ class ShardClients:
                 try:
                     self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
                 except ServerUnreachable as exc:  # a server lost at the end: its standby
-                    if k not in self.standbys:
-                        raise
                     self.fail_over(ShardLost(k, str(exc)))
                     self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
             except Exception as exc:  # leaving must not fail: the server may have stopped
