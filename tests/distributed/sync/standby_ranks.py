@@ -300,13 +300,18 @@ def replay(
     return out, accepted
 
 
-def chief_second_loss(ctx: RankContext, last_step: int, save_to: str) -> dict:
+def chief_second_loss(ctx: RankContext, last_step: int, save_to: str, told: bool = True) -> dict:
     """R = 2 of N = 3 workers (ranks 0-2), the chief on rank 0 and its standby on rank 1.
     Rank 0 is SIGKILLed after 4 steps; ranks 1 and 2 move to the standby.  Rank 3, a restarted
     worker 0, joins the new chief by address with ``standby=True``: it becomes its standby
     from its live state.  Once worker 2 sends its gradients there too, rank 1 is killed as
     well, and ranks 2 and 3 finish on rank 3's copy.  Every rank's records go to a file
-    before each push (two ranks die), for :func:`replay`."""
+    before each push (two ranks die), for :func:`replay`.
+
+    ``told=False``: worker 2 has no answer naming rank 3's copy when rank 1 dies -- it waits
+    from its move to rank 1 until rank 1 is dead, and rank 3 attaches only once it waits,
+    rank 1 dies as soon as its record in the job's directory names rank 3 -- so it finds
+    rank 3's copy through the directory alone (before it, the job stopped there)."""
     from tests.distributed.sync_ranks import _wait_dead
 
     N, R = 3, 2
@@ -318,6 +323,8 @@ def chief_second_loss(ctx: RankContext, last_step: int, save_to: str) -> dict:
         ctx.signal("joined")
         ctx.wait_signal(0, "die", timeout=60)
         _wait_dead(int((folder / "pid-0").read_text()))
+        if not told:
+            ctx.wait_signal(2, "waits", timeout=60)
         opened = []
         load = torch.load
 
@@ -353,10 +360,20 @@ def chief_second_loss(ctx: RankContext, last_step: int, save_to: str) -> dict:
     while opt.global_step < last_step:
         if ctx.rank == 0 and count == 4:
             _die(ctx)
-        met = Path(ctx.workdir, "signal-2-met").exists()
+        met = Path(ctx.workdir, "signal-2-met").exists() or not told
         if ctx.rank == 1 and met and Path(ctx.workdir, "signal-3-attached").exists():
             _wait_dead(int((folder / "pid-0").read_text()))
+            directory = opt.exchange.directory
+            assert directory is not None and directory.flush()
+            (server, standby) = directory.read(0)
+            assert standby is not None and standby.rank == 0  # rank 3's copy (worker 0)
             _die(ctx)
+        if ctx.rank == 2 and not told and opt.chief_moved_from == 0:
+            assert opt.exchange.clients.standby is None  # no answer named one
+            ctx.signal("waits")
+            ctx.wait_signal(1, "die", timeout=60)
+            _wait_dead(int((folder / "pid-1").read_text()))
+            told = True  # (once)
         opt.zero_grad()
         loss_of(model, worker, count + (100 if ctx.rank == 3 else 0)).backward()
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()

@@ -122,14 +122,16 @@ def test_under_auto_the_standby_takes_the_chiefs_choices_and_survives_its_loss(t
 
 
 @pytest.mark.faults
-def test_a_restarted_process_becomes_the_standby_and_a_second_loss_is_survived(tmp_path):
+@pytest.mark.parametrize("told", [True, False], ids=["named-in-an-answer", "by-the-directory"])
+def test_a_restarted_process_becomes_the_standby_and_a_second_loss_is_survived(tmp_path, told):
     """Rank 0 (the chief and worker 0) is killed; its standby on rank 1 takes over.  A
     restarted worker 0 (rank 3) joins by address with ``standby=True`` and becomes the new
     chief's standby from its live state (no file opened).  Rank 1 is killed too; ranks 2 and
     3 finish on rank 3's copy, and its variables are the float64 replay of every update
-    made, each gradient counted once."""
+    made, each gradient counted once.  ``by-the-directory``: rank 1 dies before any answer
+    to worker 2 named rank 3's copy; worker 2 finds it in the job's directory."""
     out = run_ranks(
-        standby_ranks.chief_second_loss, 4, args=(LAST + 8, str(tmp_path)), timeout=150,
+        standby_ranks.chief_second_loss, 4, args=(LAST + 8, str(tmp_path), told), timeout=150,
         kill_on={0: "die", 1: "die"}, init_process_group=False,
     )  # fmt: skip
     assert out[0] == RankKilled(0) and out[1] == RankKilled(1)

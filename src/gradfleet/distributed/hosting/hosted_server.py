@@ -377,10 +377,10 @@ class HostedServer:
                 return
             self._held.popleft()
             if state == "done":
-                self._emit(outputs)
                 if self._attached_at is not None and number >= self._attached_at:
-                    self._attached_at = None  # the new standby holds the whole state
-                    self._say_where()
+                    self._attached_at = None  # the new standby holds the whole state: said
+                    self._say_where()  # before its attach is answered
+                self._emit(outputs)
                 continue
             failure = self.forwarder.failure
             kind, message = (
