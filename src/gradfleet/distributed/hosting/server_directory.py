@@ -41,9 +41,6 @@ __all__ = ["Place", "ServerDirectory", "job_directory"]
 log = logging.getLogger(__name__)
 
 PREFIX = "gradfleet/servers/"
-STORE_S = 5.0
-"""How long one read or write of the record may take: a live store answers in
-milliseconds, and a caller asks only when a server is already lost."""
 
 
 class Place(NamedTuple):
@@ -112,7 +109,7 @@ class ServerDirectory:
                 self._writing = False
                 self._said.notify_all()
 
-    def flush(self, seconds: float = STORE_S) -> bool:
+    def flush(self, seconds: float = 10.0) -> bool:
         """Wait until every record published so far is written; False after ``seconds``."""
         with self._said:
             return self._said.wait_for(lambda: not self._unsaid and not self._writing, seconds)
@@ -142,11 +139,13 @@ class ServerDirectory:
         return None
 
 
-def job_directory(name: str, joining: bool) -> ServerDirectory | None:
+def job_directory(name: str, joining: bool, timeout: float) -> ServerDirectory | None:
     """The directory ``name`` on this job's store: the process group's (``joining``: a
     restarted process outside it, the store at ``MASTER_ADDR:MASTER_PORT``), through a client
-    of its own (the callers' threads must not queue behind the group's store calls); None
-    where there is no store to share."""
+    of its own (the callers' threads must not queue behind the group's store calls), which
+    may take the job's ``timeout`` to connect and answer, as the job's other store clients
+    (a loaded machine's store answers a connect late; one that never does is gone, and the
+    first caller finds out after that wait, once); None where there is no store to share."""
     if joining:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             return None
@@ -161,7 +160,7 @@ def job_directory(name: str, joining: bool) -> ServerDirectory | None:
 
     def connect() -> dist.Store:
         return dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=STORE_S),
+            host, port, is_master=False, timeout=timedelta(seconds=timeout),
             wait_for_workers=False,
         )  # fmt: skip
 

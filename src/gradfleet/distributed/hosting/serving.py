@@ -358,4 +358,4 @@ def _directory(spec: dict[str, Any], joining: bool) -> Any:
     """The job's directory of its servers that the spec names (the workers' exchange's), or
     None (no standbys)."""
     name = spec.get("directory")
-    return None if name is None else job_directory(name, joining)
+    return None if name is None else job_directory(name, joining, spec["job"].timeout)

@@ -100,7 +100,9 @@ class ServerExchange:
         self._directory_name: str | None = None
         if job.standby is not False and job.standby is not None:
             self._directory_name = f"sync/{next(_MADE)}"
-            self.directory = job_directory(self._directory_name, joining=given is not None)
+            self.directory = job_directory(
+                self._directory_name, joining=given is not None, timeout=job.timeout
+            )
         self.is_chief = given is None and worker == ranks[0]
         self.server_addresses = self._start_servers(host) if given is None else list(given)
         self.server_address = self.server_addresses[0]
