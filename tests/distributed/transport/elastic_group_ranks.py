@@ -126,3 +126,35 @@ def joins_after_the_end(ctx: RankContext, port: int) -> dict:
     ctx.signal("closed")
     ctx.wait_signal(2, "told", timeout=90)  # the store lives in this process
     return {"sums": sums, "members": group.members}
+
+
+def one_leaves_for_the_next(ctx: RankContext, port: int) -> dict:
+    """Two members sum 3 times; then rank 1 begins the next generation without joining the
+    fourth sum (as a member does that took another for lost on a late heartbeat), while rank
+    0 waits in it.  Rank 0 leaves the sum and re-forms too; both sum again in generation 1.
+    The group's timeout is 60 s: a wait that ran into it would fail the test's deadline."""
+    store = _store(ctx, port, 60)
+    group = ElasticGroup(store, ctx.rank, 2, timeout=60)
+    sums, seen = [], {}
+    for _ in range(3):
+        x = torch.tensor([float(ctx.rank + 1)])
+        group.all_reduce(x)
+        sums.append(x.item())
+    if ctx.rank == 0:
+        x = torch.tensor([1.0])
+        try:
+            group.all_reduce(x)
+            seen["left"] = None
+        except LINK_ERRORS as exc:
+            seen["left"] = str(exc)
+    # rank 1's old group stays open, as one dropped with a collective abandoned in it does
+    # (its destructor waits for that collective): rank 0 is not failed by closed sockets
+    held = group.pg if ctx.rank == 1 else None
+    seen["changed"] = list(group.reform())
+    del held
+    x = torch.tensor([float(ctx.rank + 1)])
+    group.all_reduce(x)
+    sums.append(x.item())
+    seen.update(sums=sums, generation=group.generation)
+    group.close()
+    return seen

@@ -65,3 +65,21 @@ def test_a_process_restarted_after_the_job_ended_is_told_at_once():
     assert out[2]["error"] is not None, "the late joiner was taken in by a closed group"
     assert "the job ended" in out[2]["error"], out[2]["error"]
     assert out[2]["took"] < 10, out[2]  # polled every 50 ms: not the 60 s timeout
+
+
+@pytest.mark.faults
+def test_a_member_waiting_in_a_sum_leaves_it_when_another_begins_the_next_generation():
+    """Rank 1 begins generation 1 while rank 0 waits for it in a sum of generation 0 (what a
+    member does that took another for lost on a loaded machine's late heartbeat): rank 0
+    leaves the sum, naming rank 1's re-forming, instead of waiting for gloo's 60 s timeout
+    while rank 1 waits for it, beating, to arrive (the project's CI met that stall under the
+    torchrun recipe).  Both then sum in generation 1, neither lost."""
+    out = run_ranks(
+        egr.one_leaves_for_the_next, 2, args=(free_port(),), timeout=45,
+        init_process_group=False,
+    )  # fmt: skip
+    assert "rank 1 is forming generation 1" in out[0]["left"], out[0]
+    for rank in (0, 1):
+        assert out[rank]["changed"] == [[], []]  # nobody gone, nobody new
+        assert out[rank]["generation"] == 1
+        assert out[rank]["sums"] == [3.0] * 4

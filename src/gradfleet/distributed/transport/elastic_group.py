@@ -22,6 +22,11 @@ a prefix of that generation.
   thread may still write into the tensor if the hung member comes back, and the caller must
   never use that tensor again.  The group is dropped as on any loss (its destructor, on a
   thread of its own, waits for the abandoned collective until its timeout).
+* **A member that left.**  Once another member begins the next generation (it took a member
+  for lost, or takes a restarted process in), no collective of this one can complete: a member
+  waiting on one leaves it too (:meth:`ElasticGroup.reforming`).  Before, a member that a
+  loaded machine's late heartbeat made another take for lost waited in the all-reduce until
+  gloo's timeout, while the other waited for it, beating, to arrive in the next generation.
 * **Who is in** (:class:`..common.quorum.Quorum`): every candidate (the last generation's
   members and the ranks asking to join) announces itself; the others are waited for until
   their heartbeat -- a counter each process adds to from a thread of its own every
@@ -155,9 +160,6 @@ class ElasticGroup:
         self._handles = 0
         self._silence: Silence | None = None  # what the last watch saw, for the next quorum
         self.abandoned = 0  # collectives given up on a silent member (module docstring)
-        # the first-R exchange's members re-form at different points: one blocked in a
-        # point-to-point wait leaves it once another member begins the next generation
-        self.watch_reforming = False
         self._stop = threading.Event()
         self._dropping: list[threading.Thread] = []  # groups let go of, still closing
         self._p2p: _PointToPointWaiter | None = None  # this generation's
@@ -498,8 +500,8 @@ class ElasticGroup:
     def watcher(self) -> Callable[[], str | None]:
         """A check to call every ``_WATCH_S`` or so while waiting on the members: why the
         wait will never end, or None -- a member whose heartbeat stood still for
-        ``dead_after``, a newer generation formed without this rank, or (with
-        ``watch_reforming``) another member forming the next one."""
+        ``dead_after``, a newer generation formed without this rank, or another member
+        forming the next one (module docstring: a member that left)."""
         others = [r for r in self.members if r != self.rank]
         silence = Silence(self.dead_after)
 
@@ -517,9 +519,7 @@ class ElasticGroup:
                     f"generation {self.generation + 1} formed without rank {self.rank} (it "
                     "was silent, and is back)"
                 )
-            if self.watch_reforming:
-                return self.reforming()  # a peer this waits for may be among those re-forming
-            return None
+            return self.reforming()  # a peer this waits for may be among those re-forming
 
         return check
 

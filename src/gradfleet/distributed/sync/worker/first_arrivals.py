@@ -109,7 +109,6 @@ class FirstArrivalsExchange(ServerlessExchange):
         self._first_at = 0.0  # when the first R of this update were known (the leader's)
         self.R = R
         if elastic:
-            group.watch_reforming = True  # members re-form at different points (a wait ends)
             store = group.root
         elif store is None:
             store = dist.distributed_c10d._get_default_store()
