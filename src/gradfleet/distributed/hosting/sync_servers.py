@@ -284,38 +284,36 @@ class SyncServers:
             self._reports[k].request("applied", **report)
             self._unread.add(k)
             return
-        for attempt in range(3):  # the chief; a standby that took over; that one's standby
+        lost: set[str] = set()  # where the chief did not answer this report
+        while True:
             try:
                 answer = self._reports[k].call("applied", **report)
                 break
             except ServerUnreachable as exc:
-                if attempt == 2:
-                    raise
-                self._reports[k] = self._next_chief(k, exc)
+                lost.add(self._reports[k].address)
+                self._reports[k] = self._next_chief(k, exc, lost)
         self._follow_chief(k, answer)
 
-    def _next_chief(self, k: int, exc: ServerUnreachable) -> MailboxClient:
-        """Shard ``k``'s link to the chief failed (``exc``): a link to where the chief is now,
-        the standby the chief's last answer named, else (none, or it is gone too) where the
-        directory says; raises ``exc`` if neither answers."""
-        lost = {self._reports[k].address}
-        named = self._chief_standbys.get(k, self.chief_standby)
-        for source in ("named", "directory"):
-            if source == "named":
+    def _next_chief(self, k: int, exc: ServerUnreachable, lost: set[str]) -> MailboxClient:
+        """Shard ``k``'s link to the chief failed (``exc``) at every address in ``lost``: a
+        link to where the chief is now -- the standby the chief's last answer named, else
+        where the directory says -- each place that refuses added to ``lost``; raises ``exc``
+        once there is none left (each place is tried once: ``lost`` only grows)."""
+        while True:
+            named = self._chief_standbys.get(k, self.chief_standby)
+            if named is not None and named not in lost:
                 address = named
             else:
                 found = None if self.directory is None else self.directory.next_after(0, lost)
-                address = None if found is None else found.address
-            if address is None or address in lost:
-                continue
+                if found is None:
+                    raise exc
+                address = found.address
             log.warning("shard %d: the chief is lost (%s); reporting to %s", k, exc, address)
             try:
                 return self._chief_link(k, address)
             except ServerUnreachable as gone:  # a standby lost since its chief named it
                 log.warning("shard %d: the chief is not at %s either: %s", k, address, gone)
                 lost.add(address)
-                self._chief_standbys[k] = None
-        raise exc
 
     def _say_where(self, k: int, hosted: HostedServer) -> None:
         """Server ``k``, served here by ``hosted``, says where it and its standby are now."""

@@ -271,7 +271,7 @@ class ShardClients:
         k = exc.shard if isinstance(exc, ShardLost) else 0
         lost = self.ranks[k]
         lost_address = self.addresses[k]
-        for _ in range(3):  # its standby; where the directory says it went; that one's
+        while True:  # each place tried once: it joins the lost ones, which _next_place skips
             self._lost.add(self.addresses[k])
             place = self._next_place(k)
             if place is None:
@@ -290,8 +290,6 @@ class ShardClients:
                 break
             except ServerUnreachable as again:  # gone too: the next place, if any
                 exc = again
-        else:
-            raise exc
         self.moved[k] = lost
         if lost != self.worker and lost < self.workers:
             # the lost server's host took its worker with it: the new server must not wait
