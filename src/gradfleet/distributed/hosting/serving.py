@@ -54,7 +54,7 @@ from .hosted_server import (
     server_host,
     share_address,
 )
-from .server_directory import job_directory
+from .server_directory import ServerDirectory, job_directory
 from .standby import standby_rank, standby_ranks
 from .sync_servers import SyncServers, start_standby
 
@@ -354,7 +354,7 @@ def serve(
     return server.state_dict()
 
 
-def _directory(spec: dict[str, Any], joining: bool) -> Any:
+def _directory(spec: dict[str, Any], joining: bool) -> ServerDirectory | None:
     """The job's directory of its servers that the spec names (the workers' exchange's), or
     None (no standbys)."""
     name = spec.get("directory")

@@ -263,8 +263,9 @@ class SyncServers:
         chief that died is reported to the pushing workers then (and by the workers' own
         token requests at once).  In a replicated job the answer is waited for: a report the
         chief took with it is sent again to where the chief is now (its standby, which the
-        chief answered only once it had the report; or a standby that took over already),
-        as the job's directory says, else as the chief's last answer said.  Were it left
+        chief answered only once it had the report; or a standby that took over already):
+        where the chief's last answer said, else (none, or gone too) where the job's
+        directory says.  Were it left
         unread, a report lost with the chief would leave the new chief one update behind
         that shard for good."""
         if not isinstance(effect, Applied):
