@@ -204,7 +204,9 @@ def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: s
     return out
 
 
-def worker_with_a_shard_lost(ctx: RankContext, last_step: int, lost_at: int, cut: str) -> dict:
+def worker_with_a_shard_lost(
+    ctx: RankContext, last_step: int, lost_at: int, cut: str, replicas: int | str = 2
+) -> dict:
     """N = 3 workers, R = 2, the variables in two shards on the workers (the chief on rank 0,
     shard 1 on rank 1), each with a standby chosen for the job (both on rank 2).  Rank 1 -- a
     worker and shard 1's server -- is SIGKILLed at its own push number ``lost_at`` to shard 1
@@ -215,8 +217,8 @@ def worker_with_a_shard_lost(ctx: RankContext, last_step: int, lost_at: int, cut
         _cut(ctx, cut, lost_at, "push", worker=1)
     model = make_model()
     opt = SyncReplicasOptimizer(
-        sgd(model.parameters()), 2, N, timeout=30, last_step=last_step, transport="server",
-        server_ranks=[0, 1], standby=True,
+        sgd(model.parameters()), replicas, N, timeout=30, last_step=last_step,
+        transport="server", server_ranks=[0, 1], standby=True,
     )  # fmt: skip
     standbys = {k: v[1] for k, v in opt.exchange.clients.standbys.items()}
     _joined(ctx)

@@ -85,15 +85,17 @@ def test_a_server_killed_mid_update_every_update_counts_once(tmp_path, lost, cut
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize("replicas", [2, "auto"])
 @pytest.mark.parametrize("cut", ["applied", "unsent"])
-def test_a_worker_holding_a_shard_killed_mid_update_the_others_go_on(cut):
-    """Rank 1, a worker that also serves shard 1 (R = 2 of 3, shards over the workers), is
+def test_a_worker_holding_a_shard_killed_mid_update_the_others_go_on(cut, replicas):
+    """Rank 1, a worker that also serves shard 1 (R = 2 of 3, or chosen per update: its
+    standbys then follow the chief's choices; shards over the workers), is
     SIGKILLed in its own fourth push to its shard: once shard 1's standby has the push, or
     before it does.  Its gradient of that step may then be in one shard's update and not the
     other's; the survivors move shard 1 to its standby and reach ``last_step``, equal, each
     shard having made every update once from R gradients."""
     out = run_ranks(
-        standby_ranks.worker_with_a_shard_lost, N, args=(LAST, 4, cut), timeout=150,
+        standby_ranks.worker_with_a_shard_lost, N, args=(LAST, 4, cut, replicas), timeout=150,
         kill_on={1: "die"},
     )  # fmt: skip
     assert out[1] == RankKilled(1)
@@ -104,5 +106,9 @@ def test_a_worker_holding_a_shard_killed_mid_update_the_others_go_on(cut):
             assert torch.equal(a, b)
     copy, chief = out[2]["shard1"], out[0]["chief"]
     assert copy["promoted"] and copy["step"] == LAST and chief["global_step"] == LAST
+    # each update's R: the chief's choice under "auto" (the same for the shard's copy, which
+    # the chief tells when it lowers one)
+    assert len(chief["history"]) == LAST and set(chief["history"]) <= {1, 2, 3}
+    want = 2 * LAST if replicas == 2 else sum(chief["history"])
     for stats in (copy["stats"], chief["stats"]):
-        assert sum(s["accepted"] for s in stats.values()) == 2 * LAST, stats
+        assert sum(s["accepted"] for s in stats.values()) == want, (stats, chief["history"])

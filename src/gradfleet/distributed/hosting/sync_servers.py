@@ -99,6 +99,7 @@ class SyncServers:
         self._resizes: dict[int, MailboxClient] = {}  # the chief's links to shards 1..
         self._unread: set[int] = set()  # shards whose last report's answer is not read yet
         self._unread_resizes: set[int] = set()
+        self._shard_addresses: dict[int, str] = {}  # shards 1.., for a chief's copy's resizes
         self._linked = threading.Event()
         self._probes: dict[str, Callable[[], None]] = {}
         # the probing thread's first failure, (whom, error), for the chief's tick to decide
@@ -136,7 +137,7 @@ class SyncServers:
             self.standby_server = HostedServer(
                 self.standby_chief, self.standby_chief.members, host,
                 f"SyncReplicas chief (standby on rank {rank})", standby=True,
-                announce=partial(self._say_where, 0),
+                perform=self._standby_resize, announce=partial(self._say_where, 0),
             )  # fmt: skip
         for k in range(1, len(self.ranks)):
             if rank not in (self.ranks[k], self.standbys[k]) or (only and k not in only):
@@ -167,12 +168,10 @@ class SyncServers:
         probe the shard servers."""
         for k in [*self.shards, *self.standby_shards]:
             self._reports[k] = self._chief_link(k, addresses[0])
+        self._shard_addresses = {k: a for k, a in addresses.items() if k}
         if self.chief is not None and self.chief.policy is not None:
             for k in range(1, len(self.ranks)):
-                self._resizes[k] = MailboxClient(
-                    addresses[k], "chief", self.timeout + 10.0,
-                    f"server rank {self.ranks[k]} (shard {k})", data=False,
-                )  # fmt: skip
+                self._link_resize(k, set())
         self._linked.set()
         if self.chief is None:
             return
@@ -350,11 +349,65 @@ class SyncServers:
             raise TypeError(f"SyncReplicas chief: unknown effect {effect!r}")
         if not self._linked.wait(self.timeout):
             raise ServerUnreachable("SyncReplicas chief: no link to the shards")
-        for k, client in self._resizes.items():
-            if k in self._unread_resizes:
-                client.response()
-            client.request("replicas", worker=-1, step=effect.step, r=effect.replicas)
-            self._unread_resizes.add(k)
+        self._tell_shards(effect)
+
+    def _standby_resize(self, effect: Any) -> None:
+        """The chief's copy's :class:`Resized`.  Until it takes over, its primary told the
+        shards (each shard's copy is forwarded that ``replicas`` request too): nothing to do.
+        Once it took over it tells them itself: a worker lost with the chief's host leaves
+        fewer live workers than the R the shards wait for."""
+        if not isinstance(effect, Resized):
+            raise TypeError(f"SyncReplicas chief (standby): unknown effect {effect!r}")
+        assert self.standby_server is not None
+        if self.standby_server.took_over:
+            self._tell_shards(effect)
+
+    def _tell_shards(self, effect: Resized) -> None:
+        """Send every shard 1.. the lowered R (``replicas``).  A shard found lost is told at
+        its next place -- where the job's directory says its standby is -- once; a shard with
+        none is logged and left to lower its R itself as its workers leave."""
+        for k in range(1, len(self.ranks)):
+            lost: set[str] = set()
+            while True:
+                client = self._resizes.get(k) or self._link_resize(k, lost)
+                if client is None:
+                    log.warning("SyncReplicas chief: shard %d not told R=%d for step %d: no "
+                                "server of it answers", k, effect.replicas, effect.step)  # fmt: skip
+                    break
+                try:
+                    if k in self._unread_resizes:
+                        self._unread_resizes.discard(k)
+                        client.response()
+                    client.request("replicas", worker=-1, step=effect.step, r=effect.replicas)
+                    self._unread_resizes.add(k)
+                    break
+                except ServerUnreachable as exc:
+                    log.warning("SyncReplicas chief: shard %d's server is lost (%s)", k, exc)
+                    lost.add(client.address)
+                    del self._resizes[k]
+
+    def _link_resize(self, k: int, lost: set[str]) -> MailboxClient | None:
+        """A link from the chief to shard ``k`` (for resizes), at the first of its places not
+        in ``lost`` -- where it started, then where the job's directory says -- each place
+        that refuses added to ``lost``; None where none is left."""
+        while True:
+            address = self._shard_addresses.get(k)
+            if address is None or address in lost:
+                found = None if self.directory is None else self.directory.next_after(k, lost)
+                if found is None:
+                    return None
+                address = found.address
+            try:
+                client = MailboxClient(
+                    address, f"chief-rank{self.rank}", self.timeout + 10.0,
+                    f"shard {k}'s server at {address}", data=False,
+                )  # fmt: skip
+            except ServerUnreachable as exc:
+                log.warning("SyncReplicas chief: shard %d not at %s: %s", k, address, exc)
+                lost.add(address)
+                continue
+            self._resizes[k], self._shard_addresses[k] = client, address
+            return client
 
     def _probe(self) -> None:
         """The probing thread: every ``PROBE_S`` seconds, each other server rank once, until

@@ -185,8 +185,8 @@ def check_standby(
     none.  None: on wherever the job has one server and already does without a host -- backup
     workers (R < N, or an R chosen per update), or a server on a rank that only serves; else
     off: several shards (their pushes then take TF's protocol, not read-ahead, so they are
-    replicated only when asked for; a chosen R then refuses one, since its standby takes each
-    R from the chief's copies).  A process that joins by address (``joining``) with ``True``
+    replicated only when asked for; under a chosen R each shard's copy follows the R its
+    pushes and the chief's resizes carry, as its server does).  A process that joins by address (``joining``) with ``True``
     becomes the standby of a chief that has none (its own took over).  The others place it
     with the process group's collectives (``grouped``: there is one)."""
     one = len(ranks) == 1
@@ -217,12 +217,6 @@ def check_standby(
             f"{_OWNER}: standby={standby!r} names one rank, and server_ranks={ranks} shards "
             "the variables over several servers: pass standby=True (a standby per shard, "
             "placed for the job)"
-        )
-    if chosen and not one:
-        raise ValueError(
-            f"{_OWNER}: standby={standby!r} with a chosen replicas_to_aggregate keeps a standby "
-            f"of one server, the chief, which takes each R from it; server_ranks={ranks} "
-            "shards the variables: use one server, or a fixed replicas_to_aggregate"
         )
     if not grouped and not joining:
         raise ValueError(
