@@ -371,8 +371,9 @@ class SyncServers:
             while True:
                 client = self._resizes.get(k) or self._link_resize(k, lost)
                 if client is None:
-                    log.warning("SyncReplicas chief: shard %d not told R=%d for step %d: no "
-                                "server of it answers", k, effect.replicas, effect.step)  # fmt: skip
+                    log.warning("SyncReplicas chief: shard %d not told R=%d for step %d: "
+                                "none of its servers answers", k, effect.replicas,
+                                effect.step)  # fmt: skip
                     break
                 try:
                     if k in self._unread_resizes:

@@ -186,9 +186,10 @@ def check_standby(
     workers (R < N, or an R chosen per update), or a server on a rank that only serves; else
     off: several shards (their pushes then take TF's protocol, not read-ahead, so they are
     replicated only when asked for; under a chosen R each shard's copy follows the R its
-    pushes and the chief's resizes carry, as its server does).  A process that joins by address (``joining``) with ``True``
-    becomes the standby of a chief that has none (its own took over).  The others place it
-    with the process group's collectives (``grouped``: there is one)."""
+    pushes and the chief's resizes carry, as its server does).  A process that joins by
+    address (``joining``) with ``True`` becomes the standby of a chief that has none (its own
+    took over).  The others place it with the process group's collectives (``grouped``: there
+    is one)."""
     one = len(ranks) == 1
     dedicated = one and ranks[0] >= N  # (no ranks: check_server_ranks names the error)
     if standby is None:
