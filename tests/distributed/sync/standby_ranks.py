@@ -205,16 +205,23 @@ def shard_lost(ctx: RankContext, last_step: int, lost: int, lost_at: int, cut: s
 
 
 def worker_with_a_shard_lost(
-    ctx: RankContext, last_step: int, lost_at: int, cut: str, replicas: int | str = 2
+    ctx: RankContext,
+    last_step: int,
+    lost_at: int,
+    cut: str,
+    replicas: int | str = 2,
+    lost: int = 1,
 ) -> dict:
-    """N = 3 workers, R = 2, the variables in two shards on the workers (the chief on rank 0,
-    shard 1 on rank 1), each with a standby chosen for the job (both on rank 2).  Rank 1 -- a
-    worker and shard 1's server -- is SIGKILLed at its own push number ``lost_at`` to shard 1
-    (:func:`_cut`): its gradient of that step may be in one shard's update and not the
-    other's.  The survivors must go on to ``last_step`` all the same."""
+    """N = 3 workers, R = 2 (or chosen per update), the variables in two shards on the
+    workers (the chief on rank 0, shard 1 on rank 1), each with a standby chosen for the job
+    (both on rank 2).  Rank ``lost`` -- a worker and a server: shard 1's (rank 1), or the
+    chief's (rank 0) -- is SIGKILLed at its own request number ``lost_at`` to its server (a
+    push; the chief's step request) (:func:`_cut`): its gradient of that step may be in one
+    shard's update and not the other's.  The survivors must go on to ``last_step`` all the
+    same."""
     N = 3
-    if ctx.rank == 1:
-        _cut(ctx, cut, lost_at, "push", worker=1)
+    if ctx.rank == lost:
+        _cut(ctx, cut, lost_at, "push" if lost else "step", worker=lost)
     model = make_model()
     opt = SyncReplicasOptimizer(
         sgd(model.parameters()), replicas, N, timeout=30, last_step=last_step,
@@ -230,13 +237,22 @@ def worker_with_a_shard_lost(
         "moved": dict(opt.exchange.clients.moved),
     }
     ctx.signal("trained")
-    for r in (0, 2):
+    for r in set(range(N)) - {lost}:
         ctx.wait_signal(r, "trained", timeout=60)
     servers = opt.exchange.servers
     if servers is not None:
         out |= _standby_shards(servers)
         if servers.chief is not None:
             out["chief"] = _chief_state(servers.chief)
+        if servers.standby_chief is not None:
+            assert servers.standby_server is not None and servers.standby_server.standby
+            out["chief copy"] = _chief_state(servers.standby_chief)
+            out["chief copy"]["promoted"] = servers.standby_server.standby.promoted
+        for k, (server, _) in servers.shards.items():
+            out[f"shard{k} server"] = {
+                "stats": {int(w): dict(v) for w, v in server.shard.aggregator.stats.items()},
+                "lowered": server.lowered,
+            }
     opt.close()
     return out
 

@@ -112,3 +112,37 @@ def test_a_worker_holding_a_shard_killed_mid_update_the_others_go_on(cut, replic
     want = 2 * LAST if replicas == 2 else sum(chief["history"])
     for stats in (copy["stats"], chief["stats"]):
         assert sum(s["accepted"] for s in stats.values()) == want, (stats, chief["history"])
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("cut", ["applied", "unsent"])
+def test_the_chiefs_host_lost_under_auto_with_shards_its_copy_tells_the_shards(cut):
+    """``replicas_to_aggregate="auto"`` with a standby per shard: rank 0 -- a worker and the
+    chief -- is SIGKILLed in its second step request, during the warm-up at R = N.  The
+    chief's copy takes over and lowers the pending update's R to the two live workers; shard
+    1's server (alive) is told so by the copy, not left waiting for a third gradient.  Both
+    survivors reach ``last_step`` equal, and each shard made every update from the R the
+    chief chose for it."""
+    out = run_ranks(
+        standby_ranks.worker_with_a_shard_lost, N, args=(LAST, 2, cut, "auto", 0),
+        timeout=150, kill_on={0: "die"},
+    )  # fmt: skip
+    assert out[0] == RankKilled(0)
+    for r in (1, 2):
+        assert out[r]["global_step"] == LAST
+        assert out[r]["moved"] == {0: 0}
+        for a, b in zip(out[r]["final"], out[1]["final"], strict=True):
+            assert torch.equal(a, b)
+    chief, shard = out[2]["chief copy"], out[1]["shard1 server"]
+    assert chief["promoted"] and chief["global_step"] == LAST
+    history = chief["history"]
+    assert len(history) == LAST and set(history) <= {1, 2, 3}, history
+    # the copy lowered an R and told shard 1 (its primary is dead: only the copy could)
+    assert shard["lowered"] is not None and shard["lowered"][1] <= 2, (shard, history)
+    accepted = {w: s["accepted"] for w, s in chief["stats"].items()}
+    assert sum(accepted.values()) == sum(history), (chief["stats"], history)
+    # shard 1 may have made the update pending at the loss from all three gradients before
+    # the lowered R reached it (rank 0's push to shard 1 came before the step request it died
+    # in, which the copy withdrew): TF's per-variable race, one gradient at most
+    theirs = sum(s["accepted"] for s in shard["stats"].values())
+    assert theirs - sum(history) in (0, 1), (shard["stats"], history)
