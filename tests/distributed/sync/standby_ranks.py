@@ -269,6 +269,7 @@ def _standby_shards(servers) -> dict:
             "step": server.shard.step,
             "promoted": hosted.standby.promoted,
             "paired": hosted.standby.paired,
+            "given_updates": server.shard.given_updates,
         }
     return out
 

@@ -33,15 +33,16 @@ def _check_trajectory(out: list) -> list[torch.Tensor]:
 
 def test_each_shard_has_a_bit_identical_standby(tmp_path):
     """No loss: the standbys are spread over the workers (the chief's on rank 0, shard 1's on
-    rank 1), each holds its server's variables and counters bit for bit, and every push's
-    gradients came to shard 1's copy from the workers themselves (none through its server)."""
+    rank 1), each holds its server's variables and counters bit for bit; no worker sent shard
+    1's copy a gradient, and its server's link carried one average per update to it."""
     out = run_ranks(standby_ranks.shard_lost, N + 2, args=(LAST, 4, 0, "", str(tmp_path)),
                     timeout=150)  # fmt: skip
     assert all(out[r]["standbys"] == {0: 0, 1: 1} for r in range(N))
     final = _check_trajectory(out)
     copy = out[1]["shard1"]
     assert not copy["promoted"] and copy["step"] == LAST
-    assert copy["paired"] == N * LAST  # every push's gradients, from its worker
+    assert copy["paired"] == 0  # no gradient from a worker
+    assert copy["given_updates"] == LAST  # each update its server's averages
     for i, p in zip(copy["indices"], copy["params"], strict=True):
         assert torch.equal(p, final[i])
     assert {w: s["accepted"] for w, s in copy["stats"].items()} == dict.fromkeys(range(N), LAST)

@@ -277,6 +277,9 @@ class SyncServers:
         k = effect.shard
         noise = {} if effect.noise is None else {"noise": list(effect.noise)}
         report = {"worker": -1, "shard": k, "step": effect.step, **noise}
+        if effect.withdrawn:  # a standby that took over: where, and whose steps come again
+            copy = self.standby_shards[k][1]
+            report |= {"withdrawn": [list(p) for p in effect.withdrawn], "at": copy.address}
         if k in self._unread:  # the last report's answer (an unreplicated job's)
             self._unread.discard(k)
             self._follow_chief(k, self._reports[k].response())
@@ -340,7 +343,7 @@ class SyncServers:
         if k in self._took_over or not hosted.took_over:
             return []
         self._took_over.add(k)
-        return [Applied(k, server.shard.step)]
+        return [Applied(k, server.shard.step, withdrawn=server.withdrawn_pushes())]
 
     def _resize(self, effect: Any) -> None:
         """The chief's :class:`Resized`: tell every other shard (answers read at the next one,

@@ -150,6 +150,9 @@ class SyncChief:
         self.standby_replaced = {"step": ("grads",)} if replicated else {}
         self.standby_direct = {} if replicated else {"step": ("grads",)}
         self.withdrawn: set[int] = set()  # (a standby that took over) steps to offer again
+        # worker -> (shard, step number, where): a shard's standby withdrew that step's
+        # gradient; the worker is told to send it again when its step request comes
+        self.told_again: dict[int, tuple[int, int, str | None]] = {}
         if job.policy is not None:
             shard.measure()
         self._choose()
@@ -290,8 +293,9 @@ class SyncChief:
                 self.measured.noise(int(msg["step"]) - 1, *msg["noise"])
             self.applied[k] = max(self.applied[k], int(msg["step"]))
             self._advance()
+            again = self._send_again(k, msg.get("withdrawn", ()), msg.get("at"))
             # where this chief's standby is now: the shard reports there once it is lost
-            return [*self._serve_tokens(), Answer(ticket, self._named())]
+            return [*again, *self._serve_tokens(), Answer(ticket, self._named())]
         worker = int(msg["worker"])
         if op == "done" and self._stale(worker, msg):
             return [Answer(ticket, {"global_step": self.global_step})]
@@ -386,6 +390,9 @@ class SyncChief:
             if self.numbers.get(worker) == int(number):
                 return self._again(worker, msg, ticket)
             self.numbers[worker] = int(number)
+            told = self.told_again.get(worker)
+            if told is not None and told[1] != int(number):
+                del self.told_again[worker]  # (an older step's: that gradient is not coming)
         if not self.requests.ready(msg):
             self.requests.park(msg, ticket)  # its push to shard 0 is still on its way
             return []
@@ -400,7 +407,30 @@ class SyncChief:
             if placed is not None:
                 return placed
         self._wait_for_token(msg, ticket, accepted)
+        if worker in self.told_again:  # a shard's standby withdrew this step's gradient
+            k, number, address = self.told_again.pop(worker)
+            return [*self._send_again(k, [(worker, number)], address), *self._serve_tokens()]
         return self._serve_tokens()
+
+    def _send_again(self, k: int, withdrawn: Any, address: str | None) -> list[Answer]:
+        """Shard ``k``'s standby took over (at ``address``) and withdrew the gradients of the
+        ``withdrawn`` ``(worker, step number)`` pushes (their sums went with its primary): each
+        such worker that waits in line for that step's token is told to send the step again
+        (``send_again``: it moves shard ``k`` there), keeping its place; one whose step request
+        has not come yet is told when it does (``told_again``)."""
+        out = []
+        for worker, number in withdrawn:
+            worker, number = int(worker), int(number)
+            if self.numbers.get(worker) != number:
+                if self.numbers.get(worker, -1) < number:  # (not an older step of it)
+                    self.told_again[worker] = (k, number, address)
+                continue
+            for entry in self.line:
+                if entry.worker == worker and entry.ticket is not None:
+                    out.append(Answer(entry.ticket, {"send_again": k, "at": address}))
+                    entry.ticket = None  # its step, sent again, waits here (_again)
+                    break
+        return out
 
     def _alive(self, worker: int) -> None:
         """A worker reported dead for good that still sends steps is alive: the report was

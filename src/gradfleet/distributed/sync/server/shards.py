@@ -317,6 +317,9 @@ class Applied:
     shard: int
     step: int
     noise: tuple[float, float, int] | None = None
+    # a standby that took over: the workers whose gradients it withdrew, each with the number
+    # of the push they came in (the chief has them send that step again)
+    withdrawn: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -336,13 +339,21 @@ class ShardServer:
     chief's (:class:`~.chief.SyncChief` adds ``global_step`` and the token line to it).
 
     A replicated shard (:mod:`...hosting.standby`): its workers number their pushes
-    (``number``) and send the gradients to the standby themselves (``standby_direct``); a push
-    sent again under the same number -- its worker moved here after the primary's loss -- gets
-    the answer it was given and is not offered again.  A new standby starts from
-    :meth:`replica_state`; hellos and push answers name the standby."""
+    (``number``); a push sent again under the same number -- its worker moved here after the
+    primary's loss -- gets the answer it was given and is not offered again.  The gradients
+    never travel twice (under the one-gradient-per-worker rule, as the chief's): a push's copy
+    leaves them out (``standby_replaced``) and carries what the primary decided from them
+    instead (:meth:`copy_fields`): the verdict, and with the copy of the request that made an
+    update, that update's averages, which the standby applies as they are.  So the primary's
+    link carries one average per update to the standby, not every worker's gradients.  The
+    standby only counts the pending update's gradients; when it takes over
+    (:meth:`take_over`) it withdraws them, and reports their workers to the chief with its
+    first report; the chief has each of them, which waits for that update's token, send its
+    step again, and its gradient is offered again then (:meth:`_again`).  Under TF's shared
+    token queue a worker may go on before the update its gradient joined, so there the workers
+    send their gradients to the standby themselves (``standby_direct``).  A new standby starts
+    from :meth:`replica_state`; hellos and push answers name the standby."""
 
-    # what a replicated shard's workers send its standby themselves, and no early answers
-    standby_direct = {"push": ("grads",)}
     standby_early: tuple[str, ...] = ()
 
     def __init__(
@@ -364,8 +375,65 @@ class ShardServer:
         self.standby_rank: int | None = None
         self.numbers: dict[int, int] = {}
         self.answered: dict[int, dict[str, Any]] = {}
+        # what a push's copy leaves out (class docstring): under the one-gradient-per-worker
+        # rule the gradients stay here and the copy carries the verdict and the averages
+        replaced = job.tokens == "distinct"
+        self.standby_replaced = {"push": ("grads",)} if replaced else {}
+        self.standby_direct = {} if replaced else {"push": ("grads",)}
+        # (a standby that took over) worker -> the number of the push to offer again
+        self.withdrawn: dict[int, int] = {}
 
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
+        if msg["op"] == "read":  # changes nothing (a standby's own rank reads it, following)
+            return self._handle(msg, ticket)
+        self._keep()
+        self.shard.given.extend(msg.get("updates", ()))
+        out = self._handle(msg, ticket)
+        if self.shard.given:
+            raise RuntimeError(
+                f"SyncReplicas {self.name}'s standby: its primary made {len(self.shard.given)} "
+                f"update(s) in handling a {msg.get('op')!r} that this copy did not make"
+            )
+        return out
+
+    def _keep(self) -> None:
+        """A primary with a standby keeps what the next request decides, for its copy."""
+        self.shard.keep = self.standby is not None and bool(self.standby_replaced)
+        self.shard.offered = None
+        self.shard.made.clear()
+
+    def copy_fields(self) -> dict[str, Any]:
+        """What the standby's copy of the request just handled carries besides it: the verdict
+        on the gradients it kept here, and the averages of the updates it made."""
+        out: dict[str, Any] = {}
+        if self.shard.offered is not None:
+            out["verdict"] = self.shard.offered
+        if self.shard.made:
+            out["updates"] = list(self.shard.made)
+        self._keep()
+        return out
+
+    def take_over(self) -> None:
+        """This standby takes its lost primary's place: the pending update's gradients it
+        only counted (their sums stayed with the primary) are withdrawn; its first report to
+        the chief names their workers (:meth:`withdrawn_pushes`), which send their step
+        again, and each gradient is offered again then (:meth:`_again`)."""
+        pending = sorted(self.shard.contributors)
+        if not self.standby_replaced or not pending:
+            return
+        self.shard.aggregator.withdraw(pending)
+        self.shard.contributors.clear()
+        self.withdrawn = {w: self.numbers[w] for w in pending if w in self.numbers}
+        log.warning("SyncReplicas %s (the standby, taking over): the gradients of worker "
+                    "rank(s) %s for step %d are offered again as their steps come", self.name,
+                    pending, self.shard.step)  # fmt: skip
+
+    def withdrawn_pushes(self) -> tuple[tuple[int, int], ...]:
+        """``(worker, push number)`` of each gradient withdrawn at the takeover and not yet
+        offered again."""
+        return tuple(sorted(self.withdrawn.items()))
+
+    def _handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
         op = msg["op"]
         if op == "load_replica":  # a new standby starts from its primary's whole state
             self._load_replica(msg)
@@ -391,11 +459,14 @@ class ShardServer:
             self.numbers.pop(worker, None)  # a restarted worker's numbers start again
             self.answered.pop(worker, None)
             values = {"version": self.shard.step, "params": self.shard.params, **self._named()}
+            # whether the worker sends its gradients to a standby too (now or once one attaches)
+            values["standby_data"] = bool(self.standby_direct)
             return [Answer(ticket, values, self.shard.values_key)]
         if op == "push":
             number = msg.get("number")
             if number is not None and self.numbers.get(worker) == int(number):
-                return [self._again(worker, int(number), ticket)]
+                return self._again(worker, int(number), msg, ticket)
+            self.withdrawn.pop(worker, None)  # a later step: that gradient is not coming
             accepted, updated = self.offer(msg)
             answers = push_answers(self.shard, self.held, msg, ticket, accepted, updated)
             if number is not None and "ahead" not in msg:  # kept for the same push again
@@ -420,16 +491,26 @@ class ShardServer:
             return {}
         return {"standby": self.standby, "standby_rank": self.standby_rank}
 
-    def _again(self, worker: int, number: int, ticket: Any) -> Answer:
+    def _again(
+        self, worker: int, number: int, msg: dict[str, Any], ticket: Any
+    ) -> list[Answer | Applied]:
         """Worker ``worker``'s push ``number`` sent again (it moved here from a lost primary):
-        the answer it was given, with where the standby is now.  Nothing is offered again."""
+        the answer it was given, with where the standby is now, and nothing offered again --
+        unless this standby withdrew that gradient when it took over: offered again now."""
+        if self.withdrawn.get(worker) == number:
+            del self.withdrawn[worker]
+            accepted, updated = self.offer(msg)
+            answer = {"accepted": accepted, "step": self.shard.step}
+            self.answered[worker] = dict(answer)
+            out = Answer(ticket, {**answer, **self._named()})
+            return [self._applied(), out] if updated else [out]
         given = self.answered.get(worker)
         if given is None:
             raise RuntimeError(
                 f"SyncReplicas {self.name}: worker rank {worker} sent push {number} again, "
                 "but it was never answered"
             )
-        return Answer(ticket, {**given, **self._named()})
+        return [Answer(ticket, {**given, **self._named()})]
 
     def replica_state(self) -> dict[str, Any]:
         """Everything a new standby starts from (its ``load_replica``): the shard's checkpoint
@@ -441,12 +522,14 @@ class ShardServer:
             "numbers": dict(self.numbers),
             "answered": dict(self.answered),
             "members": (sorted(self.members.left), sorted(self.members.forgotten)),
+            "withdrawn": sorted(self.withdrawn.items()),
         }
 
     def _load_replica(self, state: dict[str, Any]) -> None:
         self.shard.load_state_dict(state["shard"])
         self.shard.contributors = set(state["contributors"])
         self.numbers, self.answered = dict(state["numbers"]), dict(state["answered"])
+        self.withdrawn = {int(w): int(n) for w, n in state.get("withdrawn", ())}
         left, forgotten = state["members"]
         self.members.left, self.members.forgotten = set(left), set(forgotten)
 

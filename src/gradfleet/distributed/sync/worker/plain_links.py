@@ -32,7 +32,7 @@ import torch
 from ...transport import ServerUnreachable
 from .answer_taker import Load
 from .pending_step import FinishedStep
-from .shard_clients import Grads, ShardClients, ShardLost, busy_error
+from .shard_clients import Grads, SendAgain, ShardClients, ShardLost, busy_error
 
 __all__ = ["PlainLinks"]
 
@@ -167,6 +167,9 @@ class PlainLinks:
         reply, chief_values = clients.chief.begin_response(
             receive_into=None if apart else into.get(0)
         )
+        if "send_again" in reply:  # a shard's standby took over and withdrew our gradient
+            chief_values()
+            raise SendAgain(int(reply["send_again"]), reply.get("at"))
         finishes, lost = ([] if apart else [(0, chief_values)]), None
         # every read asked for before any answer; a shard whose standby is on this rank
         # (the chief's, when the token came without values) is read there

@@ -33,7 +33,7 @@ from ...transport import MailboxClient, ServerUnreachable
 from ..common.finite import all_finite
 from ..layout.pieces import rank_places
 
-__all__ = ["ShardClients", "ShardLost", "busy_error", "push_data", "push_order"]
+__all__ = ["SendAgain", "ShardClients", "ShardLost", "busy_error", "push_data", "push_order"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,15 @@ class ShardLost(ServerUnreachable):
     def __init__(self, shard: int, message: str) -> None:
         super().__init__(message)
         self.shard = shard
+
+
+class SendAgain(ShardLost):
+    """The chief says shard ``shard``'s standby took over at ``address`` and withdrew this
+    step's gradient (its sum went with the lost server): move there and send the step again."""
+
+    def __init__(self, shard: int, address: str | None) -> None:
+        super().__init__(shard, f"shard {shard}'s standby took over at {address}: the step again")
+        self.address = address
 
 
 def push_order(ranks: Sequence[int], turn: int) -> list[int]:
@@ -269,6 +278,8 @@ class ShardClients:
         worker's first request (to where the job's directory says it is, where the standby
         is not known or gone too); raises ``exc`` where there is none."""
         k = exc.shard if isinstance(exc, ShardLost) else 0
+        if isinstance(exc, SendAgain) and exc.address == self.addresses[k]:
+            return  # this worker found the server lost itself and moved there already
         lost = self.ranks[k]
         lost_address = self.addresses[k]
         while True:  # each place tried once: it joins the lost ones, which _next_place skips
