@@ -153,3 +153,25 @@ def test_the_chief_tells_a_waiting_worker_to_send_its_step_again():
     assert chief.shard.step == 1 and chief.global_step == 0
     assert [e.worker for e in chief.line] == [0, 1]
     assert chief.told_again == {}
+
+
+def test_a_worker_told_to_send_again_whose_token_came_meanwhile_gets_it():
+    """Worker 0 is told to send its step again; before it does, the update is made without it
+    (shard 0 from workers 0 and 1, shard 1 reports it): its place is served while its request
+    is on its way.  The step sent again gets that token (it used to be refused as neither
+    waiting nor answered), and nothing is added twice."""
+    chief = _chief()
+    for w in range(3):
+        _send(chief, {"op": "hello", "worker": w, "shapes": [[3]], "dtypes": ["torch.float64"]})
+    waiting, _ = _send(chief, _step(0, 1, 0, 1.0))
+    report = {"op": "applied", "worker": -1, "shard": 1, "step": 0,
+              "withdrawn": [[0, 1]], "at": "copy:1"}  # fmt: skip
+    _send(chief, report)
+    assert waiting.payloads == [{"send_again": 1, "at": "copy:1"}]
+    other, _ = _send(chief, _step(1, 1, 0, 3.0))  # shard 0's update, from workers 0 and 1
+    _send(chief, {**report, "step": 1, "withdrawn": []})  # shard 1 made its update
+    assert chief.global_step == 1 and other.payloads[0]["token"] == 1
+    again, _ = _send(chief, _step(0, 1, 0, 1.0))
+    (token,) = again.payloads
+    assert token["token"] == 1 and token["accepted"] is True
+    assert chief.shard.step == 1 and chief.aggregator.stats[0]["accepted"] == 1

@@ -456,6 +456,11 @@ class SyncChief:
                 if updated:
                     self._shard0_updated()
                 return self._serve_tokens()
+        # told to send it again (``send_again``), its place was served meanwhile: the answer
+        # kept for it
+        granted = self.requests.claim(worker)
+        if granted is not None:
+            return self._answer(worker, ticket, *granted)
         number, kind, payload = self.answered.get(worker, (None, "", None))
         if number != int(msg["number"]):
             raise RuntimeError(
