@@ -216,14 +216,9 @@ class SyncChief:
         # (a primary, or a standby that took over: it chooses)
         given = msg.get("choice")
         self.choice.follow(given)
-        self._keep()
-        self.shard.given.extend(msg.get("updates", ()))
+        self.shard.begin_request(self._keeping, msg.get("updates", ()))
         out = self._handle(msg, ticket)
-        if self.shard.given:
-            raise RuntimeError(
-                f"SyncReplicas chief's standby: its primary made {len(self.shard.given)} "
-                f"update(s) in handling a {msg.get('op')!r} that this copy did not make"
-            )
+        self.shard.check_given("chief", msg.get("op"))
         if given is not None:  # its policy's state and measurements, as the primary's
             self.choice.load_live(given)
         return out
@@ -234,28 +229,16 @@ class SyncChief:
             return {}
         return {"standby": self.standby, "standby_rank": self.standby_rank}
 
-    def _keep(self) -> None:
-        """A primary with a standby keeps what the next request decides, for its copy."""
-        self.shard.keep = self.standby is not None and bool(self.standby_replaced)
-        self.shard.offered = None
-        self.shard.made.clear()
-
-    def _decided(self) -> dict[str, Any]:
-        """What the last request or tick decided that its copy cannot: the verdict on the
-        gradients it kept here, and the averages of the updates it made."""
-        out: dict[str, Any] = {}
-        if self.shard.offered is not None:
-            out["verdict"] = self.shard.offered
-        if self.shard.made:
-            out["updates"] = list(self.shard.made)
-        self._keep()
-        return out
+    @property
+    def _keeping(self) -> bool:
+        """Does this chief keep what each request decides, for its standby's copy?"""
+        return self.standby is not None and bool(self.standby_replaced)
 
     def copy_fields(self) -> dict[str, Any]:
         """What the standby's copy of the request just handled carries besides it: the
-        verdict and averages that replace its gradients (:meth:`_decided`), and under a
+        verdict and averages that replace its gradients (``Shard.decided``), and under a
         chosen R the choices and measurements they were made from (module docstring)."""
-        out = self._decided()
+        out = self.shard.decided(self._keeping)
         if self.policy is not None:
             out["choice"] = self.choice.live_state()
         return out
@@ -638,11 +621,11 @@ class SyncChief:
             r = self.choice.reconsider(self.global_step, self._live(), now)
             if r is not None:
                 before = self.global_step
-                self._keep()
+                self.shard.begin_request(self._keeping)
                 out += self._lowered(r)
                 if self.standby is not None:  # the standby lowers it too, in this order
                     lower = {"op": "lower", "worker": -1, "step": before, "r": r}
-                    self._ticked.append({**lower, **self._decided()})
+                    self._ticked.append({**lower, **self.shard.decided(self._keeping)})
                 out += self._serve_tokens() if self.global_step != before else []
         return out
 

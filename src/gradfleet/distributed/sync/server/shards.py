@@ -143,6 +143,32 @@ class Shard:
         self.given: deque[dict[str, Any]] = deque()
         self.given_updates = 0  # updates applied from the primary's averages
 
+    def begin_request(self, keeping: bool, updates: Sequence[dict[str, Any]] = ()) -> None:
+        """Before a request: a primary with a standby (``keeping``) keeps what it decides for
+        its copy (:meth:`decided`); a standby's copy is ``given`` its primary's averages."""
+        self.keep, self.offered = keeping, None
+        self.made.clear()
+        self.given.extend(updates)
+
+    def decided(self, keeping: bool) -> dict[str, Any]:
+        """What the last request decided that a copy cannot: the verdict on the gradients
+        kept here, and the averages of the updates made; then kept afresh (``keeping``)."""
+        out: dict[str, Any] = {}
+        if self.offered is not None:
+            out["verdict"] = self.offered
+        if self.made:
+            out["updates"] = list(self.made)
+        self.begin_request(keeping)
+        return out
+
+    def check_given(self, name: str, op: Any) -> None:
+        """After a copy: every update its primary made was made here (else a bug)."""
+        if self.given:
+            raise RuntimeError(
+                f"SyncReplicas {name}'s standby: its primary made {len(self.given)} update(s) "
+                f"in handling a {op!r} that this copy did not make"
+            )
+
     @property
     def adaptive(self) -> bool:
         """``replicas_to_aggregate="auto"``: each update's R comes with the pushes (the chief
@@ -386,32 +412,20 @@ class ShardServer:
     def handle(self, msg: dict[str, Any], ticket: Any) -> list[Answer | Applied]:
         if msg["op"] == "read":  # changes nothing (a standby's own rank reads it, following)
             return self._handle(msg, ticket)
-        self._keep()
-        self.shard.given.extend(msg.get("updates", ()))
+        self.shard.begin_request(self._keeping, msg.get("updates", ()))
         out = self._handle(msg, ticket)
-        if self.shard.given:
-            raise RuntimeError(
-                f"SyncReplicas {self.name}'s standby: its primary made {len(self.shard.given)} "
-                f"update(s) in handling a {msg.get('op')!r} that this copy did not make"
-            )
+        self.shard.check_given(self.name, msg.get("op"))
         return out
 
-    def _keep(self) -> None:
-        """A primary with a standby keeps what the next request decides, for its copy."""
-        self.shard.keep = self.standby is not None and bool(self.standby_replaced)
-        self.shard.offered = None
-        self.shard.made.clear()
+    @property
+    def _keeping(self) -> bool:
+        """Does this server keep what each request decides, for its standby's copy?"""
+        return self.standby is not None and bool(self.standby_replaced)
 
     def copy_fields(self) -> dict[str, Any]:
         """What the standby's copy of the request just handled carries besides it: the verdict
         on the gradients it kept here, and the averages of the updates it made."""
-        out: dict[str, Any] = {}
-        if self.shard.offered is not None:
-            out["verdict"] = self.shard.offered
-        if self.shard.made:
-            out["updates"] = list(self.shard.made)
-        self._keep()
-        return out
+        return self.shard.decided(self._keeping)
 
     def take_over(self) -> None:
         """This standby takes its lost primary's place: the pending update's gradients it
