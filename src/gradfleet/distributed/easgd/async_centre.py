@@ -443,6 +443,8 @@ class AsyncCentre(CentreStrategy):
                 self._call("done", timeout=5.0)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %s: EASGD centre gone before its done: %s", self.worker, exc)
+            for client in {self._client, self._standby_client} - {None}:
+                client.close()
             self._client = self._standby_client = None
         for hosted in (self._hosted, self._standby_hosted):
             if hosted is not None:

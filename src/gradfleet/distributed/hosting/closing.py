@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import weakref
 from typing import Protocol
 
@@ -59,3 +60,8 @@ def _close_open() -> None:
         except Exception as exc:  # the other objects still get closed
             log.warning("closing %s at exit failed: %s: %s", type(obj).__name__,
                         type(exc).__name__, exc)  # fmt: skip
+    # a thread that outlived its close() (its join timed out) may still wake during
+    # finalization and abort the process: name it, so such an abort says whose it was
+    left = [t.name for t in threading.enumerate() if t.name.startswith("gradfleet")]
+    if left:
+        log.warning("daemon threads still running at exit: %s", ", ".join(sorted(left)))

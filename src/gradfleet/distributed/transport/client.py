@@ -284,6 +284,14 @@ class MailboxClient:
 
         return dict(reply), finish
 
+    def close(self) -> None:
+        """Done with this server: end the link's waiting thread (idle now; left running, it is
+        one more thread a peer's exit could wake during the interpreter's finalization).  The
+        link's groups stay until the process exits: a receive posted ahead may be pending on
+        them."""
+        if isinstance(self.link, PairLink):
+            self.link.stop_waiting()
+
     def _alive(self) -> None:
         """Raise one of ``LINK_ERRORS`` if the server is gone: a round trip to its control
         store, answered by the store's own thread however busy the server is. A dead server's

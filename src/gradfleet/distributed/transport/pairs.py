@@ -157,9 +157,16 @@ class _Watcher:
         if batch.error is not None:
             raise batch.error
 
+    def stop(self) -> None:
+        """End the thread once it is idle (a wait given up on keeps it until gloo's timeout)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
     def _run(self) -> None:
-        while True:
-            batch = self._jobs.get()
+        # ended by stop(): a thread left idle at the interpreter's exit is harmless, but one
+        # that outlives its link is counted among the threads named at exit (hosting.closing)
+        while (batch := self._jobs.get()) is not None:
             try:
                 for work in batch.works:
                     work.wait()
@@ -327,6 +334,11 @@ class PairLink:
         except LINK_ERRORS as exc:  # the peer is gone: nothing to finish
             log.debug("pair link closed with unfinished sends: %s", exc)
         self._out = self._in = None  # type: ignore[assignment]
+        self._watcher.stop()
+
+    def stop_waiting(self) -> None:
+        """End the waiting thread (the link is used no more; its groups stay)."""
+        self._watcher.stop()
 
 
 class LocalLink:

@@ -236,6 +236,7 @@ class ReadAheadLinks:
         if self._early is not None:
             self._early.close()
         self.clients.leave(unreachable)
+        self.taker.stop()
 
     @property
     def bytes_out(self) -> int:

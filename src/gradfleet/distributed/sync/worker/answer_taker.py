@@ -35,6 +35,8 @@ __all__ = ["AnswerTaker"]
 
 log = logging.getLogger(__name__)
 
+_STOP = -1  # on the jobs queue: the thread ends (shards are numbered from 0)
+
 Targets = Callable[[int], list[torch.Tensor]]
 Load = Callable[[int, list[torch.Tensor]], None]
 
@@ -94,11 +96,17 @@ class AnswerTaker:
             raise RuntimeError("read-ahead: this step's answers failed (reported before)")
         return result
 
+    def stop(self) -> None:
+        """End the thread (the worker left: no step follows)."""
+        self._jobs.put(_STOP)
+
     def _run(self) -> None:
         while True:
             started: list[tuple[int, dict[str, Any], Callable[[], dict[str, Any]]]] = []
             error: BaseException | None = None
             while (k := self._jobs.get()) is not None:
+                if k == _STOP:
+                    return
                 if error is not None:
                     continue  # drain this step's shards: the step fails with the first error
                 try:

@@ -370,6 +370,7 @@ class ShardClients:
                     self.clients[k].call("done", worker=self.worker, timeout=5.0, **cause)
             except Exception as exc:  # leaving must not fail: the server may have stopped
                 log.info("worker rank %d: shard %d gone before its done: %s", self.worker, k, exc)
+            self.clients[k].close()
 
     @property
     def bytes_out(self) -> int:
