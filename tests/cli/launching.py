@@ -37,6 +37,19 @@ def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen], deadline:
     raise AssertionError(f"step {step} not reached in time")
 
 
+def wait_for_rejoin(out: Path, rank: int, procs: list[subprocess.Popen], deadline: float) -> None:
+    """Block until rank 0 logged that ``rank`` rejoined: the restarted process has built its
+    exchange (and, where the job keeps standbys, become one), which it does before it says so.
+    Fails if a process ends first or time runs out."""
+    while time.monotonic() < deadline:
+        if any(r.get("event") == "worker_rejoined" and r.get("rank") == rank for r in metrics(out)):
+            return
+        ended = [p.args for p in procs if p.poll() is not None]
+        assert not ended, f"ended before rank {rank} rejoined: {ended}"
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} did not rejoin in time")
+
+
 def running(pid: int) -> bool:
     """True while ``pid`` runs (a zombie waiting for its reaper does not count)."""
     try:
