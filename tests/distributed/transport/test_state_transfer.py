@@ -1,26 +1,32 @@
-"""A live peer's state broadcast to a group: the structure and every tensor bit for bit, on
-the data plane (one buffer), the skeleton read with ``weights_only``."""
+"""A live peer's state sent to the ranks behind: the structure and every tensor bit for bit,
+on the data plane (one buffer), the skeleton read with ``weights_only``; a rank neither
+sending nor receiving takes no part."""
 
 from __future__ import annotations
 
 import torch
 
-from gradfleet.distributed.transport.state_transfer import broadcast_state
+from gradfleet.distributed.transport.state_transfer import send_state
 
 
 class Recorder:
-    """A two-member group seen from one side: member ``src``'s broadcasts are replayed to
-    the other in order (what a process group does, without processes)."""
+    """Point-to-point messages seen from one rank: each send is kept per destination, and a
+    receiving rank's receives replay that rank's in order (what a process group does between
+    two ranks, without processes)."""
 
     def __init__(self) -> None:
-        self.sent: list[torch.Tensor] = []
+        self.sent: dict[int, list[torch.Tensor]] = {}
         self.replay: list[torch.Tensor] | None = None
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        if self.replay is None:
-            self.sent.append(tensor.clone())
-        else:
-            tensor.copy_(self.replay.pop(0))
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        self.sent.setdefault(dst, []).append(tensor.clone())
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> None:
+        assert self.replay is not None and src == 0
+        tensor.copy_(self.replay.pop(0))
+
+    def wait(self, handle: None) -> None:
+        pass
 
 
 def test_an_optimizer_state_arrives_whole():
@@ -35,7 +41,7 @@ def test_an_optimizer_state_arrives_whole():
     state = {"optimizer": opt.state_dict(), "books": books, "flags": flags,
              "empty": torch.empty(0, 4), "n": None}  # fmt: skip
     group = Recorder()
-    assert broadcast_state(group, state, 0, 0, torch.device("cpu")) is state
+    assert send_state(group, state, 0, 0, [2, 3], torch.device("cpu")) is state
     tensor_bytes = (
         sum(
             t.numel() * t.element_size()
@@ -46,9 +52,15 @@ def test_an_optimizer_state_arrives_whole():
         )
         + 2
     )  # the flags
-    assert len(group.sent) == 3 and group.sent[2].numel() == tensor_bytes  # size, skeleton, data
-    group.replay = list(group.sent)
-    got = broadcast_state(group, None, 0, 1, torch.device("cpu"))
+    assert sorted(group.sent) == [2, 3]  # only the ranks named
+    for sent in group.sent.values():  # size, skeleton, data
+        assert len(sent) == 3 and sent[2].numel() == tensor_bytes
+    bystander = Recorder()
+    assert send_state(bystander, None, 0, 1, [2, 3], torch.device("cpu")) is None
+    assert bystander.sent == {}
+    group.replay = list(group.sent[3])
+    got = send_state(group, None, 0, 3, [2, 3], torch.device("cpu"))
+    assert group.replay == []
     assert got["books"] == state["books"] and got["n"] is None
     assert torch.equal(got["flags"], state["flags"]) and got["empty"].shape == (0, 4)
     fresh = torch.optim.Adam(

@@ -1,9 +1,10 @@
 """Healing from a live member, in one process: members as threads of a small in-memory group
-(sums and broadcasts over a barrier), so each case -- one behind, a fresh process, all even, a
-model of another shape -- is exact and quick."""
+(sums over a barrier, point-to-point messages through queues), so each case -- one behind, a
+fresh process, all even, a model of another shape -- is exact and quick."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
@@ -19,6 +20,9 @@ class ThreadGroup:
         self.slots: list[torch.Tensor | None] = [None] * size
         self.members = list(range(size))
         self.device = torch.device("cpu")
+        self.queues: dict[tuple[int, int], queue.SimpleQueue] = {
+            (a, b): queue.SimpleQueue() for a in range(size) for b in range(size)
+        }
 
     def member(self, index: int, continuing: bool = True) -> ThreadMember:
         return ThreadMember(self, index, continuing)
@@ -37,13 +41,14 @@ class ThreadMember:
         self.shared.barrier.wait()
         tensor.copy_(total)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        if self.index == src:
-            self.shared.slots[src] = tensor.clone()
-        self.shared.barrier.wait()
-        if self.index != src:
-            tensor.copy_(self.shared.slots[src])  # type: ignore[arg-type]
-        self.shared.barrier.wait()
+    def isend(self, tensor: torch.Tensor, dst: int) -> None:
+        self.shared.queues[(self.rank, dst)].put(tensor.clone())
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> None:
+        tensor.copy_(self.shared.queues[(src, self.rank)].get(timeout=10))
+
+    def wait(self, handle: None) -> None:
+        pass
 
 
 def _member(

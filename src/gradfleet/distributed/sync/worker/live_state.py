@@ -6,12 +6,13 @@ from one that is not -- a survivor that missed the update in flight, or a restar
 each says which ``global_step`` it holds and whether it *continues* (it was a member of the
 generation before; one all-reduce).  The first continuing member holding the newest step
 among the continuing ones sends its parameters, its wrapped optimizer's ``state_dict()`` and
-the exchange's books (:func:`~...transport.state_transfer.broadcast_state`), and every member
-behind it loads them, as does every member that does not continue, whatever step it holds.
-Continuing members at the newest step keep their own state: it is the same, bit for bit (they
-made the same updates from the same all-reduced sums).  A member that comes back -- a restarted
-process, or one that hung and was left out -- may hold a step the others also hold but made
-otherwise (a collective the others had given up on, completed when it came back), so its own
+the exchange's books to every member behind it, point to point
+(:func:`~...transport.state_transfer.send_state`), and each loads them: a continuing member
+behind, and every member that does not continue, whatever step it holds.  Continuing members
+at the newest step keep their own state: it is the same, bit for bit (they made the same
+updates from the same all-reduced sums).  A member that comes back -- a restarted process, or
+one that hung and was left out -- may hold a step the others also hold but made otherwise (a
+collective the others had given up on, completed when it came back), so its own
 state never counts.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...transport.state_transfer import broadcast_state
+from ...transport.state_transfer import send_state
 
 __all__ = ["LiveState"]
 
@@ -68,7 +69,10 @@ class LiveState:
                 "optimizer": self.opt.state_dict(),
                 "books": self.books(),
             }
-        got = broadcast_state(group, state, src, me, group.device)
+        ranks = group.members
+        got = send_state(
+            group, state, ranks[src], group.rank, [ranks[i] for i in behind], group.device
+        )
         if me not in behind:
             return global_step
         theirs = [(list(v.shape), str(v.dtype)) for v in got["params"]]
