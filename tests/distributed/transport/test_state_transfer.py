@@ -4,8 +4,10 @@ sending nor receiving takes no part."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from gradfleet.distributed.transport import state_transfer
 from gradfleet.distributed.transport.state_transfer import send_state
 
 
@@ -73,3 +75,41 @@ def test_an_optimizer_state_arrives_whole():
         for key, value in theirs["state"][i].items():
             assert mine["state"][i][key].dtype == value.dtype
             assert torch.equal(mine["state"][i][key], value), key
+
+
+def test_a_state_larger_than_a_piece_arrives_whole_in_pieces_a_window_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 7)
+    waited: list[int] = []
+
+    class Counting(Recorder):
+        """Counts what is in flight: posted and not yet waited for."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.posted = 0
+
+        def isend(self, tensor: torch.Tensor, dst: int) -> int:
+            super().isend(tensor, dst)
+            self.posted += 1
+            return self.posted
+
+        def irecv(self, tensor: torch.Tensor, src: int) -> int:
+            super().irecv(tensor, src)
+            self.posted += 1
+            return self.posted
+
+        def wait(self, handle: int) -> None:
+            waited.append(self.posted - len(waited))
+
+    state = {"a": torch.arange(10, dtype=torch.float64), "b": [torch.arange(3).to(torch.int8)]}
+    sender = Counting()
+    send_state(sender, state, 0, 0, [1], torch.device("cpu"))
+    data = sender.sent[1][2:]  # after the size and the skeleton
+    assert [c.numel() for c in data] == [7] * 11 + [6]  # 83 bytes
+    assert max(waited) <= state_transfer.WINDOW  # never more pieces in flight
+    receiver = Counting()
+    receiver.replay = list(sender.sent[1])
+    got = send_state(receiver, None, 0, 1, [1], torch.device("cpu"))
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"][0], state["b"][0])
