@@ -3,6 +3,7 @@
     python benchmarks/cluster/failover.py [--hosts 4] [--link 200mbit] [--params 1e6]
                                           [--steps 40] [--kill-at 15]
                                           [--only chief,shard,dedicated,allreduce,easgd]
+                                          [--only ...,torchft,torchft-fast,ddp]
                                           [--name failover]
 
 Each case is one ``gradfleet train`` job under the torchrun recipe of docs/failures.md: one
@@ -21,7 +22,15 @@ chief accepted (each update takes R, so a gradient counted twice or lost shows),
 ``summary.json`` names as lost, the longest time between two consecutive updates (the writing
 rank's clock; across a change of writer, both clocks start at the job's start barrier) against
 the median one, and for the restarted worker the seconds from its process start to its first
-update's record.  Writes ``<out>/<name>.json`` and ``.md``.
+update's record.
+
+The optional comparison rows (``--only torchft,torchft-fast,ddp``) train the same MLP on the
+same hosts without gradfleet (:mod:`benchmarks.cluster.torchft_worker`): torchft's
+fault-tolerant DDP (``pip install torchft-nightly``; its release 0.2.0 does not survive a
+peer's death), whose Lighthouse runs on the store's host, with the same process kill and
+restart as ``allreduce``; and plain DDP under the same kill, which ends the job.
+
+Writes ``<out>/<name>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +59,8 @@ from benchmarks.cluster.netcluster import (  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOAD = Path(__file__).with_name("mlp_workload.py")
+COMPARISON = Path(__file__).with_name("torchft_worker.py")
+LIGHTHOUSE = str(Path(sys.executable).with_name("torchft_lighthouse"))  # torchft's, beside python
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,9 @@ class Case:
     victim: str  # "rank:K" (a worker or server rank), by role
     whole_host: bool = True  # False: only the worker process dies; its agent restarts it
     restarts: int = 0  # the victim's agent's --max-restarts
+    engine: str = "gradfleet"  # or "torchft", "ddp": the comparison rows (torchft_worker.py)
+    heartbeat_ms: int = 5000  # torchft: the Lighthouse's heartbeat timeout
+    collective_s: float = 5.0  # torchft: its gloo group's timeout (its train_ddp.py's: 5 s)
 
 
 def cases(n: int) -> dict[str, Case]:
@@ -89,6 +105,22 @@ def cases(n: int) -> dict[str, Case]:
             "on a worker), the centre's host lost",
             "easgd:mode=async,period=4", 1, str(n),
         ),
+        "torchft": Case(
+            f"torchft's fault-tolerant DDP, {n} replica groups of one process, the Lighthouse "
+            "on the store's host, its defaults (heartbeat timeout 5 s, gloo timeout 5 s), "
+            "rank 2's process killed and restarted",
+            "-", 0, "2", whole_host=False, restarts=1, engine="torchft",
+        ),
+        "torchft-fast": Case(
+            f"torchft's fault-tolerant DDP, {n} replica groups, heartbeat timeout 1 s, gloo "
+            "timeout 2 s, rank 2's process killed and restarted",
+            "-", 0, "2", whole_host=False, restarts=1, engine="torchft", heartbeat_ms=1000,
+            collective_s=2.0,
+        ),
+        "ddp": Case(
+            f"torch DDP, gloo, {n} ranks, rank 2's process killed (nothing restarts it)",
+            "-", 0, "2", whole_host=False, engine="ddp", collective_s=30.0,
+        ),
     }  # fmt: skip
 
 
@@ -111,6 +143,8 @@ def started_at(pid: int) -> float:
 
 
 def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -> dict:
+    if case.engine != "gradfleet":
+        return run_comparison(cluster, key, case, args)
     n, world = args.hosts, args.hosts + case.servers
     store_host = world  # the last namespace: the store, nothing else
     port = 29000 + (os.getpid() + int(time.time())) % 500
@@ -183,6 +217,97 @@ def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -
     return result
 
 
+def run_comparison(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -> dict:
+    """A comparison row: torchft's fault-tolerant DDP or plain DDP (``torchft_worker.py``), one
+    process per worker host started directly (no agent), the same kill; a torchft replica is
+    started again 0.2 s after it died (as an agent's ``--monitor-interval`` would), to heal from
+    a live peer."""
+    n = args.hosts
+    port = 29000 + (os.getpid() + int(time.time())) % 500
+    victim = int(case.victim)
+    addresses = ",".join(cluster.hosts[h].address for h in range(n))
+    lighthouse_addr = f"{cluster.hosts[n].address}:29510"
+    with tempfile.TemporaryDirectory(prefix="gff-") as tmp:
+        tmp_path = Path(tmp)
+        out = tmp_path / "run"
+        out.mkdir()
+        helpers = []
+        if case.engine == "torchft":
+            helpers.append(cluster.popen(
+                n, [LIGHTHOUSE, "--min_replicas", "1", "--bind", lighthouse_addr,
+                    "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                    "--heartbeat_timeout_ms", str(case.heartbeat_ms)],
+                cwd=ROOT, log=tmp_path / "lighthouse.log",
+            ))  # fmt: skip
+            time.sleep(1.0)
+
+        def start(h: int, rejoin: bool = False) -> subprocess.Popen:
+            cmd = [sys.executable, str(COMPARISON), "--mode", case.engine, "--rank", str(h),
+                   "--world", str(n), "--addresses", addresses, "--port", str(port),
+                   "--lighthouse", f"http://{lighthouse_addr}", "--out", str(out),
+                   "--params", str(args.params), "--device-time", str(args.device_time),
+                   "--steps", str(args.steps), "--deadline", str(args.deadline),
+                   "--timeout", str(case.collective_s)]  # fmt: skip
+            if rejoin:
+                cmd.append("--rejoin")
+            if case.engine == "torchft":
+                # torchft advertises stores at socket.gethostname(), which names the machine,
+                # not the emulated host: give the process a hostname of its own, its address
+                address = cluster.hosts[h].address
+                cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', address,
+                       *cmd]  # fmt: skip
+            log = tmp_path / f"host{h}{'-again' if rejoin else ''}.log"
+            return cluster.popen(h, cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, log=log)
+
+        workers = [start(h) for h in range(n)]
+        result: dict = {"case": key, **asdict(case)}
+        deadline = time.monotonic() + args.deadline
+        again = None
+        try:
+            made: list[int] = []
+            while time.monotonic() < deadline:
+                made = [r["step"] for r in metrics(out) if "loss" in r]
+                if (made and made[-1] >= args.kill_at) or any(w.poll() is not None
+                                                              for w in workers):  # fmt: skip
+                    break
+                time.sleep(0.05)
+            pid_file = out / "pids" / f"rank-{victim}.pid"
+            old_pid = int(pid_file.read_text()) if pid_file.is_file() else None
+            if old_pid is not None:
+                os.kill(old_pid, 9)
+            result["killed_at_update"] = made[-1] if made else None
+            if case.restarts:
+                time.sleep(0.2)
+                again = start(victim, rejoin=True)
+            rejoin = None
+            while time.monotonic() < deadline:
+                if again is not None and rejoin is None and pid_file.is_file():
+                    pid = int(pid_file.read_text())
+                    if pid != old_pid:  # written once it has made an update
+                        rejoin = round(uptime() - started_at(pid), 2)
+                alive = [w for h, w in enumerate(workers) if h != victim]
+                alive += [again] if again is not None else []
+                if all(w.poll() is not None for w in alive):
+                    break
+                time.sleep(0.05)
+            result["rejoin_s"] = rejoin
+            codes = {h: w.poll() for h, w in enumerate(workers)}
+            if again is not None:
+                codes[victim] = again.poll()
+            result["exit_codes"] = codes
+        finally:
+            stop([*workers, *([again] if again is not None else []), *helpers])
+        result["logs"] = {h: _tail(log) for h, log in enumerate(sorted(tmp_path.glob("*.log")))}
+        if args.keep_logs is not None:
+            kept = args.keep_logs / key
+            kept.mkdir(parents=True, exist_ok=True)
+            for log in tmp_path.glob("*.log"):
+                shutil.copy(log, kept / log.name)
+        records = metrics(out)
+    result.update(judge(records, {}, case, args, victim))
+    return result
+
+
 def _tail(log: Path, chars: int = 6000) -> str:
     """The end of a host's console, without torch's C++ stack frames."""
     lines = log.read_text(errors="replace").splitlines()
@@ -244,8 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=15)
     p.add_argument("--timeout", type=float, default=60.0, help="the job's --timeout")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds per case")
-    p.add_argument("--only", default=",".join(cases(4)))
+    p.add_argument("--only", default=",".join(k for k, c in cases(4).items()
+                                              if c.engine == "gradfleet"),
+                   help="cases, comma-separated; besides the default ones: torchft, torchft-fast "
+                   "(needs the torchft-nightly package), ddp")  # fmt: skip
     p.add_argument("--name", default="failover")
+    p.add_argument("--keep-logs", type=Path, default=None, help="copy each comparison case's "
+                   "console logs to DIR/<case>/")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     known = cases(args.hosts)
@@ -255,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--only: unknown {unknown}; allowed: {', '.join(known)}")
     if not 0 < args.kill_at < args.steps:
         raise SystemExit(f"--kill-at must be in 1..{args.steps - 1}, got {args.kill_at}")
+    if any(known[c].engine == "torchft" for c in chosen) and not shutil.which(LIGHTHOUSE):
+        raise SystemExit(
+            "--only torchft: torchft is not installed here (its Lighthouse, "
+            f"{LIGHTHOUSE}, is missing): pip install torchft-nightly"
+        )
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"no emulated cluster here: {reason}")
