@@ -90,9 +90,14 @@ def _save_checkpoint(out: Path, step: int, job: _Job, strategy: Strategy, extra:
             job.control.wait_checkpoint(step, job.timeout)
         if job.servers:
             # a lost server's state, written by the rank whose standby holds it now (rank 0
-            # then waits for every server rank's file: one that no rank holds is named)
+            # then waits for every server rank's file: one that no rank holds is named).  Asked
+            # of every server rank that never came back, not only those the launcher has
+            # reported lost: a standby takes over as soon as the workers move, and a loss
+            # reported after this checkpoint began would leave the server's file unwritten
             servers = server_ranks(job.workers, job.servers)
-            for r in job.control.lost_workers(servers):
+            back = {r for r in servers if job.control.rejoined(r) is not None}
+            asked = sorted({*job.control.lost_workers(servers), *(set(servers) - back)})
+            for r in asked:
                 server_state = strategy.server_state(r)
                 if server_state is not None:
                     atomic_save(server_state, ckpt_dir / f"rank-{r}.pt")
