@@ -136,7 +136,9 @@ def test_restarted_worker_rejoins_while_others_continue(standby):
     # restarted worker had made its 50 steps
     assert first["counters"]["joins"] == {0: 1, 1: 1, 2: 2}
     assert first["kill_seen_at"] is not None and first["rejoin_seen_at"] is not None
-    assert 10 <= first["kill_seen_at"] <= first["rejoin_seen_at"] < first["steps"]
+    # (rank 2 dies at its own step 10; rank 0 may be a few steps behind it on a loaded
+    # machine -- CI saw 8 -- so its count when it sees the kill is bounded below by 1 only)
+    assert 1 <= first["kill_seen_at"] <= first["rejoin_seen_at"] < first["steps"]
     assert second["steps"] > first["kill_seen_at"]
     # the restarted worker started from the live centre, not its own garbage, and trained
     assert all(bool((p != 123.0).all()) for p in restarted["joined_with"])
