@@ -142,6 +142,40 @@ def started_at(pid: int) -> float:
     return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_update(
+    out: Path, procs: list[subprocess.Popen], update: int, deadline: float
+) -> list[int]:
+    """The updates logged once ``update`` is (or a process ended, or time ran out)."""
+    made: list[int] = []
+    while time.monotonic() < deadline:
+        made = [r["step"] for r in metrics(out) if "loss" in r]
+        if (made and made[-1] >= update) or any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    return made
+
+
+def watch_to_the_end(
+    pid_file: Path,
+    old_pid: int | None,
+    restarted: bool,
+    survivors: list[subprocess.Popen],
+    deadline: float,
+) -> float | None:
+    """Wait for every survivor to end; with ``restarted``, the seconds from the victim's new
+    process start to its pid file (written once it trains again, after its heal)."""
+    rejoin = None
+    while time.monotonic() < deadline:
+        if restarted and rejoin is None and pid_file.is_file():
+            pid = int(pid_file.read_text())
+            if pid != old_pid:
+                rejoin = round(uptime() - started_at(pid), 2)
+        if all(p.poll() is not None for p in survivors):
+            break
+        time.sleep(0.05)
+    return rejoin
+
+
 def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -> dict:
     if case.engine != "gradfleet":
         return run_comparison(cluster, key, case, args)
@@ -181,13 +215,7 @@ def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -
         result: dict = {"case": key, **asdict(case)}
         deadline = time.monotonic() + args.deadline
         try:
-            while time.monotonic() < deadline:
-                made = [r["step"] for r in metrics(out) if "loss" in r]
-                if made and made[-1] >= args.kill_at:
-                    break
-                if any(a.poll() is not None for a in agents):
-                    break
-                time.sleep(0.05)
+            made = wait_for_update(out, agents, args.kill_at, deadline)
             pid_file = out / "pids" / f"rank-{victim}.pid"
             old_pid = int(pid_file.read_text()) if pid_file.is_file() else None
             if case.whole_host:
@@ -195,17 +223,10 @@ def run_case(cluster: Cluster, key: str, case: Case, args: argparse.Namespace) -
             elif old_pid is not None:
                 os.kill(old_pid, 9)
             result["killed_at_update"] = made[-1] if made else None
-            rejoin = None
-            while time.monotonic() < deadline:
-                if not case.whole_host and rejoin is None and pid_file.is_file():
-                    pid = int(pid_file.read_text())
-                    if pid != old_pid:  # written once it trains again (after its heal)
-                        rejoin = round(uptime() - started_at(pid), 2)
-                survivors = [a for h, a in enumerate(agents) if h != victim or not case.whole_host]
-                if all(a.poll() is not None for a in survivors):
-                    break
-                time.sleep(0.05)
-            result["rejoin_s"] = rejoin
+            survivors = [a for h, a in enumerate(agents) if h != victim or not case.whole_host]
+            result["rejoin_s"] = watch_to_the_end(
+                pid_file, old_pid, not case.whole_host, survivors, deadline
+            )
             result["exit_codes"] = {h: a.poll() for h, a in enumerate(agents)}
         finally:
             stop([*agents, store])
@@ -264,13 +285,7 @@ def run_comparison(cluster: Cluster, key: str, case: Case, args: argparse.Namesp
         deadline = time.monotonic() + args.deadline
         again = None
         try:
-            made: list[int] = []
-            while time.monotonic() < deadline:
-                made = [r["step"] for r in metrics(out) if "loss" in r]
-                if (made and made[-1] >= args.kill_at) or any(w.poll() is not None
-                                                              for w in workers):  # fmt: skip
-                    break
-                time.sleep(0.05)
+            made = wait_for_update(out, workers, args.kill_at, deadline)
             pid_file = out / "pids" / f"rank-{victim}.pid"
             old_pid = int(pid_file.read_text()) if pid_file.is_file() else None
             if old_pid is not None:
@@ -279,25 +294,18 @@ def run_comparison(cluster: Cluster, key: str, case: Case, args: argparse.Namesp
             if case.restarts:
                 time.sleep(0.2)
                 again = start(victim, rejoin=True)
-            rejoin = None
-            while time.monotonic() < deadline:
-                if again is not None and rejoin is None and pid_file.is_file():
-                    pid = int(pid_file.read_text())
-                    if pid != old_pid:  # written once it has made an update
-                        rejoin = round(uptime() - started_at(pid), 2)
-                alive = [w for h, w in enumerate(workers) if h != victim]
-                alive += [again] if again is not None else []
-                if all(w.poll() is not None for w in alive):
-                    break
-                time.sleep(0.05)
-            result["rejoin_s"] = rejoin
+            survivors = [w for h, w in enumerate(workers) if h != victim]
+            survivors += [again] if again is not None else []
+            result["rejoin_s"] = watch_to_the_end(
+                pid_file, old_pid, again is not None, survivors, deadline
+            )
             codes = {h: w.poll() for h, w in enumerate(workers)}
             if again is not None:
                 codes[victim] = again.poll()
             result["exit_codes"] = codes
         finally:
             stop([*workers, *([again] if again is not None else []), *helpers])
-        result["logs"] = {h: _tail(log) for h, log in enumerate(sorted(tmp_path.glob("*.log")))}
+        result["logs"] = {log.stem: _tail(log) for log in sorted(tmp_path.glob("*.log"))}
         if args.keep_logs is not None:
             kept = args.keep_logs / key
             kept.mkdir(parents=True, exist_ok=True)

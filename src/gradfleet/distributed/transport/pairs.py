@@ -334,7 +334,7 @@ class PairLink:
         except LINK_ERRORS as exc:  # the peer is gone: nothing to finish
             log.debug("pair link closed with unfinished sends: %s", exc)
         self._out = self._in = None  # type: ignore[assignment]
-        self._watcher.stop()
+        self.stop_waiting()
 
     def stop_waiting(self) -> None:
         """End the waiting thread (the link is used no more; its groups stay)."""

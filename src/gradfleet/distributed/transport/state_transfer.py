@@ -6,7 +6,7 @@ tensors, such as an optimizer's ``state_dict()`` -- from one member to the other
 skeleton (the structure with each tensor replaced by its dtype and shape) is small: it travels
 as ``torch.save`` bytes and is read back with ``weights_only=True``, so a peer can send
 nothing but data.  The tensors travel on the data plane, never pickled: their bytes
-concatenated into one buffer, one message.
+concatenated into one buffer, sent in pieces (:data:`CHUNK_BYTES`).
 
 :func:`pack_state` / :func:`unpack_state` are the same split for a message of the mailbox wire
 (:mod:`.wire`), whose JSON control part would turn an optimizer state's int keys into strings:
