@@ -9,16 +9,23 @@ import torch
 
 import gradfleet
 from gradfleet.distributed import SyncReplicasOptimizer
+from gradfleet.distributed.sync.worker import buckets
 from gradfleet.distributed.testing import RankContext
 from tests.distributed.sims import batch, make_mlp, mse
 
 CLIP = 0.05
 
 
-def lockstep_job(ctx: RankContext, steps: int, mode: str, kwargs: dict) -> dict:
+def lockstep_job(
+    ctx: RankContext, steps: int, mode: str, kwargs: dict, bucket_bytes: int | None = None
+) -> dict:
     """``steps`` updates of an MLP (float64, Adam) from a model each rank initialises
     differently; ``mode``: "plain", "clip" (clip_grad_norm_ between backward and step) or
-    "accumulate" (two backward passes per step)."""
+    "accumulate" (two backward passes per step).  ``bucket_bytes``: the all-reduce exchange's
+    bucket size (default DDP's: the MLP fits one bucket; 8: a bucket per parameter, so that
+    backward sends all but the last, which carries the flags)."""
+    if bucket_bytes is not None:
+        buckets.FIRST_BUCKET_BYTES = buckets.BUCKET_BYTES = bucket_bytes
     model = make_mlp(100 + ctx.rank)
     opt = SyncReplicasOptimizer(
         gradfleet.AdamOptimizer(model.parameters(), 0.01), ctx.world_size, timeout=30, **kwargs
@@ -42,6 +49,7 @@ def lockstep_job(ctx: RankContext, steps: int, mode: str, kwargs: dict) -> dict:
     if opt.transport == "allreduce":
         out["overlap"] = opt.exchange.overlap
         out["sent_in_backward"] = opt.exchange.sent_in_backward
+        out["buckets"] = len(opt.exchange.buckets)
     if ctx.rank == 0:
         out["server_counters"] = opt.worker_counters()
     opt.close()
@@ -202,7 +210,9 @@ def backups_layout(ctx: RankContext, transport: str | None, standby: bool | None
 
 def nonfinite_once(ctx: RankContext) -> dict:
     """The default exchange; rank 1's gradient turns NaN after backward at step 1 (so also
-    after overlap sent it): every rank hears of it, nothing is applied, training goes on."""
+    after overlap sent it): every rank hears of it, nothing is applied, training goes on.  At
+    step 3 rank 0's gradient holds a finite 1e200, whose square overflows the screen's norm:
+    the exact check clears it, and the update is made."""
     model = make_mlp(7)
     opt = SyncReplicasOptimizer(gradfleet.GradientDescentOptimizer(model.parameters(), 0.05), 2)
     errors, before = [], None
@@ -213,6 +223,8 @@ def nonfinite_once(ctx: RankContext) -> dict:
             before = [p.detach().clone() for p in model.parameters()]
             if ctx.rank == 1:
                 model[0].weight.grad[0, 0] = float("nan")
+        if step == 3 and ctx.rank == 0:
+            model[0].weight.grad[0, 0] = 1e200
         try:
             opt.step()
         except FloatingPointError as exc:

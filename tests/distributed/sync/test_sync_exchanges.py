@@ -10,6 +10,7 @@ import torch
 
 from gradfleet.distributed.sync.worker.allreduce import AllReduceExchange
 from gradfleet.distributed.sync.worker.buckets import Buckets
+from gradfleet.distributed.sync.worker.serverless import any_nonfinite, nonfinite_screen
 from gradfleet.distributed.testing import RankKilled, run_ranks
 
 from . import exchange_ranks
@@ -26,16 +27,21 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 @pytest.mark.parametrize("mode", ["plain", "clip", "accumulate"])
 def test_default_allreduce_exchange_matches_the_reference(mode):
     steps = 4
-    out = run_ranks(exchange_ranks.lockstep_job, 3, args=(steps, mode, {}), timeout=120)
+    out = run_ranks(exchange_ranks.lockstep_job, 3, args=(steps, mode, {}, 8), timeout=120)
     want = exchange_ranks.simulate_lockstep(3, steps, mode)
     for o in out:
         assert o["transport"] == "allreduce" and o["global_step"] == steps
         for got, ref in zip(o["params"], want, strict=True):
             torch.testing.assert_close(got, ref, **TOL)
         assert o["counters"] == {"accepted": steps, "dropped": 0}
-    # plain: the buckets went out during backward and overlap stayed on; clipping or a
-    # second backward changed the gradients after they left: sent again, overlap off
-    assert all(o["sent_in_backward"] > 0 for o in out)
+    # plain: the buckets but the last (it carries the flags) went out during backward and
+    # overlap stayed on; clipping or a second backward changed the gradients after they
+    # left: sent again, overlap off
+    assert all(o["buckets"] == 4 for o in out)
+    if mode == "plain":
+        assert all(o["sent_in_backward"] == 3 * steps for o in out)
+    else:
+        assert all(o["sent_in_backward"] > 0 for o in out)
     assert all(o["overlap"] is (mode == "plain") for o in out)
 
 
@@ -270,3 +276,31 @@ def test_default_allreduce_exchange_refuses_a_nonfinite_gradient_on_every_rank()
         assert o["global_step"] == 3  # three updates made, the refused one not
     for a, b in zip(out[0]["params"], out[1]["params"], strict=True):
         assert torch.equal(a, b) and torch.isfinite(a).all()
+    # the last update took rank 0's 1e200 (halved, times the learning rate 0.05)
+    assert out[0]["params"][0][0, 0] < -1e198
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_nonfinite_screen_never_misses_and_the_exact_check_clears_overflow(dtype):
+    """The screen (one Euclidean norm per tensor) is 1 for every NaN or infinity, in dense,
+    sparse and complex gradients; it may be 1 for finite values whose squares overflow, and
+    the exact check (the infinity-norm) then says 0.  16-bit norms accumulate in float32: a
+    float16 gradient of many large elements (norm 1.9e7, beyond float16's 65504) passes."""
+    cpu = torch.device("cpu")
+    big = torch.finfo(dtype).max
+    finite = [torch.full((4, 3), 2.0, dtype=dtype), None, torch.full((9000,), 200.0, dtype=dtype)]
+    assert nonfinite_screen(finite, cpu) == 0 and any_nonfinite(finite, cpu) == 0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.ones(5, dtype=dtype)
+        g[3] = bad
+        sparse = torch.sparse_coo_tensor([[0, 2]], torch.tensor([1.0, bad], dtype=dtype), (4,))
+        for grads in ([None, g], [sparse]):
+            assert nonfinite_screen(grads, cpu) == 1 and any_nonfinite(grads, cpu) == 1
+    overflow = [torch.tensor([big, 1.0], dtype=dtype)]  # finite: its square is not
+    assert any_nonfinite(overflow, cpu) == 0
+    if dtype in (torch.float32, torch.float64):  # 16-bit: the float32 norm holds it
+        assert nonfinite_screen(overflow, cpu) == 1
+    if dtype == torch.float32:
+        z = torch.ones(3, dtype=torch.complex64)
+        z[1] = complex(0.0, float("nan"))
+        assert nonfinite_screen([z], cpu) == 1 and any_nonfinite([z], cpu) == 1

@@ -132,11 +132,14 @@ class GradientMean:
         grads: Sequence[torch.Tensor | None],
         totals: Sequence[torch.Tensor],
         flags: torch.Tensor,
+        in_place: bool = False,
     ) -> list[torch.Tensor | None]:
         """The mean gradients, from this rank's ``grads``, the ranks' summed gradients
         ``totals`` (dense, one per parameter, see :func:`densify_`) and the summed ``flags``
         (on the CPU).  It runs one more all-reduce, of the row counts, only when some rank's
-        gradient is sparse."""
+        gradient is sparse.  ``in_place``: a dense mean is its total, divided where it lies
+        (the same values; no new buffer per step, whose first touch costs as much as the
+        division on the CPU)."""
         n = len(self.params)
         mixed = [i for i in range(n) if flags[i] > 0 and flags[n + i] > 0]
         if mixed:
@@ -151,7 +154,7 @@ class GradientMean:
             if flags[i] == 0 and flags[n + i] == 0:
                 out.append(None)
             elif i not in rows:  # None counts as zeros: divide by the N gradients
-                out.append(total / self.world)
+                out.append(total.div_(self.world) if in_place else total / self.world)
             else:
                 idx = rows[i].nonzero().reshape(-1)
                 div = rows[i][idx].to(p.dtype).reshape(-1, *[1] * (p.dim() - 1))

@@ -68,9 +68,8 @@ from ..common.job import Job
 from ..common.outcome import Outcome
 from ..common.preconditioning import preconditioners, weighted_sum_sq
 from ..common.replica_choice import ReplicaChoice
-from .buckets import Buckets
 from .deference import MARGIN, RECENT, Deference
-from .serverless import ServerlessExchange, any_nonfinite
+from .serverless import ServerlessExchange, any_nonfinite, nonfinite_screen
 
 __all__ = ["SEND_WINDOW", "FirstArrivalsExchange"]
 
@@ -190,7 +189,7 @@ class FirstArrivalsExchange(ServerlessExchange):
         if exc is not None:
             log.warning("rank %d: a member of the update is lost: %s", self.rank, exc)
         self._sending.clear()
-        self.buckets = Buckets(self.params)
+        self.buckets = self._make_buckets()
         self._change(check_losses=exc is not None)
         self._decide()  # a chosen R follows the live workers; a fixed one must stay reachable
         if self.group.size < self.R:
@@ -232,7 +231,12 @@ class FirstArrivalsExchange(ServerlessExchange):
         if self.local_step < self.global_step:  # a gradient of an old step: TF drops it
             self.board.count_dropped()
             return False, self.global_step, self.global_step
-        if self.nonfinite == "raise" and any_nonfinite(grads, torch.device("cpu")).item():
+        cpu = torch.device("cpu")
+        if (
+            self.nonfinite == "raise"
+            and nonfinite_screen(grads, cpu).item()
+            and any_nonfinite(grads, cpu).item()
+        ):
             raise FloatingPointError(
                 f"{_OWNER}: non-finite gradient on rank {self.rank}; it was not sent "
                 "(nothing changed on any rank)"
