@@ -94,6 +94,8 @@ def rows(world: int) -> list[Row]:
         Row("allreduce", "gloo all-reduce after backward", "allreduce"),
         Row("sr-default", f"SyncReplicas, default options, R={n}", "sync-replicas",
             {"R": n, "servers": "default"}),
+        Row("sr-default-ml", f"SyncReplicas, default options, R={n}, max_losses=1",
+            "sync-replicas", {"R": n, "servers": "default", "max_losses": 1}),
         Row("sr-one", f"SyncReplicas, one server, R={n}", "sync-replicas", {"R": n}),
         Row("sr-one-b", f"SyncReplicas, one server, R={r} of {n}", "sync-replicas", {"R": r}),
         Row("sr-one-b-nostandby", f"SyncReplicas, one server without a standby, R={r} of {n}",

@@ -100,12 +100,14 @@ def table_strategy(strategy: str, options: dict[str, Any], workers: int) -> tupl
         servers = o.get("servers", "one")
         if servers not in SERVERS:
             raise ValueError(f"sync-replicas servers={servers!r}; allowed: {', '.join(SERVERS)}")
-        if servers == "default" and set(o) - {"R", "servers"}:
+        if servers == "default" and set(o) - {"R", "servers", "max_losses"}:
             raise ValueError(
-                f"sync-replicas servers='default' leaves every other option out, got "
-                f"{sorted(set(o) - {'R', 'servers'})}"
+                f"sync-replicas servers='default' leaves every other option but max_losses "
+                f"out, got {sorted(set(o) - {'R', 'servers', 'max_losses'})}"
             )
         args = {"replicas_to_aggregate": o.get("R", workers), "total_num_replicas": workers}
+        if servers == "default" and "max_losses" in o:  # the default exchange, losses allowed
+            args["max_losses"] = int(o["max_losses"])
         if servers == "none":  # every rank keeps the state: the first R all-reduce
             args["transport"] = "allreduce"
             # given either way: the rows measured before losses were allowed by default

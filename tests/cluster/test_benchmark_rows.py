@@ -83,7 +83,9 @@ def test_every_row_is_a_table_strategy_with_its_servers_where_the_row_says() -> 
         assert args["replicas_to_aggregate"] == o["R"] and args["total_num_replicas"] == WORKERS
         assert placed["last_step"] == 9 and placed["host"] == "10.0.0.2"
         if o.get("servers") == "default":  # the quick start: no server named, nothing set
-            assert set(args) == {"replicas_to_aggregate", "total_num_replicas"}, row.key
+            given = {"replicas_to_aggregate", "total_num_replicas"}  # but losses, if the row says
+            assert set(args) == given | ({"max_losses"} if "max_losses" in o else set()), row.key
+            assert args.get("max_losses", 0) == o.get("max_losses", 0), row.key
             assert "server_ranks" not in placed and placed["with_model"] is False
             continue
         if o.get("servers") == "none":  # backups without a server: every rank keeps the state
