@@ -23,10 +23,9 @@ computes the earlier layers.
   any rank changed one, every rank sends all buckets again from the gradients as ``step()``
   sees them and overlap is off from then on (logged once): the update is always made from
   the gradients as they stand at ``step()``, as TF's ``apply_gradients`` makes it, never from
-  a copy taken earlier.  A
-  possibly non-finite gradient (a fast screen, :func:`.serverless.nonfinite_screen`) makes
-  every rank check its own exactly and say so in one more all-reduce, before anything is
-  applied.
+  a copy taken earlier.  A possibly non-finite gradient (a fast screen,
+  :func:`.serverless.nonfinite_screen`) makes every rank check its own exactly and say so in
+  one more all-reduce, before anything is applied.
 * **The update**: dense sums divided by N (a gradient that is None counts as zeros; a
   parameter with no gradient on any rank stays untouched), sparse rows divided by the number of
   ranks that sent the row (their counts travel in one more small all-reduce, only when some

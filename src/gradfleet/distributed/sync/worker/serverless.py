@@ -70,12 +70,12 @@ def nonfinite_screen(grads: Sequence[torch.Tensor | None], device: torch.device)
     on one core), a tenth of a small model's step."""
     values = _floating(grads)
     norms: list[torch.Tensor] = []
-    wide = [v for v in values if v.element_size() < 4]
-    narrow = [v for v in values if v.element_size() >= 4]
-    if narrow:
-        norms += torch._foreach_norm(narrow, 2)
-    if wide:
-        norms += torch._foreach_norm(wide, 2, dtype=torch.float32)
+    half = [v for v in values if v.element_size() < 4]  # float16, bfloat16
+    full = [v for v in values if v.element_size() >= 4]
+    if full:
+        norms += torch._foreach_norm(full, 2)
+    if half:
+        norms += torch._foreach_norm(half, 2, dtype=torch.float32)
     return _flag(norms, device)
 
 
